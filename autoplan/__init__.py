@@ -1,0 +1,1 @@
+"""autoplan: automatic parallelization plans for PyTorch training."""

@@ -1,0 +1,29 @@
+"""The planner's exception hierarchy; messages name the module, argument or value at fault."""
+
+
+class AutoplanError(Exception):
+    """Base of every error raised by autoplan."""
+
+
+class CaptureError(AutoplanError, ValueError):
+    """The model could not be captured as a ModelGraph."""
+
+
+class MissingInputsError(CaptureError):
+    """Neither example inputs nor a batch spec were given."""
+
+
+class ModelTooLargeError(CaptureError):
+    """A model on a real device that is too large to copy to meta for capture."""
+
+
+class PlanningError(AutoplanError):
+    """The planner could not produce a plan."""
+
+
+class InfeasiblePlanError(PlanningError, ValueError):
+    """No plan satisfies the constraints (memory limit, divisibility)."""
+
+
+class PlanSchemaError(AutoplanError, ValueError):
+    """A plan file that is corrupted, truncated, of another schema version or names unknown styles."""

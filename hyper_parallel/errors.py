@@ -1,0 +1,50 @@
+"""The runtime's exception hierarchy.
+
+Every error names the module, argument or value at fault, so a user can fix the plan without
+reading our code. They subclass ValueError/TypeError where that is the natural category, so
+generic ``except ValueError`` handlers keep working.
+"""
+
+
+class HyperParallelError(Exception):
+    """Base of every error raised by hyper_parallel."""
+
+
+class MeshError(HyperParallelError, ValueError):
+    """A device mesh of the wrong rank, size or dimension name."""
+
+
+class PlanPatternError(HyperParallelError, ValueError):
+    """A parallelize plan whose key matches no module, or whose value is not a style."""
+
+
+class UnsupportedModuleError(HyperParallelError, TypeError):
+    """A parallel style applied to a module type it does not know how to shard."""
+
+
+class LayoutError(HyperParallelError, ValueError):
+    """Inputs or outputs that do not match the layouts a style was given."""
+
+
+class DivisibilityError(HyperParallelError, ValueError):
+    """A tensor dimension that the mesh dimension does not divide."""
+
+
+class StyleSpecError(HyperParallelError, ValueError):
+    """A serialized style (dict) that names an unknown style or carries bad arguments."""
+
+
+class PipelineError(HyperParallelError):
+    """Base of pipeline-parallel errors."""
+
+
+class ScheduleError(PipelineError, ValueError):
+    """A pipeline schedule that is invalid: unmatched send/recv, deadlock, bad micro-batch count."""
+
+
+class MicrobatchError(PipelineError, ValueError):
+    """A batch that cannot be split into the requested micro-batches."""
+
+
+class DistributedRunError(HyperParallelError, RuntimeError):
+    """A multi-rank run that failed or timed out on one or more ranks."""
