@@ -15,7 +15,26 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
+from hyper_parallel.core.dtensor import custom_shard
+from hyper_parallel.core.tensor_parallel import (
+    ColwiseParallel,
+    NoParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+    style_from_dict,
+    vocab_parallel_cross_entropy,
+)
+
 __all__ = [
     "init_device_mesh", "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement",
-    "distribute_tensor", "distribute_module", "fully_shard",
+    "distribute_tensor", "distribute_module", "fully_shard", "custom_shard",
+    "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
+    "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
 ]

@@ -1,0 +1,19 @@
+"""Tensor and sequence parallel styles, parallelize_module and loss parallel."""
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle
+from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
+from hyper_parallel.core.tensor_parallel.loss import loss_parallel, vocab_parallel_cross_entropy
+from hyper_parallel.core.tensor_parallel.parallelize import flatten_plan, match_modules, parallelize_module
+from hyper_parallel.core.tensor_parallel.prepare_styles import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+)
+from hyper_parallel.core.tensor_parallel.registry import STYLES, plan_from_dict, plan_to_dict, style_from_dict
+from hyper_parallel.core.tensor_parallel.replicate_styles import NoParallel, SequenceParallel
+
+__all__ = [
+    "ApplyRecord", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "NoParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
+    "flatten_plan", "match_modules", "loss_parallel", "vocab_parallel_cross_entropy", "STYLES",
+    "style_from_dict", "plan_to_dict", "plan_from_dict",
+]

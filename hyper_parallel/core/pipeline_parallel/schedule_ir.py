@@ -1,0 +1,201 @@
+"""The schedule IR: per rank, the ordered list of actions the executor runs and the simulator times.
+
+A schedule is data, not code, so that the planner can time exactly what the runtime will run.
+Compute actions (F, B, I = backward-input/dx, W = backward-weight/dw) come from a generator;
+``lower`` then inserts the point-to-point actions (and optionally the FSDP ones) that connect
+stages living on different ranks. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from hyper_parallel.errors import ScheduleError
+
+
+class ActionKind(str, enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"          # full backward: dx and dw together
+    BACKWARD_INPUT = "I"    # dx only; its W must follow on the same rank
+    BACKWARD_WEIGHT = "W"   # dw only
+    SEND_F = "SEND_F"       # send this stage's output to the next stage's rank
+    RECV_F = "RECV_F"       # receive this stage's input from the previous stage's rank
+    SEND_B = "SEND_B"       # send the gradient of this stage's input to the previous stage's rank
+    RECV_B = "RECV_B"       # receive the gradient of this stage's output from the next stage's rank
+    UNSHARD = "UNSHARD"     # FSDP: all-gather the stage's parameters
+    RESHARD = "RESHARD"     # FSDP: free the gathered parameters
+    REDUCE_GRAD = "REDUCE_GRAD"  # FSDP/DP: reduce the accumulated gradients of the stage
+
+
+COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD,
+                           ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
+COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+FSDP_KINDS = frozenset({ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD})
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one rank: ``kind`` applied to ``stage`` for ``microbatch`` (None for FSDP actions)."""
+
+    kind: ActionKind
+    stage: int
+    microbatch: int | None = None
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        return f"{self.stage}{self.kind.value}{mb}" if self.kind in COMPUTE_KINDS else \
+            f"{self.kind.value}(s{self.stage}{'' if self.microbatch is None else ',mb' + mb})"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+
+def F(stage: int, mb: int) -> Action:
+    return Action(ActionKind.FORWARD, stage, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    return Action(ActionKind.BACKWARD, stage, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: E743 - the literature's name for backward-input
+    return Action(ActionKind.BACKWARD_INPUT, stage, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    return Action(ActionKind.BACKWARD_WEIGHT, stage, mb)
+
+
+def loop_placement(n_ranks: int, n_stages: int) -> tuple[int, ...]:
+    """Stage s on rank s % n_ranks (GPipe, 1F1B, interleaved): stages wrap around the ranks."""
+    return tuple(s % n_ranks for s in range(n_stages))
+
+
+def v_placement(n_ranks: int) -> tuple[int, ...]:
+    """Two stages per rank in a V: rank r holds stages r and 2p-1-r (ZBV)."""
+    return tuple(range(n_ranks)) + tuple(reversed(range(n_ranks)))
+
+
+@dataclass
+class PipelineSchedule:
+    """A whole pipeline step: which rank owns each stage and what every rank does, in order.
+
+    ``actions[r]`` is rank r's program. A schedule straight from a generator holds compute actions
+    only; :func:`lower` returns the version with P2P (and FSDP) actions that the executor runs.
+    """
+
+    name: str
+    n_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    actions: list[list[Action]]
+    uses_split_backward: bool = False
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.actions)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    @property
+    def is_lowered(self) -> bool:
+        return any(a.kind not in COMPUTE_KINDS for prog in self.actions for a in prog)
+
+    def compute_only(self) -> "PipelineSchedule":
+        return self._with([[a for a in prog if a.is_compute] for prog in self.actions])
+
+    def _with(self, actions: list[list[Action]]) -> "PipelineSchedule":
+        return PipelineSchedule(self.name, self.n_microbatches, self.stage_to_rank, actions,
+                                self.uses_split_backward, dict(self.meta))
+
+    def format(self) -> str:
+        """One line per rank, compute actions only: the usual way schedules are drawn."""
+        return "\n".join(f"rank {r}: " + " ".join(str(a) for a in prog if a.is_compute)
+                         for r, prog in enumerate(self.actions))
+
+    def to_dataframe(self):
+        """Every action as a row (rank, step, action, kind, stage, microbatch), for notebooks."""
+        import pandas as pd
+
+        rows = [dict(rank=r, step=i, action=str(a), kind=a.kind.value, stage=a.stage,
+                     microbatch=a.microbatch)
+                for r, prog in enumerate(self.actions) for i, a in enumerate(prog)]
+        return pd.DataFrame(rows, columns=["rank", "step", "action", "kind", "stage", "microbatch"])
+
+
+def peer_of(action: Action, stage_to_rank: Sequence[int]) -> int:
+    """The rank a communication action talks to."""
+    if action.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+        return stage_to_rank[action.stage + 1]
+    if action.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
+        return stage_to_rank[action.stage - 1]
+    raise ScheduleError(f"{action} is not a communication action")
+
+
+def matching(action: Action) -> Action:
+    """The action on the peer rank that pairs with a send or receive."""
+    k, s, mb = action.kind, action.stage, action.microbatch
+    pairs = {ActionKind.SEND_F: (ActionKind.RECV_F, s + 1), ActionKind.RECV_F: (ActionKind.SEND_F, s - 1),
+             ActionKind.SEND_B: (ActionKind.RECV_B, s - 1), ActionKind.RECV_B: (ActionKind.SEND_B, s + 1)}
+    if k not in pairs:
+        raise ScheduleError(f"{action} is not a communication action")
+    kind, stage = pairs[k]
+    return Action(kind, stage, mb)
+
+
+def lower(schedule: PipelineSchedule, fsdp: bool = False) -> PipelineSchedule:
+    """Insert sends right after the producing compute and receives right before the consumer.
+
+    Stages that sit on the same rank (the bottom of ZBV's V) hand tensors over locally, with no
+    communication action. With ``fsdp`` each stage gets UNSHARD before its first compute action,
+    and REDUCE_GRAD then RESHARD after its last backward.
+    """
+    s2r, last = schedule.stage_to_rank, schedule.n_stages - 1
+    out: list[list[Action]] = []
+    for rank, prog in enumerate(schedule.actions):
+        compute = [a for a in prog if a.is_compute]
+        lowered: list[Action] = []
+        first_use = {}
+        last_bwd = {}
+        for i, a in enumerate(compute):
+            first_use.setdefault(a.stage, i)
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+                last_bwd[a.stage] = i
+        for i, a in enumerate(compute):
+            s, mb = a.stage, a.microbatch
+            if fsdp and first_use.get(s) == i:
+                lowered.append(Action(ActionKind.UNSHARD, s))
+            if a.kind is ActionKind.FORWARD and s > 0 and s2r[s - 1] != rank:
+                lowered.append(Action(ActionKind.RECV_F, s, mb))
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s < last and s2r[s + 1] != rank:
+                lowered.append(Action(ActionKind.RECV_B, s, mb))
+            lowered.append(a)
+            if a.kind is ActionKind.FORWARD and s < last and s2r[s + 1] != rank:
+                lowered.append(Action(ActionKind.SEND_F, s, mb))
+            if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s > 0 and s2r[s - 1] != rank:
+                lowered.append(Action(ActionKind.SEND_B, s, mb))
+            if fsdp and last_bwd.get(s) == i:
+                lowered += [Action(ActionKind.REDUCE_GRAD, s), Action(ActionKind.RESHARD, s)]
+        out.append(lowered)
+    return schedule._with(out)
+
+
+def from_orders(name: str, n_microbatches: int, stage_to_rank: Sequence[int],
+                orders: Iterable[Iterable[Action]], split_backward: bool = False) -> PipelineSchedule:
+    """Build a schedule from hand-written per-rank orders (compute or already lowered)."""
+    return PipelineSchedule(name, n_microbatches, tuple(stage_to_rank), [list(o) for o in orders],
+                            split_backward)
+
+
+ScheduleGenerator = Callable[..., PipelineSchedule]

@@ -1,0 +1,108 @@
+"""Time a schedule without torch: what the planner uses to choose cuts, schedule and micro-batches.
+
+``simulate(schedule, stage_costs, p2p_time)`` plays the same lowered IR the executor runs, with
+per-stage forward / backward-input / backward-weight times, and returns per-rank timelines.
+
+Bubble fraction (the definition in formulas.md, Megatron's): idle time over useful time,
+``(T_step - T_busy) / T_busy`` on the busiest rank, where T_busy is that rank's compute time. For
+uniform stages this is (p-1)/m for GPipe and 1F1B, (p-1)/(v m) for interleaved 1F1B and (p-1)/(3m)
+for ZB-H1 when T_F = T_B = T_W (with p2p_time = 0).
+
+In-flight micro-batches: on each rank, the (stage, micro-batch) chunks whose forward has run and
+whose last backward piece (B, or W when split) has not: the activations the rank must hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from hyper_parallel.core.pipeline_parallel.playback import play
+from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind, PipelineSchedule
+from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
+from hyper_parallel.errors import ScheduleError
+
+K = ActionKind
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds (or any unit) one micro-batch spends in a stage: forward, dx and dw backward.
+
+    A full backward (B) costs ``backward_input + backward_weight``.
+    """
+
+    forward: float
+    backward_input: float
+    backward_weight: float = 0.0
+
+    @property
+    def backward(self) -> float:
+        return self.backward_input + self.backward_weight
+
+
+@dataclass
+class SimResult:
+    """Simulated step. ``timeline`` has one row per action: rank, step, action, kind, stage,
+    microbatch, start, end."""
+
+    schedule: str
+    step_time: float
+    bubble_fraction: float
+    busy: list[float]
+    peak_inflight: list[int]
+    timeline: "object"  # pandas.DataFrame
+
+    def summary(self) -> dict:
+        return dict(schedule=self.schedule, step_time=self.step_time,
+                    bubble_fraction=self.bubble_fraction, peak_inflight=max(self.peak_inflight))
+
+
+def _costs(stage_costs, n_stages: int) -> list[StageCost]:
+    if isinstance(stage_costs, StageCost):
+        return [stage_costs] * n_stages
+    costs = list(stage_costs)
+    if len(costs) != n_stages:
+        raise ScheduleError(f"simulate: got {len(costs)} stage costs for {n_stages} stages")
+    for i, c in enumerate(costs):
+        if not isinstance(c, StageCost):
+            costs[i] = StageCost(*c)
+        if min(costs[i].forward, costs[i].backward_input, costs[i].backward_weight) < 0:
+            raise ScheduleError(f"simulate: stage {i} has a negative cost {costs[i]}")
+    return costs
+
+
+def simulate(schedule: PipelineSchedule, stage_costs: StageCost | Sequence[StageCost],
+             p2p_time: float = 0.0) -> SimResult:
+    """Validate, then time ``schedule``; ``stage_costs`` is one StageCost or one per stage."""
+    import pandas as pd
+
+    lowered = validate_schedule(schedule)
+    costs = _costs(stage_costs, lowered.n_stages)
+
+    def duration(a) -> float:
+        c = costs[a.stage]
+        return {K.FORWARD: c.forward, K.BACKWARD: c.backward, K.BACKWARD_INPUT: c.backward_input,
+                K.BACKWARD_WEIGHT: c.backward_weight}.get(a.kind, 0.0)
+
+    events = play(lowered, duration, p2p_time)
+    step_time = max((e.end for evs in events for e in evs), default=0.0)
+    busy = [sum(e.end - e.start for e in evs if e.action.is_compute) for evs in events]
+    top = max(busy) if busy else 0.0
+    bubble = (step_time - top) / top if top > 0 else 0.0
+    peaks = []
+    for evs in events:
+        live, peak = 0, 0
+        for e in evs:
+            k = e.action.kind
+            if k is K.FORWARD:
+                live += 1
+            elif k in (K.BACKWARD, K.BACKWARD_WEIGHT):
+                live -= 1
+            peak = max(peak, live)
+        peaks.append(peak)
+    rows = [dict(rank=e.rank, step=e.step, action=str(e.action), kind=e.action.kind.value,
+                 stage=e.action.stage, microbatch=e.action.microbatch, start=e.start, end=e.end)
+            for evs in events for e in evs]
+    timeline = pd.DataFrame(rows, columns=["rank", "step", "action", "kind", "stage", "microbatch",
+                                           "start", "end"])
+    return SimResult(lowered.name, step_time, bubble, busy, peaks, timeline)

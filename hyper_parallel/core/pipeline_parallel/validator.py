@@ -1,0 +1,95 @@
+"""Check a schedule before anything runs: bad orders must fail here, never hang a process group.
+
+Checks, each error naming the rank and the step at fault:
+- every action names a stage this rank owns and a micro-batch the step has;
+- every (stage, micro-batch) runs one forward and one backward (B, or I followed by W);
+- every send has exactly one matching receive on the peer rank (and vice versa);
+- playing the order forward (sends post, receives block) finishes: no deadlock;
+- optionally (``fifo=True``, for backends without message tags such as NCCL/HCCL) the sends from
+  rank a to rank b are received by b in the order a sent them.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from hyper_parallel.core.pipeline_parallel.playback import play
+from hyper_parallel.core.pipeline_parallel.schedule_ir import (
+    ActionKind, PipelineSchedule, lower, matching, peer_of,
+)
+from hyper_parallel.errors import ScheduleError
+
+K = ActionKind
+
+
+def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = None,
+                      fifo: bool = False) -> PipelineSchedule:
+    """Return the lowered schedule if it is safe to run with ``n_microbatches``; raise otherwise."""
+    name = schedule.name
+    m = schedule.n_microbatches if n_microbatches is None else n_microbatches
+    if m != schedule.n_microbatches:
+        raise ScheduleError(
+            f"{name}: schedule was built for {schedule.n_microbatches} micro-batches but the step "
+            f"has {m}")
+    lowered = schedule if schedule.is_lowered else lower(schedule)
+    s2r, n_stages = lowered.stage_to_rank, lowered.n_stages
+    if len(set(s2r)) != lowered.n_ranks or max(s2r) >= lowered.n_ranks:
+        raise ScheduleError(f"{name}: stage_to_rank {list(s2r)} does not cover ranks 0..{lowered.n_ranks - 1}")
+    counts: Counter = Counter()
+    for r, prog in enumerate(lowered.actions):
+        seen = set()
+        for step, a in enumerate(prog):
+            if not 0 <= a.stage < n_stages:
+                raise ScheduleError(f"{name}: rank {r} step {step}: {a} names stage {a.stage}, "
+                                    f"but there are {n_stages} stages")
+            if s2r[a.stage] != r:
+                raise ScheduleError(f"{name}: rank {r} step {step}: {a} runs stage {a.stage}, "
+                                    f"which lives on rank {s2r[a.stage]}")
+            if a.microbatch is not None and not 0 <= a.microbatch < m:
+                raise ScheduleError(
+                    f"{name}: rank {r} step {step}: {a} names micro-batch {a.microbatch}, but the "
+                    f"step has {m} micro-batches (0..{m - 1})")
+            if a in seen:
+                raise ScheduleError(f"{name}: rank {r} step {step}: {a} appears twice")
+            seen.add(a)
+            if a.is_compute:
+                counts[(a.kind, a.stage, a.microbatch)] += 1
+            if a.is_comm:
+                peer = peer_of(a, s2r)
+                if peer == r:
+                    raise ScheduleError(f"{name}: rank {r} step {step}: {a} talks to its own rank; "
+                                        "neighbouring stages on one rank hand over locally")
+                if matching(a) not in lowered.actions[peer]:
+                    raise ScheduleError(f"{name}: rank {r} step {step}: {a} has no matching "
+                                        f"{matching(a)} on rank {peer}")
+    for s in range(n_stages):
+        r = s2r[s]
+        for mb in range(m):
+            if counts[(K.FORWARD, s, mb)] != 1:
+                raise ScheduleError(f"{name}: rank {r}: stage {s} runs the forward of micro-batch "
+                                    f"{mb} {counts[(K.FORWARD, s, mb)]} times (needs exactly 1)")
+            full, dx, dw = (counts[(k, s, mb)] for k in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT))
+            if not ((full, dx, dw) == (1, 0, 0) or (full, dx, dw) == (0, 1, 1)):
+                raise ScheduleError(
+                    f"{name}: rank {r}: stage {s} micro-batch {mb} has B x{full}, I x{dx}, W x{dw}; "
+                    "needs one B, or one I and one W")
+    if fifo:
+        _check_fifo(lowered)
+    play(lowered)
+    return lowered
+
+
+def _check_fifo(s: PipelineSchedule) -> None:
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for r, prog in enumerate(s.actions):
+        for step, a in enumerate(prog):
+            if a.kind in (K.SEND_F, K.SEND_B):
+                sends[(r, peer_of(a, s.stage_to_rank))].append((step, a))
+            elif a.kind in (K.RECV_F, K.RECV_B):
+                recvs[(peer_of(a, s.stage_to_rank), r)].append((step, a))
+    for (src, dst), out in sends.items():
+        inn = recvs[(src, dst)]
+        for (ss, a), (rs, b) in zip(out, inn):
+            if matching(a) != b:
+                raise ScheduleError(
+                    f"{s.name}: rank {dst} step {rs}: receives {b} while rank {src} step {ss} sent "
+                    f"{a} first; backends without message tags need the same order on both sides")

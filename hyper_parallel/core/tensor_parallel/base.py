@@ -1,0 +1,181 @@
+"""ParallelStyle: a parallel style is data (to_dict/from_dict, ==, repr) plus an apply step.
+
+Applying is two-phase so a bad plan never leaves a model half-modified: ``validate`` checks a
+module without touching it, then ``apply`` records every change (replaced parameters, hooks) in
+an :class:`ApplyRecord` that :func:`parallelize_module` can roll back if a later step fails.
+Our styles also subclass torch's ParallelStyle, so torch's parallelize_module accepts them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle as _TorchParallelStyle
+
+from hyper_parallel.core.dtensor.placements import layouts_from_data, layouts_to_data
+from hyper_parallel.errors import DivisibilityError, MeshError, StyleSpecError
+
+
+class ApplyRecord:
+    """Everything one parallelize call changed, so it can be undone in reverse order.
+
+    It also remembers which original parameter became which DTensor parameter, so a parameter
+    shared by two modules (tied embedding and LM head) stays one parameter after sharding.
+    """
+
+    def __init__(self, src_data_rank: int | None = 0) -> None:
+        self.src_data_rank = src_data_rank  # rank whose values are scattered; None = keep local values
+        self._undo: list[tuple[str, Any]] = []
+        self._shared: dict[int, tuple[tuple[Placement, ...], nn.Parameter]] = {}
+
+    def replace_param(self, module: nn.Module, name: str, new: nn.Parameter) -> None:
+        self._undo.append(("param", (module, name, module._parameters[name])))
+        module._parameters[name] = new
+
+    def add_hook(self, handle) -> None:
+        self._undo.append(("hook", handle))
+
+    def sharded(self, param: nn.Parameter, placements, mesh: DeviceMesh, where: str):
+        """The DTensor parameter for ``param``; created once and shared by every user of it."""
+        key = id(param)
+        placements = tuple(placements)
+        if key in self._shared:
+            seen, new = self._shared[key]
+            if seen != placements:
+                raise StyleSpecError(
+                    f"{where}: this parameter is shared with a module already sharded as {seen}, "
+                    f"but this style needs {placements}; tied parameters need one layout"
+                )
+            return new
+        if isinstance(param, DTensor):
+            new = param  # already distributed (e.g. re-applying on an FSDP/TP model): keep as is
+        else:
+            new = nn.Parameter(
+                distribute_tensor(param.detach(), mesh, placements, src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            )
+        self._shared[key] = (placements, new)
+        return new
+
+    def rollback(self) -> None:
+        for kind, item in reversed(self._undo):
+            if kind == "param":
+                module, name, old = item
+                module._parameters[name] = old
+            else:
+                item.remove()
+        self._undo.clear()
+        self._shared.clear()
+
+
+class ParallelStyle(_TorchParallelStyle):
+    """Base of hyper_parallel styles. Subclasses define ``_args`` (name -> default) and
+    ``_layout_args`` (the arguments that hold placements), ``check_module`` and ``apply``."""
+
+    _args: ClassVar[dict[str, Any]] = {}
+    _layout_args: ClassVar[frozenset[str]] = frozenset()
+    src_data_rank: int | None = 0
+
+    # ---- data -------------------------------------------------------------------------------
+    def args(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._args}
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"style": ClassName, "args": {...}} with only non-default arguments, JSON-able."""
+        out = {}
+        for name, default in self._args.items():
+            value = getattr(self, name)
+            if value == default and type(value) is type(default):
+                continue
+            out[name] = layouts_to_data(value) if name in self._layout_args else value
+        return {"style": type(self).__name__, "args": out}
+
+    @classmethod
+    def from_args_data(cls, data: dict[str, Any]) -> "ParallelStyle":
+        unknown = set(data) - set(cls._args)
+        if unknown:
+            raise StyleSpecError(
+                f"{cls.__name__}: unknown argument(s) {sorted(unknown)}; known: {sorted(cls._args)}"
+            )
+        kwargs = {
+            k: layouts_from_data(v, where=f"{cls.__name__}.{k}") if k in cls._layout_args else v
+            for k, v in data.items()
+        }
+        return cls(**kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.to_dict() == other.to_dict()  # type: ignore[union-attr]
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.args().items() if v != self._args[k] or
+                         type(v) is not type(self._args[k]))
+        return f"{type(self).__name__}({args})"
+
+    # ---- application --------------------------------------------------------------------------
+    def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
+        """Raise a typed error if this style cannot be applied to ``module``; change nothing."""
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
+        raise NotImplementedError
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """torch's ParallelStyle entry point (used when torch's parallelize_module is given our style)."""
+        check_mesh_1d(device_mesh, type(self).__name__)
+        self.check_module(module, device_mesh, "")
+        return self.apply(module, device_mesh, ApplyRecord(self.src_data_rank), "")
+
+
+def check_mesh_1d(mesh: DeviceMesh, where: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"{where}: expected a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise MeshError(
+            f"{where}: tensor-parallel styles need a 1-D mesh, got {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} named {mesh.mesh_dim_names}; pass a sub-mesh such as mesh['tp']"
+        )
+
+
+def check_divides(size: int, mesh: DeviceMesh, where: str, what: str) -> None:
+    n = mesh.size()
+    if size % n:
+        raise DivisibilityError(f"{where}: {what} = {size} is not divisible by the mesh size {n}")
+
+
+def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, placements: dict[str, Placement],
+                 default: Placement, fqn: str) -> None:
+    """Replace each direct parameter of ``module`` by a DTensor with its placement."""
+    for name, param in list(module._parameters.items()):
+        if param is None:
+            continue
+        placement = placements.get(name, default)
+        new = record.sharded(param, (placement,), mesh, where=f"{fqn or type(module).__name__}.{name}")
+        record.replace_param(module, name, new)
+
+
+def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Placement | None,
+               where: str) -> DTensor:
+    """Annotate a local tensor with ``layout`` (or take a DTensor as is), then move it to ``desired``."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    if desired is not None and x.placements != (desired,):
+        if isinstance(desired, Shard) and not any(isinstance(p, Shard) for p in x.placements):
+            dim = desired.dim % x.ndim
+            check_divides(x.shape[dim], mesh, where, f"tensor dim {dim} of shape {tuple(x.shape)}")
+        x = x.redistribute(placements=(desired,), async_op=True)
+    return x
+
+
+def finish_output(out, mesh: DeviceMesh, layout: Placement | None, use_local: bool, where: str):
+    """Redistribute a module output to ``layout`` and optionally return its local tensor."""
+    if not isinstance(out, DTensor):
+        raise StyleSpecError(f"{where}: expected the module to return a DTensor, got {type(out).__name__}")
+    if layout is not None and out.placements != (layout,):
+        out = out.redistribute(placements=(layout,), async_op=True)
+    return out.to_local() if use_local else out

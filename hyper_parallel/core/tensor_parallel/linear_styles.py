@@ -1,0 +1,125 @@
+"""Column-wise and row-wise sharding of nn.Linear and nn.Embedding (Megatron's f/g pair).
+
+Colwise shards the output features (Linear weight dim 0, Embedding dim 1) so its output is
+sharded on the last dim; Rowwise shards the input features (Linear weight dim 1) or the
+vocabulary (Embedding dim 0), producing a partial sum that is reduced into ``output_layouts``
+(all-reduce for Replicate, reduce-scatter for Shard(seq), the sequence-parallel form).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from hyper_parallel.core.tensor_parallel.base import (
+    ApplyRecord,
+    ParallelStyle,
+    check_divides,
+    finish_output,
+    shard_params,
+    to_dtensor,
+)
+from hyper_parallel.errors import LayoutError, UnsupportedModuleError
+
+
+def _single_input(inputs: tuple, where: str):
+    if len(inputs) != 1:
+        raise LayoutError(f"{where}: expected exactly 1 positional input, got {len(inputs)}")
+    return inputs[0]
+
+
+class _LinearStyle(ParallelStyle):
+    _layout_args = frozenset({"input_layouts", "output_layouts"})
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = True):
+        for name, value in (("input_layouts", input_layouts), ("output_layouts", output_layouts)):
+            if value is not None and not isinstance(value, Placement):
+                raise LayoutError(f"{type(self).__name__}: {name} must be one Placement, got {value!r}")
+        # None = the natural layout for the module kind (see _natural_input)
+        self.input_layouts = input_layouts
+        self.output_layouts = output_layouts if output_layouts is not None else self._args["output_layouts"]
+        self.use_local_output = bool(use_local_output)
+
+    def _kind(self, module: nn.Module, fqn: str) -> str:
+        if isinstance(module, nn.Linear):
+            return "linear"
+        if isinstance(module, nn.Embedding):
+            return "embedding"
+        raise UnsupportedModuleError(
+            f"{type(self).__name__} on {fqn or '<root>'}: supports nn.Linear and nn.Embedding, "
+            f"got {type(module).__name__}"
+        )
+
+    def _desired_input(self, kind: str) -> Placement:
+        raise NotImplementedError
+
+    def _weight_placement(self, kind: str) -> dict[str, Placement]:
+        raise NotImplementedError
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
+        kind = self._kind(module, fqn)
+        where = f"{type(self).__name__} on {fqn or '<root>'}"
+        shard_params(module, mesh, record, self._weight_placement(kind), Replicate(), fqn)
+        desired = self._desired_input(kind)
+        layout = self.input_layouts if self.input_layouts is not None else desired
+
+        def pre_hook(mod, inputs):
+            x = _single_input(inputs, where)
+            return (to_dtensor(x, mesh, layout, desired, where),)
+
+        record.add_hook(module.register_forward_pre_hook(pre_hook))
+        record.add_hook(module.register_forward_hook(
+            lambda mod, inputs, out: finish_output(out, mesh, self.output_layouts, self.use_local_output, where)
+        ))
+        return module
+
+
+class ColwiseParallel(_LinearStyle):
+    """Shard output features. Input defaults (None) to Replicate; output to Shard(-1), local by default."""
+
+    _args = {"input_layouts": None, "output_layouts": Shard(-1), "use_local_output": True}
+
+    def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
+        kind = self._kind(module, fqn)
+        where = f"ColwiseParallel on {fqn or '<root>'}"
+        if kind == "linear":
+            check_divides(module.out_features, mesh, where, "out_features")
+        else:
+            check_divides(module.embedding_dim, mesh, where, "embedding_dim")
+
+    def _desired_input(self, kind: str) -> Placement:
+        return Replicate()
+
+    def _weight_placement(self, kind: str) -> dict[str, Placement]:
+        if kind == "linear":
+            return {"weight": Shard(0), "bias": Shard(0)}
+        return {"weight": Shard(1)}
+
+
+class RowwiseParallel(_LinearStyle):
+    """Shard input features (Linear) or the vocabulary (Embedding); reduce the partial output.
+
+    Input defaults (None) to Shard(-1) for Linear (the output of a Colwise) and Replicate for
+    Embedding (token ids) -- unlike torch, which annotates token ids as Shard(-1); output defaults to Replicate (all-reduce). Shard(1) gives a reduce-scatter.
+    """
+
+    _args = {"input_layouts": None, "output_layouts": Replicate(), "use_local_output": True}
+
+    def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
+        kind = self._kind(module, fqn)
+        where = f"RowwiseParallel on {fqn or '<root>'}"
+        if kind == "linear":
+            check_divides(module.in_features, mesh, where, "in_features")
+        else:
+            check_divides(module.num_embeddings, mesh, where, "num_embeddings")
+
+    def _desired_input(self, kind: str) -> Placement:
+        return Shard(-1) if kind == "linear" else Replicate()
+
+    def _weight_placement(self, kind: str) -> dict[str, Placement]:
+        if kind == "linear":
+            return {"weight": Shard(1), "bias": Replicate()}
+        return {"weight": Shard(0)}

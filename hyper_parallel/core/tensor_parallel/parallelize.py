@@ -1,0 +1,119 @@
+"""parallelize_module: apply a plan of {FQN pattern: style} to a model, all or nothing.
+
+Patterns are matched atom by atom with fnmatch (``layers.*.attention.wq`` matches
+``layers.0.attention.wq`` but ``layers.*`` does not match ``layers.0.attention``); nested dicts
+are joined with dots. Every pattern must match a module, every module may be matched once,
+and every style checks its module before anything changes; if applying still fails, all changes
+are rolled back, so the model is left exactly as it was.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+from fnmatch import fnmatchcase
+from typing import Mapping
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_mesh_1d
+from hyper_parallel.errors import MeshError, PlanPatternError
+
+log = logging.getLogger(__name__)
+
+PlanLike = ParallelStyle | Mapping[str, "PlanLike"]
+
+
+def flatten_plan(plan: PlanLike, prefix: str = "") -> dict[str, ParallelStyle]:
+    """{"layers.*": {"attention.wq": s}} -> {"layers.*.attention.wq": s}."""
+    if isinstance(plan, ParallelStyle):
+        return {prefix: plan}
+    if not isinstance(plan, Mapping):
+        raise PlanPatternError(
+            f"plan entry {prefix or '<root>'!r}: expected a ParallelStyle or a dict, got {type(plan).__name__}"
+        )
+    flat: dict[str, ParallelStyle] = {}
+    for key, value in plan.items():
+        if not isinstance(key, str) or not key or key.startswith(".") or key.endswith("."):
+            raise PlanPatternError(f"plan key {key!r} under {prefix or '<root>'!r} is not a module pattern")
+        full = f"{prefix}.{key}" if prefix else key
+        for k, v in flatten_plan(value, full).items():
+            if k in flat:
+                raise PlanPatternError(f"plan pattern {k!r} is given twice")
+            flat[k] = v
+    return flat
+
+
+def match_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """(fqn, submodule) pairs whose FQN matches ``pattern`` atom by atom."""
+    if pattern == "":
+        return [("", module)]
+    atoms = pattern.split(".")
+    found = []
+    for fqn, sub in module.named_modules():
+        parts = fqn.split(".") if fqn else []
+        if len(parts) == len(atoms) and all(fnmatchcase(p, a) for p, a in zip(parts, atoms)):
+            found.append((fqn, sub))
+    return found
+
+
+def resolve_mesh(device_mesh: DeviceMesh, mesh_dim: str | None) -> DeviceMesh:
+    """The 1-D mesh to shard on: ``device_mesh`` itself or its named dimension ``mesh_dim``."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise MeshError(f"parallelize_module: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+    if mesh_dim is not None:
+        names = device_mesh.mesh_dim_names or ()
+        if mesh_dim not in names:
+            raise MeshError(f"parallelize_module: mesh_dim={mesh_dim!r} is not one of the mesh's dims {names}")
+        if device_mesh.ndim == 1:
+            return device_mesh
+        return device_mesh[mesh_dim]
+    check_mesh_1d(device_mesh, "parallelize_module")
+    return device_mesh
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: PlanLike | None = None,
+                       *, mesh_dim: str | None = None, src_data_rank: int | None = 0) -> nn.Module:
+    """Apply ``parallelize_plan`` to ``module`` on a 1-D mesh (or the ``mesh_dim`` of an n-D mesh).
+
+    ``src_data_rank``: the rank whose initial values are scattered to the shards (None: every
+    rank keeps its own values, which must then be identical -- no communication at apply).
+    Returns ``module`` (modified in place).
+    """
+    mesh = resolve_mesh(device_mesh, mesh_dim)
+    if parallelize_plan is None:
+        log.warning("parallelize_module: no plan given; %s left unchanged", type(module).__name__)
+        return module
+    flat = flatten_plan(parallelize_plan)
+    fqns = [f for f, _ in module.named_modules()]
+
+    assignments: list[tuple[str, nn.Module, ParallelStyle]] = []
+    owner: dict[str, str] = {}
+    for pattern, style in flat.items():
+        matches = match_modules(module, pattern)
+        if not matches:
+            close = difflib.get_close_matches(pattern, fqns, n=3, cutoff=0.5)
+            hint = f"; did you mean {close}?" if close else ""
+            raise PlanPatternError(
+                f"plan pattern {pattern!r} matches no module of {type(module).__name__}{hint}"
+            )
+        for fqn, sub in matches:
+            if fqn in owner:
+                raise PlanPatternError(
+                    f"module {fqn!r} is matched by both {owner[fqn]!r} and {pattern!r}; give it one style"
+                )
+            owner[fqn] = pattern
+            assignments.append((fqn, sub, style))
+
+    for fqn, sub, style in assignments:  # phase 1: check everything, change nothing
+        style.check_module(sub, mesh, fqn)
+
+    record = ApplyRecord(src_data_rank)
+    try:
+        for fqn, sub, style in assignments:  # phase 2: apply, recording every change
+            style.apply(sub, mesh, record, fqn)
+    except BaseException:
+        record.rollback()
+        raise
+    log.debug("parallelize_module: applied %d styles on a mesh of size %d", len(assignments), mesh.size())
+    return module

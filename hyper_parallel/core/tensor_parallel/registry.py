@@ -1,0 +1,49 @@
+"""The fixed registry of style names: the only styles a plan file can name.
+
+``style_from_dict`` is how a plan is turned back into objects; it looks names up here and never
+imports or evaluates anything named in the data.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.core.tensor_parallel.base import ParallelStyle
+from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
+from hyper_parallel.core.tensor_parallel.prepare_styles import (
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+)
+from hyper_parallel.core.tensor_parallel.replicate_styles import NoParallel, SequenceParallel
+from hyper_parallel.errors import StyleSpecError
+
+STYLES: dict[str, type[ParallelStyle]] = {
+    cls.__name__: cls
+    for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
+                PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)
+}
+
+
+def style_from_dict(data: dict[str, Any]) -> ParallelStyle:
+    """Rebuild a style from ``{"style": name, "args": {...}}`` (the output of ``to_dict``)."""
+    if not isinstance(data, dict) or "style" not in data:
+        raise StyleSpecError(f"a style must be a dict with a 'style' key, got {data!r}")
+    name = data["style"]
+    if name not in STYLES:
+        raise StyleSpecError(f"unknown style {name!r}; known styles: {sorted(STYLES)}")
+    args = data.get("args", {})
+    if not isinstance(args, dict):
+        raise StyleSpecError(f"{name}: 'args' must be a dict, got {args!r}")
+    extra = set(data) - {"style", "args"}
+    if extra:
+        raise StyleSpecError(f"{name}: unexpected keys {sorted(extra)} beside 'style' and 'args'")
+    return STYLES[name].from_args_data(args)
+
+
+def plan_to_dict(plan: dict[str, ParallelStyle]) -> dict[str, dict[str, Any]]:
+    """A flat {pattern: style} plan as data."""
+    return {pattern: style.to_dict() for pattern, style in plan.items()}
+
+
+def plan_from_dict(data: dict[str, dict[str, Any]]) -> dict[str, ParallelStyle]:
+    return {pattern: style_from_dict(spec) for pattern, spec in data.items()}
