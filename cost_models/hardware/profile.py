@@ -1,0 +1,133 @@
+"""Hardware profiles: datasheet numbers of one accelerator kind, loaded from JSON files in this folder.
+
+A profile is data, not code: peak FLOP/s per dtype, HBM bandwidth and capacity, devices per node,
+the two link levels (inside a node, between nodes) and the efficiency factors that turn datasheet
+peaks into achievable rates. The ``cpu`` profile is not a file: it is measured on the current host
+(see :mod:`cost_models.hardware.host`) and cached on disk.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from typing import Any
+
+from cost_models.errors import UnknownHardwareError
+
+log = logging.getLogger(__name__)
+
+_DTYPE_ALIASES = {
+    "torch.bfloat16": "bf16", "bfloat16": "bf16", "torch.float16": "fp16", "float16": "fp16",
+    "half": "fp16", "torch.float32": "fp32", "float32": "fp32", "float": "fp32",
+    "torch.float64": "fp64", "float64": "fp64",
+}
+
+
+def dtype_key(dtype: Any) -> str:
+    """'bf16' / 'fp16' / 'fp32' ... for a torch dtype or a string."""
+    text = str(dtype)
+    return _DTYPE_ALIASES.get(text, text)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of interconnect: per-direction bandwidth in bytes/s, latency (alpha) in seconds."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0:
+            raise ValueError(f"Link {self.name!r}: bandwidth must be > 0, got {self.bandwidth}")
+        if self.latency < 0:
+            raise ValueError(f"Link {self.name!r}: latency must be >= 0, got {self.latency}")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of datasheet peak that real kernels reach, and fixed per-kernel costs.
+
+    ``dim_half`` is the matmul dimension at which a GEMM reaches half of ``compute`` efficiency on
+    that axis: small M/N/K leave tiles and cores idle, which is what makes efficiency shape-dependent.
+    """
+
+    compute: float = 0.7
+    memory: float = 0.8
+    dim_half: float = 128.0
+    kernel_overhead: float = 5e-6
+    view_overhead: float = 1e-6
+    link: float = 0.8
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    vendor: str
+    device_type: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    memory_capacity: int
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    sources: tuple[str, ...] = ()
+    notes: str = ""
+
+    def peak(self, dtype: Any) -> float:
+        """Dense peak FLOP/s for ``dtype``; falls back to fp32 for dtypes the sheet does not list."""
+        key = dtype_key(dtype)
+        if key in self.peak_flops:
+            return self.peak_flops[key]
+        if "fp32" in self.peak_flops:
+            return self.peak_flops["fp32"]
+        raise UnknownHardwareError(f"{self.name}: no peak FLOP/s for dtype {key!r} and no fp32 fallback")
+
+    def link(self, inter_node: bool) -> Link:
+        return self.inter_node if inter_node else self.intra_node
+
+    def with_overrides(self, **changes: Any) -> "HardwareProfile":
+        """A copy with fields replaced (e.g. calibrated links, devices_per_node of a supernode)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["sources"] = list(self.sources)
+        return out
+
+    @staticmethod
+    def from_dict(data: dict) -> "HardwareProfile":
+        try:
+            return HardwareProfile(
+                name=data["name"], vendor=data["vendor"], device_type=data["device_type"],
+                peak_flops={dtype_key(k): float(v) for k, v in data["peak_flops"].items()},
+                memory_bandwidth=float(data["memory_bandwidth"]),
+                memory_capacity=int(data["memory_capacity"]),
+                devices_per_node=int(data["devices_per_node"]),
+                intra_node=Link(**data["intra_node"]), inter_node=Link(**data["inter_node"]),
+                efficiency=Efficiency(**data.get("efficiency", {})),
+                sources=tuple(data.get("sources", ())), notes=data.get("notes", ""),
+            )
+        except (KeyError, TypeError) as exc:
+            raise UnknownHardwareError(f"hardware data {data.get('name', '?')!r} is malformed: {exc!r}") from exc
+
+
+def list_hardware() -> list[str]:
+    """Names of the profiles shipped as data files, plus ``cpu`` (measured on demand)."""
+    names = sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".json"))
+    return names + ["cpu"]
+
+
+def load_hardware(name: str, *, remeasure: bool = False) -> HardwareProfile:
+    """The profile called ``name`` (case-insensitive, '-' or '_'). ``cpu`` measures this host once and caches it."""
+    key = name.strip().lower().replace("-", "_").replace(" ", "_")
+    if key == "cpu":
+        from cost_models.hardware.host import measure_host
+
+        return measure_host(force=remeasure)
+    path = resources.files(__package__) / f"{key}.json"
+    if not path.is_file():
+        raise UnknownHardwareError(f"load_hardware(name={name!r}): no such profile; known: {list_hardware()}")
+    return HardwareProfile.from_dict(json.loads(path.read_text()))

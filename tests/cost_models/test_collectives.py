@@ -1,0 +1,75 @@
+"""The alpha-beta model against the ring formulas and Megatron's TP volume (shared/reference/formulas.md)."""
+import math
+
+import pytest
+
+from cost_models.collectives import collective_time, tp_layer_collectives, wire_bytes
+from cost_models.hardware import Link, load_hardware
+from cost_models.topology import crosses_nodes, mesh_links
+
+ALPHA, W = 7e-6, 123e9
+LINK = Link("test", bandwidth=W, latency=ALPHA)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+@pytest.mark.parametrize("S", [1.0, 4096.0, 3e8])
+def test_ring_formulas(n, S):
+    ar = 2 * (n - 1) / n * S / W + 2 * (n - 1) * ALPHA
+    ag = (n - 1) / n * S / W + (n - 1) * ALPHA
+    assert collective_time("all_reduce", S, n, LINK) == pytest.approx(ar, rel=1e-12)
+    assert collective_time("all_gather", S, n, LINK) == pytest.approx(ag, rel=1e-12)
+    assert collective_time("reduce_scatter", S, n, LINK) == pytest.approx(ag, rel=1e-12)
+    zero_alpha = Link("bw", bandwidth=W, latency=0.0)
+    assert collective_time("all_to_all", S, n, zero_alpha) == pytest.approx((n - 1) / n * S / W, rel=1e-12)
+    assert collective_time("send_recv", S, n, LINK) == pytest.approx(S / W + ALPHA, rel=1e-12)
+
+
+def test_tree_all_reduce_has_log_latency_and_auto_picks_the_faster():
+    n, small, big = 64, 8.0, 1e9
+    tree_small = collective_time("all_reduce", small, n, LINK, "tree")
+    assert tree_small == pytest.approx(2 * math.log2(n) * ALPHA + 2 * small / W)
+    assert collective_time("all_reduce", small, n, LINK, "auto") == tree_small
+    # at two ranks the ring moves half the bytes of the tree: ring wins for big messages
+    assert collective_time("all_reduce", big, 2, LINK, "auto") == collective_time("all_reduce", big, 2, LINK, "ring")
+
+
+def test_group_of_one_costs_nothing():
+    assert collective_time("all_reduce", 1e9, 1, LINK) == 0.0
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_megatron_tp_volume_per_layer(t, sp):
+    b, s, h = 2, 2048, 4096
+    colls = tp_layer_collectives(b, s, h, t, sequence_parallel=sp, dtype_bytes=1)
+    volume = sum(wire_bytes(kind, nbytes, n) for kind, nbytes, n in colls)
+    assert volume == pytest.approx(8 * b * s * h * (t - 1) / t)
+    kinds = {k for k, _, _ in colls}
+    assert kinds == ({"all_gather", "reduce_scatter"} if sp else {"all_reduce"})
+    assert len(colls) == (8 if sp else 4)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="kind"):
+        collective_time("gossip", 1.0, 2, LINK)
+    with pytest.raises(ValueError, match="group_size"):
+        collective_time("all_reduce", 1.0, 0, LINK)
+
+
+def test_mesh_links_keeps_inner_dims_in_node():
+    h100 = load_hardware("h100_sxm")
+    topo = mesh_links((4, 2, 8), ("pp", "dp", "tp"), h100)
+    assert [d.inter_node for d in topo.dims] == [True, True, False]
+    assert topo["tp"].link == h100.intra_node and topo["dp"].link == h100.inter_node
+    topo = mesh_links((16, 2, 4), ("dp", "pp", "tp"), h100)
+    assert [d.inter_node for d in topo.dims] == [True, False, False]
+    # an intra-node dim is faster than the same collective across nodes
+    assert topo["tp"].time("all_reduce", 1e8) < mesh_links((4,), ("dp",), h100, devices_per_node=1).dims[0].time("all_reduce", 1e8)
+
+
+def test_crosses_nodes_when_blocks_do_not_tile_a_node():
+    assert crosses_nodes((3,), 0, 8)       # 3 ranks per group: some groups straddle two nodes
+    assert not crosses_nodes((2, 4), 1, 8)
+    assert not crosses_nodes((2, 4), 0, 8)
+    assert crosses_nodes((4, 4), 0, 8)
+    assert not crosses_nodes((16, 1), 1, 8)
