@@ -99,7 +99,8 @@ def zbv(n_ranks: int, n_microbatches: int) -> PipelineSchedule:
     rank also holds the last stage so the loss turns around without a hop."""
     _check("ZBV", n_ranks, n_microbatches)
     p = n_ranks
-    sched = greedy_schedule("ZBV", v_placement(p), n_microbatches, [2 * p] * p, split_backward=True)
+    sched = greedy_schedule("ZBV", v_placement(p), n_microbatches, [2 * p] * p, split_backward=True,
+                           w_cap=[1] * p)
     sched.meta["n_virtual"] = 2
     return sched
 

@@ -19,12 +19,15 @@ from hyper_parallel.errors import ScheduleError
 
 def greedy_schedule(name: str, stage_to_rank: Sequence[int], n_microbatches: int,
                     inflight_limit: Sequence[int], split_backward: bool = True,
-                    cost: tuple[int, int, int] = (1, 1, 1)) -> PipelineSchedule:
+                    cost: tuple[int, int, int] = (1, 1, 1),
+                    w_cap: Sequence[int] | None = None) -> PipelineSchedule:
     """Compute order per rank from a unit-time greedy play of the pipeline.
 
     ``inflight_limit[r]`` bounds, on rank r, the micro-batch chunks whose forward ran and whose
     input gradient (I or B) has not yet: the activation memory the schedule may hold.
-    ``cost`` = (T_F, T_I, T_W) in time units; a full B costs T_I + T_W.
+    ``cost`` = (T_F, T_I, T_W) in time units; a full B costs T_I + T_W. ``w_cap[r]``, when given,
+    makes rank r run a deferred W before any new forward once that many W are pending (bounds
+    the memory that W's saved inputs hold, at some cost in bubble).
     """
     n_stages, m = len(stage_to_rank), n_microbatches
     n_ranks = max(stage_to_rank) + 1
@@ -53,6 +56,8 @@ def greedy_schedule(name: str, stage_to_rank: Sequence[int], n_microbatches: int
                         s == n_stages - 1 or b_end.get((s + 1, mb), 1 << 60) <= t):
                     choice = (I if split_backward else B)(s, mb)
                     break
+            if choice is None and w_cap is not None and len(pending_w[r]) >= w_cap[r]:
+                choice = W(*pending_w[r].pop(0))
             # 2) a forward, deepest stage first, within the in-flight limit
             if choice is None and inflight[r] < inflight_limit[r]:
                 for s in sorted(stages[r], reverse=True):

@@ -47,6 +47,9 @@ class Action:
         return f"{self.stage}{self.kind.value}{mb}" if self.kind in COMPUTE_KINDS else \
             f"{self.kind.value}(s{self.stage}{'' if self.microbatch is None else ',mb' + mb})"
 
+    def _replace_kind(self, kind: "ActionKind") -> "Action":
+        return Action(kind, self.stage, self.microbatch)
+
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from hyper_parallel.core.pipeline_parallel.playback import play
+from hyper_parallel.core.pipeline_parallel.playback import _needs, play
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
     ActionKind, PipelineSchedule, lower, matching, peer_of,
 )
@@ -35,6 +35,7 @@ def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = N
     if len(set(s2r)) != lowered.n_ranks or max(s2r) >= lowered.n_ranks:
         raise ScheduleError(f"{name}: stage_to_rank {list(s2r)} does not cover ranks 0..{lowered.n_ranks - 1}")
     counts: Counter = Counter()
+    unmatched = None  # raised after the per-micro-batch counts, which name the root cause
     for r, prog in enumerate(lowered.actions):
         seen = set()
         for step, a in enumerate(prog):
@@ -58,8 +59,8 @@ def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = N
                 if peer == r:
                     raise ScheduleError(f"{name}: rank {r} step {step}: {a} talks to its own rank; "
                                         "neighbouring stages on one rank hand over locally")
-                if matching(a) not in lowered.actions[peer]:
-                    raise ScheduleError(f"{name}: rank {r} step {step}: {a} has no matching "
+                if matching(a) not in lowered.actions[peer] and unmatched is None:
+                    unmatched = ScheduleError(f"{name}: rank {r} step {step}: {a} has no matching "
                                         f"{matching(a)} on rank {peer}")
     for s in range(n_stages):
         r = s2r[s]
@@ -72,6 +73,9 @@ def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = N
                 raise ScheduleError(
                     f"{name}: rank {r}: stage {s} micro-batch {mb} has B x{full}, I x{dx}, W x{dw}; "
                     "needs one B, or one I and one W")
+    if unmatched is not None:
+        raise unmatched
+    _check_local_order(lowered)
     if fifo:
         _check_fifo(lowered)
     play(lowered)
@@ -93,3 +97,22 @@ def _check_fifo(s: PipelineSchedule) -> None:
                 raise ScheduleError(
                     f"{s.name}: rank {dst} step {rs}: receives {b} while rank {src} step {ss} sent "
                     f"{a} first; backends without message tags need the same order on both sides")
+
+
+def _check_local_order(s: PipelineSchedule) -> None:
+    """A compute action whose same-rank compute input comes after it can never run."""
+    last = s.n_stages - 1
+    for r, prog in enumerate(s.actions):
+        pos = {a: i for i, a in enumerate(prog)}
+        for step, a in enumerate(prog):
+            for dep in _needs(a, s.stage_to_rank, r, last):
+                if dep.kind == "grad":
+                    cands = [pos.get(x) for x in (dep._replace_kind(K.BACKWARD), dep._replace_kind(K.BACKWARD_INPUT))]
+                    later = [c for c in cands if c is not None]
+                    if later and min(later) > step:
+                        raise ScheduleError(f"{s.name}: rank {r} step {step}: {a} needs the input-gradient "
+                                            f"of stage {dep.stage} micro-batch {dep.microbatch}, which comes "
+                                            "later on the same rank")
+                elif dep.kind in (K.FORWARD, K.BACKWARD_INPUT) and pos.get(dep, -1) > step:
+                    raise ScheduleError(f"{s.name}: rank {r} step {step}: {a} needs {dep} which comes "
+                                        "later on the same rank")
