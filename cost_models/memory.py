@@ -68,6 +68,7 @@ class ParamSpec:
     fqn: str
     shape: tuple[int, ...]
     tp_dim: int | None = None
+    grad_replicated: bool = False  # gradient materialised unsharded over tp (see param_specs)
 
     @property
     def numel(self) -> int:
@@ -109,10 +110,14 @@ def tp_shard_dim(style: str, module_kind: str, param_name: str) -> int | None:
     return _STYLE_DIMS.get(key, {}).get(module_kind, {}).get(param_name)
 
 
-def param_specs(model, tp_plan: Mapping[str, str] | None = None) -> list[ParamSpec]:
+def param_specs(model, tp_plan: Mapping[str, str] | None = None,
+                runtime: Literal["dtensor", "megatron"] = "dtensor") -> list[ParamSpec]:
     """ParamSpecs of a module (real or meta) under a TP plan {fnmatch pattern of module FQN: style name}.
 
-    Tied parameters are counted once (first name), like ``named_parameters``.
+    Tied parameters are counted once (first name), like ``named_parameters``. Measured on torch
+    2.13: DTensor's backward of a vocabulary-sharded (row-wise) embedding yields a *replicated*
+    full-size gradient, so with ``runtime="dtensor"`` that gradient is not divided by tp
+    (Megatron's VocabParallelEmbedding keeps it sharded).
     """
     import torch.nn as nn
 
@@ -128,7 +133,8 @@ def param_specs(model, tp_plan: Mapping[str, str] | None = None) -> list[ParamSp
             seen.add(id(p))
             dim = tp_shard_dim(style, kind, pname) if style else None
             fqn = f"{mod_name}.{pname}" if mod_name else pname
-            specs.append(ParamSpec(fqn, tuple(p.shape), dim))
+            full_grad = runtime == "dtensor" and kind == "embedding" and dim == 0
+            specs.append(ParamSpec(fqn, tuple(p.shape), dim, grad_replicated=full_grad))
     return specs
 
 
@@ -152,13 +158,14 @@ def model_state_bytes(params: Iterable[ParamSpec], tp: int = 1, fsdp: int = 1,
     n_states = {"adamw": pol.n_states, "sgd": 0, "none": 0}.get(optimizer)
     if n_states is None:
         raise ValueError(f"model_state_bytes: optimizer={optimizer!r} not in adamw/sgd/none")
-    elems = 0
-    tensors = 0
+    elems = grad_elems = tensors = 0
     for p in params:
-        elems += p.local_numel(tp, fsdp, tp_rank, fsdp_rank, fsdp_padded)
+        local = p.local_numel(tp, fsdp, tp_rank, fsdp_rank, fsdp_padded)
+        elems += local
+        grad_elems += p.local_numel(1, fsdp, None, fsdp_rank, fsdp_padded) if p.grad_replicated else local
         tensors += 1
     opt = elems * (pol.master + n_states * pol.state) + (tensors * pol.step_bytes if optimizer == "adamw" else 0)
-    return ModelStateBytes(params=elems * pol.param, grads=elems * pol.grad, optimizer=opt)
+    return ModelStateBytes(params=elems * pol.param, grads=grad_elems * pol.grad, optimizer=opt)
 
 
 def inflight_microbatches(schedule: Schedule, pp: int, n_microbatches: int, stage: int = 0,
