@@ -1,0 +1,184 @@
+"""The module tree and its repeated blocks, found from structure before anything is traced.
+
+Siblings in a container (ModuleList, ModuleDict, Sequential) are the same block when their
+submodule types, parameter and buffer shapes and scalar settings agree; a setting equal to the
+child's own index (``layer_idx``) does not count. Only the outermost repeats become block groups;
+repeats nested inside a block (MoE experts) stay part of it.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from autoplan.capture.ir import BlockGroup, ModuleInfo
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_SCALARS = (int, float, bool, str)
+
+
+def type_name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]], int]:
+    """(FQN -> ModuleInfo, tied parameter groups, distinct parameter count)."""
+    infos: dict[str, ModuleInfo] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        params = {n: tuple(p.shape) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)}
+        infos[fqn] = ModuleInfo(
+            fqn=fqn,
+            type=type_name(mod),
+            params=params,
+            num_params=sum(_numel(s) for s in params.values()),
+            children=[f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children()],
+        )
+    owners: dict[int, list[str]] = defaultdict(list)
+    numels: dict[int, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)].append(name)
+        numels[id(p)] = p.numel()
+    tied = [names for names in owners.values() if len(names) > 1]
+    return infos, tied, sum(numels.values())
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _raw_signature(child: nn.Module) -> list[tuple[str, str, tuple, dict[str, object]]]:
+    out = []
+    for rel, mod in child.named_modules():
+        scalars = {
+            k: v
+            for k, v in vars(mod).items()
+            if not k.startswith("_") and k != "training" and isinstance(v, _SCALARS)
+        }
+        tensors = tuple(
+            (n, tuple(t.shape), str(t.dtype))
+            for n, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
+        )
+        out.append((rel, type_name(mod), tensors, scalars))
+    return out
+
+
+def _signatures(children: list[tuple[str, nn.Module]]) -> list[tuple]:
+    """Structural signature per child; a setting equal to the child's own index in every child
+    (``layer_idx``) is left out."""
+    raws = [_raw_signature(c) for _, c in children]
+    keys = {(rel, k) for raw in raws for rel, _, _, sc in raw for k in sc}
+    index_like = {
+        key
+        for key in keys
+        if all(
+            any(rel == key[0] and str(sc.get(key[1])) == name and not isinstance(sc.get(key[1]), bool) for rel, _, _, sc in raw)
+            for (name, _), raw in zip(children, raws)
+        )
+    }
+    return [
+        tuple((rel, typ, tensors, tuple(sorted((k, v) for k, v in sc.items() if (rel, k) not in index_like))) for rel, typ, tensors, sc in raw)
+        for raw in raws
+    ]
+
+
+def find_blocks(model: nn.Module) -> list[BlockGroup]:
+    """Groups of identical siblings under the outermost containers, in model order."""
+    groups: list[BlockGroup] = []
+    inside: list[str] = []
+    for fqn, mod in model.named_modules():
+        if any(fqn == p or fqn.startswith(p + ".") for p in inside):
+            continue
+        if not isinstance(mod, _CONTAINERS):
+            continue
+        children = list(mod.named_children())
+        if len(children) < 2 or not any(any(True for _ in c.parameters()) for _, c in children):
+            continue
+        by_sig: dict[tuple, list[tuple[str, nn.Module]]] = {}
+        for (name, child), sig in zip(children, _signatures(children)):
+            by_sig.setdefault(sig, []).append((name, child))
+        if len(by_sig) == len(children):
+            continue  # nothing repeats here; look deeper
+        for k, members in enumerate(by_sig.values()):
+            rep_name, rep = members[0]
+            groups.append(
+                BlockGroup(
+                    id=f"{fqn}#{k}" if len(by_sig) > 1 else fqn,
+                    prefix=fqn,
+                    indices=[n for n, _ in members],
+                    count=len(members),
+                    representative=f"{fqn}.{rep_name}" if fqn else rep_name,
+                    module_type=type_name(rep),
+                    params_per_block=sum(p.numel() for p in rep.parameters()),
+                )
+            )
+        inside.append(fqn)
+    return groups
+
+
+@contextlib.contextmanager
+def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator[dict[str, str]]:
+    """Temporarily keep one member per block group in each container (restored on exit).
+
+    Yields a map from the FQN a kept member has while shortened to its real FQN (a ModuleList
+    renumbers from 0; a ModuleDict keeps its keys).
+    """
+    by_prefix: dict[str, list[BlockGroup]] = defaultdict(list)
+    for g in groups:
+        by_prefix[g.prefix].append(g)
+    restore: list[tuple[nn.Module, str, nn.Module]] = []
+    rename: dict[str, str] = {}
+    try:
+        for prefix, gs in by_prefix.items():
+            container = model.get_submodule(prefix)
+            keep = sorted({g.indices[0] for g in gs}, key=lambda i: list(container._modules).index(i))
+            if isinstance(container, nn.ModuleDict):
+                short = nn.ModuleDict({k: container[k] for k in keep})
+            else:
+                short = type(container)() if isinstance(container, nn.Sequential) else nn.ModuleList()
+                for pos, k in enumerate(keep):
+                    short.add_module(str(pos), container._modules[k])
+                    rename[f"{prefix}.{pos}"] = f"{prefix}.{k}"
+            parent_name, _, attr = prefix.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            restore.append((parent, attr, container))
+            setattr(parent, attr, short)
+        yield rename
+    finally:
+        for parent, attr, container in reversed(restore):
+            setattr(parent, attr, container)
+
+
+def remap_fqn(fqn: str, rename: dict[str, str]) -> str:
+    """Real FQN of a name seen while blocks were shortened."""
+    for short, real in rename.items():
+        if fqn == short or fqn.startswith(short + "."):
+            return real + fqn[len(short):]
+    return fqn
+
+
+def assign_blocks(infos: dict[str, ModuleInfo], groups: list[BlockGroup]) -> None:
+    """Mark every module inside a block member with its group id."""
+    member_of = {m: g.id for g in groups for m in g.member_fqns()}
+    for fqn, info in infos.items():
+        parts = fqn.split(".")
+        for i in range(len(parts), 0, -1):
+            gid = member_of.get(".".join(parts[:i]))
+            if gid is not None:
+                info.block = gid
+                break
+
+
+def block_of(fqn: str, groups: list[BlockGroup]) -> str | None:
+    """Group id whose representative contains ``fqn`` (None outside blocks)."""
+    for g in groups:
+        if fqn == g.representative or fqn.startswith(g.representative + "."):
+            return g.id
+    return None
+

@@ -1,0 +1,112 @@
+"""capture(): model + example inputs or batch spec -> ModelGraph, on meta, one trace per distinct block.
+
+Order of attempts: export with each block group cut to its representative (fast: the cost does
+not grow with depth); export of the full model (a model that indexes its layers by count);
+module-level hooks (a model export cannot trace). Each step down logs a warning naming why.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
+from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_model, resolve_inputs
+from autoplan.capture.ir import ModelGraph
+from autoplan.capture.opcost import register_attention_flops
+from autoplan.capture.roles import recognise_roles
+from autoplan.capture.trace import export, to_nodes
+from autoplan.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+
+def capture(
+    model: nn.Module,
+    inputs: Any = None,
+    *,
+    batch: Any = None,
+    dtype: torch.dtype | None = None,
+    max_copy_bytes: int | None = DEFAULT_MAX_COPY_BYTES,
+    dedupe_blocks: bool = True,
+    fallback: bool = True,
+) -> ModelGraph:
+    """Capture ``model`` as a ModelGraph without touching real weights.
+
+    Args:
+        model: an ``nn.Module`` on meta (used in place, restored afterwards) or on a real device
+            (copied to meta; parameters are not copied).
+        inputs: example inputs: a tensor, a tuple of positional args, a dict of keyword args, or
+            ``(args, kwargs)``. Only shapes and dtypes are used.
+        batch: instead of inputs, a batch spec: ``(batch_size, seq_len)``, a dict or a
+            :class:`~autoplan.capture.inputs.BatchSpec`; token ids (or images for vision models)
+            are made on meta.
+        dtype: cast floating parameters and inputs to this dtype first (e.g. ``torch.bfloat16``).
+        max_copy_bytes: largest real-device model copied to meta; above it ModelTooLargeError.
+        dedupe_blocks: trace one representative per block group (False traces every layer).
+        fallback: when export fails, capture with module hooks instead of raising.
+
+    Raises:
+        MissingInputsError: neither ``inputs`` nor ``batch``.
+        ModelTooLargeError: a real-device model over ``max_copy_bytes``.
+        CaptureError: the model does not run even eagerly on meta, or ``fallback=False`` and export failed.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture(model=...): expected an nn.Module, got {type(model).__name__}")
+    args, kwargs = resolve_inputs(model, inputs, batch, dtype)
+    register_attention_flops()
+    mm = meta_model(model, dtype, max_copy_bytes)
+    was_training = mm.training
+    mm.train()  # training-time graph: dropout present, caches off
+    try:
+        return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
+    finally:
+        mm.train(was_training)
+
+
+def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallback: bool) -> ModelGraph:
+    infos, tied, nparams = module_tree(mm)
+    groups = find_blocks(mm)
+    assign_blocks(infos, groups)
+    root_type = type_name(mm)
+    warnings: list[str] = []
+    attempts = [("export", True), ("export-full", False)] if dedupe and groups else [("export-full", False)]
+    errors: list[str] = []
+    for method, shorten in attempts:
+        try:
+            if shorten:
+                with only_representatives(mm, groups) as rename:
+                    ep = export(mm, args, kwargs)
+            else:
+                rename = {}
+                ep = export(mm, args, kwargs)
+        except Exception as exc:
+            msg = f"{method} of {root_type} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.warning("%s", msg)
+            errors.append(msg)
+            continue
+        nodes, edges, gin, gout = to_nodes(ep, rename, groups, root_type)
+        graph = ModelGraph(
+            model_type=root_type,
+            nodes=nodes,
+            edges=edges,
+            modules=infos,
+            blocks=groups,
+            tied_parameters=tied,
+            inputs=gin,
+            outputs=gout,
+            method=method,
+            warnings=warnings + errors,
+            num_parameters=nparams,
+        )
+        recognise_roles(graph)
+        return graph
+    if not fallback:
+        raise CaptureError("; ".join(errors))
+    from autoplan.capture.fallback import capture_with_hooks
+
+    graph = capture_with_hooks(mm, args, kwargs, infos, groups, tied, nparams, errors)
+    recognise_roles(graph)
+    return graph

@@ -1,0 +1,188 @@
+"""Module-level capture with forward hooks, for models torch.export cannot trace.
+
+The model runs eagerly on meta. A dispatch mode answers the reads of tensor values that meta
+cannot answer (``.item()``, ``bool(t)``, ``nonzero``) with zero/False/empty, so data-dependent
+control flow takes one branch instead of failing; the module where that happened is named in a
+warning. FLOPs come from torch's FLOP formulas applied op by op and are credited to the innermost
+module running; backward is estimated as twice forward (the matmul rule: grad input + grad weight),
+and a module with weights is taken to keep its input for backward.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from autoplan.capture.blocks import block_of, type_name
+from autoplan.capture.ir import BlockGroup, Edge, ModelGraph, ModuleInfo, Node
+from autoplan.capture.trace import tensor_meta
+from autoplan.errors import CaptureError
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+class _MetaEager(TorchDispatchMode):
+    """Counts FLOPs per innermost module and invents values meta tensors cannot give."""
+
+    def __init__(self, stack: list[str], open_calls: list[dict[str, Any]]):
+        super().__init__()
+        self.stack = stack
+        self.open_calls = open_calls
+        self.flops: dict[int, int] = {}  # call index -> FLOPs of its own ops
+        self.data_dependent: dict[str, int] = {}
+
+    def _note(self, what: str) -> None:
+        where = self.stack[-1] if self.stack else ""
+        self.data_dependent[where] = self.data_dependent.get(where, 0) + 1
+        log.debug("%s on meta in module %r answered with a placeholder", what, where)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in flat)
+        if on_meta and func in (aten._local_scalar_dense.default, aten.item.default):
+            self._note("reading a value")
+            t = args[0]
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        if on_meta and func is aten.is_nonzero.default:
+            self._note("bool()")
+            return False
+        if on_meta and func in (aten.nonzero.default,):
+            self._note("nonzero")
+            return torch.empty((0, args[0].dim()), dtype=torch.long, device="meta")
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            where = self.open_calls[-1]["index"] if self.open_calls else -1
+            try:
+                self.flops[where] = self.flops.get(where, 0) + int(formula(*args, **kwargs, out_val=out))
+            except Exception as exc:  # a formula that cannot read these args: count nothing
+                log.debug("no FLOPs for %s: %s", func, exc)
+        return out
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(x)
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def capture_with_hooks(
+    mm: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    infos: dict[str, ModuleInfo],
+    groups: list[BlockGroup],
+    tied: list[list[str]],
+    nparams: int,
+    errors: list[str],
+) -> ModelGraph:
+    """One Node per module call (ops of its own, children excluded); see module docstring."""
+    stack: list[str] = []
+    calls: list[dict[str, Any]] = []
+    open_calls: list[dict[str, Any]] = []
+    producer: dict[int, str] = {}
+    keep_alive: list[torch.Tensor] = []
+    names = {m: fqn for fqn, m in mm.named_modules()}
+    params = {id(p): fqn for fqn, p in mm.named_parameters()}
+
+    def pre(mod, a, kw):
+        fqn = names.get(mod, "")
+        stack.append(fqn)
+        call = {"fqn": fqn, "type": type_name(mod), "scope": list(stack), "inputs": _tensors((a, kw)), "index": len(calls)}
+        calls.append(call)
+        open_calls.append(call)
+
+    def post(mod, a, kw, out):
+        call = open_calls.pop()
+        stack.pop()
+        call["outputs"] = _tensors(out)
+
+    handles = []
+    for mod in mm.modules():
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    mode = _MetaEager(stack, open_calls)
+    try:
+        with mode, torch.no_grad():
+            mm(*args, **kwargs)
+    except Exception as exc:
+        where = stack[-1] if stack else type(mm).__name__
+        raise CaptureError(f"{type(mm).__name__} does not run on meta (failed in module {where!r}): {exc}") from exc
+    finally:
+        for h in handles:
+            h.remove()
+
+    non_reps = {m for g in groups for m in g.member_fqns() if m != g.representative}
+    nodes: list[Node] = []
+    for call in calls:
+        if "outputs" not in call or any(s in non_reps for s in call["scope"]):
+            continue
+        fqn = call["fqn"]
+        name = f"call{call['index']}:{fqn or 'root'}"
+        ins, outs = call["inputs"], call["outputs"]
+        for t in outs:
+            producer.setdefault(id(t), name)
+            keep_alive.append(t)
+        in_nodes = [f"param:{params[id(t)]}" if id(t) in params else producer.get(id(t), "input:?") for t in ins]
+        own_params = [f"{fqn}.{p}" if fqn else p for p in infos[fqn].params] if fqn in infos else []
+        fwd = mode.flops.get(call["index"], 0)
+        param_bytes = sum(p.numel() * p.element_size() for p in mm.get_submodule(fqn).parameters(recurse=False))
+        act_in = sum(t.numel() * t.element_size() for t in ins if id(t) not in params)
+        nodes.append(
+            Node(
+                name=name,
+                op=f"module:{call['type']}",
+                module=fqn,
+                module_type=call["type"],
+                scope=[s for s in call["scope"] if s],
+                args=[{"tensor": i} for i in range(len(ins))],
+                kwargs={},
+                inputs=[tensor_meta(t) for t in ins],
+                input_nodes=in_nodes,
+                outputs=[tensor_meta(t) for t in outs],
+                flops_fwd=fwd,
+                flops_bwd=2 * fwd,
+                bytes_read=act_in + param_bytes,
+                bytes_written=sum(t.numel() * t.element_size() for t in outs),
+                params=own_params,
+                requires_grad=True,
+                saved_internal_bytes=act_in if own_params else 0,
+                block=block_of(fqn, groups),
+            )
+        )
+    untraceable = sorted(mode.data_dependent) or ["<root>"]
+    msg = (
+        f"export could not trace {type(mm).__name__}; captured at module level with forward hooks. "
+        f"Data-dependent values were read in: {', '.join(repr(u) for u in untraceable)} "
+        "(answered with zeros; FLOPs of the branches not taken are missing)"
+    )
+    log.warning("%s", msg)
+    names_set = {n.name for n in nodes}
+    edges = [
+        Edge(src, n.name, m.shape, m.dtype, m.nbytes)
+        for n in nodes
+        for src, m in zip(n.input_nodes, n.inputs)
+        if src in names_set
+    ]
+    inputs = [{"name": f"arg{i}", "shape": list(t.shape), "dtype": str(t.dtype)} for i, t in enumerate(_tensors((args, kwargs)))]
+    root_out = next((c for c in calls if c["fqn"] == "" and "outputs" in c), None)
+    outputs = [{"name": producer.get(id(t), "?"), "shape": list(t.shape), "dtype": str(t.dtype)} for t in (root_out or {}).get("outputs", [])]
+    return ModelGraph(
+        model_type=type_name(mm),
+        nodes=nodes,
+        edges=edges,
+        modules=infos,
+        blocks=groups,
+        tied_parameters=tied,
+        inputs=inputs,
+        outputs=outputs,
+        method="hooks",
+        warnings=errors + [msg],
+        num_parameters=nparams,
+    )

@@ -1,0 +1,357 @@
+"""Roles (attention, MLP, MoE, embedding, LM head, norm) read from the dataflow, not from names.
+
+Attention is the op that does softmax(QK^T)V (SDPA, or softmax between two activation matmuls);
+its q/k/v projections are the nearest matmuls with a weight upstream of its operands, its output
+projection the nearest one downstream. An MLP is a weighted matmul fed (through elementwise ops
+only) by other weighted matmuls; gated when that path multiplies two of them. A router is the
+weighted matmul feeding a top-k; experts are the weights the grouped GEMMs after it use.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+from autoplan.capture.ir import ModelGraph, Node
+
+_MATMUL = ("aten.linear", "aten.addmm", "aten.mm", "aten.matmul", "aten.bmm")
+_ACT = ("silu", "gelu", "relu", "tanh", "sigmoid", "elu", "mish", "softplus")
+_NORM = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "rsqrt")
+# ops a value passes through without ceasing to be "the same tensor" for role tracing
+_PASS = (
+    "view", "reshape", "transpose", "permute", "contiguous", "clone", "to", "_to_copy", "expand",
+    "unsqueeze", "squeeze", "getitem", "split", "chunk", "slice", "select", "cat", "stack", "mul",
+    "add", "sub", "neg", "div", "dropout", "repeat", "index", "type_as", "float", "flatten",
+    "unflatten", "alias", "t", "native_dropout", "masked_fill", "where", "_unsafe_view", "unbind",
+) + _ACT
+
+
+def _base(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "aten" else op
+
+
+def weight_of(node: Node, graph: ModelGraph) -> str | None:
+    """The 2-D weight parameter of a matmul-like node, else None."""
+    if not node.op.startswith(_MATMUL):
+        return None
+    for src, meta in zip(node.input_nodes, node.inputs):
+        if src.startswith("param:") and len(meta.shape) == 2:
+            return src[6:]
+    return None
+
+
+def _lca(fqns: Iterable[str]) -> str:
+    parts = [f.split(".") for f in fqns]
+    if not parts:
+        return ""
+    out = []
+    for col in zip(*parts):
+        if len(set(col)) != 1:
+            break
+        out.append(col[0])
+    return ".".join(out)
+
+
+def _rel(fqn: str, base: str) -> str:
+    return fqn[len(base) + 1:] if base and fqn.startswith(base + ".") else fqn
+
+
+class _Flow:
+    def __init__(self, graph: ModelGraph):
+        self.graph = graph
+        self.by_name = {n.name: n for n in graph.nodes}
+        self.users: dict[str, list[Node]] = defaultdict(list)
+        for n in graph.nodes:
+            for src in n.input_nodes:
+                self.users[src].append(n)
+
+    def up_matmuls(self, name: str, limit: int = 40) -> tuple[list[Node], set[str]]:
+        """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
+        found, ops, stack, seen = [], set(), [name], set()
+        while stack and len(seen) < limit:
+            cur = stack.pop()
+            if cur in seen or cur not in self.by_name:
+                continue
+            seen.add(cur)
+            n = self.by_name[cur]
+            if weight_of(n, self.graph):
+                found.append(n)
+                continue
+            base = _base(n.op)
+            if not base.startswith(_PASS) and base != "getitem":
+                continue
+            ops.add(base)
+            stack.extend(s for s in n.input_nodes if s in self.by_name)
+        return found, ops
+
+    def down_matmul(self, name: str, limit: int = 20) -> Node | None:
+        stack, seen = [name], set()
+        while stack and len(seen) < limit:
+            cur = stack.pop(0)
+            if cur in seen:
+                continue
+            seen.add(cur)
+            for u in self.users.get(cur, []):
+                if weight_of(u, self.graph):
+                    return u
+                if _base(u.op).startswith(_PASS):
+                    stack.append(u.name)
+        return None
+
+
+def _attention_cores(flow: _Flow) -> list[tuple[Node, str, str, str, Node]]:
+    """(core node, q, k, v tensor names, output node) for every attention in the graph."""
+    cores = []
+    for n in flow.graph.nodes:
+        if "scaled_dot_product" in n.op or "flash_attention" in n.op:
+            cores.append((n, n.input_nodes[0], n.input_nodes[1], n.input_nodes[2], n))
+        elif _base(n.op) in ("softmax", "_softmax"):
+            scores = _find_up(flow, n.input_nodes[0], ("matmul", "bmm"))
+            out = _find_down(flow, n.name, ("matmul", "bmm"))
+            if scores is None or out is None or len(scores.input_nodes) < 2:
+                continue
+            if any(s.startswith("param:") for s in scores.input_nodes + out.input_nodes):
+                continue
+            v = next((s for s in out.input_nodes if s != n.name and not _derived(flow, s, n.name)), out.input_nodes[-1])
+            cores.append((n, scores.input_nodes[0], scores.input_nodes[1], v, out))
+    return cores
+
+
+def _derived(flow: _Flow, name: str, ancestor: str, limit: int = 6) -> bool:
+    cur = [name]
+    for _ in range(limit):
+        if ancestor in cur:
+            return True
+        cur = [s for c in cur if c in flow.by_name for s in flow.by_name[c].input_nodes]
+    return ancestor in cur
+
+
+def _find_up(flow: _Flow, name: str, kinds: tuple[str, ...], limit: int = 8) -> Node | None:
+    cur = name
+    for _ in range(limit):
+        n = flow.by_name.get(cur)
+        if n is None:
+            return None
+        if _base(n.op) in kinds:
+            return n
+        acts = [s for s in n.input_nodes if s in flow.by_name]
+        if not acts:
+            return None
+        cur = acts[0]
+    return None
+
+
+def _find_down(flow: _Flow, name: str, kinds: tuple[str, ...], limit: int = 6) -> Node | None:
+    frontier = [name]
+    for _ in range(limit):
+        nxt = []
+        for f in frontier:
+            for u in flow.users.get(f, []):
+                if _base(u.op) in kinds:
+                    return u
+                nxt.append(u.name)
+        frontier = nxt
+    return None
+
+
+def _out_features(n: Node) -> int:
+    return n.outputs[0].shape[-1] if n.outputs else 0
+
+
+def recognise_roles(graph: ModelGraph) -> None:
+    """Fill ``graph.roles``, each ``BlockGroup.roles`` and ``ModuleInfo.role`` in place."""
+    flow = _Flow(graph)
+    role: dict[str, str] = {}
+    per_block: dict[str | None, dict[str, Any]] = defaultdict(lambda: defaultdict(list))
+    rep_of = {b.id: b.representative for b in graph.blocks}
+    claimed: set[str] = set()
+
+    for core, q, k, v, out in _attention_cores(flow):
+        (qs, _), (ks, _), (vs, _) = flow.up_matmuls(q), flow.up_matmuls(k), flow.up_matmuls(v)
+        o = flow.down_matmul(out.name)
+        if not qs or not ks or not vs:
+            continue
+        qn, kn, vn = qs[0], ks[0], vs[0]
+        qmeta = core.inputs[0]
+        n_heads, head_dim = (qmeta.shape[1], qmeta.shape[-1]) if len(qmeta.shape) == 4 else (1, qmeta.shape[-1])
+        if qn.module == kn.module == vn.module:
+            total = _out_features(qn) // max(head_dim, 1)
+            n_kv = max((total - n_heads) // 2, 1)
+            names = {"qkv": qn.module}
+            role[qn.module] = "attention.qkv"
+        else:
+            n_kv = _out_features(kn) // max(head_dim, 1)
+            names = {"q": qn.module, "k": kn.module, "v": vn.module}
+            for key, mod in names.items():
+                role[mod] = f"attention.{key}"
+        if o is not None:
+            names["o"] = o.module
+            role[o.module] = "attention.o"
+        container = _lca(names.values())
+        block = core.block
+        base = rep_of.get(block, "")
+        role.setdefault(container, "attention")
+        claimed.update(names.values())
+        per_block[block]["attention"].append(
+            {
+                "module": _rel(container, base),
+                "projections": {k2: _rel(m, base) for k2, m in names.items()},
+                "n_heads": n_heads,
+                "n_kv_heads": n_kv,
+                "head_dim": head_dim,
+                "op": core.op,
+            }
+        )
+
+    for n in graph.nodes:
+        if _base(n.op) != "topk":
+            continue
+        routers, _ = flow.up_matmuls(n.input_nodes[0])
+        if not routers:
+            continue
+        r = routers[0]
+        top_k = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("k")
+        after = [m for m in graph.nodes if m.block == n.block and m.module.startswith(_lca([r.module, n.module]))]
+        expert_params = sorted({p for m in after for p in m.params if len(_param_shape(graph, p)) == 3})
+        experts_mod = _lca(p.rpartition(".")[0] for p in expert_params) if expert_params else ""
+        if not expert_params:  # experts as a list of modules: the weighted matmuls after the router
+            mods = sorted({m.module for m in after if weight_of(m, graph) and m.module != r.module})
+            experts_mod = _lca(mods)
+        base = rep_of.get(n.block, "")
+        role[r.module] = "moe.router"
+        claimed.add(r.module)
+        if experts_mod:
+            role[experts_mod] = "moe.experts"
+        container = _lca([r.module, experts_mod]) if experts_mod else r.module
+        role.setdefault(container, "moe")
+        per_block[n.block]["moe"].append(
+            {
+                "module": _rel(container, base),
+                "router": _rel(r.module, base),
+                "experts": _rel(experts_mod, base),
+                "num_experts": _out_features(r),
+                "top_k": top_k,
+                "expert_params": [_rel(p, base) for p in expert_params],
+            }
+        )
+        claimed.update(m.module for m in after if weight_of(m, graph) and m.module.startswith(experts_mod + "."))
+
+    for n in graph.nodes:
+        if not weight_of(n, graph) or n.module in claimed:
+            continue
+        act_in = next((s for s in n.input_nodes if not s.startswith("param:")), None)
+        if act_in is None:
+            continue
+        ups, ops = flow.up_matmuls(act_in)
+        ups = [u for u in ups if u.module not in claimed and u.module != n.module and u.block == n.block]
+        if not ups:
+            continue
+        mods = sorted({u.module for u in ups}, key=lambda m: [x.module for x in graph.nodes].index(m))
+        base = rep_of.get(n.block, "")
+        entry: dict[str, Any] = {"down": _rel(n.module, base)}
+        if len(mods) >= 2 and "mul" in ops:
+            gate = next((u.module for u in ups if _feeds_activation(flow, u)), mods[0])
+            up = next(m for m in mods if m != gate)
+            entry.update(gated=True, gate=_rel(gate, base), up=_rel(up, base))
+            role[gate], role[up] = "mlp.gate", "mlp.up"
+        elif len(mods) == 1 and "mul" in ops and ({"chunk", "split", "getitem", "slice"} & ops):
+            entry.update(gated=True, gate_up=_rel(mods[0], base))
+            role[mods[0]] = "mlp.gate_up"
+        else:
+            entry.update(gated=False, up=_rel(mods[0], base))
+            role[mods[0]] = "mlp.up"
+        role[n.module] = "mlp.down"
+        container = _lca(mods + [n.module])
+        entry["module"] = _rel(container, base)
+        entry["hidden"] = n.inputs[0].shape[-1] if n.inputs else None
+        role.setdefault(container, "mlp")
+        claimed.update(mods + [n.module])
+        per_block[n.block]["mlp"].append(entry)
+
+    _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed)
+    for fqn, r in role.items():
+        if fqn in graph.modules:
+            graph.modules[fqn].role = r
+    for b in graph.blocks:
+        role[b.representative] = role.get(b.representative, "block")
+        graph.modules[b.representative].role = role[b.representative]
+        for m in b.member_fqns():
+            graph.modules[m].role = graph.modules[b.representative].role
+        b.roles = {k: list(v) for k, v in per_block.get(b.id, {}).items()}
+    top = per_block.get(None, {})
+    graph.roles = {k: list(v) for k, v in top.items()}
+
+
+def _param_shape(graph: ModelGraph, fqn: str) -> tuple[int, ...]:
+    owner, _, name = fqn.rpartition(".")
+    info = graph.modules.get(owner)
+    return info.params.get(name, ()) if info else ()
+
+
+def _feeds_activation(flow: _Flow, node: Node, limit: int = 4) -> bool:
+    frontier = [node.name]
+    for _ in range(limit):
+        nxt = []
+        for f in frontier:
+            for u in flow.users.get(f, []):
+                if _base(u.op).startswith(_ACT) or "gelu" in u.op:
+                    return True
+                if _base(u.op).startswith(("view", "reshape", "to", "getitem", "chunk", "split", "_to_copy", "slice")):
+                    nxt.append(u.name)
+        frontier = nxt
+    return False
+
+
+def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> None:
+    vocab_emb = None
+    input_names = {f"input:{i['name']}" for i in graph.inputs}
+    for n in graph.nodes:
+        if _base(n.op) == "embedding" and n.input_nodes and n.input_nodes[0].startswith("param:"):
+            w = n.input_nodes[0][6:]
+            shape = n.inputs[0].shape
+            token = any(s in input_names for s in n.input_nodes[1:])
+            kind = "embedding" if token else "position_embedding"
+            role[n.module] = kind
+            base = rep_of.get(n.block, "")
+            entry = {"module": _rel(n.module, base), "weight": w, "vocab": shape[0], "dim": shape[1]}
+            per_block[n.block][kind].append(entry)
+            if token and vocab_emb is None:
+                vocab_emb = entry
+        elif _base(n.op).startswith(_NORM) and n.module and n.module not in role:
+            info = graph.modules.get(n.module)
+            if info is not None and all(len(s) == 1 for s in info.params.values()):
+                role[n.module] = "norm"
+                base = rep_of.get(n.block, "")
+                per_block[n.block]["norms"].append(_rel(n.module, base))
+        elif _base(n.op) in ("convolution", "conv2d", "conv1d", "conv3d", "_convolution"):
+            role.setdefault(n.module, "conv")
+    out_names = {o["name"] for o in graph.outputs}
+    for n in graph.nodes:
+        w = weight_of(n, graph)
+        if not w or n.block is not None or n.module in claimed:
+            continue
+        reaches = n.name in out_names or any(_derived_down(flow, n.name, out_names))
+        if vocab_emb is None or not reaches or _out_features(n) != vocab_emb["vocab"]:
+            role.setdefault(n.module, "linear")
+            continue
+        tied_group = next((g for g in graph.tied_parameters if vocab_emb["weight"] in g), [])
+        tied = w == vocab_emb["weight"] or w in tied_group
+        role[n.module] = "lm_head"
+        per_block[None]["lm_head"].append({"module": n.module, "weight": w, "tied": tied, "vocab": _out_features(n)})
+    for n in graph.nodes:
+        w = weight_of(n, graph)
+        if w and n.module not in role:
+            role[n.module] = "linear"
+
+
+def _derived_down(flow: _Flow, name: str, targets: set[str], limit: int = 8):
+    frontier = [name]
+    for _ in range(limit):
+        nxt = []
+        for f in frontier:
+            for u in flow.users.get(f, []):
+                if u.name in targets:
+                    yield True
+                    return
+                nxt.append(u.name)
+        frontier = nxt

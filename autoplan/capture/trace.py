@@ -1,0 +1,224 @@
+"""torch.export (non-strict, meta tensors) -> ModelGraph nodes and edges.
+
+Every call_function node of the exported program becomes a Node: its owner comes from
+``meta["nn_module_stack"]``, shapes from ``meta["val"]``, parameters from the graph signature,
+costs from :func:`autoplan.capture.opcost.measure` (once per distinct op and shape).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autoplan.capture.blocks import block_of, remap_fqn, type_name
+from autoplan.capture.ir import BlockGroup, Edge, Node, TensorMeta
+from autoplan.capture.opcost import is_view, measure
+
+log = logging.getLogger(__name__)
+
+_SKIP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default"}
+
+
+def export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """Non-strict export; dynamic shapes are off so every size is a plain int."""
+    return torch.export.export(model, args, kwargs, strict=False)
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(int(s) for s in t.shape), str(t.dtype), tuple(int(s) for s in t.stride()))
+
+
+def _metas(val: Any) -> list[TensorMeta]:
+    if isinstance(val, torch.Tensor):
+        return [tensor_meta(val)]
+    if isinstance(val, (list, tuple)):
+        return [m for v in val for m in _metas(v)]
+    return []
+
+
+def _jsonable(value: Any) -> Any:
+    """A non-tensor argument as a JSON value (dtype, device, enums become tagged strings)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, (torch.layout, torch.memory_format)):
+        return {"enum": str(value)}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {"sym": str(value)}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return {"repr": repr(value)}
+
+
+class _ArgWalker:
+    """Turns fx args into (JSON args, tensor metas, producer names, meta tensors for measuring)."""
+
+    def __init__(self, producer_of: dict[str, str]):
+        self.producer_of = producer_of
+        self.metas: list[TensorMeta] = []
+        self.producers: list[str] = []
+        self.live: list[torch.Tensor] = []
+
+    def walk(self, a: Any) -> tuple[Any, Any]:
+        if isinstance(a, fx.Node):
+            val = a.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                i = len(self.metas)
+                self.metas.append(tensor_meta(val))
+                self.producers.append(self.producer_of.get(a.name, a.name))
+                t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+                self.live.append(t)
+                return {"tensor": i}, t
+            return _jsonable(val), val
+        if isinstance(a, (list, tuple)):
+            pairs = [self.walk(x) for x in a]
+            return [p[0] for p in pairs], type(a)(p[1] for p in pairs)
+        if isinstance(a, dict):
+            pairs = {k: self.walk(v) for k, v in a.items()}
+            return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+        return _jsonable(a), a
+
+
+def _owner(node: fx.Node, rename: dict[str, str], root_type: str) -> tuple[str, str, list[str]]:
+    stack = node.meta.get("nn_module_stack") or {}
+    scope, owner, otype = [], "", root_type
+    for path, mtype in stack.values():
+        fqn = remap_fqn(path, rename) if path else ""
+        scope.append(fqn)
+        owner = fqn
+        otype = mtype if isinstance(mtype, str) else type_name(mtype) if isinstance(mtype, nn.Module) else getattr(mtype, "__module__", "") + "." + getattr(mtype, "__qualname__", str(mtype))
+    return owner, otype, scope
+
+
+def _op_name(target: Any) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    return str(target)
+
+
+def _non_member(scope: list[str], non_reps: set[str]) -> bool:
+    return any(s in non_reps for s in scope)
+
+
+def to_nodes(
+    ep: torch.export.ExportedProgram,
+    rename: dict[str, str],
+    groups: list[BlockGroup],
+    root_type: str,
+) -> tuple[list[Node], list[Edge], list[dict], list[dict]]:
+    """Nodes, edges, graph inputs and outputs of an exported program (non-representative block
+    members, when present because shortening was not possible, are dropped)."""
+    non_reps = {m for g in groups for m in g.member_fqns() if m != g.representative}
+    producer_of: dict[str, str] = {}
+    requires_grad: dict[str, bool] = {}
+    graph_inputs: list[dict] = []
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        kind = spec.kind.name
+        if kind == "PARAMETER":
+            producer_of[name] = f"param:{spec.target}"
+            requires_grad[producer_of[name]] = True
+        elif kind == "BUFFER":
+            producer_of[name] = f"buffer:{spec.target}"
+        elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ", "TOKEN"):
+            producer_of[name] = f"const:{spec.target or name}"
+        else:
+            producer_of[name] = f"input:{name}"
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and producer_of.get(node.name, "").startswith("input:"):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                graph_inputs.append({"name": node.name, **_tm_dict(tensor_meta(val))})
+
+    nodes: list[Node] = []
+    by_name: dict[str, Node] = {}
+    cache: dict[Any, Any] = {}
+    for fxn in ep.graph.nodes:
+        if fxn.op != "call_function":
+            continue
+        op = _op_name(fxn.target)
+        if op in _SKIP:
+            continue
+        owner, otype, scope = _owner(fxn, rename, root_type)
+        if _non_member(scope, non_reps):
+            continue
+        walker = _ArgWalker(producer_of)
+        jargs, margs = walker.walk(list(fxn.args))
+        jkwargs, mkwargs = walker.walk(dict(fxn.kwargs))
+        outputs = _metas(fxn.meta.get("val"))
+        grad_mask = {i for i, p in enumerate(walker.producers) if requires_grad.get(p, False)}
+        param_idx = {i for i, p in enumerate(walker.producers) if not _is_activation(p)}
+        node = Node(
+            name=fxn.name,
+            op=op,
+            module=owner,
+            module_type=otype,
+            scope=scope,
+            args=jargs,
+            kwargs=jkwargs,
+            inputs=walker.metas,
+            input_nodes=walker.producers,
+            outputs=outputs,
+            params=sorted({p[6:] for p in walker.producers if p.startswith("param:")}),
+            buffers=sorted({p[7:] for p in walker.producers if p.startswith("buffer:")}),
+            block=block_of(owner, groups),
+        )
+        if op == "getitem":
+            src = walker.producers[0] if walker.producers else None
+            node.requires_grad = bool(src and requires_grad.get(src, False))
+        elif outputs or walker.metas:
+            key = (op, repr(jargs), repr(jkwargs), tuple(walker.metas), tuple(sorted(grad_mask)), tuple(sorted(param_idx)))
+            cost = cache.get(key)
+            if cost is None:
+                try:
+                    cost = measure(fxn.target, margs, mkwargs, grad_mask, param_idx)
+                except Exception as exc:
+                    log.debug("could not run %s on meta (%s); costs left at 0", op, exc)
+                    cost = None
+                cache[key] = cost
+            if cost is not None:
+                node.flops_fwd, node.flops_bwd = cost.flops_fwd, cost.flops_bwd
+                node.requires_grad = cost.output_requires_grad
+                node.saved_internal_bytes = cost.saved_internal_bytes
+                node.saves = sorted({walker.producers[i] for i in cost.saved_inputs if i < len(walker.producers)})
+                if cost.saved_output:
+                    node.saves.append(node.name)
+                    node.saved_for_backward = True
+            if not is_view(fxn.target):
+                node.bytes_read = sum(m.nbytes for m in walker.metas)
+                node.bytes_written = sum(m.nbytes for m in outputs)
+        requires_grad[node.name] = node.requires_grad
+        nodes.append(node)
+        by_name[node.name] = node
+    for node in nodes:
+        for src in node.saves:
+            if src in by_name:
+                by_name[src].saved_for_backward = True
+    edges = [
+        Edge(src, n.name, m.shape, m.dtype, m.nbytes)
+        for n in nodes
+        for src, m in zip(n.input_nodes, n.inputs)
+        if _is_activation(src) and (src in by_name or src.startswith("input:"))
+    ]
+    outputs = []
+    for fxn in ep.graph.nodes:
+        if fxn.op == "output":
+            for a in fxn.args[0] if isinstance(fxn.args[0], (list, tuple)) else [fxn.args[0]]:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    outputs.append({"name": producer_of.get(a.name, a.name), **_tm_dict(tensor_meta(a.meta["val"]))})
+    return nodes, edges, graph_inputs, outputs
+
+
+def _is_activation(producer: str) -> bool:
+    return not producer.startswith(("param:", "buffer:", "const:"))
+
+
+def _tm_dict(m: TensorMeta) -> dict:
+    return {"shape": list(m.shape), "dtype": m.dtype}
