@@ -48,3 +48,7 @@ class MicrobatchError(PipelineError, ValueError):
 
 class DistributedRunError(HyperParallelError, RuntimeError):
     """A multi-rank run that failed or timed out on one or more ranks."""
+
+
+class StageSplitError(PipelineError, ValueError):
+    """Cut points that do not name a stage boundary of the model, or a model the split cannot read."""

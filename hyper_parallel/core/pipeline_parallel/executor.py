@@ -1,0 +1,201 @@
+"""Run one rank's program of a lowered schedule with torch.distributed point-to-point.
+
+Consecutive communication actions form one batch: their isend/irecv go out together through
+``batch_isend_irecv``. Receives are waited when the data is needed; sends are waited at the end
+of the step (the validator's "sends never block" semantics). Every message carries a tag made of
+(direction, stage, micro-batch, tensor index), so gloo matches them whatever the order; for
+untagged backends validate with ``fifo=True``. With ``overlap`` the receives of the next batch
+are posted before the compute in between runs.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.core.pipeline_parallel.schedule_ir import (
+    Action, ActionKind, PipelineSchedule, peer_of,
+)
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage, TensorMeta, local_of
+from hyper_parallel.errors import PipelineError
+
+log = logging.getLogger(__name__)
+K = ActionKind
+MAX_TENSORS = 64  # tensors per stage boundary; bounds the tag space
+
+
+def _tag(direction: int, stage: int, mb: int, idx: int, n_mb: int) -> int:
+    return (((stage * 2 + direction) * n_mb) + mb) * MAX_TENSORS + idx
+
+
+class StepState:
+    """Everything one step passes between the actions of one rank."""
+
+    def __init__(self, stages: dict[int, PipelineStage], mb_args, mb_kwargs, targets, loss_fn,
+                 scale: float, in_meta: dict[int, list[TensorMeta]], n_mb: int):
+        self.stages, self.mb_args, self.mb_kwargs = stages, mb_args, mb_kwargs
+        self.targets, self.loss_fn, self.scale = targets, loss_fn, scale
+        self.in_meta, self.n_mb = in_meta, n_mb
+        self.recv: dict[Action, tuple[list[torch.Tensor], list]] = {}  # recv action -> buffers, works
+        self.sends: list = []
+        self.losses: dict[int, torch.Tensor] = {}
+
+
+def _global(group, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+def _wrap_input(stage: PipelineStage, buf: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    if meta.placements is None:
+        return buf
+    if stage.activation_mesh is None:
+        raise PipelineError(f"stage {stage.stage_index}: receives a DTensor activation but was built "
+                            "without activation_mesh")
+    return DTensor.from_local(buf, stage.activation_mesh, meta.placements, run_check=False,
+                              shape=torch.Size(meta.global_shape))
+
+
+class Executor:
+    """Interprets one rank's lowered program."""
+
+    def __init__(self, schedule: PipelineSchedule, rank: int, group, overlap: bool = False):
+        self.schedule, self.rank, self.group, self.overlap = schedule, rank, group, overlap
+        self.program = schedule.actions[rank]
+        self.s2r = schedule.stage_to_rank
+
+    # ---- communication ---------------------------------------------------------------------
+    def _ops_for(self, a: Action, st: StepState) -> list:
+        peer = _global(self.group, peer_of(a, self.s2r))
+        s, mb, n = a.stage, a.microbatch, st.n_mb
+        stage = st.stages[s]
+        if a.kind is K.SEND_F:
+            tensors = [local_of(t) for t in stage.outputs[mb]]
+            return [dist.P2POp(dist.isend, t, peer, self.group, _tag(0, s + 1, mb, i, n))
+                    for i, t in enumerate(tensors)]
+        if a.kind is K.SEND_B:
+            grads = stage.input_grads.pop(mb)
+            ops = []
+            for i, g in enumerate(grads):
+                meta = st.in_meta[s][i]
+                if g is None:
+                    g = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
+                ops.append(dist.P2POp(dist.isend, local_of(g),
+                                      peer, self.group, _tag(1, s - 1, mb, i, n)))
+            return ops
+        if a.kind is K.RECV_F:
+            metas = st.in_meta[s]
+            bufs = [torch.empty(m.shape, dtype=m.dtype, device=stage.device) for m in metas]
+            st.recv[a] = (bufs, [])
+            return [dist.P2POp(dist.irecv, b, peer, self.group, _tag(0, s, mb, i, n))
+                    for i, b in enumerate(bufs)]
+        if a.kind is K.RECV_B:
+            metas = st.in_meta[s + 1]
+            bufs = [torch.empty(m.shape, dtype=m.dtype, device=stage.device) for m in metas]
+            st.recv[a] = (bufs, [])
+            return [dist.P2POp(dist.irecv, b, peer, self.group, _tag(1, s, mb, i, n))
+                    for i, b in enumerate(bufs)]
+        raise PipelineError(f"rank {self.rank}: {a} is not a communication action")
+
+    def _post(self, batch: list[Action], st: StepState) -> None:
+        ops, owners = [], []
+        for a in batch:
+            if a.kind in (K.RECV_F, K.RECV_B) and a in st.recv:
+                continue  # already posted ahead by overlap
+            new = self._ops_for(a, st)
+            ops += new
+            owners += [a] * len(new)
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        for a, op, w in zip(owners, ops, works):
+            if a.kind in (K.RECV_F, K.RECV_B):
+                st.recv[a][1].append(w)
+            else:
+                st.sends.append((w, op.tensor))
+
+    def _take(self, a: Action, st: StepState) -> list[torch.Tensor]:
+        bufs, works = st.recv.pop(a)
+        for w in works:
+            w.wait()
+        return bufs
+
+    # ---- compute ---------------------------------------------------------------------------
+    def _forward(self, a: Action, st: StepState) -> None:
+        s, mb = a.stage, a.microbatch
+        stage = st.stages[s]
+        if s == 0:
+            args = st.mb_args[mb]
+        elif s - 1 in st.stages:
+            args = list(st.stages[s - 1].outputs[mb])
+        else:
+            bufs = self._take(Action(K.RECV_F, s, mb), st)
+            args = [_wrap_input(stage, b, m) for b, m in zip(bufs, st.in_meta[s])]
+        out = stage.forward(mb, args, st.mb_kwargs[mb])
+        if stage.is_last and st.loss_fn is not None:
+            value = out[0] if len(out) == 1 else tuple(out)
+            loss = st.loss_fn(value, st.targets[mb])
+            st.losses[mb] = loss.detach()
+            stage.set_loss(mb, loss * st.scale)
+
+    def _backward(self, a: Action, st: StepState, mode: str) -> None:
+        s, mb = a.stage, a.microbatch
+        stage = st.stages[s]
+        grads = None
+        if not stage.is_last and mode != "weight":
+            if s + 1 in st.stages:
+                grads = st.stages[s + 1].input_grads.pop(mb)
+            else:
+                grads = self._take(Action(K.RECV_B, s, mb), st)
+        if stage.is_last and st.loss_fn is None:
+            raise PipelineError(f"stage {s}: the last stage needs a loss_fn to run backward")
+        stage.backward(mb, grads, mode)
+
+    # ---- the program -----------------------------------------------------------------------
+    def run(self, st: StepState, fsdp_hooks: dict[str, Callable[[int], None]] | None = None) -> None:
+        prog, i = self.program, 0
+        while i < len(prog):
+            a = prog[i]
+            if a.is_comm:
+                j = i
+                while j < len(prog) and prog[j].is_comm:
+                    j += 1
+                self._post(prog[i:j], st)
+                if self.overlap:
+                    k = j
+                    while k < len(prog) and not prog[k].is_comm:
+                        k += 1
+                    ahead = []
+                    while k < len(prog) and prog[k].is_comm:
+                        if prog[k].kind in (K.RECV_F, K.RECV_B):
+                            ahead.append(prog[k])
+                        k += 1
+                    if ahead:
+                        self._post(ahead, st)
+                i = j
+                continue
+            if a.kind is K.FORWARD:
+                self._forward(a, st)
+            elif a.kind is K.BACKWARD:
+                self._backward(a, st, "full")
+            elif a.kind is K.BACKWARD_INPUT:
+                self._backward(a, st, "input")
+            elif a.kind is K.BACKWARD_WEIGHT:
+                self._backward(a, st, "weight")
+            elif fsdp_hooks is not None and a.kind.value in fsdp_hooks:
+                fsdp_hooks[a.kind.value](a.stage)
+            i += 1
+        for w, _ in st.sends:
+            w.wait()
+        st.sends.clear()
+        if st.recv:
+            raise PipelineError(f"rank {self.rank}: receives never consumed: {sorted(map(str, st.recv))}")
+
+
+def run_program(schedule: PipelineSchedule, rank: int, group, st: StepState, overlap: bool = False,
+                fsdp_hooks=None) -> dict[int, torch.Tensor]:
+    Executor(schedule, rank, group, overlap).run(st, fsdp_hooks)
+    return st.losses
+

@@ -1,0 +1,164 @@
+"""The runtime schedules: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZeroBubble,
+ScheduleZBV. Each builds its IR with a generator, validates it before any communication, and
+runs it with the executor; ``Schedule*.ir(n_ranks, n_microbatches)`` gives the planner the very
+same IR without torch state.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.core.pipeline_parallel import generators
+from hyper_parallel.core.pipeline_parallel.executor import StepState, run_program
+from hyper_parallel.core.pipeline_parallel.fsdp_actions import fsdp_hooks, has_fsdp, prepare_fsdp_backward
+from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, split_microbatches
+from hyper_parallel.core.pipeline_parallel.schedule_ir import PipelineSchedule, lower
+from hyper_parallel.core.pipeline_parallel.shape_inference import infer_boundaries, signature
+from hyper_parallel.core.pipeline_parallel.shared_params import SharedParameters
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
+from hyper_parallel.errors import MicrobatchError, PipelineError, ScheduleError
+
+log = logging.getLogger(__name__)
+
+
+class PipelineScheduleRuntime:
+    """Runs a schedule IR over this rank's stages.
+
+    ``stages``: this rank's PipelineStage(s). ``loss_fn(output, target)`` runs on the last stage
+    per micro-batch; gradients are those of the mean of the micro-batch losses (``scale_grads``).
+    ``shared_parameters``: tied groups ({stage: FQN}); by default read from stage modules built
+    by :func:`split_model`. ``schedule``: a ready IR instead of the class's generator.
+    """
+
+    generator: Callable[..., PipelineSchedule] | None = None
+
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable | None = None, *,
+                 arg_specs: Sequence[BatchDimSpec | int | None] | None = None,
+                 kwarg_specs: Mapping[str, BatchDimSpec | int | None] | None = None,
+                 target_spec: BatchDimSpec | int = BatchDimSpec(0), scale_grads: bool = True,
+                 overlap: bool = False, shared_parameters: Sequence[dict[int, str]] | None = None,
+                 schedule: PipelineSchedule | None = None, fifo: bool = False, **gen_kwargs):
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stages:
+            raise PipelineError(f"{type(self).__name__}: no stages given")
+        self.stages = {s.stage_index: s for s in stages}
+        self.group = stages[0].group
+        self.pp_rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        n_ranks = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if schedule is None:
+            if self.generator is None:
+                raise ScheduleError(f"{type(self).__name__}: give a schedule IR")
+            schedule = type(self).generator(n_ranks, n_microbatches, **gen_kwargs)
+        if schedule.n_ranks != n_ranks:
+            raise ScheduleError(f"{schedule.name}: IR has {schedule.n_ranks} ranks, pipeline group has {n_ranks}")
+        mine = schedule.stages_of(self.pp_rank)
+        if sorted(self.stages) != mine:
+            raise ScheduleError(
+                f"{schedule.name}: pipeline rank {self.pp_rank} must hold stages {mine}, got "
+                f"{sorted(self.stages)}")
+        for s in stages:
+            if s.num_stages != schedule.n_stages:
+                raise ScheduleError(f"{schedule.name}: stage {s.stage_index} says {s.num_stages} stages, "
+                                    f"the schedule has {schedule.n_stages}")
+        self.fsdp = has_fsdp(self.stages)
+        lowered = lower(schedule.compute_only(), fsdp=self.fsdp) if not schedule.is_lowered else schedule
+        self.ir = validate_schedule(lowered, n_microbatches, fifo=fifo)
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.arg_specs, self.kwarg_specs, self.target_spec = arg_specs, kwarg_specs, target_spec
+        self.scale_grads, self.overlap = scale_grads, overlap
+        self._metas: dict[tuple, dict] = {}
+        if shared_parameters is None:
+            shared_parameters = next((getattr(s.module, "tied_groups", None) for s in stages
+                                      if getattr(s.module, "tied_groups", None) is not None), [])
+        device = stages[0].device
+        self.shared = SharedParameters(shared_parameters, self.stages, schedule.stage_to_rank, self.group) \
+            if shared_parameters else None
+        if self.shared is not None:
+            self.shared.broadcast_values(device)
+
+    @classmethod
+    def ir(cls, n_ranks: int, n_microbatches: int, **kwargs) -> PipelineSchedule:
+        """The compute IR this schedule runs, for simulation and review."""
+        if cls.generator is None:
+            raise ScheduleError(f"{cls.__name__} has no generator")
+        return cls.generator(n_ranks, n_microbatches, **kwargs)
+
+    def step(self, *args, target=None, losses: list | None = None, **kwargs) -> torch.Tensor | None:
+        """One training step (forward and backward of every micro-batch; no optimizer step).
+
+        Returns the mean micro-batch loss on the rank holding the last stage, else None; fills
+        ``losses`` with the per-micro-batch losses there.
+        """
+        m = self.n_microbatches
+        mb_args, mb_kwargs = split_microbatches(args, kwargs, m, self.arg_specs, self.kwarg_specs)
+        last = self.ir.n_stages - 1
+        targets = [None] * m
+        if last in self.stages:
+            if self.loss_fn is not None and target is None:
+                raise MicrobatchError("step: the last stage needs target= for loss_fn")
+            if target is not None:
+                split, _ = split_microbatches([target], None, m, [self.target_spec])
+                targets = [t[0] for t in split]
+        key = signature(mb_args[0], mb_kwargs[0])
+        if key not in self._metas:
+            self._metas[key] = infer_boundaries(self.stages, self.ir.stage_to_rank, self.group,
+                                                mb_args[0], mb_kwargs[0])
+        for s in self.stages.values():
+            s.clear()
+        if self.fsdp:
+            prepare_fsdp_backward(self.stages)
+        st = StepState(self.stages, mb_args, mb_kwargs, targets, self.loss_fn,
+                       1.0 / m if self.scale_grads else 1.0, self._metas[key], m)
+        out = run_program(self.ir, self.pp_rank, self.group, st, self.overlap,
+                          fsdp_hooks(self.stages) if self.fsdp else None)
+        if self.shared is not None:
+            self.shared.reduce_grads(next(iter(self.stages.values())).device)
+        if last not in self.stages or self.loss_fn is None:
+            return None
+        ordered = [out[i] for i in range(m)]
+        if losses is not None:
+            losses.extend(ordered)
+        return torch.stack(ordered).mean()
+
+
+class ScheduleGPipe(PipelineScheduleRuntime):
+    """All forwards then all backwards; one stage per rank."""
+    generator = staticmethod(generators.gpipe)
+
+
+class Schedule1F1B(PipelineScheduleRuntime):
+    """One-forward-one-backward; one stage per rank."""
+    generator = staticmethod(generators.one_f_one_b)
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleRuntime):
+    """Interleaved 1F1B; stages s, s+p, ... on rank s (give every local stage)."""
+    generator = staticmethod(generators.interleaved_1f1b)
+
+    def __init__(self, stages, n_microbatches, loss_fn=None, **kwargs):
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if "n_virtual" not in kwargs and "schedule" not in kwargs:
+            kwargs["n_virtual"] = len(stages)
+        super().__init__(stages, n_microbatches, loss_fn, **kwargs)
+
+
+class ScheduleZeroBubble(PipelineScheduleRuntime):
+    """ZB-H1: 1F1B with backward split into dx and dw; one stage per rank."""
+    generator = staticmethod(generators.zero_bubble_h1)
+
+
+class ScheduleZBV(PipelineScheduleRuntime):
+    """ZBV: two stages per rank in a V (rank r: stages r and 2p-1-r), dx/dw split."""
+    generator = staticmethod(generators.zbv)
+
+
+def stage_placement(schedule_cls: type, n_ranks: int, n_microbatches: int, **kwargs) -> tuple[int, ...]:
+    """stage -> pipeline rank for a schedule class: which stages to build on which rank."""
+    return schedule_cls.ir(n_ranks, n_microbatches, **kwargs).stage_to_rank
+

@@ -1,0 +1,67 @@
+"""Learn every stage boundary's shapes, dtypes and placements before the first real step.
+
+Receivers must allocate buffers before data arrives. Each rank runs its stages in increasing
+order on micro-batch 0 without grad, receiving the input description from the previous stage's
+rank and sending its output description on. The chain only ever waits on lower stages, so it
+cannot deadlock. The result is cached per input signature; a new signature (dynamic shapes)
+repeats it.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage, TensorMeta, flatten, meta_of
+
+
+def signature(args: Sequence[Any], kwargs: dict) -> tuple:
+    """What decides the shapes: the tensor shapes/dtypes (and placements) of one micro-batch."""
+    def one(v):
+        if isinstance(v, DTensor):
+            return ("dt", tuple(v.shape), v.dtype, tuple(v.placements))
+        if isinstance(v, torch.Tensor):
+            return ("t", tuple(v.shape), v.dtype)
+        return ("o", type(v).__name__)
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+def _zeros(stage: PipelineStage, m: TensorMeta) -> torch.Tensor:
+    t = torch.zeros(m.shape, dtype=m.dtype, device=stage.device)
+    if m.placements is None:
+        return t
+    return DTensor.from_local(t, stage.activation_mesh, m.placements, run_check=False,
+                              shape=torch.Size(m.global_shape))
+
+
+def infer_boundaries(stages: dict[int, PipelineStage], stage_to_rank: Sequence[int], group,
+                     args0: Sequence[Any], kwargs0: dict) -> dict[int, list[TensorMeta]]:
+    """{stage s: descriptions of the tensors entering s}, for every s this rank receives into
+    or sends out of (the outputs of stage s are under s + 1)."""
+    metas: dict[int, list[TensorMeta]] = {}
+    outs: dict[int, list[torch.Tensor]] = {}
+    n = len(stage_to_rank)
+    for s in sorted(stages):
+        st = stages[s]
+        if s == 0:
+            inputs = list(args0)
+        elif s - 1 in stages:
+            inputs = outs[s - 1]
+            metas[s] = [meta_of(t) for t in inputs]
+        else:
+            box = [None]
+            src = dist.get_global_rank(group, stage_to_rank[s - 1]) if group is not None else stage_to_rank[s - 1]
+            dist.recv_object_list(box, src=src, group=group, device=torch.device("cpu"))
+            metas[s] = box[0]
+            inputs = [_zeros(st, m) for m in metas[s]]
+        with torch.no_grad():
+            out = flatten(st.module(*inputs, **kwargs0), f"stage {s} shape inference")
+        outs[s] = out
+        metas[s + 1] = [meta_of(t) for t in out]  # what stage s sends = what s + 1 receives
+        if s + 1 < n and s + 1 not in stages:
+            dst = dist.get_global_rank(group, stage_to_rank[s + 1]) if group is not None else stage_to_rank[s + 1]
+            dist.send_object_list([[meta_of(t) for t in out]], dst=dst, group=group,
+                                  device=torch.device("cpu"))
+    return metas

@@ -1,0 +1,229 @@
+"""Stage split: cut a model at FQNs and build this rank's stage modules, keeping the original FQNs.
+
+A decoder model is read as a *spine*: the units that run one after another on the hidden state
+(embedding, each block, final norm, head), plus the modules and buffers every stage needs for its
+side inputs (RoPE tables, masks). A cut ``"layers.2"`` starts a stage at that unit. Stage modules
+reference the original submodules (no copy), registered under their original paths, so TP plans,
+FSDP and checkpoints address ``layers.2.attention.wq`` exactly as on the full model, and parameters
+tied inside the model (embedding and head) stay one Parameter when one rank holds both stages.
+
+Spine adapters exist for the repo's torchtitan-style Llama and for HF decoder ``*ForCausalLM``
+models (Llama, Qwen2, Mistral layout: ``model.embed_tokens``, ``model.layers.N``, ``model.norm``,
+``model.rotary_emb``, ``lm_head``); ``register_spine`` adds more.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from hyper_parallel.errors import StageSplitError
+
+
+@dataclass(frozen=True)
+class Spine:
+    """How to run a model family one unit at a time.
+
+    ``units(model)``: FQNs in execution order. ``shared(model)``: module FQNs every stage keeps
+    (no parameters expected). ``buffers(model)``: root buffer names every stage keeps.
+    ``context(stage, h, kwargs)``: side inputs computed at the start of each stage.
+    ``call(stage, fqn, module, h, ctx)``: run one unit.
+    """
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    units: Callable[[nn.Module], list[str]]
+    call: Callable[..., Any]
+    context: Callable[..., dict] = lambda stage, h, kwargs: {}
+    shared: Callable[[nn.Module], list[str]] = lambda model: []
+    buffers: Callable[[nn.Module], list[str]] = lambda model: []
+
+
+# ---- the repo's torchtitan-style Llama -------------------------------------------------------
+
+def _titan_matches(m: nn.Module) -> bool:
+    return all(hasattr(m, a) for a in ("tok_embeddings", "layers", "norm", "output", "rope"))
+
+
+def _titan_units(m: nn.Module) -> list[str]:
+    return ["tok_embeddings"] + [f"layers.{k}" for k in m.layers.keys()] + ["norm", "output"]
+
+
+def _titan_call(stage, fqn, module, h, ctx):
+    if fqn.startswith("layers."):
+        return module(h, stage.rope[: h.shape[1]])
+    return module(h)
+
+
+# ---- HF decoder-only *ForCausalLM ------------------------------------------------------------
+
+def _hf_matches(m: nn.Module) -> bool:
+    base = getattr(m, "model", None)
+    return (hasattr(m, "lm_head") and base is not None
+            and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
+
+
+def _hf_units(m: nn.Module) -> list[str]:
+    n = len(m.model.layers)
+    return ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(n)] + ["model.norm", "lm_head"]
+
+
+def _hf_context(stage, h, kwargs) -> dict:
+    """Positions, RoPE and the causal mask, rebuilt from the local hidden state on every stage."""
+    if not any(u.startswith("model.layers.") for u in stage.units):
+        return {}
+    from transformers.masking_utils import create_causal_mask
+
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    mask_kwargs = dict(config=stage.config, inputs_embeds=h, attention_mask=kwargs.get("attention_mask"),
+                       position_ids=position_ids)
+    params = inspect.signature(create_causal_mask).parameters
+    mask_kwargs["cache" if "cache" in params else "past_key_values"] = None
+    mask = create_causal_mask(**mask_kwargs)
+    rope = stage.get_submodule("model.rotary_emb")(h, position_ids=position_ids)
+    return dict(attention_mask=mask, position_embeddings=rope, position_ids=position_ids)
+
+
+def _hf_call(stage, fqn, module, h, ctx):
+    if fqn.startswith("model.layers."):
+        return module(h, attention_mask=ctx["attention_mask"], position_ids=ctx["position_ids"],
+                      position_embeddings=ctx["position_embeddings"], use_cache=False)
+    return module(h)
+
+
+SPINES: list[Spine] = [
+    Spine("torchtitan-llama", _titan_matches, _titan_units, _titan_call, buffers=lambda m: ["rope"]),
+    Spine("hf-causal-lm", _hf_matches, _hf_units, _hf_call, context=_hf_context,
+          shared=lambda m: ["model.rotary_emb"]),
+]
+
+
+def register_spine(spine: Spine) -> None:
+    """Teach the split a new model family (checked before the built-in ones)."""
+    SPINES.insert(0, spine)
+
+
+def spine_for(model: nn.Module) -> Spine:
+    for spine in SPINES:
+        if spine.matches(model):
+            return spine
+    raise StageSplitError(
+        f"split_model: no spine adapter knows {type(model).__name__}; known: "
+        f"{[s.name for s in SPINES]} (add one with register_spine)")
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the units between two cuts, under their original FQNs.
+
+    ``forward(x, **kwargs)`` takes the model input on the first stage and the previous stage's
+    hidden state elsewhere; kwargs (e.g. an attention mask) reach every stage.
+    """
+
+    def __init__(self, model: nn.Module, spine: Spine, units: Sequence[str], stage_index: int,
+                 n_stages: int):
+        super().__init__()
+        self.spine = spine
+        self.units = list(units)
+        self.stage_index = stage_index
+        self.n_stages = n_stages
+        self.config = getattr(model, "config", None)
+        for fqn in list(units) + spine.shared(model):
+            self._attach(fqn, model.get_submodule(fqn))
+        for name in spine.buffers(model):
+            self.register_buffer(name, getattr(model, name), persistent=False)
+
+    def _attach(self, fqn: str, module: nn.Module) -> None:
+        *path, leaf = fqn.split(".")
+        parent: nn.Module = self
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(leaf, module)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.n_stages - 1
+
+    def forward(self, x, **kwargs):
+        h, ctx = x, None
+        for i, fqn in enumerate(self.units):
+            if ctx is None and not (self.is_first and i == 0):  # side inputs need the hidden state
+                ctx = self.spine.context(self, h, kwargs)
+            h = self.spine.call(self, fqn, self.get_submodule(fqn), h, ctx or {})
+        return h
+
+    def extra_repr(self) -> str:
+        return f"stage {self.stage_index}/{self.n_stages}: {self.units[0]} .. {self.units[-1]}"
+
+
+def stage_units(model: nn.Module, cuts: Sequence[str]) -> list[list[str]]:
+    """The unit FQNs of each stage for cut points ``cuts`` (each the first unit of a stage)."""
+    units = spine_for(model).units(model)
+    cuts = list(cuts)
+    where = []
+    for c in cuts:
+        if c not in units:
+            near = [u for u in units if u.startswith(c.rsplit(".", 1)[0])][:4]
+            raise StageSplitError(f"split_model: cut {c!r} is not a stage boundary of "
+                                  f"{type(model).__name__}; boundaries look like {near or units[:4]}")
+        where.append(units.index(c))
+    if where != sorted(set(where)) or (where and where[0] == 0):
+        raise StageSplitError(f"split_model: cuts {cuts} must be distinct, in model order and after "
+                              f"the first unit {units[0]!r}")
+    bounds = [0] + where + [len(units)]
+    return [units[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def even_cuts(model: nn.Module, n_stages: int) -> list[str]:
+    """Cut points that spread the blocks evenly (embedding with the first stage, norm and head
+    with the last); with more stages than blocks, the embedding, norm and head get stages too."""
+    units = spine_for(model).units(model)
+    blocks = units[1:-2]
+    pool, offset = (blocks, 1) if n_stages <= len(blocks) else (units, 0)
+    if n_stages > len(units):
+        raise StageSplitError(f"even_cuts: {n_stages} stages need at least as many units; "
+                              f"{type(model).__name__} has {len(units)}")
+    per, extra = divmod(len(pool), n_stages)
+    starts, i = [], 0
+    for s in range(n_stages - 1):
+        i += per + (1 if s < extra else 0)
+        starts.append(pool[i])
+    return starts
+
+
+def split_model(model: nn.Module, cuts: Sequence[str], stage_indices: Sequence[int] | None = None
+                ) -> list[StageModule]:
+    """Build the stage modules ``stage_indices`` (default: all) of ``model`` cut at ``cuts``."""
+    spine = spine_for(model)
+    groups = stage_units(model, cuts)
+    idx = range(len(groups)) if stage_indices is None else list(stage_indices)
+    for i in idx:
+        if not 0 <= i < len(groups):
+            raise StageSplitError(f"split_model: stage {i} does not exist; {len(cuts)} cuts make "
+                                  f"{len(groups)} stages")
+    tied = tied_parameters(model, cuts)
+    stages = [StageModule(model, spine, groups[i], i, len(groups)) for i in idx]
+    for st in stages:
+        st.tied_groups = tied  # every rank needs the full list: the gradient sum is collective
+    return stages
+
+
+def tied_parameters(model: nn.Module, cuts: Sequence[str]) -> list[dict[int, str]]:
+    """Parameters that more than one stage holds: for each, {stage index: FQN in that stage}."""
+    groups = stage_units(model, cuts)
+    holders: dict[int, dict[int, str]] = {}
+    for s, units in enumerate(groups):
+        for u in units:
+            for name, p in model.get_submodule(u).named_parameters(remove_duplicate=False):
+                holders.setdefault(id(p), {}).setdefault(s, f"{u}.{name}")
+    return [h for h in holders.values() if len(h) > 1]

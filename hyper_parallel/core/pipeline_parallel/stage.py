@@ -1,0 +1,186 @@
+"""PipelineStage: one stage's module plus the per-micro-batch state the schedule needs.
+
+The stage runs forward and the three backward flavours for one micro-batch at a time:
+- ``full`` (B): one backward pass, input and parameter gradients together;
+- ``input`` (I, dx): only the gradient of the stage input, graph kept for the weight pass;
+- ``weight`` (W, dw): the parameter gradients. It reruns backward over the kept graph with
+  ``.backward`` so that autograd hooks (FSDP's among them) see an ordinary backward; the input
+  gradient it recomputes on the way is discarded. Numerically identical to B; it costs one extra
+  dx pass, which is the price of staying on public autograd APIs.
+Inputs received from another stage become fresh leaves, so each stage's graph ends at its input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.errors import PipelineError
+from hyper_parallel.platform import device_type
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver must know to allocate a buffer: shape/dtype of the local tensor, and the
+    placements if the sender's tensor was a DTensor (None otherwise)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    placements: tuple | None = None
+    global_shape: tuple[int, ...] | None = None
+
+
+def flatten(value: Any, where: str) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    raise PipelineError(f"{where}: stage outputs must be a tensor or a tuple of tensors, got "
+                        f"{type(value).__name__}")
+
+
+def meta_of(t: torch.Tensor) -> TensorMeta:
+    if isinstance(t, DTensor):
+        return TensorMeta(tuple(t.to_local().shape), t.dtype, t.requires_grad, tuple(t.placements),
+                          tuple(t.shape))
+    return TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+
+
+def local_of(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor to put on the wire: the local shard of a DTensor in the placements of ``like``."""
+    if isinstance(t, DTensor):
+        if isinstance(like, DTensor) and tuple(t.placements) != tuple(like.placements):
+            t = t.redistribute(like.device_mesh, like.placements)
+        return t.to_local().contiguous()
+    return t.contiguous()
+
+
+def _like(g: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """An input gradient in the placements of the input (a DTensor grad may come back Partial)."""
+    if isinstance(g, DTensor) and isinstance(x, DTensor) and tuple(g.placements) != tuple(x.placements):
+        return g.redistribute(x.device_mesh, x.placements)
+    return g
+
+
+class PipelineStage:
+    """A stage of the pipeline living on this rank.
+
+    ``group`` is the pipeline process group (the ``pp`` dimension of a mesh); ``activation_mesh``
+    is the mesh that DTensor activations arriving at this stage live on (the ``tp`` submesh).
+    """
+
+    def __init__(self, module: nn.Module, stage_index: int, num_stages: int,
+                 group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 activation_mesh=None):
+        if not 0 <= stage_index < num_stages:
+            raise PipelineError(f"PipelineStage: stage_index {stage_index} is outside 0..{num_stages - 1}")
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group = group
+        self.device = torch.device(device or device_type())
+        self.activation_mesh = activation_mesh
+        self.clear()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def clear(self) -> None:
+        """Drop every micro-batch's saved state (start of a step)."""
+        self._inputs: dict[int, list[Any]] = {}
+        self._roots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}
+        self.input_grads: dict[int, list[torch.Tensor | None]] = {}
+        self._pending_w: dict[int, tuple] = {}
+
+    def leaf_inputs(self, values: Sequence[Any]) -> list[Any]:
+        """Detach received tensors into leaves that collect the input gradient."""
+        out = []
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                v = v.detach()
+                if v.is_floating_point():
+                    v.requires_grad_(True)
+            out.append(v)
+        return out
+
+    def forward(self, mb: int, args: Sequence[Any], kwargs: dict) -> list[torch.Tensor]:
+        inputs = list(args) if self.is_first else self.leaf_inputs(args)
+        out = self.module(*inputs, **kwargs)
+        flat = flatten(out, f"stage {self.stage_index} micro-batch {mb}")
+        self._inputs[mb] = inputs
+        self.outputs[mb] = flat
+        return flat
+
+    def set_loss(self, mb: int, loss: torch.Tensor) -> None:
+        """On the last stage: backward starts from the (scaled) loss instead of the outputs."""
+        self._roots[mb] = ([loss], None)
+
+    def backward(self, mb: int, grad_outputs: list[torch.Tensor] | None, mode: str = "full") -> None:
+        if mb not in self._inputs:
+            raise PipelineError(f"stage {self.stage_index}: backward of micro-batch {mb} before its forward")
+        if mode == "weight":
+            if mb not in self._pending_w:
+                raise PipelineError(f"stage {self.stage_index}: weight backward of micro-batch {mb} "
+                                    "before its input backward")
+            roots, grads = self._pending_w.pop(mb)
+        elif self.is_last and mb in self._roots:
+            roots, grads = self._roots[mb]
+        else:
+            roots, grads = self.outputs[mb], self._wrap_grads(mb, grad_outputs)
+            pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+            roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        inputs = self._inputs[mb]
+        needs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        if mode == "full":
+            if roots:
+                torch.autograd.backward(roots, grad_tensors=grads)
+            self.input_grads[mb] = [_like(x.grad, x) if isinstance(x, torch.Tensor) else None
+                                    for x in inputs]
+            self._free(mb)
+        elif mode == "input":
+            got = torch.autograd.grad(roots, needs, grad_outputs=grads, retain_graph=True,
+                                      allow_unused=True) if needs and roots else []
+            self._pending_w[mb] = (roots, grads)
+            it = iter(got)
+            self.input_grads[mb] = [_like(next(it), x) if (isinstance(x, torch.Tensor) and x.requires_grad)
+                                    else None for x in inputs]
+        elif mode == "weight":
+            if roots:
+                torch.autograd.backward(roots, grad_tensors=grads)
+            self._free(mb)
+        else:
+            raise PipelineError(f"stage {self.stage_index}: unknown backward mode {mode!r}")
+
+    def _wrap_grads(self, mb: int, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        outs = self.outputs[mb]
+        if grads is None or len(grads) != len(outs):
+            raise PipelineError(f"stage {self.stage_index} micro-batch {mb}: got "
+                                f"{0 if grads is None else len(grads)} output gradients for {len(outs)} outputs")
+        wrapped = []
+        for o, g in zip(outs, grads):
+            if isinstance(o, DTensor) and g is not None and not isinstance(g, DTensor):
+                g = DTensor.from_local(g, o.device_mesh, o.placements, run_check=False,
+                                       shape=o.shape, stride=o.stride())
+            wrapped.append(g)
+        return wrapped
+
+    def _free(self, mb: int) -> None:
+        self._inputs.pop(mb, None)
+        self._roots.pop(mb, None)
+        self.outputs.pop(mb, None)
+
+    def scale_grads(self, factor: float) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
