@@ -78,6 +78,34 @@ def _fit_dim_half(rates: dict[int, float], peak: float) -> float:
     return best
 
 
+def _fit_cache(reps: int, dram_bw: float, overhead: float) -> tuple[float, float, float]:
+    """Fit (cache_bytes, cache_bandwidth, sharpness) of Efficiency.bandwidth to adds of growing size.
+
+    Time = overhead + bytes / bandwidth(bytes); log-error grid search.
+    """
+    import math
+
+    import torch
+
+    points = []
+    for log2n in range(13, 23):
+        n = 1 << log2n
+        x, y = torch.randn(n), torch.randn(n)
+        points.append((12.0 * n, _median_time(lambda: torch.add(x, y), reps * 3)))
+    best, best_err = (0.0, 0.0, 3.0), float("inf")
+    for i in range(28):
+        half = 2.0 ** (16 + i / 4)
+        for bw_i in range(12):
+            top = dram_bw * 2.0 ** (0.5 + bw_i / 3)
+            for sharp in (2.0, 3.0, 4.0, 6.0):
+                eff = Efficiency(memory=1.0, cache_bytes=half, cache_bandwidth=top, cache_sharpness=sharp)
+                err = sum((math.log(overhead + b / eff.bandwidth(dram_bw, b)) - math.log(t)) ** 2
+                          for b, t in points)
+                if err < best_err:
+                    best, best_err = (half, top, sharp), err
+    return best
+
+
 def _memory_capacity() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -114,9 +142,11 @@ def measure_host_profile(reps: int = 7) -> HardwareProfile:
     bandwidth = 3 * 4 * n / t_add
     tiny = torch.ones(1)
     overhead = _median_time(lambda: torch.add(tiny, tiny), 200, warmup=20)
+    cache_bytes, cache_bw, sharp = _fit_cache(reps, bandwidth, overhead)
     view_overhead = _median_time(lambda: tiny.view(1, 1), 200, warmup=20)
     eff = Efficiency(compute=1.0, memory=1.0, dim_half=d0, kernel_overhead=overhead,
-                     view_overhead=view_overhead, link=1.0)
+                     view_overhead=view_overhead, link=1.0, cache_bytes=cache_bytes, cache_bandwidth=cache_bw,
+                     cache_sharpness=sharp)
     loopback = Link("loopback_gloo", bandwidth=2e9, latency=50e-6)
     prof = HardwareProfile(
         name="cpu", vendor=platform.machine(), device_type="cpu", peak_flops=peaks,

@@ -49,7 +49,7 @@ class Link:
 class Efficiency:
     """Fractions of datasheet peak that real kernels reach, and fixed per-kernel costs.
 
-    ``dim_half`` is the matmul dimension at which a GEMM reaches half of ``compute`` efficiency on
+    ``dim_half`` is the GEMM dimension at which a GEMM reaches half of ``compute`` efficiency on
     that axis: small M/N/K leave tiles and cores idle, which is what makes efficiency shape-dependent.
     """
 
@@ -59,6 +59,17 @@ class Efficiency:
     kernel_overhead: float = 5e-6
     view_overhead: float = 1e-6
     link: float = 0.8
+    cache_bytes: float = 0.0        # working set (read + written) below which ``cache_bandwidth`` applies
+    cache_bandwidth: float = 0.0    # 0: no cache term (datasheet profiles)
+    cache_sharpness: float = 3.0    # how abruptly speed falls as the working set outgrows the cache
+
+    def bandwidth(self, dram: float, nbytes: float) -> float:
+        """Achievable bytes/s for a working set of ``nbytes``: cache speed for small sets, blending
+        smoothly into DRAM speed (times ``memory``) as the set outgrows the cache."""
+        big = dram * self.memory
+        if self.cache_bytes <= 0 or self.cache_bandwidth <= big:
+            return big
+        return big + (self.cache_bandwidth - big) / (1.0 + (nbytes / self.cache_bytes) ** self.cache_sharpness)
 
 
 @dataclass(frozen=True)

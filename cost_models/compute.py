@@ -1,0 +1,252 @@
+"""Compute time of one op: roofline with shape-dependent efficiency, overridden by profiles.
+
+roofline(op) = kernel overhead + max(FLOPs / (peak x efficiency(shape)), bytes / (bandwidth x efficiency))
+
+GEMM efficiency falls with small M, N, K as prod(d / (d + dim_half)): tiles and cores go idle.
+Attention kernels are priced like a GEMM over (s_q, s_k, head_dim). Views cost a fixed view
+overhead. Everything else is priced by the bytes it reads and writes. A per-category correction
+fitted on profiled ops (:meth:`ComputeModel.fit`: fixed cost + scale of the roofline time)
+corrects the roofline for ops that were not profiled, e.g. the same block at another batch or sequence length; a profile table entry for the
+exact op wins over both.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import pandas as pd
+
+from cost_models.hardware.profile import HardwareProfile
+from cost_models.ops import OpSpec, TensorSpec
+from cost_models.profile_table import ProfileTable
+
+log = logging.getLogger(__name__)
+
+_GEMM = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+_ATTN_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_flash_attention_forward", "_efficient_attention_forward", "npu_fusion_attention"}
+_REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "_log_softmax", "_softmax", "_safe_softmax",
+           "_log_softmax_backward_data", "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
+           "norm", "var_mean", "embedding_dense_backward"}
+_TRANSCENDENTAL = {"silu", "silu_backward", "gelu", "gelu_backward", "exp", "log", "rsqrt", "sqrt", "pow",
+                   "tanh", "sigmoid", "sigmoid_backward", "tanh_backward", "erf", "sin", "cos"}
+_COPY = {"clone", "copy_", "_to_copy", "cat", "stack", "select_backward", "slice_backward", "contiguous",
+         "embedding", "index_select", "where", "tril", "triu", "fill_", "zero_", "ones", "zeros", "empty",
+         "full", "ones_like", "zeros_like", "empty_like", "new_zeros", "new_empty", "scalar_tensor"}
+
+
+_VIEW_LIKE = {"_unsafe_view", "_reshape_alias", "alias", "lift_fresh"}
+
+
+def is_view(spec: OpSpec) -> bool:
+    """True for ops that return an alias of an input (no data moves)."""
+    from cost_models.profiler import _resolve_op
+
+    if spec.short_name in _VIEW_LIKE:
+        return True
+    try:
+        schema = _resolve_op(spec.op)._schema
+    except Exception:  # noqa: BLE001 - unknown ops are priced as data-moving
+        return False
+    rets = schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def category(spec: OpSpec) -> str:
+    """gemm / attention / attention_bwd / reduction / transcendental / copy / elementwise / view."""
+    name = spec.short_name
+    if name in _GEMM:
+        return "gemm"
+    if name in _ATTN_FWD:
+        return "attention"
+    if name.endswith("_backward") and name[: -len("_backward")] in _ATTN_FWD:
+        return "attention_bwd"
+    if is_view(spec):
+        return "view"
+    if name in _REDUCE:
+        return "reduction"
+    if name in _TRANSCENDENTAL:
+        return "transcendental"
+    if name in _COPY:
+        return "copy"
+    if any(_strided(t) for t in spec.tensors):
+        return "elementwise_strided"
+    return "elementwise"
+
+
+def _strided(t: TensorSpec) -> bool:
+    """Non-contiguous in a way that breaks vectorised inner loops (broadcast dims excepted)."""
+    if t.stride is None:
+        return False
+    inner = [(n, st) for n, st in zip(t.shape, t.stride) if n > 1]
+    if inner and inner[-1][1] == 0:  # broadcast along the innermost dim: no vector loads
+        return True
+    expect = 1
+    for n, st in zip(reversed(t.shape), reversed(t.stride)):
+        if n == 1 or st == 0:
+            continue
+        if st != expect:
+            return True
+        expect *= n
+    return False
+
+
+def _storage_bytes(t: TensorSpec) -> int:
+    """Bytes a strided tensor really spans (expanded dims with stride 0 read once)."""
+    if t.stride is None or not t.shape:
+        return t.nbytes
+    if any(s == 0 for s in t.shape):
+        return 0
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride) if st > 0)
+    return min(span, t.numel) * t.itemsize
+
+
+def gemm_dims(spec: OpSpec) -> tuple[int, int, int, int]:
+    """(batch, M, N, K) of a matmul-family op."""
+    ts = spec.tensors
+    name = spec.short_name
+    if name in ("addmm", "baddbmm"):
+        ts = ts[1:3]
+    a, b = ts[0].shape, ts[1].shape
+    if name in ("bmm", "baddbmm"):
+        return a[0], a[1], b[2], a[2]
+    if name == "linear":
+        m = math.prod(a[:-1])
+        return 1, m, b[0], a[-1]
+    return 1, a[-2], b[-1], a[-1]
+
+
+def _attention_dims(spec: OpSpec) -> tuple[int, int, int, int, bool]:
+    q, k = spec.tensors[0].shape, spec.tensors[1].shape
+    causal = False
+    for v in spec.args[3:] + tuple(v for _, v in spec.kwargs if _ == "is_causal"):
+        if isinstance(v, bool):
+            causal = v
+            break
+    return q[0] * q[1], q[2], k[2], q[3], causal
+
+
+def op_flops(spec: OpSpec) -> float:
+    """Floating-point operations of one call (multiply-add = 2)."""
+    cat = category(spec)
+    if cat == "gemm":
+        bsz, m, n, k = gemm_dims(spec)
+        return 2.0 * bsz * m * n * k
+    if cat in ("attention", "attention_bwd"):
+        bh, sq, sk, d, causal = _attention_dims(spec)
+        fwd = 4.0 * bh * sq * sk * d * (0.5 if causal else 1.0)
+        return fwd if cat == "attention" else 2.5 * fwd
+    return float(sum(t.numel for t in spec.out) or max((t.numel for t in spec.tensors), default=0))
+
+
+def op_bytes(spec: OpSpec) -> float:
+    """Bytes read and written (inputs as strided, outputs dense)."""
+    if category(spec) == "view":
+        return 0.0
+    return float(sum(_storage_bytes(t) for t in spec.tensors) + sum(t.nbytes for t in spec.out))
+
+
+def _dtype(spec: OpSpec) -> str:
+    ts = spec.tensors
+    return ts[0].dtype if ts else "torch.float32"
+
+
+@dataclass
+class ComputeModel:
+    """Prices op specs on one hardware profile, with optional profile table and fitted scales."""
+
+    hardware: HardwareProfile
+    table: ProfileTable | None = None
+    corrections: dict[str, tuple[float, float]] = field(default_factory=dict)  # category -> (fixed s, scale)
+
+    def roofline(self, spec: OpSpec) -> float:
+        """Seconds from the roofline (before any fitted scale), overhead included."""
+        eff = self.hardware.efficiency
+        cat = category(spec)
+        if cat == "view":
+            return eff.view_overhead
+        nbytes = op_bytes(spec)
+        t_mem = nbytes / eff.bandwidth(self.hardware.memory_bandwidth, nbytes)
+        t_flop = 0.0
+        if cat == "gemm":
+            _, m, n, k = gemm_dims(spec)
+            shape_eff = eff.compute * math.prod(d / (d + eff.dim_half) for d in (m, n, k))
+            t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * shape_eff)
+        elif cat in ("attention", "attention_bwd"):
+            _, sq, sk, d, _ = _attention_dims(spec)
+            shape_eff = eff.compute * math.prod(x / (x + eff.dim_half) for x in (sq, sk, d))
+            t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * shape_eff)
+        return eff.kernel_overhead + max(t_flop, t_mem)
+
+    def estimate(self, spec: OpSpec) -> float:
+        """Roofline with the fitted correction of the op's category (no table lookup)."""
+        cat = category(spec)
+        if cat not in self.corrections:
+            return self.roofline(spec)
+        fixed, scale = self.corrections[cat]
+        return fixed + scale * self._body(spec)
+
+    def _body(self, spec: OpSpec) -> float:
+        eff = self.hardware.efficiency
+        return self.roofline(spec) - (eff.view_overhead if category(spec) == "view" else eff.kernel_overhead)
+
+    def time(self, spec: OpSpec) -> float:
+        """Seconds for one call: the profiled time when the table has this op, else :meth:`estimate`."""
+        if self.table is not None:
+            got = self.table.lookup(spec)
+            if got is not None:
+                return got
+        return self.estimate(spec)
+
+    def step_time(self, specs: Iterable[OpSpec]) -> float:
+        """Sum over specs of count x time."""
+        return sum(s.count * self.time(s) for s in specs)
+
+    def frame(self, specs: Iterable[OpSpec]) -> pd.DataFrame:
+        """Per-spec table: key, category, count, flops, bytes, roofline_s, estimate_s, time_s, source."""
+        rows = []
+        for s in specs:
+            prof = self.table.lookup(s) if self.table is not None else None
+            est = self.estimate(s)
+            rows.append({"key": s.key, "phase": s.phase, "category": category(s), "count": s.count,
+                         "flops": op_flops(s), "bytes": op_bytes(s), "roofline_s": self.roofline(s),
+                         "estimate_s": est, "time_s": prof if prof is not None else est,
+                         "source": "profile" if prof is not None else "roofline"})
+        return pd.DataFrame(rows)
+
+    def fit(self, specs: Iterable[OpSpec], measured_s: Iterable[float]) -> dict[str, tuple[float, float]]:
+        """Per-category correction ``time = fixed + scale x roofline body``, fitted on profiled ops.
+
+        Weighted least squares on relative error, so a 5 us op counts as much as a 50 ms one.
+        One op (or one size) in a category fits the scale only, with the hardware's kernel
+        overhead as the fixed cost. Fitting on one shape and predicting another is how profiling
+        corrects the roofline for ops it never saw. Returns (and stores) the corrections.
+        """
+        import numpy as np
+
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for s, t in zip(specs, measured_s):
+            if t is None or not math.isfinite(t) or t <= 0:
+                continue
+            groups.setdefault(category(s), []).append((self._body(s), float(t)))
+        out = {}
+        for cat, pts in groups.items():
+            x = np.array([p[0] for p in pts])
+            t = np.array([p[1] for p in pts])
+            fixed0 = self.hardware.efficiency.view_overhead if cat == "view" else self.hardware.efficiency.kernel_overhead
+            if cat != "view" and len(set(np.round(np.log(np.maximum(x, 1e-12)), 1))) >= 2:
+                a = np.stack([np.ones_like(x), x], axis=1) / t[:, None]
+                (fixed, scale), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+                if fixed < 0 or scale <= 0:
+                    fixed = 0.0 if fixed < 0 else fixed
+                    scale = float(np.exp(np.mean(np.log(np.maximum(t - fixed, 1e-12) / np.maximum(x, 1e-12)))))
+            else:
+                fixed = float(np.exp(np.mean(np.log(t)))) if cat == "view" else fixed0
+                resid = np.maximum(t - fixed, 1e-12)
+                scale = float(np.exp(np.mean(np.log(resid / np.maximum(x, 1e-12))))) if cat != "view" else 0.0
+            out[cat] = (float(fixed), float(scale))
+        self.corrections = out
+        return out

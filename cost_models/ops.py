@@ -1,0 +1,287 @@
+"""Op specs: one ATen call described by data (op name, tensor shapes/dtypes/strides, other args).
+
+The profiler replays specs on real tensors and the compute model prices them, so both work from
+this one description. Specs come from three places: :func:`record_ops` (run a function on meta
+tensors under a dispatch mode; sees forward *and* backward ops), :func:`llama_block_ops` (the
+repo Llama's block, built here so profiling does not wait on the capture IR) and
+:func:`specs_from_graph` (the ModelGraph IR of autoplan.capture, forward ops).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable
+
+from cost_models.errors import CostModelError
+
+log = logging.getLogger(__name__)
+
+_DEVICE = "<device>"  # stands for "the device the op is replayed on" inside recorded args
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str                      # "torch.float32"
+    stride: tuple[int, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        import torch
+
+        return getattr(torch, self.dtype.split(".")[-1]).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype.split('.')[-1]}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One distinct op call; ``args``/``kwargs`` hold TensorSpecs where tensors were passed."""
+
+    op: str                                  # "aten.mm.default"
+    args: tuple = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    count: int = 1                           # occurrences per training step (or per forward)
+    phase: str = "fwd"                       # "fwd" or "bwd"
+    out: tuple[TensorSpec, ...] = field(default=(), compare=False)
+
+    @property
+    def key(self) -> str:
+        """Identity of the call for dedup and for the profile table (count and phase excluded)."""
+        return f"{self.op}({_fmt(self.args)}{', ' if self.kwargs else ''}{_fmt_kw(self.kwargs)})"
+
+    @property
+    def tensors(self) -> list[TensorSpec]:
+        return [t for t in _flatten((self.args, tuple(v for _, v in self.kwargs))) if isinstance(t, TensorSpec)]
+
+    @property
+    def short_name(self) -> str:
+        parts = self.op.split(".")
+        return parts[1] if len(parts) > 1 else self.op
+
+
+def _flatten(x):
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _flatten(y)
+    else:
+        yield x
+
+
+def _fmt(x) -> str:
+    if isinstance(x, TensorSpec):
+        st = "" if x.stride is None or x.stride == _contig(x.shape) else f"@{list(x.stride)}"
+        return f"{x}{st}"
+    if isinstance(x, tuple) and x[:1] == ("__list__",):
+        return "[" + ", ".join(_fmt(y) for y in x[1:]) + "]"
+    if isinstance(x, (tuple, list)):
+        return ", ".join(_fmt(y) for y in x)
+    return repr(x)
+
+
+def _fmt_kw(kw) -> str:
+    return ", ".join(f"{k}={_fmt(v)}" for k, v in kw)
+
+
+def _contig(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+def _freeze(x, torch):
+    """Recorded argument -> hashable, device-free data."""
+    if isinstance(x, torch.Tensor):
+        return TensorSpec(tuple(x.shape), str(x.dtype), tuple(x.stride()))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_freeze(y, torch) for y in x) if isinstance(x, tuple) else [_freeze(y, torch) for y in x]
+    if isinstance(x, torch.device):
+        return _DEVICE
+    if isinstance(x, (torch.dtype, torch.memory_format, torch.layout)):
+        return str(x)
+    return x
+
+
+def _hashable(x):
+    if isinstance(x, list):
+        return ("__list__",) + tuple(_hashable(y) for y in x)
+    if isinstance(x, tuple):
+        return tuple(_hashable(y) for y in x)
+    return x
+
+
+def dedupe(specs: Iterable[OpSpec]) -> list[OpSpec]:
+    """Merge specs with the same call and phase, adding their counts; first-seen order."""
+    merged: "OrderedDict[tuple, OpSpec]" = OrderedDict()
+    for s in specs:
+        k = (s.phase, s.key)
+        if k in merged:
+            merged[k] = replace(merged[k], count=merged[k].count + s.count)
+        else:
+            merged[k] = s
+    return list(merged.values())
+
+
+_SKIP = {"aten.detach.default", "aten.lift_fresh.default", "prim.device.default", "aten._local_scalar_dense.default"}
+
+
+def record_ops(fn: Callable[[], Any], backward: Callable[[Any], None] | None = None,
+               count: int = 1) -> list[OpSpec]:
+    """ATen calls made by ``fn()`` (phase fwd) and by ``backward(fn's result)`` (phase bwd), deduplicated.
+
+    Run it on fake tensors (``fake_cpu()``) or meta tensors: nothing is computed or allocated.
+    Fake CPU tensors are better: kernels are chosen as on the real device (e.g. SDPA picks the
+    CPU flash kernel, where meta tensors fall back to the math decomposition).
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: list[OpSpec] = []
+    phase = ["fwd"]
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = str(func)
+            if name not in _SKIP:
+                outs = tuple(_freeze(o, torch) for o in _flatten(out) if isinstance(o, torch.Tensor))
+                calls.append(OpSpec(
+                    op=name, args=_hashable(_freeze(tuple(args), torch)),
+                    kwargs=tuple(sorted((k, _hashable(_freeze(v, torch))) for k, v in kwargs.items())),
+                    count=count, phase=phase[0], out=outs))
+            return out
+
+    with _Recorder():
+        result = fn()
+        if backward is not None:
+            phase[0] = "bwd"
+            backward(result)
+    return dedupe(calls)
+
+
+def fake_cpu():
+    """A FakeTensorMode: tensors created inside look like CPU tensors but hold no memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+class _default_dtype:
+    """Build modules directly in ``dtype`` (``.to(dtype)`` cannot swap fake parameters)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __enter__(self):
+        import torch
+
+        self.old = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.set_default_dtype(self.old)
+
+
+def llama_block_ops(batch: int, seq: int, dtype: str = "float32", count: int = 1, backward: bool = True,
+                    **config) -> list[OpSpec]:
+    """Distinct ops of one block of autoplan.models.llama (forward and backward) at (batch, seq).
+
+    ``config`` overrides LlamaConfig fields (dim, n_heads, n_kv_heads, ffn_hidden...). ``count``
+    multiplies occurrences (the number of identical layers).
+    """
+    import torch
+
+    from autoplan.models.llama import LlamaConfig, TransformerBlock, rope_tables
+
+    cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
+    dt = getattr(torch, dtype.split(".")[-1])
+    with fake_cpu(), _default_dtype(dt):
+        block = TransformerBlock(cfg)
+        x = torch.empty(batch, seq, cfg.dim, dtype=dt, requires_grad=True)
+        rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta).float()
+        grad = torch.empty(batch, seq, cfg.dim, dtype=dt)
+        return record_ops(lambda: block(x, rope), (lambda y: y.backward(grad)) if backward else None,
+                          count=count)
+
+
+def llama_model_ops(batch: int, seq: int, dtype: str = "float32", backward: bool = True,
+                    **config) -> list[OpSpec]:
+    """Distinct ops of a whole repo Llama (embedding, blocks, norm, output, cross-entropy loss).
+
+    One block is recorded and its counts multiplied by n_layers: repeated blocks are traced once.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from autoplan.models.llama import LlamaConfig, RMSNorm
+
+    cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
+    block = llama_block_ops(batch, seq, dtype, count=cfg.n_layers, backward=backward, **config)
+    dt = getattr(torch, dtype.split(".")[-1])
+    fake_mode = fake_cpu()
+    with fake_mode, _default_dtype(dt):
+        emb = torch.nn.Embedding(cfg.vocab_size, cfg.dim)
+        norm = RMSNorm(cfg.dim)
+        out = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        tokens = torch.zeros(batch, seq, dtype=torch.long)
+        h_last = torch.empty(batch, seq, cfg.dim, dtype=dt, requires_grad=True)
+        g_h0, g_loss = torch.empty(batch, seq, cfg.dim, dtype=dt), torch.ones(())
+
+    def ends():
+        h0 = emb(tokens)
+        logits = out(norm(h_last))
+        return h0, F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+    def ends_bwd(res):
+        torch.autograd.backward(list(res), [g_h0, g_loss])
+
+    with fake_mode:
+        rest = record_ops(ends, ends_bwd if backward else None)
+    return dedupe(block + rest)
+
+
+def specs_from_graph(graph) -> list[OpSpec]:
+    """OpSpecs (forward) from an autoplan.capture ModelGraph, counts including block repetition."""
+    specs = []
+    for node in graph.nodes:
+        metas = [TensorSpec(tuple(m.shape), m.dtype if "." in m.dtype else f"torch.{m.dtype}",
+                            tuple(m.stride) if m.stride is not None else None) for m in node.inputs]
+
+        def conv(v):
+            if isinstance(v, dict) and set(v) == {"tensor"}:
+                return metas[v["tensor"]]
+            if isinstance(v, list):
+                return ("__list__",) + tuple(conv(y) for y in v)
+            if isinstance(v, tuple):
+                return tuple(conv(y) for y in v)
+            if isinstance(v, str) and v in ("cpu", "meta", "cuda", "npu"):
+                return _DEVICE
+            return v
+
+        try:
+            args = tuple(conv(a) for a in node.args)
+            kwargs = tuple(sorted((k, conv(v)) for k, v in node.kwargs.items()))
+        except (IndexError, TypeError) as exc:
+            raise CostModelError(f"specs_from_graph: node {node.name!r} has args the profiler cannot read: {exc}") from exc
+        op = node.op if node.op.count(".") >= 2 or not node.op.startswith("aten.") else f"{node.op}.default"
+        specs.append(OpSpec(op=op, args=args, kwargs=kwargs, count=graph.multiplicity(node),
+                            out=tuple(TensorSpec(tuple(m.shape), m.dtype) for m in node.outputs)))
+    return dedupe(specs)
