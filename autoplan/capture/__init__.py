@@ -6,7 +6,7 @@ repeated block), measures every op's FLOPs/bytes/saved tensors, and recognises r
 from autoplan.capture.capture import capture
 from autoplan.capture.inputs import BatchSpec
 from autoplan.capture.ir import BlockGroup, Edge, ModelGraph, ModuleInfo, Node, TensorMeta
-from autoplan.capture.opcost import register_attention_flops
+from autoplan.capture.opcost import register_flop_formulas
 from autoplan.capture.views import DistinctOp, FlowStep, dataflow_frame
 
 __all__ = [
@@ -21,5 +21,5 @@ __all__ = [
     "TensorMeta",
     "capture",
     "dataflow_frame",
-    "register_attention_flops",
+    "register_flop_formulas",
 ]

@@ -15,7 +15,7 @@ import torch.nn as nn
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_model, resolve_inputs
 from autoplan.capture.ir import ModelGraph
-from autoplan.capture.opcost import register_attention_flops
+from autoplan.capture.opcost import register_flop_formulas
 from autoplan.capture.roles import recognise_roles
 from autoplan.capture.trace import export, to_nodes
 from autoplan.errors import CaptureError
@@ -56,7 +56,7 @@ def capture(
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture(model=...): expected an nn.Module, got {type(model).__name__}")
     args, kwargs = resolve_inputs(model, inputs, batch, dtype)
-    register_attention_flops()
+    register_flop_formulas()
     mm = meta_model(model, dtype, max_copy_bytes)
     was_training = mm.training
     mm.train()  # training-time graph: dropout present, caches off

@@ -6,10 +6,11 @@ Each distinct (op, shapes, dtypes, args) is run once on empty meta tensors under
 counter counts, op by op, and CompositeImplicit ops (linear, matmul) decompose as they would.
 
 Attention: on CPU ``F.scaled_dot_product_attention`` runs ``_scaled_dot_product_flash_attention_for_cpu``,
-which FlopCounterMode counts as 0. :func:`register_attention_flops` gives it (and its backward)
-torch's own SDPA formulas (4·b·h·s_q·s_kv·d forward, causal masks not discounted), the same
-numbers the math path on meta yields through its two bmm's. Custom grouped GEMMs (MoE experts)
-get 2·M·K·N.
+which FlopCounterMode counts as 0. :func:`register_flop_formulas` gives it (and its backward)
+torch's own SDPA formulas (4·b·h·s_q·s_kv·d forward, causal masks not discounted; backward 2.5x,
+scores recomputed as fused kernels do). On meta SDPA takes the math path (backward 2x), so
+:func:`measure` counts an SDPA node with those same formulas. MoE grouped GEMMs, also 0 for the
+counter, get 2·M·K·N (backward twice that) registered the same way.
 """
 from __future__ import annotations
 
@@ -24,44 +25,57 @@ from torch.utils.flop_counter import FlopCounterMode
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-_registered = False
+_registered: set[str] = set()
 
 
-def register_attention_flops() -> None:
-    """Give the CPU flash-attention kernel (forward, backward) torch's SDPA FLOP formulas. Idempotent."""
-    global _registered
-    if _registered:
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """2·M·K·N for tokens (M, K) times per-expert weights (E, K, N); batched 3-D x 3-D too."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    return 2 * out_shape[0] * out_shape[-1] * a_shape[-1] if out_shape else 0
+
+
+def _grouped_mm_bwd_flop(a_shape, b_shape, offs_shape, grad_shape, *args, out_shape=None, **kwargs) -> int:
+    """grad input plus grad weight: twice the forward."""
+    return 2 * _grouped_mm_flop(a_shape, b_shape)
+
+
+def _sdpa_cpu_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_bwd_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _register(name: str, packet: Any, formula: Callable) -> None:
+    if name in _registered or packet is None:
         return
-    registry = flop_counter.flop_registry
-    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if fwd is not None and fwd not in registry:
-
-        def cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-        flop_counter.register_flop_formula(fwd)(cpu_sdpa_flop)
-    if bwd is not None and bwd not in registry:
-
-        def cpu_sdpa_bwd_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return flop_counter.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-        flop_counter.register_flop_formula(bwd)(cpu_sdpa_bwd_flop)
-    _registered = True
+    if packet not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(packet)(formula)
+    _registered.add(name)
 
 
-def _grouped_mm_flops(args: list[Any]) -> int:
-    """2·M·K·N for x (M, K) times per-group weights (G, K, N)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if len(tensors) < 2 or tensors[0].dim() != 2 or tensors[1].dim() != 3:
-        return 0
-    m, k = tensors[0].shape
-    n = tensors[1].shape[-1] if tensors[1].shape[-2] == k else tensors[1].shape[-2]
-    return 2 * m * k * n
+def register_flop_formulas() -> None:
+    """Give torch's FlopCounterMode formulas for kernels it counts as 0. Idempotent.
 
-
-# Ops torch's counter does not know, by name fragment: forward formula; backward is 2x forward.
-EXTRA_FORMULAS: dict[str, Callable[[list[Any]], int]] = {"grouped_mm": _grouped_mm_flops}
+    - the CPU flash-attention kernel and its backward: torch's own SDPA formulas;
+    - grouped GEMMs of MoE experts (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``
+      custom op and its backward op): 2·M·K·N forward, twice that backward.
+    transformers' ops exist only once it has been imported; calling again later adds them.
+    """
+    _register("sdpa_cpu", getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), _sdpa_cpu_flop)
+    _register("sdpa_cpu_bwd", getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None), _sdpa_cpu_bwd_flop)
+    _register("grouped_mm", getattr(aten, "_grouped_mm", None), _grouped_mm_flop)
+    try:
+        ns = torch.ops.transformers
+        fwd, bwd = ns.grouped_mm_fallback, ns.grouped_mm_fallback_backward
+    except (AttributeError, RuntimeError):
+        return
+    _register("hf_grouped_mm", fwd, _grouped_mm_flop)
+    _register("hf_grouped_mm_bwd", bwd, _grouped_mm_bwd_flop)
 
 
 @dataclass
@@ -90,34 +104,54 @@ def _flatten(x: Any) -> list[torch.Tensor]:
     return []
 
 
+def _with_grad(args: list[Any], kwargs: dict[str, Any], grad_args: set[int]) -> tuple[list[Any], dict[str, Any]]:
+    """Fresh meta tensors; those at ``grad_args`` are non-leaf tensors that require grad (so an
+    in-place op on them is legal, as it is on activations in the real graph)."""
+    counter = iter(range(1 << 30))
+
+    def fresh(x):
+        if isinstance(x, torch.Tensor):
+            i = next(counter)
+            t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            if i in grad_args and t.is_floating_point():
+                t = t.requires_grad_(True).clone()
+            return t
+        if isinstance(x, (list, tuple)):
+            return type(x)(fresh(v) for v in x)
+        return x
+
+    new_args = fresh(list(args))
+    return new_args, {k: fresh(v) for k, v in kwargs.items()}
+
+
 def measure(op: Callable, args: list[Any], kwargs: dict[str, Any], grad_args: set[int], param_args: set[int]) -> OpCost:
     """Run ``op`` once on the meta tensors in ``args``; tensors at positions ``grad_args``
     (in flattened-tensor order) require grad, those at ``param_args`` are parameters."""
     cost = OpCost()
+    args, kwargs = _with_grad(args, kwargs, grad_args)
     tensors = _flatten(args) + _flatten(list(kwargs.values()))
-    for i, t in enumerate(tensors):
-        if i in grad_args and t.is_floating_point():
-            t.requires_grad_(True)
     saved: list[torch.Tensor] = []
     try:
         with FlopCounterMode(display=False) as fwd:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
                 out = op(*args, **kwargs)
-    except Exception as exc:  # in-place op on a leaf, unsupported meta kernel: retry without grad
+    except Exception as exc:  # an op autograd rejects on these inputs: measure forward only
         log.debug("op %s with grad failed (%s); measuring forward only", op, exc)
-        for t in tensors:
-            t.requires_grad_(False)
+        args, kwargs = _with_grad(args, kwargs, set())
+        tensors = _flatten(args) + _flatten(list(kwargs.values()))
         saved.clear()
         with FlopCounterMode(display=False) as fwd:
             out = op(*args, **kwargs)
     cost.flops_fwd = fwd.get_total_flops()
     outs = _flatten(out)
-    name = str(op)
-    if cost.flops_fwd == 0:
-        for frag, formula in EXTRA_FORMULAS.items():
-            if frag in name:
-                cost.flops_fwd = formula(list(args))
-                cost.flops_bwd = 2 * cost.flops_fwd if any(t.requires_grad for t in tensors) else 0
+    if op is aten.scaled_dot_product_attention.default and len(tensors) >= 3:
+        # meta runs the math path (two bmm, backward four); fused kernels recompute scores in
+        # backward, so count what flash/efficient/cudnn (and torch's formulas for them) count
+        q, k, v = (tuple(t.shape) for t in tensors[:3])
+        if len(q) == len(k) == len(v) == 4:
+            cost.flops_fwd = flop_counter.sdpa_flop_count(q, k, v)
+            if any(t.requires_grad for t in tensors[:3]):
+                cost.flops_bwd = flop_counter.sdpa_backward_flop_count(q[:3] + (v[3],), q, k, v)
     diff_outs = [o for o in outs if o.requires_grad and o.grad_fn is not None]
     cost.output_requires_grad = bool(diff_outs)
     grad_inputs = [t for t in tensors if t.requires_grad]

@@ -65,7 +65,7 @@ class _Flow:
             for src in n.input_nodes:
                 self.users[src].append(n)
 
-    def up_matmuls(self, name: str, limit: int = 40) -> tuple[list[Node], set[str]]:
+    def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
         """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
         found, ops, stack, seen = [], set(), [name], set()
         while stack and len(seen) < limit:
@@ -78,7 +78,7 @@ class _Flow:
                 found.append(n)
                 continue
             base = _base(n.op)
-            if not base.startswith(_PASS) and base != "getitem":
+            if not base.startswith(_PASS + extra) and base != "getitem":
                 continue
             ops.add(base)
             stack.extend(s for s in n.input_nodes if s in self.by_name)
@@ -99,21 +99,28 @@ class _Flow:
         return None
 
 
-def _attention_cores(flow: _Flow) -> list[tuple[Node, str, str, str, Node]]:
-    """(core node, q, k, v tensor names, output node) for every attention in the graph."""
+_BMM = ("matmul", "bmm", "baddbmm", "einsum")
+
+
+def _attention_cores(flow: _Flow) -> list[tuple[Node, str, str, str, Node, Any]]:
+    """(core node, q, k, v tensor names, output node, q metadata) for every attention."""
     cores = []
     for n in flow.graph.nodes:
         if "scaled_dot_product" in n.op or "flash_attention" in n.op:
-            cores.append((n, n.input_nodes[0], n.input_nodes[1], n.input_nodes[2], n))
+            cores.append((n, n.input_nodes[0], n.input_nodes[1], n.input_nodes[2], n, n.inputs[0]))
         elif _base(n.op) in ("softmax", "_softmax"):
-            scores = _find_up(flow, n.input_nodes[0], ("matmul", "bmm"))
-            out = _find_down(flow, n.name, ("matmul", "bmm"))
-            if scores is None or out is None or len(scores.input_nodes) < 2:
+            scores = _find_up(flow, n.input_nodes[0], _BMM)
+            out = _find_down(flow, n.name, _BMM)
+            if scores is None or out is None:
                 continue
-            if any(s.startswith("param:") for s in scores.input_nodes + out.input_nodes):
+            acts = [(s, m) for s, m in zip(scores.input_nodes, scores.inputs) if s in flow.by_name]
+            if len(acts) < 2 or any(s.startswith("param:") for s in scores.input_nodes + out.input_nodes):
                 continue
-            v = next((s for s in out.input_nodes if s != n.name and not _derived(flow, s, n.name)), out.input_nodes[-1])
-            cores.append((n, scores.input_nodes[0], scores.input_nodes[1], v, out))
+            (q, qmeta), (k, _) = acts[-2], acts[-1]  # baddbmm(bias, q, k): the last two
+            v = next((s for s in out.input_nodes if s in flow.by_name and not _derived(flow, s, n.name)), None)
+            if v is None:
+                continue
+            cores.append((n, q, k, v, out, qmeta))
     return cores
 
 
@@ -127,17 +134,18 @@ def _derived(flow: _Flow, name: str, ancestor: str, limit: int = 6) -> bool:
 
 
 def _find_up(flow: _Flow, name: str, kinds: tuple[str, ...], limit: int = 8) -> Node | None:
-    cur = name
+    """Nearest node of one of ``kinds`` upstream of ``name`` (breadth first, ``limit`` steps)."""
+    frontier = [name]
     for _ in range(limit):
-        n = flow.by_name.get(cur)
-        if n is None:
-            return None
-        if _base(n.op) in kinds:
-            return n
-        acts = [s for s in n.input_nodes if s in flow.by_name]
-        if not acts:
-            return None
-        cur = acts[0]
+        nxt = []
+        for cur in frontier:
+            n = flow.by_name.get(cur)
+            if n is None:
+                continue
+            if _base(n.op) in kinds:
+                return n
+            nxt.extend(s for s in n.input_nodes if s in flow.by_name)
+        frontier = nxt
     return None
 
 
@@ -166,13 +174,12 @@ def recognise_roles(graph: ModelGraph) -> None:
     rep_of = {b.id: b.representative for b in graph.blocks}
     claimed: set[str] = set()
 
-    for core, q, k, v, out in _attention_cores(flow):
+    for core, q, k, v, out, qmeta in _attention_cores(flow):
         (qs, _), (ks, _), (vs, _) = flow.up_matmuls(q), flow.up_matmuls(k), flow.up_matmuls(v)
         o = flow.down_matmul(out.name)
         if not qs or not ks or not vs:
             continue
         qn, kn, vn = qs[0], ks[0], vs[0]
-        qmeta = core.inputs[0]
         n_heads, head_dim = (qmeta.shape[1], qmeta.shape[-1]) if len(qmeta.shape) == 4 else (1, qmeta.shape[-1])
         if qn.module == kn.module == vn.module:
             total = _out_features(qn) // max(head_dim, 1)
@@ -206,7 +213,7 @@ def recognise_roles(graph: ModelGraph) -> None:
     for n in graph.nodes:
         if _base(n.op) != "topk":
             continue
-        routers, _ = flow.up_matmuls(n.input_nodes[0])
+        routers, _ = flow.up_matmuls(n.input_nodes[0], extra=("softmax", "_softmax", "sigmoid", "log_softmax"))
         if not routers:
             continue
         r = routers[0]
