@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -81,16 +82,22 @@ class RankPool:
     def _collect(self, timeout_s: float) -> list[Any]:
         outs: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
         while len(outs) + len(errors) < self.world:
             try:
-                rank, ok, value = self._results.get(timeout=timeout_s if not errors else 10.0)
+                rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in outs]
+                late = time.monotonic() > (deadline if not errors else min(deadline, self._first_error + 10))
+                if not dead and not late:
+                    continue
                 missing = sorted(set(range(self.world)) - set(outs) - set(errors))
                 self.close(force=True)
+                why = f"ranks {dead} exited" if dead else f"no answer within {timeout_s:.0f}s"
                 detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-                raise DistributedRunError(
-                    f"ranks {missing} gave no answer within {timeout_s:.0f}s; pool torn down{detail}"
-                ) from None
+                raise DistributedRunError(f"ranks {missing} did not finish ({why}); pool torn down{detail}") from None
+            if not ok and not errors:
+                self._first_error = time.monotonic()
             (outs if ok else errors)[rank] = value
         if errors:
             detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))

@@ -54,3 +54,27 @@ def check_expert_plans(plan_names: list[str], tied_options=(False, True), steps:
             reports[f"{name}/tied={tied}"] = (res.ok, res.ref_losses, res.par_losses,
                                              res.grad_mismatches[:5], res.missing_grads[:5])
     return reports
+
+
+def llama_plan_counts(plan_name: str, n_layers: int = 2, device: str = "cpu", mesh=None):
+    """Per-module collective counts of one training forward+backward of the Llama under a plan."""
+    from hyper_parallel.testing.comm_counts import count_collectives
+
+    world = dist.get_world_size()
+    mesh = mesh or cached_mesh((world,), ("tp",))
+    cfg = dict(SMALL, n_layers=n_layers)
+    if world > 4:  # every sharded dim must divide the world size
+        cfg.update(dim=8 * world, n_heads=world, n_kv_heads=world, vocab_size=2 * world,
+                   ffn_hidden=2 * world, max_seq_len=world)
+    model = build_llama(seed=0, device=device, **cfg)
+    parallelize_module(model, mesh, EXPERT_PLANS[plan_name]())
+    seq = min(16, cfg["max_seq_len"]) if world <= 4 else world
+    with torch.device(device):
+        tokens = torch.randint(0, cfg["vocab_size"], (2, seq)) if device != "meta" else \
+            torch.empty(2, seq, dtype=torch.long)
+    lp = "loss_parallel" in plan_name or plan_name == "torchtitan"
+
+    def step():
+        par_loss(lp)(model, tokens, tokens)
+
+    return count_collectives(model, step)

@@ -32,6 +32,8 @@ class PipelineScheduleRuntime:
     per micro-batch; gradients are those of the mean of the micro-batch losses (``scale_grads``).
     ``shared_parameters``: tied groups ({stage: FQN}); by default read from stage modules built
     by :func:`split_model`. ``schedule``: a ready IR instead of the class's generator.
+    ``dp_group``: with data parallel, shared parameters must be left out of FSDP
+    (``ignored_params``); their gradients are then averaged over this group after the step.
     """
 
     generator: Callable[..., PipelineSchedule] | None = None
@@ -42,7 +44,8 @@ class PipelineScheduleRuntime:
                  kwarg_specs: Mapping[str, BatchDimSpec | int | None] | None = None,
                  target_spec: BatchDimSpec | int = BatchDimSpec(0), scale_grads: bool = True,
                  overlap: bool = False, shared_parameters: Sequence[dict[int, str]] | None = None,
-                 schedule: PipelineSchedule | None = None, fifo: bool = False, **gen_kwargs):
+                 schedule: PipelineSchedule | None = None, fifo: bool = False,
+                 dp_group: dist.ProcessGroup | None = None, **gen_kwargs):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
             raise PipelineError(f"{type(self).__name__}: no stages given")
@@ -77,8 +80,8 @@ class PipelineScheduleRuntime:
             shared_parameters = next((getattr(s.module, "tied_groups", None) for s in stages
                                       if getattr(s.module, "tied_groups", None) is not None), [])
         device = stages[0].device
-        self.shared = SharedParameters(shared_parameters, self.stages, schedule.stage_to_rank, self.group) \
-            if shared_parameters else None
+        self.shared = SharedParameters(shared_parameters, self.stages, schedule.stage_to_rank, self.group,
+                                       dp_group) if shared_parameters else None
         if self.shared is not None:
             self.shared.broadcast_values(device)
 

@@ -4,7 +4,8 @@ Every copy starts from the value on the lowest stage that holds it (broadcast ov
 group) and, after each step, every copy's gradient becomes the sum over copies (all-reduce over
 the pipeline group, ranks without a copy contributing zeros; a rank holding two stages that share
 the very same Parameter contributes its gradient once). Works on the local shards of DTensor
-parameters: pipeline peers shard a parameter the same way, so shards line up.
+parameters: pipeline peers shard a parameter the same way, so shards line up. With data parallel,
+shared parameters stay out of FSDP and their gradients are also averaged over the dp group.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class SharedParameters:
     """The tied groups of one pipeline, bound to this rank's stages."""
 
     def __init__(self, groups: Sequence[dict[int, str]], stages: dict[int, PipelineStage],
-                 stage_to_rank: Sequence[int], group):
+                 stage_to_rank: Sequence[int], group, dp_group=None):
         self.group = group
+        self.dp_group = dp_group
         self.stage_to_rank = tuple(stage_to_rank)
         self.entries = []  # (group index, owner pp rank, local unique params)
         described = []
@@ -75,6 +77,9 @@ class SharedParameters:
                 if p.grad is not None:
                     buf += _local(p.grad)
             dist.all_reduce(buf, group=self.group)
+            if self.dp_group is not None:
+                dist.all_reduce(buf, group=self.dp_group)
+                buf /= dist.get_world_size(self.dp_group)
             for p in params:
                 if p.grad is None:
                     p.grad = DTensor.from_local(buf.clone(), p.device_mesh, p.placements, run_check=False,

@@ -58,6 +58,8 @@ class ApplyRecord:
                 distribute_tensor(param.detach(), mesh, placements, src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad,
             )
+            if new.requires_grad:
+                self.add_hook(new.register_post_accumulate_grad_hook(align_grad_to_param))
         self._shared[key] = (placements, new)
         return new
 
@@ -70,6 +72,20 @@ class ApplyRecord:
                 item.remove()
         self._undo.clear()
         self._shared.clear()
+
+
+def align_grad_to_param(param: DTensor) -> None:
+    """Give a gradient its parameter's layout as soon as it is accumulated.
+
+    DTensor leaves the gradient of a replicated parameter used on sharded activations (a
+    sequence-parallel norm) as Partial, and that of a vocabulary-sharded embedding as a full
+    Replicate tensor. Left alone, the optimizer would reduce the Partial one inside every op that
+    reads it and keep a full-vocabulary gradient on every rank; redistributing here costs one
+    all-reduce (Partial) or a local slice (Replicate -> Shard) per step, in backward.
+    """
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 class ParallelStyle(_TorchParallelStyle):
@@ -149,14 +165,20 @@ def check_divides(size: int, mesh: DeviceMesh, where: str, what: str) -> None:
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, placements: dict[str, Placement],
-                 default: Placement, fqn: str) -> None:
-    """Replace each direct parameter of ``module`` by a DTensor with its placement."""
-    for name, param in list(module._parameters.items()):
-        if param is None:
-            continue
-        placement = placements.get(name, default)
-        new = record.sharded(param, (placement,), mesh, where=f"{fqn or type(module).__name__}.{name}")
-        record.replace_param(module, name, new)
+                 default: Placement, fqn: str, recurse: bool = False) -> None:
+    """Replace each parameter of ``module`` (and of its submodules if ``recurse``) by a DTensor.
+
+    ``placements`` maps a direct parameter name to its placement; others get ``default``.
+    """
+    subs = module.named_modules() if recurse else [("", module)]
+    for sub_fqn, sub in subs:
+        for name, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            placement = placements.get(name, default) if sub is module else default
+            where = ".".join(x for x in (fqn or type(module).__name__, sub_fqn, name) if x)
+            new = record.sharded(param, (placement,), mesh, where=where)
+            record.replace_param(sub, name, new)
 
 
 def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Placement | None,

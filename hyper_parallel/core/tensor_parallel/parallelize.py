@@ -1,6 +1,6 @@
 """parallelize_module: apply a plan of {FQN pattern: style} to a model, all or nothing.
 
-Patterns are matched atom by atom with fnmatch (``layers.*.attention.wq`` matches
+The key "" names the root module itself. Patterns are matched atom by atom with fnmatch (``layers.*.attention.wq`` matches
 ``layers.0.attention.wq`` but ``layers.*`` does not match ``layers.0.attention``); nested dicts
 are joined with dots. Every pattern must match a module, every module may be matched once,
 and every style checks its module before anything changes; if applying still fails, all changes
@@ -34,6 +34,11 @@ def flatten_plan(plan: PlanLike, prefix: str = "") -> dict[str, ParallelStyle]:
         )
     flat: dict[str, ParallelStyle] = {}
     for key, value in plan.items():
+        if key == "" and not prefix:  # "" names the module the plan is applied to
+            flat[""] = value if isinstance(value, ParallelStyle) else flatten_plan(value).get("")
+            if not isinstance(flat[""], ParallelStyle):
+                raise PlanPatternError("plan key '' (the root module) must map to a ParallelStyle")
+            continue
         if not isinstance(key, str) or not key or key.startswith(".") or key.endswith("."):
             raise PlanPatternError(f"plan key {key!r} under {prefix or '<root>'!r} is not a module pattern")
         full = f"{prefix}.{key}" if prefix else key

@@ -38,7 +38,7 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"SequenceParallel on {fqn or '<root>'}"
-        shard_params(module, mesh, record, {}, Replicate(), fqn)
+        shard_params(module, mesh, record, {}, Replicate(), fqn, recurse=True)
         seq = Shard(self.sequence_dim)
 
         def pre_hook(mod, inputs):
@@ -78,7 +78,7 @@ class NoParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"NoParallel on {fqn or '<root>'}"
-        shard_params(module, mesh, record, {}, Replicate(), fqn)
+        shard_params(module, mesh, record, {}, Replicate(), fqn, recurse=True)
 
         def pre_hook(mod, inputs):
             return _map_tensor_args(
