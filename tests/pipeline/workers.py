@@ -99,3 +99,70 @@ def run_pure_pp(cases) -> list[dict]:
         res.update(case=(kind, tie, name, m), n_losses=len(losses))
         out.append(res)
     return out
+
+
+def tp_plan(kind: str, tie: bool) -> dict:
+    """Megatron-style TP for the blocks; vocab-parallel embedding and column head when untied."""
+    from hyper_parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate
+    if kind == "titan":
+        block = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                 "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                 "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                 "feed_forward.w2": RowwiseParallel()}
+        plan = {"layers.*": block}
+        if not tie:
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+            plan["output"] = ColwiseParallel(output_layouts=Replicate())
+        return plan
+    block = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+             "mlp.down_proj": RowwiseParallel()}
+    plan = {"model.layers.*": block}
+    if not tie:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def run_parallel(cases, dp: int) -> list[dict]:
+    """(pp, tp) when dp == 1, (dp, pp, tp) with fully_shard over dp otherwise; pp = tp = 2.
+
+    cases: (kind, tie, schedule name, n_microbatches, n_layers, batch, seq). Each dp rank takes
+    its slice of the batch; the reference is one device on the whole batch.
+    """
+    from hyper_parallel import fully_shard, parallelize_module
+    from hyper_parallel.testing import cached_mesh
+    if dp == 1:
+        mesh = cached_mesh((2, 2), ("pp", "tp"))
+    else:
+        mesh = cached_mesh((dp, 2, 2), ("dp", "pp", "tp"))
+    pp_group, tp_mesh = mesh["pp"].get_group(), mesh["tp"]
+    dp_rank = mesh.get_local_rank("dp") if dp > 1 else 0
+    out = []
+    for kind, tie, name, m, n_layers, batch, seq in cases:
+        x, y = data(batch, seq)
+        ref_loss, ref_grads = reference(kind, tie, n_layers, x, y)
+        model = build_model(kind, tie, n_layers)
+        parallelize_module(model, tp_mesh, tp_plan(kind, tie), src_data_rank=None)
+        cls = SCHEDULES[name]
+        stages = build_stages(model, cls.ir(2, m), group=pp_group, activation_mesh=tp_mesh)
+        if dp > 1:
+            tied = {id(p) for st in stages for g in st.module.tied_groups
+                    for s, fqn in g.items() if s == st.stage_index
+                    for p in [st.module.get_parameter(fqn)]}
+            ignored = {p for st in stages for p in st.module.parameters() if id(p) in tied}
+            for st in stages:
+                for layer in [u for u in st.module.units if ".layers." in f".{u}"]:
+                    fully_shard(st.module.get_submodule(layer), mesh=mesh["dp"], ignored_params=ignored)
+                fully_shard(st.module, mesh=mesh["dp"], ignored_params=ignored)
+        per = batch // dp
+        xs, ys = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        sched = cls(stages, m, lm_loss, dp_group=mesh["dp"].get_group() if dp > 1 else None)
+        loss = sched.step(xs, target=ys)
+        res = compare(stages, ref_grads, None, ref_loss)
+        res.update(case=(kind, tie, name, m), loss=None if loss is None else loss.item(),
+                   ref_loss=ref_loss.item())
+        out.append(res)
+    return out
