@@ -2,8 +2,9 @@
 
 The key "" names the root module itself. Patterns are matched atom by atom with fnmatch (``layers.*.attention.wq`` matches
 ``layers.0.attention.wq`` but ``layers.*`` does not match ``layers.0.attention``); nested dicts
-are joined with dots. Every pattern must match a module, every module may be matched once,
-and every style checks its module before anything changes; if applying still fails, all changes
+are joined with dots. Every pattern must match a module; a module matched by several patterns
+takes the most specific one (fewest wildcard atoms: ``layers.0.attention`` overrides
+``layers.*.attention``), and equally specific rivals are an error. Every style checks its module before anything changes; if applying still fails, all changes
 are rolled back, so the model is left exactly as it was.
 """
 from __future__ import annotations
@@ -62,6 +63,11 @@ def match_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]
     return found
 
 
+def _wildcards(pattern: str) -> int:
+    """How unspecific a pattern is: the number of its atoms that contain a wildcard."""
+    return sum(any(c in atom for c in "*?[") for atom in pattern.split("."))
+
+
 def resolve_mesh(device_mesh: DeviceMesh, mesh_dim: str | None) -> DeviceMesh:
     """The 1-D mesh to shard on: ``device_mesh`` itself or its named dimension ``mesh_dim``."""
     if not isinstance(device_mesh, DeviceMesh):
@@ -92,8 +98,7 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
     flat = flatten_plan(parallelize_plan)
     fqns = [f for f, _ in module.named_modules()]
 
-    assignments: list[tuple[str, nn.Module, ParallelStyle]] = []
-    owner: dict[str, str] = {}
+    chosen: dict[str, tuple[str, nn.Module, ParallelStyle]] = {}
     for pattern, style in flat.items():
         matches = match_modules(module, pattern)
         if not matches:
@@ -103,12 +108,16 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
                 f"plan pattern {pattern!r} matches no module of {type(module).__name__}{hint}"
             )
         for fqn, sub in matches:
-            if fqn in owner:
-                raise PlanPatternError(
-                    f"module {fqn!r} is matched by both {owner[fqn]!r} and {pattern!r}; give it one style"
-                )
-            owner[fqn] = pattern
-            assignments.append((fqn, sub, style))
+            if fqn in chosen:
+                other = chosen[fqn][0]
+                if _wildcards(pattern) == _wildcards(other):
+                    raise PlanPatternError(
+                        f"module {fqn!r} is matched by both {other!r} and {pattern!r}; give it one style"
+                    )
+                if _wildcards(pattern) > _wildcards(other):
+                    continue  # the more specific pattern already owns this module
+            chosen[fqn] = (pattern, sub, style)
+    assignments = [(fqn, sub, style) for fqn, (_, sub, style) in chosen.items()]
 
     for fqn, sub, style in assignments:  # phase 1: check everything, change nothing
         style.check_module(sub, mesh, fqn)
