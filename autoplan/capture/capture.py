@@ -88,6 +88,7 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
             errors.append(msg)
             continue
         nodes, edges, gin, gout = to_nodes(ep, rename, groups, root_type)
+        _own_tied_names(nodes, tied)
         graph = ModelGraph(
             model_type=root_type,
             nodes=nodes,
@@ -110,3 +111,17 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
     graph = capture_with_hooks(mm, args, kwargs, infos, groups, tied, nparams, errors)
     recognise_roles(graph)
     return graph
+
+
+def _own_tied_names(nodes, tied: list[list[str]]) -> None:
+    """Export names a tied parameter once (any of its FQNs); name it after the module using it."""
+    group_of = {name: g for g in tied for name in g}
+    for n in nodes:
+        fixed = []
+        for src in n.input_nodes:
+            if src.startswith("param:") and src[6:] in group_of:
+                own = next((f for f in group_of[src[6:]] if f.rpartition(".")[0] == n.module), src[6:])
+                src = f"param:{own}"
+            fixed.append(src)
+        n.input_nodes = fixed
+        n.params = sorted({s[6:] for s in fixed if s.startswith("param:")})

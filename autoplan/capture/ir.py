@@ -166,10 +166,11 @@ class ModelGraph:
 
     def traced_parameters(self) -> int:
         """Parameters the traced ops use, blocks multiplied out, ties counted once."""
+        canonical = {name: g[0] for g in self.tied_parameters for name in g}
         seen: dict[str, int] = {}
         for n in self.nodes:
             for p in n.params:
-                seen[p] = self.multiplicity(n)
+                seen[canonical.get(p, p)] = self.multiplicity(n)
         total = 0
         for fqn, mult in seen.items():
             owner, _, pname = fqn.rpartition(".")

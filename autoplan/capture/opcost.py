@@ -34,7 +34,9 @@ def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
         return 2 * a_shape[0] * a_shape[1] * b_shape[2]
     if len(a_shape) == 3 and len(b_shape) == 3:
         return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
-    return 2 * out_shape[0] * out_shape[-1] * a_shape[-1] if out_shape else 0
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (K, M) x (M, N) split along M: per-group weight grads
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 0
 
 
 def _grouped_mm_bwd_flop(a_shape, b_shape, offs_shape, grad_shape, *args, out_shape=None, **kwargs) -> int:

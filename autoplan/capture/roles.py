@@ -30,14 +30,34 @@ def _base(op: str) -> str:
     return parts[1] if len(parts) > 1 and parts[0] == "aten" else op
 
 
-def weight_of(node: Node, graph: ModelGraph) -> str | None:
-    """The 2-D weight parameter of a matmul-like node, else None."""
+_WEIGHT_VIEW = ("t", "numpy_T", "transpose", "permute", "view", "reshape", "alias", "to", "_to_copy", "expand", "contiguous")
+
+
+def weight_of(node: Node, graph: ModelGraph, param_views: dict[str, str] | None = None) -> str | None:
+    """The 2-D weight parameter of a matmul-like node (used directly or through a transpose/
+    view/cast of it, as in ``x @ self.weight.T``), else None."""
     if not node.op.startswith(_MATMUL):
         return None
     for src, meta in zip(node.input_nodes, node.inputs):
         if src.startswith("param:") and len(meta.shape) == 2:
             return src[6:]
+        if param_views and src in param_views and len(meta.shape) == 2:
+            return param_views[src]
     return None
+
+
+def _param_views(graph: ModelGraph) -> dict[str, str]:
+    """Node name -> parameter FQN for nodes that only re-view or cast a parameter."""
+    out: dict[str, str] = {}
+    for n in graph.nodes:
+        if not _base(n.op).startswith(_WEIGHT_VIEW) or not n.input_nodes:
+            continue
+        src = n.input_nodes[0]
+        if src.startswith("param:"):
+            out[n.name] = src[6:]
+        elif src in out:
+            out[n.name] = out[src]
+    return out
 
 
 def _lca(fqns: Iterable[str]) -> str:
@@ -59,11 +79,15 @@ def _rel(fqn: str, base: str) -> str:
 class _Flow:
     def __init__(self, graph: ModelGraph):
         self.graph = graph
+        self.param_views = _param_views(graph)
         self.by_name = {n.name: n for n in graph.nodes}
         self.users: dict[str, list[Node]] = defaultdict(list)
         for n in graph.nodes:
             for src in n.input_nodes:
                 self.users[src].append(n)
+
+    def weight(self, node: Node) -> str | None:
+        return weight_of(node, self.graph, self.param_views)
 
     def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
         """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
@@ -74,7 +98,7 @@ class _Flow:
                 continue
             seen.add(cur)
             n = self.by_name[cur]
-            if weight_of(n, self.graph):
+            if self.weight(n):
                 found.append(n)
                 continue
             base = _base(n.op)
@@ -92,7 +116,7 @@ class _Flow:
                 continue
             seen.add(cur)
             for u in self.users.get(cur, []):
-                if weight_of(u, self.graph):
+                if self.weight(u):
                     return u
                 if _base(u.op).startswith(_PASS):
                     stack.append(u.name)
@@ -180,8 +204,15 @@ def recognise_roles(graph: ModelGraph) -> None:
         if not qs or not ks or not vs:
             continue
         qn, kn, vn = qs[0], ks[0], vs[0]
-        n_heads, head_dim = (qmeta.shape[1], qmeta.shape[-1]) if len(qmeta.shape) == 4 else (1, qmeta.shape[-1])
-        if qn.module == kn.module == vn.module:
+        head_dim = qmeta.shape[-1]
+        fused = qn.module == kn.module == vn.module
+        if len(qmeta.shape) == 4:
+            n_heads = qmeta.shape[1]
+        elif fused:  # (batch*heads, seq, dim) layouts: heads from the projection width
+            n_heads = _out_features(qn) // max(head_dim, 1) // 3
+        else:
+            n_heads = _out_features(qn) // max(head_dim, 1)
+        if fused:
             total = _out_features(qn) // max(head_dim, 1)
             n_kv = max((total - n_heads) // 2, 1)
             names = {"qkv": qn.module}
@@ -222,7 +253,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         expert_params = sorted({p for m in after for p in m.params if len(_param_shape(graph, p)) == 3})
         experts_mod = _lca(p.rpartition(".")[0] for p in expert_params) if expert_params else ""
         if not expert_params:  # experts as a list of modules: the weighted matmuls after the router
-            mods = sorted({m.module for m in after if weight_of(m, graph) and m.module != r.module})
+            mods = sorted({m.module for m in after if flow.weight(m) and m.module != r.module})
             experts_mod = _lca(mods)
         base = rep_of.get(n.block, "")
         role[r.module] = "moe.router"
@@ -241,12 +272,12 @@ def recognise_roles(graph: ModelGraph) -> None:
                 "expert_params": [_rel(p, base) for p in expert_params],
             }
         )
-        claimed.update(m.module for m in after if weight_of(m, graph) and m.module.startswith(experts_mod + "."))
+        claimed.update(m.module for m in after if flow.weight(m) and m.module.startswith(experts_mod + "."))
 
     for n in graph.nodes:
-        if not weight_of(n, graph) or n.module in claimed:
+        if not flow.weight(n) or n.module in claimed:
             continue
-        act_in = next((s for s in n.input_nodes if not s.startswith("param:")), None)
+        act_in = next((s for s in n.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
         if act_in is None:
             continue
         ups, ops = flow.up_matmuls(act_in)
@@ -270,7 +301,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         role[n.module] = "mlp.down"
         container = _lca(mods + [n.module])
         entry["module"] = _rel(container, base)
-        entry["hidden"] = n.inputs[0].shape[-1] if n.inputs else None
+        entry["hidden"] = next((m.shape[-1] for src, m in zip(n.input_nodes, n.inputs) if src == act_in), None)
         role.setdefault(container, "mlp")
         claimed.update(mods + [n.module])
         per_block[n.block]["mlp"].append(entry)
@@ -316,7 +347,8 @@ def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> Non
         if _base(n.op) == "embedding" and n.input_nodes and n.input_nodes[0].startswith("param:"):
             w = n.input_nodes[0][6:]
             shape = n.inputs[0].shape
-            token = any(s in input_names for s in n.input_nodes[1:])
+            token = bool(n.input_nodes[1:]) and not _from_arange(flow, n.input_nodes[1]) and (
+                any(s in input_names for s in n.input_nodes[1:]) or _from_inputs(flow, n.input_nodes[1], input_names))
             kind = "embedding" if token else "position_embedding"
             role[n.module] = kind
             base = rep_of.get(n.block, "")
@@ -334,7 +366,7 @@ def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> Non
             role.setdefault(n.module, "conv")
     out_names = {o["name"] for o in graph.outputs}
     for n in graph.nodes:
-        w = weight_of(n, graph)
+        w = flow.weight(n)
         if not w or n.block is not None or n.module in claimed:
             continue
         reaches = n.name in out_names or any(_derived_down(flow, n.name, out_names))
@@ -346,9 +378,33 @@ def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> Non
         role[n.module] = "lm_head"
         per_block[None]["lm_head"].append({"module": n.module, "weight": w, "tied": tied, "vocab": _out_features(n)})
     for n in graph.nodes:
-        w = weight_of(n, graph)
+        w = flow.weight(n)
         if w and n.module not in role:
             role[n.module] = "linear"
+
+
+def _ancestors(flow: _Flow, name: str, limit: int = 12) -> set[str]:
+    seen, frontier = set(), [name]
+    for _ in range(limit):
+        nxt = []
+        for cur in frontier:
+            if cur in seen:
+                continue
+            seen.add(cur)
+            n = flow.by_name.get(cur)
+            if n is not None:
+                nxt.extend(n.input_nodes)
+        frontier = nxt
+    return seen
+
+
+def _from_arange(flow: _Flow, name: str) -> bool:
+    """Indices computed from positions (arange/cumsum), i.e. a position embedding's lookup."""
+    return any(_base(flow.by_name[a].op) in ("arange", "cumsum") for a in _ancestors(flow, name) if a in flow.by_name)
+
+
+def _from_inputs(flow: _Flow, name: str, inputs: set[str]) -> bool:
+    return bool(_ancestors(flow, name) & inputs)
 
 
 def _derived_down(flow: _Flow, name: str, targets: set[str], limit: int = 8):

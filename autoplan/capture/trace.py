@@ -170,8 +170,10 @@ def to_nodes(
             buffers=sorted({p[7:] for p in walker.producers if p.startswith("buffer:")}),
             block=block_of(owner, groups),
         )
-        if op == "getitem":
-            src = walker.producers[0] if walker.producers else None
+        if op == "getitem":  # one output of a multi-output op: link it to that op
+            src = fxn.args[0].name if isinstance(fxn.args[0], fx.Node) else None
+            if src is not None and not walker.producers:
+                node.input_nodes, node.inputs = [src], list(outputs[:1])
             node.requires_grad = bool(src and requires_grad.get(src, False))
         elif outputs or walker.metas:
             key = (op, repr(jargs), repr(jkwargs), tuple(walker.metas), tuple(sorted(grad_mask)), tuple(sorted(param_idx)))
