@@ -33,6 +33,8 @@ class SavedActivation:
     region: Region
     recompute: bool = False     # dropped by selective recomputation (attention scores and the like)
     layer_input: bool = False   # the one tensor full recomputation keeps
+    checkpoint_nbytes: float | None = None  # what full recomputation keeps of it (default nbytes),
+                                            # e.g. the 16-bit block input where the layer saves an fp32 copy
 
     def __post_init__(self) -> None:
         if self.region not in _REGIONS:
@@ -40,14 +42,15 @@ class SavedActivation:
         if self.nbytes < 0:
             raise ValueError(f"SavedActivation {self.name!r}: nbytes={self.nbytes} must be >= 0")
 
-    def per_rank(self, tp: int, sequence_parallel: bool, sp_regather: bool) -> float:
+    def per_rank(self, tp: int, sequence_parallel: bool, sp_regather: bool, checkpointed: bool = False) -> float:
+        nbytes = self.checkpoint_nbytes if (checkpointed and self.checkpoint_nbytes is not None) else self.nbytes
         if self.region == "tp":
-            return self.nbytes / tp
+            return nbytes / tp
         if self.region == "seq":
-            return self.nbytes / tp if sequence_parallel else self.nbytes
+            return nbytes / tp if sequence_parallel else nbytes
         if self.region == "gathered":
-            return self.nbytes / tp if (sequence_parallel and sp_regather) else self.nbytes
-        return self.nbytes
+            return nbytes / tp if (sequence_parallel and sp_regather) else nbytes
+        return nbytes
 
 
 def activation_bytes(items: Iterable[SavedActivation], tp: int = 1, sequence_parallel: bool = False,
@@ -67,7 +70,7 @@ def activation_bytes(items: Iterable[SavedActivation], tp: int = 1, sequence_par
             continue
         if checkpoint == "selective" and it.recompute:
             continue
-        total += it.per_rank(tp, sequence_parallel, sp_regather)
+        total += it.per_rank(tp, sequence_parallel, sp_regather, checkpointed=checkpoint == "full")
     return total
 
 
@@ -101,7 +104,8 @@ def llama_block_activations(b: int, s: int, dim: int, n_heads: int, n_kv_heads: 
     """What autograd keeps for one block of the repo's torchtitan-style Llama (autoplan.models.llama).
 
     Derived from the block's code and checked against saved-tensor hooks (benchmarks/cost_accuracy.py):
-    each RMSNorm keeps its input upcast to fp32, the fp32 rsqrt per token and the normalised tensor
+    each RMSNorm keeps its input upcast to fp32 (twice for 16-bit inputs: the code upcasts twice
+    and each copy is saved by a different op), the fp32 rsqrt per token and the normalised tensor
     in the activation dtype, and its output is kept once by the projections that read it; SDPA
     (flash kernel) keeps q, k, v as it sees them (k and v repeated to all query heads under GQA),
     its output (which is also wo's input) and an fp32 log-sum-exp per head and token; SwiGLU keeps
@@ -111,10 +115,16 @@ def llama_block_activations(b: int, s: int, dim: int, n_heads: int, n_kv_heads: 
     head_dim = dim // n_heads
     # k and v reach SDPA repeated to every query head, so both are as wide as q whatever n_kv_heads is
     kv_width = n_heads * head_dim
+    # RMSNorm calls x.float() twice: one tensor when x is already fp32, two separate copies otherwise
+    upcasts = 1 if act_bytes == 4 else 2
     items = []
     for norm, first in (("attention_norm", True), ("ffn_norm", False)):
         items += [
-            SavedActivation(f"{norm}.input_fp32", 4 * tokens * dim, "seq", layer_input=first),
+            SavedActivation(f"{norm}.input_fp32", 4 * tokens * dim, "seq", layer_input=first,
+                            checkpoint_nbytes=act_bytes * tokens * dim)]
+        if upcasts == 2:
+            items.append(SavedActivation(f"{norm}.input_fp32_copy", 4 * tokens * dim, "seq"))
+        items += [
             SavedActivation(f"{norm}.rsqrt", 4 * tokens, "seq"),
             SavedActivation(f"{norm}.normed", act_bytes * tokens * dim, "seq"),
             SavedActivation(f"{norm}.output", act_bytes * tokens * dim, "gathered"),

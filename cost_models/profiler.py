@@ -25,7 +25,8 @@ class TimingConfig:
     min_reps: int = 5
     max_reps: int = 100
     budget_s: float = 0.05       # target measured time per op, after warm-up
-    slow_op_s: float = 0.5       # above this a single warm-up and min(3, min_reps) reps
+    slow_op_s: float = 0.5       # above this the first call is the warm-up, then ``slow_reps`` reps
+    slow_reps: int = 3
     rounds: int = 1              # passes over all ops; an op's time is its fastest round median,
                                  # which drops rounds slowed by other processes on a shared host
 
@@ -97,7 +98,7 @@ def time_callable(fn: Callable[[], object], device="cpu", cfg: TimingConfig = Ti
     for _ in range(0 if slow else cfg.warmup - 1):
         fn()
     _sync(device)
-    reps = min(3, cfg.min_reps) if slow else int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_s / max(first, 1e-7))))
+    reps = cfg.slow_reps if slow else int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_s / max(first, 1e-7))))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -1,0 +1,158 @@
+"""Command line for cost_models: hardware profiles, op profiling, collective calibration.
+
+    python -m cost_models.cli hardware [NAME]
+    python -m cost_models.cli profile --model llama3-8b --batch 1 --seq 256 [--device cpu] [--out ops.csv]
+    python -m cost_models.cli calibrate --world 2 [--out DIR]
+
+``autoplan profile`` forwards here. Profiles are merged into the on-disk ProfileTable of the device
+(``$AUTOPLAN_CACHE_DIR`` or ~/.cache/autoplan); calibration writes the fitted link into the cached
+``cpu`` hardware profile when run on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from autoplan.models.llama import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+# Llama-3 flavours (torchtitan, shared/reference/expert_plans.json) and a tiny one for smoke runs
+PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                      ffn_hidden=LlamaConfig.ffn_hidden_for(4096, 1024, 1.3)),
+    "llama3-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                       ffn_hidden=LlamaConfig.ffn_hidden_for(8192, 4096, 1.3)),
+    "llama3-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                        ffn_hidden=LlamaConfig.ffn_hidden_for(16384, 4096, 1.2)),
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autoplan-cost", description="cost_models: profile ops, calibrate collectives")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    hw = sub.add_parser("hardware", help="list hardware profiles or show one")
+    hw.add_argument("name", nargs="?")
+    hw.add_argument("--remeasure", action="store_true", help="re-measure the cpu profile")
+
+    pr = sub.add_parser("profile", help="time the distinct ops of a model on this device")
+    pr.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS))
+    pr.add_argument("--batch", type=int, default=1)
+    pr.add_argument("--seq", type=int, default=256)
+    pr.add_argument("--dtype", default="float32")
+    pr.add_argument("--device", default="cpu")
+    pr.add_argument("--layers", type=int, help="override the preset's layer count (counts only)")
+    pr.add_argument("--rounds", type=int, default=1)
+    pr.add_argument("--threads", type=int, help="torch intra-op threads (cpu)")
+    pr.add_argument("--forward-only", action="store_true")
+    pr.add_argument("--out", type=Path, help="also write the rows to this CSV")
+    pr.add_argument("--no-save", action="store_true", help="do not merge into the device's profile table")
+
+    ca = sub.add_parser("calibrate", help="benchmark collectives on gloo ranks and fit alpha/beta")
+    ca.add_argument("--world", type=int, default=2)
+    ca.add_argument("--reps", type=int, default=10)
+    ca.add_argument("--kinds", default="all_reduce,all_gather,reduce_scatter,all_to_all,send_recv")
+    ca.add_argument("--max-bytes", type=int, default=1 << 24)
+    ca.add_argument("--out", type=Path, help="folder for collectives_fit.csv and collectives_points.csv")
+    ca.add_argument("--no-save", action="store_true", help="do not write the link into the cpu profile")
+    return ap
+
+
+def _hardware(args) -> int:
+    from cost_models.hardware import list_hardware, load_hardware
+
+    if not args.name:
+        rows = []
+        for name in list_hardware():
+            if name == "cpu" and not args.remeasure:
+                rows.append({"name": "cpu", "bf16_TFLOPs": None, "hbm_TBps": None, "memory_GiB": None,
+                             "per_node": 1, "intra_GBps": None, "inter_GBps": None})
+                continue
+            h = load_hardware(name, remeasure=args.remeasure)
+            rows.append({"name": name, "bf16_TFLOPs": h.peak("bf16") / 1e12, "hbm_TBps": h.memory_bandwidth / 1e12,
+                         "memory_GiB": h.memory_capacity / 2**30, "per_node": h.devices_per_node,
+                         "intra_GBps": h.intra_node.bandwidth / 1e9, "inter_GBps": h.inter_node.bandwidth / 1e9})
+        print(pd.DataFrame(rows).to_string(index=False))
+        return 0
+    h = load_hardware(args.name, remeasure=args.remeasure)
+    print(pd.Series(h.to_dict(), dtype=object).to_string())
+    return 0
+
+
+def _profile(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from cost_models.ops import llama_model_ops
+    from cost_models.profile_table import ProfileTable, device_key
+    from cost_models.profiler import TimingConfig, profile_ops
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = dict(PRESETS[args.model])
+    if args.layers:
+        cfg["n_layers"] = args.layers
+    t0 = time.perf_counter()
+    specs = llama_model_ops(args.batch, args.seq, args.dtype, backward=not args.forward_only, **cfg)
+    timing = TimingConfig(warmup=1, min_reps=3, max_reps=20, budget_s=0.02, slow_op_s=0.3, slow_reps=2,
+                          rounds=args.rounds)
+    with tqdm(total=len(specs) * timing.rounds, desc=f"profile {args.model}", unit="op") as bar:
+        frame = profile_ops(specs, device=args.device, cfg=timing, progress=lambda s: bar.update(1))
+    elapsed = time.perf_counter() - t0
+    frame["total_s"] = frame["time_s"] * frame["count"]
+    print(frame.sort_values("total_s", ascending=False).head(15)[["op", "phase", "count", "time_s", "total_s"]]
+          .to_string(index=False))
+    failed = frame[frame["error"] != ""]
+    print(f"\n{len(specs)} distinct ops, {len(failed)} failed, profiled in {elapsed:.1f} s; "
+          f"sum over one step (count x time): {frame['total_s'].sum():.2f} s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.out, index=False)
+        print(f"rows written to {args.out}")
+    if not args.no_save:
+        key = device_key(args.device)
+        path = ProfileTable.load(key).update(frame).save()
+        print(f"profile table {key}: {path}")
+    return 0 if failed.empty else 1
+
+
+def _calibrate(args) -> int:
+    from tqdm import tqdm
+
+    from cost_models.calibrate import calibrate_collectives
+    from cost_models.hardware import load_hardware
+    from cost_models.hardware.host import save_host_profile
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    sizes = [2 ** k for k in range(10, args.max_bytes.bit_length())]
+    with tqdm(total=len(kinds), desc=f"calibrate {args.world} ranks", unit="kind") as bar:
+        fits, points, link = calibrate_collectives(args.world, kinds, sizes, args.reps,
+                                                   progress=lambda k: (bar.set_postfix_str(k), bar.update(1)))
+    show = fits.assign(alpha_us=fits["alpha_s"] * 1e6, GBps=fits["bandwidth_Bps"] / 1e9,
+                       heldout_mape_pct=fits["heldout_mape"] * 100)
+    print(show[["kind", "group_size", "alpha_us", "GBps", "heldout_mape_pct"]].to_string(index=False))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        fits.to_csv(args.out / "collectives_fit.csv", index=False)
+        points.to_csv(args.out / "collectives_points.csv", index=False)
+    if not args.no_save:
+        host = load_hardware("cpu")
+        path = save_host_profile(host.with_overrides(intra_node=link, inter_node=link))
+        print(f"cpu profile links set to alpha {link.latency * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return {"hardware": _hardware, "profile": _profile, "calibrate": _calibrate}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
