@@ -118,6 +118,9 @@ def capture_with_hooks(
         for h in handles:
             h.remove()
 
+    flat_inputs = _tensors((args, kwargs))
+    for i, t in enumerate(flat_inputs):
+        producer[id(t)] = f"input:arg{i}"
     non_reps = {m for g in groups for m in g.member_fqns() if m != g.representative}
     nodes: list[Node] = []
     for call in calls:
@@ -129,7 +132,7 @@ def capture_with_hooks(
         for t in outs:
             producer.setdefault(id(t), name)
             keep_alive.append(t)
-        in_nodes = [f"param:{params[id(t)]}" if id(t) in params else producer.get(id(t), "input:?") for t in ins]
+        in_nodes = [f"param:{params[id(t)]}" if id(t) in params else producer.get(id(t), "const:untracked") for t in ins]
         own_params = [f"{fqn}.{p}" if fqn else p for p in infos[fqn].params] if fqn in infos else []
         fwd = mode.flops.get(call["index"], 0)
         param_bytes = sum(p.numel() * p.element_size() for p in mm.get_submodule(fqn).parameters(recurse=False))
@@ -170,7 +173,7 @@ def capture_with_hooks(
         for src, m in zip(n.input_nodes, n.inputs)
         if src in names_set
     ]
-    inputs = [{"name": f"arg{i}", "shape": list(t.shape), "dtype": str(t.dtype)} for i, t in enumerate(_tensors((args, kwargs)))]
+    inputs = [{"name": f"arg{i}", "shape": list(t.shape), "dtype": str(t.dtype)} for i, t in enumerate(flat_inputs)]
     root_out = next((c for c in calls if c["fqn"] == "" and "outputs" in c), None)
     outputs = [{"name": producer.get(id(t), "?"), "shape": list(t.shape), "dtype": str(t.dtype)} for t in (root_out or {}).get("outputs", [])]
     return ModelGraph(

@@ -137,6 +137,11 @@ def to_nodes(
             if isinstance(val, torch.Tensor):
                 graph_inputs.append({"name": node.name, **_tm_dict(tensor_meta(val))})
 
+    # A block's representative is costed as a middle member: activations that enter it and
+    # derive from the user's inputs require grad there even when, for the first member, they
+    # do not (a model whose first layer reads the raw float input).
+    from_input: dict[str, bool] = {p: True for p in producer_of.values() if p.startswith("input:")}
+    block_at: dict[str, str | None] = {}
     nodes: list[Node] = []
     by_name: dict[str, Node] = {}
     cache: dict[Any, Any] = {}
@@ -153,7 +158,12 @@ def to_nodes(
         jargs, margs = walker.walk(list(fxn.args))
         jkwargs, mkwargs = walker.walk(dict(fxn.kwargs))
         outputs = _metas(fxn.meta.get("val"))
-        grad_mask = {i for i, p in enumerate(walker.producers) if requires_grad.get(p, False)}
+        block_id = block_of(owner, groups)
+        grad_mask = {
+            i
+            for i, p in enumerate(walker.producers)
+            if requires_grad.get(p, False) or _enters_block(p, block_id, from_input, block_at, walker.metas[i])
+        }
         param_idx = {i for i, p in enumerate(walker.producers) if not _is_activation(p)}
         node = Node(
             name=fxn.name,
@@ -168,7 +178,7 @@ def to_nodes(
             outputs=outputs,
             params=sorted({p[6:] for p in walker.producers if p.startswith("param:")}),
             buffers=sorted({p[7:] for p in walker.producers if p.startswith("buffer:")}),
-            block=block_of(owner, groups),
+            block=block_id,
         )
         if op == "getitem":  # one output of a multi-output op: link it to that op
             src = fxn.args[0].name if isinstance(fxn.args[0], fx.Node) else None
@@ -197,6 +207,8 @@ def to_nodes(
                 node.bytes_read = sum(m.nbytes for m in walker.metas)
                 node.bytes_written = sum(m.nbytes for m in outputs)
         requires_grad[node.name] = node.requires_grad
+        block_at[node.name] = node.block
+        from_input[node.name] = any(from_input.get(p) for p in node.input_nodes)
         nodes.append(node)
         by_name[node.name] = node
     for node in nodes:
@@ -216,6 +228,16 @@ def to_nodes(
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
                     outputs.append({"name": producer_of.get(a.name, a.name), **_tm_dict(tensor_meta(a.meta["val"]))})
     return nodes, edges, graph_inputs, outputs
+
+
+def _enters_block(producer: str, block_id: str | None, from_input: dict, block_at: dict, meta: TensorMeta) -> bool:
+    """A float activation from the user's inputs crossing into a block (see to_nodes)."""
+    return (
+        block_id is not None
+        and bool(from_input.get(producer))
+        and block_at.get(producer) != block_id
+        and meta.dtype in ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
+    )
 
 
 def _is_activation(producer: str) -> bool:
