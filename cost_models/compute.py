@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 _GEMM = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 _ATTN_FWD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_flash_attention_forward", "_efficient_attention_forward", "npu_fusion_attention"}
+             "_flash_attention_forward", "_efficient_attention_forward", "npu_fusion_attention",
+             "scaled_dot_product_attention"}
 _REDUCE = {"sum", "mean", "amax", "amin", "max", "min", "_log_softmax", "_softmax", "_safe_softmax",
            "_log_softmax_backward_data", "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
            "norm", "var_mean", "embedding_dense_backward"}
@@ -64,6 +65,15 @@ def category(spec: OpSpec) -> str:
         return "attention"
     if name.endswith("_backward") and name[: -len("_backward")] in _ATTN_FWD:
         return "attention_bwd"
+    if name in ("to", "type_as", "_to_copy"):
+        # a no-op when the dtype does not change, else an elementwise conversion
+        ts = spec.tensors
+        if name == "type_as":
+            target = ts[1].dtype if len(ts) > 1 else None
+        else:
+            target = next((v for v in spec.args[1:] + tuple(v for _, v in spec.kwargs) if _is_dtype_name(v)),
+                          ts[0].dtype if ts else None)
+        return "view" if ts and name != "_to_copy" and target == ts[0].dtype else "copy"
     if is_view(spec):
         return "view"
     if name in _REDUCE:
@@ -75,6 +85,12 @@ def category(spec: OpSpec) -> str:
     if any(_strided(t) for t in spec.tensors):
         return "elementwise_strided"
     return "elementwise"
+
+
+def _is_dtype_name(v) -> bool:
+    import torch
+
+    return isinstance(v, str) and v.startswith("torch.") and isinstance(getattr(torch, v[6:], None), torch.dtype)
 
 
 def _strided(t: TensorSpec) -> bool:

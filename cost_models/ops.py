@@ -259,29 +259,39 @@ def llama_model_ops(batch: int, seq: int, dtype: str = "float32", backward: bool
 
 
 def specs_from_graph(graph) -> list[OpSpec]:
-    """OpSpecs (forward) from an autoplan.capture ModelGraph, counts including block repetition."""
-    specs = []
-    for node in graph.nodes:
-        metas = [TensorSpec(tuple(m.shape), m.dtype if "." in m.dtype else f"torch.{m.dtype}",
-                            tuple(m.stride) if m.stride is not None else None) for m in node.inputs]
+    """OpSpecs (forward) from an autoplan.capture ModelGraph's ``distinct_ops()``, block counts included.
 
-        def conv(v):
-            if isinstance(v, dict) and set(v) == {"tensor"}:
-                return metas[v["tensor"]]
+    The IR encodes a tensor argument as ``{"tensor": i}`` (an index into the op's input metas) and
+    dtypes, devices and enums as one-key dicts; they become TensorSpecs, dtype strings and the
+    replay-device marker here.
+    """
+    specs = []
+    for d in graph.distinct_ops():
+        metas = [TensorSpec(tuple(m.shape), m.dtype if m.dtype.startswith("torch.") else f"torch.{m.dtype}",
+                            tuple(m.stride) if m.stride is not None and len(m.stride) == len(m.shape) else None)
+                 for m in d.inputs]
+
+        def conv(v, metas=metas, name=d.op):
+            if isinstance(v, dict):
+                if set(v) == {"tensor"}:
+                    try:
+                        return metas[v["tensor"]]
+                    except IndexError as exc:
+                        raise CostModelError(f"specs_from_graph: op {name!r} refers to missing input {v}") from exc
+                if set(v) == {"device"}:
+                    return _DEVICE
+                if set(v) == {"dtype"}:
+                    return "torch." + str(v["dtype"]).split(".")[-1]
+                if "enum" in v:
+                    return "torch." + str(v["enum"]).split(".")[-1]
+                raise CostModelError(f"specs_from_graph: op {name!r} has an argument the profiler cannot read: {v}")
             if isinstance(v, list):
                 return ("__list__",) + tuple(conv(y) for y in v)
             if isinstance(v, tuple):
                 return tuple(conv(y) for y in v)
-            if isinstance(v, str) and v in ("cpu", "meta", "cuda", "npu"):
-                return _DEVICE
             return v
 
-        try:
-            args = tuple(conv(a) for a in node.args)
-            kwargs = tuple(sorted((k, conv(v)) for k, v in node.kwargs.items()))
-        except (IndexError, TypeError) as exc:
-            raise CostModelError(f"specs_from_graph: node {node.name!r} has args the profiler cannot read: {exc}") from exc
-        op = node.op if node.op.count(".") >= 2 or not node.op.startswith("aten.") else f"{node.op}.default"
-        specs.append(OpSpec(op=op, args=args, kwargs=kwargs, count=graph.multiplicity(node),
-                            out=tuple(TensorSpec(tuple(m.shape), m.dtype) for m in node.outputs)))
+        op = d.op if d.op.count(".") == 2 else f"{d.op}.default"
+        specs.append(OpSpec(op=op, args=tuple(conv(a) for a in d.args),
+                            kwargs=tuple(sorted((k, conv(v)) for k, v in d.kwargs.items())), count=d.count))
     return dedupe(specs)

@@ -87,3 +87,18 @@ def test_every_recorded_op_replays_on_cpu():
     assert (frame["error"] == "").all(), frame[frame["error"] != ""]["error"].tolist()
     assert frame["time_s"].map(math.isfinite).all() and (frame["time_s"] > 0).all()
     assert len(frame) == len(ops)
+
+
+def test_capture_graph_adapter_gives_replayable_specs():
+    from autoplan.capture import capture
+    from autoplan.models.llama import build_llama
+    from cost_models.ops import specs_from_graph
+
+    model = build_llama(device="meta", dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                        vocab_size=96, max_seq_len=32)
+    specs = specs_from_graph(capture(model, batch=(2, 16)))
+    gemms = [s for s in specs if category(s) == "gemm"]
+    assert sum(s.count for s in gemms) == 3 * 7 + 1       # seven projections per block, plus the output
+    assert any(category(s) == "attention" for s in specs)
+    frame = profile_ops(specs, cfg=TimingConfig(warmup=1, min_reps=1, max_reps=1))
+    assert (frame["error"] == "").all(), frame[frame["error"] != ""]["error"].tolist()
