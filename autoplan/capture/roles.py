@@ -249,7 +249,8 @@ def recognise_roles(graph: ModelGraph) -> None:
             continue
         r = routers[0]
         top_k = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("k")
-        after = [m for m in graph.nodes if m.block == n.block and m.module.startswith(_lca([r.module, n.module]))]
+        parent = r.module.rpartition(".")[0]
+        after = [m for m in graph.nodes if m.block == n.block and (m.module + ".").startswith(parent + ".")]
         expert_params = sorted({p for m in after for p in m.params if len(_param_shape(graph, p)) == 3})
         experts_mod = _lca(p.rpartition(".")[0] for p in expert_params) if expert_params else ""
         if not expert_params:  # experts as a list of modules: the weighted matmuls after the router
@@ -313,8 +314,12 @@ def recognise_roles(graph: ModelGraph) -> None:
     for b in graph.blocks:
         role[b.representative] = role.get(b.representative, "block")
         graph.modules[b.representative].role = role[b.representative]
+        rep = b.representative
+        inside = [(f[len(rep):], i.role) for f, i in graph.modules.items() if f == rep or f.startswith(rep + ".")]
         for m in b.member_fqns():
-            graph.modules[m].role = graph.modules[b.representative].role
+            for rel, r in inside:
+                if m + rel in graph.modules:
+                    graph.modules[m + rel].role = r
         b.roles = {k: list(v) for k, v in per_block.get(b.id, {}).items()}
     top = per_block.get(None, {})
     graph.roles = {k: list(v) for k, v in top.items()}

@@ -1,0 +1,86 @@
+"""Real HF architectures (tiny configs) on meta: FLOPs vs FlopCounterMode, params, blocks, roles."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from autoplan.capture import capture, register_flop_formulas
+
+transformers = pytest.importorskip("transformers")
+
+BATCH = (2, 16)
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+             num_hidden_layers=3, **IDS)
+
+
+def _pair(config):
+    torch.manual_seed(0)
+    cpu = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    return cpu, meta
+
+
+def _reference_flops(model) -> int:
+    register_flop_formulas()
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.zeros(BATCH, dtype=torch.long), use_cache=False)
+    return counter.get_total_flops()
+
+
+def test_llama_gqa_roles_and_flops():
+    cpu, meta = _pair(transformers.LlamaConfig(**SMALL))
+    g = capture(meta, batch=BATCH)
+    assert g.total_flops() == _reference_flops(cpu)
+    assert g.num_parameters == sum(p.numel() for p in cpu.parameters()) == g.traced_parameters()
+    (block,) = g.blocks
+    assert (block.prefix, block.count) == ("model.layers", 3)
+    (att,) = block.roles["attention"]
+    assert (att["n_heads"], att["n_kv_heads"], att["head_dim"]) == (4, 2, 16)
+    assert att["projections"] == {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                                  "o": "self_attn.o_proj"}
+    (mlp,) = block.roles["mlp"]
+    assert mlp["gated"] and (mlp["gate"], mlp["up"], mlp["down"]) == ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert g.roles["embedding"][0]["vocab"] == 128 and g.roles["lm_head"][0]["tied"] is False
+    assert g.modules["model.layers.2.mlp.up_proj"].role == "mlp.up"
+
+
+def test_mixtral_moe_router_and_experts():
+    cfg = transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    cpu, meta = _pair(cfg)
+    g = capture(meta, batch=BATCH)
+    assert g.total_flops() == _reference_flops(cpu)  # expert GEMMs counted in both (registered formula)
+    (moe,) = g.blocks[0].roles["moe"]
+    assert (moe["num_experts"], moe["top_k"], moe["router"]) == (4, 2, "mlp.gate")
+    assert moe["experts"] == "mlp.experts" and len(moe["expert_params"]) == 2
+
+
+def test_gpt2_fused_qkv_and_tied_head():
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=128, n_positions=32, **IDS)
+    cpu, meta = _pair(cfg)
+    g = capture(meta, batch=BATCH)
+    assert g.total_flops() == _reference_flops(cpu)
+    (att,) = g.blocks[0].roles["attention"]
+    assert att["projections"] == {"qkv": "attn.c_attn", "o": "attn.c_proj"} and att["n_heads"] == 4
+    assert g.roles["lm_head"][0]["tied"] is True
+    assert ["lm_head.weight", "transformer.wte.weight"] in [sorted(t) for t in g.tied_parameters]
+    assert g.num_parameters == sum(p.numel() for p in cpu.parameters())
+
+
+def test_dataflow_exposes_functional_ops_between_modules():
+    _, meta = _pair(transformers.LlamaConfig(**SMALL))
+    g = capture(meta, batch=BATCH)
+    steps = g.block_dataflow(g.blocks[0])
+    roles = [s.role for s in steps if s.kind == "module"]
+    assert roles == ["norm", "attention.q", "attention.k", "attention.v", "attention.o", "norm", "mlp.gate",
+                     "mlp.up", "mlp.down"]
+    ops = [s.op for s in steps if s.kind == "op"]
+    assert "aten.scaled_dot_product_attention.default" in ops and "aten.silu.default" in ops
+    sdpa = next(s for s in steps if s.op == "aten.scaled_dot_product_attention.default")
+    assert sdpa.input_shapes[0] == (2, 4, 16, 16)
+    distinct = g.distinct_ops()
+    q = next(d for d in distinct if d.op == "aten.linear.default" and d.inputs[1].shape == (64, 64))
+    assert q.count == 2 * 3  # q and o projections in each of 3 layers
+    assert q.run("cpu").shape == (2, 16, 64)
