@@ -12,8 +12,11 @@ from typing import Callable
 import torch.nn as nn
 from torch.distributed.tensor.debug import CommDebugMode
 
-_KIND_WORDS = (("all_to_all", "all_to_all"), ("reduce_scatter", "reduce_scatter"),
-               ("all_gather", "all_gather"), ("all_reduce", "all_reduce"), ("broadcast", "broadcast"))
+_KIND_WORDS = (("all_to_all", "all_to_all"), ("alltoall", "all_to_all"), ("reduce_scatter", "reduce_scatter"),
+               ("all_gather", "all_gather"), ("allgather", "all_gather"), ("all_reduce", "all_reduce"),
+               ("allreduce", "all_reduce"), ("broadcast", "broadcast"), ("send", "send_recv"),
+               ("recv", "send_recv"))
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
 
 
 def kind_of(op) -> str:
@@ -45,3 +48,88 @@ def count_collectives(model: nn.Module, fn: Callable[[], object]) -> tuple[dict,
             for phase, counts in phases.items()
         }
     return dict(totals), per_module
+
+
+class CollectiveRecorder:
+    """Records every functional collective a block of code issues: kind, logical bytes, group
+    size, and whether it ran in backward. Logical bytes follow cost_models' convention: the
+    full (gathered / pre-scatter / reduced) tensor. Works on the fake process group too.
+
+        with CollectiveRecorder() as rec:
+            loss = model(x).sum(); loss.backward()
+        rec.frame()  # pandas DataFrame
+    """
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self._mode = None
+
+    def __enter__(self) -> "CollectiveRecorder":
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(t is not torch.Tensor and issubclass(t, torch.Tensor) and t.__name__ == "DTensor"
+                       for t in types):
+                    # let DTensor desugar first (as CommDebugMode does): the collectives it
+                    # issues then come back through this mode as plain-tensor ops
+                    return NotImplemented
+                out = func(*args, **(kwargs or {}))
+                name = str(func)
+                if ("_c10d_functional" in name or name.startswith("c10d.")) and not any(
+                        w in name for w in _NOT_COLLECTIVES):
+                    kind = kind_of(name)
+                    first = args[0]
+                    t = first[0] if isinstance(first, (list, tuple)) else first
+                    size = t.numel() * t.element_size()
+                    group = _group_size(args, kind)
+                    if kind == "all_gather":
+                        size *= group
+                    recorder.events.append({
+                        "kind": kind, "bytes": int(size), "group_size": group,
+                        "phase": "backward" if torch._C._current_autograd_node() is not None else "forward",
+                    })
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    def frame(self):
+        import pandas as pd
+
+        cols = ["kind", "phase", "group_size", "bytes"]
+        df = pd.DataFrame(self.events, columns=cols)
+        if df.empty:
+            return pd.DataFrame(columns=cols + ["count"])
+        return df.groupby(cols).size().reset_index(name="count").sort_values(cols).reset_index(drop=True)
+
+
+def _group_size(args, kind: str) -> int:
+    """The group size of a collective call: a process-group argument, or the int functional
+    collectives take, or a group name resolved through torch.distributed."""
+    for a in args[1:]:
+        size = getattr(a, "size", None)
+        if callable(size) and not hasattr(a, "shape"):
+            try:
+                return int(size())
+            except Exception:  # noqa: BLE001 - not a process group after all
+                pass
+    ints = [a for a in args[1:] if isinstance(a, int) and not isinstance(a, bool)]
+    if kind in ("all_gather", "reduce_scatter") and ints:
+        return ints[0]
+    import torch.distributed as dist
+
+    for a in args[1:]:
+        if isinstance(a, str):
+            try:
+                return dist.get_world_size(dist.distributed_c10d._resolve_process_group(a))
+            except Exception:  # noqa: BLE001 - fall back below
+                pass
+    return ints[0] if ints else 1

@@ -12,10 +12,10 @@ def runtime_errors():
     mesh = cached_mesh((dist.get_world_size(),), ("tp",))
     out = {}
     model = build_llama(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64)
-    parallelize_module(model, mesh, {"layers.0.feed_forward": PrepareModuleInput(
-        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))})
+    parallelize_module(model, mesh, {"layers.0.attention": PrepareModuleInput(
+        input_layouts=(Replicate(), Replicate()), desired_input_layouts=(Replicate(), Replicate()))})
     try:
-        model.layers["0"].feed_forward(torch.randn(2, 8, 32), torch.randn(2, 8, 32))
+        model.layers["0"].attention(torch.randn(2, 8, 32))  # rope not passed
     except Exception as e:  # noqa: BLE001
         out["count"] = f"{type(e).__name__}: {e}"
     norm = nn.Sequential(nn.LayerNorm(32))

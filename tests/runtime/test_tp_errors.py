@@ -143,10 +143,10 @@ def test_bad_style_data_is_rejected_without_eval():
 
 
 def test_runtime_errors_on_real_ranks_do_not_hang(pool2):
-    """Wrong input count and a sequence that does not divide, met in forward on every rank."""
+    """A laid-out input that is not passed, and a sequence that does not divide, met in forward."""
     results = pool2.run(error_workers.runtime_errors)
     for rank, res in enumerate(results):
-        assert res["count"].startswith("LayoutError") and "2 positional inputs" in res["count"], (rank, res)
+        assert res["count"].startswith("LayoutError") and "input 1 (rope)" in res["count"], (rank, res)
         assert res["divide"].startswith("DivisibilityError") and "= 9 is not divisible" in res["divide"], (rank, res)
     # the pool (and its process group) is still healthy afterwards
     assert pool2.run(error_workers.ping) == [0, 1]

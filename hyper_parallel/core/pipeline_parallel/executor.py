@@ -14,12 +14,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
     Action, ActionKind, PipelineSchedule, peer_of,
 )
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage, TensorMeta, local_of
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage, TensorMeta, dtensor_from_meta, local_of
 from hyper_parallel.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -54,8 +53,7 @@ def _wrap_input(stage: PipelineStage, buf: torch.Tensor, meta: TensorMeta) -> to
     if stage.activation_mesh is None:
         raise PipelineError(f"stage {stage.stage_index}: receives a DTensor activation but was built "
                             "without activation_mesh")
-    return DTensor.from_local(buf, stage.activation_mesh, meta.placements, run_check=False,
-                              shape=torch.Size(meta.global_shape))
+    return dtensor_from_meta(buf, stage.activation_mesh, meta)
 
 
 class Executor:

@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage, TensorMeta, flatten, meta_of
+from hyper_parallel.core.pipeline_parallel.stage import (
+    PipelineStage, TensorMeta, dtensor_from_meta, flatten, meta_of,
+)
+from hyper_parallel.errors import PipelineError
 
 
 def signature(args: Sequence[Any], kwargs: dict) -> tuple:
@@ -32,8 +35,10 @@ def _zeros(stage: PipelineStage, m: TensorMeta) -> torch.Tensor:
     t = torch.zeros(m.shape, dtype=m.dtype, device=stage.device)
     if m.placements is None:
         return t
-    return DTensor.from_local(t, stage.activation_mesh, m.placements, run_check=False,
-                              shape=torch.Size(m.global_shape))
+    if stage.activation_mesh is None:
+        raise PipelineError(f"stage {stage.stage_index}: receives a DTensor activation but was built "
+                            "without activation_mesh")
+    return dtensor_from_meta(t, stage.activation_mesh, m)
 
 
 def infer_boundaries(stages: dict[int, PipelineStage], stage_to_rank: Sequence[int], group,

@@ -35,6 +35,17 @@ class TensorMeta:
     global_shape: tuple[int, ...] | None = None
 
 
+def dtensor_from_meta(local: torch.Tensor, mesh, meta: TensorMeta) -> torch.Tensor:
+    """Rebuild a received DTensor activation: local data, the sender's placements, global shape."""
+    shape = torch.Size(meta.global_shape)
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return DTensor.from_local(local, mesh, meta.placements, run_check=False, shape=shape,
+                              stride=tuple(reversed(stride)))
+
+
 def flatten(value: Any, where: str) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]

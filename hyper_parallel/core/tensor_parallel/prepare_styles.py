@@ -1,6 +1,9 @@
 """PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput: layout changes at a
 module boundary, with no parameters touched.
 
+Inputs beyond ``input_layouts`` are left alone, so a plan can name only the hidden-state input
+of a block that also receives position tables or masks.
+
 They are how a plan says "this block receives a sequence shard but computes on the whole
 sequence" (all-gather) or "hand the next stage a replicated tensor". Positional layouts are
 also matched by parameter name, so a model that passes ``hidden_states=`` as a keyword (HF)
@@ -106,10 +109,8 @@ class PrepareModuleInput(ParallelStyle):
         desired = self.desired_input_layouts or ()
 
         def pre_hook(mod, args, kwargs):
-            if len(args) > len(layouts) and self.input_layouts is not None:
-                raise LayoutError(
-                    f"{where}: called with {len(args)} positional inputs but input_layouts has {len(layouts)}"
-                )
+            # positional inputs beyond input_layouts are left alone (like None); more layouts
+            # than forward accepts is caught in check_module, a layout with no input below
             args, kwargs = list(args), dict(kwargs)
             for i, (layout, want) in enumerate(zip(layouts, desired)):
                 if i < len(args):

@@ -1,0 +1,219 @@
+"""The model as the planner sees it: repeated blocks with attention/MLP/norm units, the
+embedding, the final norm and the LM head -- read from the ModelGraph's roles and module table.
+
+Only what the cost of a tensor-parallel decision depends on is kept: FLOPs, bytes, saved
+activation bytes, parameter counts, the hidden-stream tensor size and the head/vocabulary
+sizes, plus the FQNs the emitted plan will name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoplan.capture.ir import ModelGraph, dtype_size
+
+_LINEAR = "torch.nn.modules.linear.Linear"
+_EMBEDDING = "torch.nn.modules.sparse.Embedding"
+
+
+@dataclass
+class Work:
+    """Cost inputs of one module (per call): FLOPs, bytes moved, activation bytes saved, kernels."""
+
+    flops: float = 0.0          # forward + backward
+    bytes: float = 0.0          # forward read + written, backward taken as twice forward
+    saved: float = 0.0
+    kernels: int = 0
+    params: int = 0
+    param_bytes: int = 0
+
+    def __add__(self, o: "Work") -> "Work":
+        return Work(self.flops + o.flops, self.bytes + o.bytes, self.saved + o.saved,
+                    self.kernels + o.kernels, self.params + o.params, self.param_bytes + o.param_bytes)
+
+
+@dataclass
+class AttentionUnit:
+    rel: str                    # module path relative to the block, e.g. "attention"
+    q: str
+    k: str
+    v: str
+    o: str
+    n_heads: int
+    n_kv_heads: int
+    linear: bool                # all projections are nn.Linear (our styles can shard them)
+    work: Work = field(default_factory=Work)
+
+
+@dataclass
+class MlpUnit:
+    rel: str
+    up: list[str]               # column-parallel candidates (gate and up)
+    down: str
+    hidden: int
+    linear: bool
+    work: Work = field(default_factory=Work)
+
+
+@dataclass
+class BlockGroupInfo:
+    id: str
+    prefix: str
+    indices: list[str]
+    count: int
+    representative: str
+    attention: AttentionUnit | None
+    mlp: MlpUnit | None
+    norms: list[str]
+    norm_work: Work
+    norm_param_bytes: int       # per block, all norms
+    other_work: Work            # everything in the block not in attention/mlp/norms (adds, ...)
+    hidden_bytes: int           # one hidden-stream tensor (b, s, h) in bytes
+    seq_len: int
+    dim: int
+
+
+@dataclass
+class EmbeddingInfo:
+    fqn: str
+    vocab: int
+    dim: int
+    linear: bool                # an nn.Embedding
+    work: Work
+    shard_safe: bool            # may its output be sequence-sharded (no positions/masks derived outside blocks)
+
+
+@dataclass
+class HeadInfo:
+    fqn: str
+    vocab: int
+    linear: bool
+    tied: bool
+    work: Work
+    tokens: int                 # b * s
+    logits_bytes: int
+
+
+@dataclass
+class ModelStructure:
+    blocks: list[BlockGroupInfo]
+    embedding: EmbeddingInfo | None
+    head: HeadInfo | None
+    final_norms: list[str]
+    final_norm_work: Work
+    final_norm_param_bytes: int
+    rest: Work                  # modules outside every unit (replicated, never sharded)
+    dtype_bytes: int
+    num_parameters: int
+
+
+def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
+    row = rows.get(fqn)
+    if row is None:
+        return Work()
+    nodes = graph.nodes_in(fqn)
+    pbytes = 0
+    info = graph.modules.get(fqn)
+    for sub, m in graph.modules.items():
+        if sub == fqn or sub.startswith(fqn + "."):
+            for shape in m.params.values():
+                n = 1
+                for s in shape:
+                    n *= s
+                pbytes += n * 4  # refined by the caller with the model dtype
+    fwd_bytes = float(row["bytes_read"] + row["bytes_written"])
+    return Work(flops=float(row["flops_fwd"] + row["flops_bwd"]), bytes=3.0 * fwd_bytes,
+                saved=float(row["saved_bytes"]), kernels=3 * sum(1 for n in nodes if not _is_view(n.op)),
+                params=int(row["num_params"]), param_bytes=pbytes if info else 0)
+
+
+def _is_view(op: str) -> bool:
+    return any(w in op for w in ("view", "reshape", "expand", "permute", "transpose", "unsqueeze", "squeeze",
+                                 "slice", "select", "detach", "alias", "_to_copy", "t.default"))
+
+
+def _type(graph: ModelGraph, fqn: str) -> str:
+    m = graph.modules.get(fqn)
+    return m.type if m else ""
+
+
+def model_structure(graph: ModelGraph) -> ModelStructure:
+    """Extract the planner's units from a captured graph."""
+    summary = graph.module_summary()
+    rows = {r["fqn"]: r for r in summary.to_dict("records")}
+    float_dtypes = [o.dtype for n in graph.nodes for o in n.outputs if "float" in o.dtype or "bfloat" in o.dtype]
+    dtype_bytes = dtype_size(float_dtypes[0]) if float_dtypes else 4
+
+    def work(fqn):
+        w = _work(graph, fqn, rows)
+        w.param_bytes = w.params * dtype_bytes
+        return w
+
+    claimed: set[str] = set()
+    blocks = []
+    for b in graph.blocks:
+        rep = b.representative
+        roles = b.roles or {}
+        att = None
+        for a in roles.get("attention", [])[:1]:
+            p = a["projections"]
+            if not all(k in p for k in "qkvo"):
+                continue
+            lin = all(_type(graph, f"{rep}.{p[k]}") == _LINEAR for k in "qkvo")
+            att = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]),
+                                int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"))
+        mlp = None
+        for m in roles.get("mlp", [])[:1]:
+            ups = [m[k] for k in ("gate", "up") if m.get(k)]
+            lin = all(_type(graph, f"{rep}.{x}") == _LINEAR for x in ups + [m["down"]])
+            mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, work(f"{rep}.{m['module']}"))
+        norms = list(roles.get("norms", []))
+        norm_work = Work()
+        for n in norms:
+            norm_work = norm_work + work(f"{rep}.{n}")
+        whole = work(rep)
+        inner = norm_work + (att.work if att else Work()) + (mlp.work if mlp else Work())
+        other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
+                     max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
+                     max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0))
+        out_shapes = rows[rep]["output_shapes"] if rep in rows else []
+        shape = tuple(out_shapes[0]) if out_shapes else (1, 1, 1)
+        hidden = 1
+        for s in shape:
+            hidden *= s
+        blocks.append(BlockGroupInfo(
+            b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
+            norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1]))
+        claimed.add(rep)
+
+    outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(
+        "rotary" in m.type.lower() for m in graph.modules.values())
+    emb = None
+    for e in graph.roles.get("embedding", [])[:1]:
+        emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
+                            work(e["module"]), shard_safe=not outside_positions)
+    head = None
+    for h in graph.roles.get("lm_head", [])[:1]:
+        row = rows.get(h["module"], {})
+        outs = row.get("output_shapes") or [(1, 1, int(h["vocab"]))]
+        tokens = 1
+        for s in tuple(outs[0])[:-1]:
+            tokens *= s
+        head = HeadInfo(h["module"], int(h["vocab"]), _type(graph, h["module"]) == _LINEAR, bool(h.get("tied")),
+                        work(h["module"]), tokens, tokens * int(h["vocab"]) * dtype_bytes)
+    final_norms = list(graph.roles.get("norms", []))
+    fn_work = Work()
+    for n in final_norms:
+        fn_work = fn_work + work(n)
+    total = work("")
+    used = fn_work + (emb.work if emb else Work()) + (head.work if head else Work())
+    for b in blocks:
+        w = work(b.representative)
+        used = used + Work(w.flops * b.count, w.bytes * b.count, w.saved * b.count, w.kernels * b.count,
+                           w.params * b.count, w.param_bytes * b.count)
+    rest = Work(max(total.flops - used.flops, 0), max(total.bytes - used.bytes, 0), max(total.saved - used.saved, 0),
+                max(total.kernels - used.kernels, 0), max(total.params - used.params, 0),
+                max(total.param_bytes - used.param_bytes, 0))
+    if head is not None and head.tied and emb is not None:
+        rest.params = max(rest.params, 0)
+    return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
+                          graph.num_parameters)
