@@ -45,17 +45,8 @@ class DistinctOp:
         """
         made = []
         for i, m in enumerate(self.inputs):
-            dtype = getattr(torch, m.dtype.split(".")[-1])
-            stride = m.stride or None
-            if dtype.is_floating_point:
-                t = torch.randn(m.shape, dtype=dtype, device=device)
-            elif dtype == torch.bool:
-                t = torch.ones(m.shape, dtype=dtype, device=device)
-            else:
-                t = torch.zeros(m.shape, dtype=dtype, device=device)
-            if stride and tuple(stride) != t.stride() and _fits(m.shape, stride):
-                t = torch.empty_strided(m.shape, stride, dtype=dtype, device=device).copy_(t)
-            if requires_grad and dtype.is_floating_point and i < len(self.requires_grad) and self.requires_grad[i]:
+            t = _fresh_tensor(m, device)
+            if requires_grad and t.is_floating_point() and i < len(self.requires_grad) and self.requires_grad[i]:
                 t.requires_grad_(True)
             made.append(t)
 
@@ -74,7 +65,7 @@ class DistinctOp:
                 return {k: fill(v) for k, v in a.items()}
             return a
 
-        return fill(self.args), fill(self.kwargs)
+        return fill(self.args), {k: fill(v) for k, v in self.kwargs.items()}
 
     def run(self, device: str | torch.device = "cpu"):
         """Build the arguments on ``device`` and call the op once; returns its output."""
@@ -82,8 +73,23 @@ class DistinctOp:
         return self.resolve()(*args, **kwargs)
 
 
-def _fits(shape, stride) -> bool:
-    return len(shape) == len(stride)
+def _fresh_tensor(m: TensorMeta, device) -> torch.Tensor:
+    """A tensor with ``m``'s shape, dtype and strides (expanded, stride-0 layouts included):
+    random normal when floating, ones when bool, zeros otherwise (valid indices everywhere)."""
+    dtype = getattr(torch, m.dtype.split(".")[-1])
+    stride = tuple(m.stride) if m.stride and len(m.stride) == len(m.shape) else None
+    if stride is None:
+        size, shape = None, m.shape
+    else:
+        size = 0 if 0 in m.shape else 1 + sum((s - 1) * st for s, st in zip(m.shape, stride))
+        shape = (size,)
+    if dtype.is_floating_point or dtype.is_complex:
+        base = torch.randn(shape, dtype=dtype, device=device)
+    elif dtype == torch.bool:
+        base = torch.ones(shape, dtype=dtype, device=device)
+    else:
+        base = torch.zeros(shape, dtype=dtype, device=device)
+    return base if stride is None else base.as_strided(m.shape, stride)
 
 
 def distinct_ops(graph: ModelGraph) -> list[DistinctOp]:

@@ -84,3 +84,15 @@ def test_dataflow_exposes_functional_ops_between_modules():
     q = next(d for d in distinct if d.op == "aten.linear.default" and d.inputs[1].shape == (64, 64))
     assert q.count == 2 * 3  # q and o projections in each of 3 layers
     assert q.run("cpu").shape == (2, 16, 64)
+
+
+def test_every_distinct_op_replays_on_cpu():
+    """What the cost model profiles: each distinct op rebuilt from the IR runs on real tensors."""
+    _, meta = _pair(transformers.LlamaConfig(**SMALL))
+    g = capture(meta, batch=BATCH)
+    for op in g.distinct_ops():
+        args, kwargs = op.build("cpu", requires_grad=True)
+        out = op.resolve()(*args, **kwargs)
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(first, torch.Tensor):
+            assert tuple(first.shape) == g.nodes[[n.name for n in g.nodes].index(op.example)].outputs[0].shape
