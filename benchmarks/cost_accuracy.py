@@ -45,9 +45,9 @@ def _block_ops(shape: dict):
     return llama_block_ops(shape.pop("batch"), shape.pop("seq"), **shape)
 
 
-def op_accuracy(rounds: int) -> tuple[pd.DataFrame, dict]:
+def op_accuracy(rounds: int, statistic: str) -> tuple[pd.DataFrame, dict]:
     hw = load_hardware("cpu")
-    cfg = TimingConfig(rounds=rounds)
+    cfg = TimingConfig(rounds=rounds, statistic=statistic)
     calib = [op for shape in CALIB_SHAPES for op in _block_ops(shape)]
     test = _block_ops(TEST_SHAPE)
     t0 = time.perf_counter()
@@ -116,9 +116,39 @@ def profile_8b(seq: int, batch: int) -> tuple[pd.DataFrame, float, int]:
     return frame, time.perf_counter() - t0, len(ops)
 
 
+def _op_section(rounds: int, stat: str) -> list[str]:
+    frame, info = op_accuracy(rounds, stat)
+    frame.to_csv(OUT / f"cost_ops_{stat}.csv", index=False)
+    hw = info["hardware"]
+    compute = frame[frame["category"] != "view"]
+    by_cat = frame.groupby("category").agg(ops=("key", "count"), mape_profile=("ape_profiled", "mean"),
+                                           mape_estimate=("ape_estimate", "mean"), mape_roofline=("ape_roofline", "mean"))
+    by_cat[["mape_profile", "mape_estimate", "mape_roofline"]] *= 100
+    lines = [f"## Op times, per-round statistic `{stat}` (Llama block, held-out shape "
+              f"b={TEST_SHAPE['batch']} s={TEST_SHAPE['seq']} dim={TEST_SHAPE['dim']} heads={TEST_SHAPE['n_heads']}/"
+              f"{TEST_SHAPE['n_kv_heads']} ffn={TEST_SHAPE['ffn_hidden']}, fp32, forward + backward)", "",
+              f"{len(frame)} distinct ops, {len(compute)} of them data-moving (not views). "
+              f"Profiling calibration + test ops, {rounds} rounds each: {info['profiling_s']:.1f} s.", "",
+              "| ops | MAPE profile table vs re-measurement | MAPE estimate (roofline + fitted corrections) | MAPE raw roofline |",
+              "|---|---|---|---|",
+              f"| all {len(frame)} | {_mape(frame, 'ape_profiled'):.1f} % | {_mape(frame, 'ape_estimate'):.1f} % | {_mape(frame, 'ape_roofline'):.1f} % |",
+              f"| {len(compute)} non-view | {_mape(compute, 'ape_profiled'):.1f} % | {_mape(compute, 'ape_estimate'):.1f} % | {_mape(compute, 'ape_roofline'):.1f} % |",
+              "", "Per category (MAPE %):", "", _md(by_cat, index=True, digits=1), "",
+              f"Host profile used: fp32 GEMM peak {hw.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {hw.peak_flops.get('bf16', 0) / 1e9:.0f} GFLOP/s, "
+              f"DRAM stream {hw.memory_bandwidth / 1e9:.1f} GB/s, cache {hw.efficiency.cache_bandwidth / 1e9:.0f} GB/s up to "
+              f"~{hw.efficiency.cache_bytes / 2**20:.1f} MiB working set, kernel overhead {hw.efficiency.kernel_overhead * 1e6:.2f} us.",
+              "", "Fitted corrections (category: fixed seconds, scale of roofline time):", ""]
+    lines += [f"- {c}: {f * 1e6:.2f} us, x{s:.3f}" for c, (f, s) in sorted(info["fits"].items())]
+    lines += ["", f"Per-op rows: `cost_ops_{stat}.csv`.", ""]
+    print(f"ops ({stat}): MAPE profile {_mape(compute, 'ape_profiled'):.1f}% estimate {_mape(compute, 'ape_estimate'):.1f}% "
+          f"(non-view, {len(compute)} ops)")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--statistics", default="median,min", help="per-round statistics to report, comma separated")
     ap.add_argument("--skip-collectives", action="store_true")
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
@@ -132,31 +162,8 @@ def main(argv=None) -> int:
              f"1 intra-op thread, {os.cpu_count()} shared cores, load average at start {os.getloadavg()[0]:.2f}).", ""]
 
     if not args.skip_ops:
-        frame, info = op_accuracy(args.rounds)
-        frame.to_csv(OUT / "cost_ops.csv", index=False)
-        hw = info["hardware"]
-        compute = frame[frame["category"] != "view"]
-        by_cat = frame.groupby("category").agg(ops=("key", "count"), mape_profile=("ape_profiled", "mean"),
-                                               mape_estimate=("ape_estimate", "mean"), mape_roofline=("ape_roofline", "mean"))
-        by_cat[["mape_profile", "mape_estimate", "mape_roofline"]] *= 100
-        lines += ["## Op times (Llama block, held-out shape "
-                  f"b={TEST_SHAPE['batch']} s={TEST_SHAPE['seq']} dim={TEST_SHAPE['dim']} heads={TEST_SHAPE['n_heads']}/"
-                  f"{TEST_SHAPE['n_kv_heads']} ffn={TEST_SHAPE['ffn_hidden']}, fp32, forward + backward)", "",
-                  f"{len(frame)} distinct ops, {len(compute)} of them data-moving (not views). "
-                  f"Profiling calibration + test ops, {args.rounds} rounds each: {info['profiling_s']:.1f} s.", "",
-                  "| ops | MAPE profile table vs re-measurement | MAPE estimate (roofline + fitted corrections) | MAPE raw roofline |",
-                  "|---|---|---|---|",
-                  f"| all {len(frame)} | {_mape(frame, 'ape_profiled'):.1f} % | {_mape(frame, 'ape_estimate'):.1f} % | {_mape(frame, 'ape_roofline'):.1f} % |",
-                  f"| {len(compute)} non-view | {_mape(compute, 'ape_profiled'):.1f} % | {_mape(compute, 'ape_estimate'):.1f} % | {_mape(compute, 'ape_roofline'):.1f} % |",
-                  "", "Per category (MAPE %):", "", _md(by_cat, index=True, digits=1), "",
-                  f"Host profile used: fp32 GEMM peak {hw.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {hw.peak_flops.get('bf16', 0) / 1e9:.0f} GFLOP/s, "
-                  f"DRAM stream {hw.memory_bandwidth / 1e9:.1f} GB/s, cache {hw.efficiency.cache_bandwidth / 1e9:.0f} GB/s up to "
-                  f"~{hw.efficiency.cache_bytes / 2**20:.1f} MiB working set, kernel overhead {hw.efficiency.kernel_overhead * 1e6:.2f} us.",
-                  "", "Fitted corrections (category: fixed seconds, scale of roofline time):", ""]
-        lines += [f"- {c}: {f * 1e6:.2f} us, x{s:.3f}" for c, (f, s) in sorted(info["fits"].items())]
-        lines += ["", "Per-op rows: `cost_ops.csv`.", ""]
-        print(f"ops: MAPE profile {_mape(compute, 'ape_profiled'):.1f}% estimate {_mape(compute, 'ape_estimate'):.1f}% "
-              f"(non-view, {len(compute)} ops)")
+        for stat in [x.strip() for x in args.statistics.split(",") if x.strip()]:
+            lines += _op_section(args.rounds, stat)
 
     acts = activation_accuracy()
     acts.to_csv(OUT / "cost_activations.csv", index=False)

@@ -57,7 +57,11 @@ def is_view(spec: OpSpec) -> bool:
 
 
 def category(spec: OpSpec) -> str:
-    """gemm / attention / attention_bwd / reduction / transcendental / copy / elementwise / view."""
+    """gemm / attention / attention_bwd / reduction / transcendental / copy / strided / elementwise / view.
+
+    ``strided`` gathers the ops whose inner loop cannot stream (non-contiguous inputs, broadcast
+    along the innermost dim, interleaved writes): they run several times slower per byte.
+    """
     name = spec.short_name
     if name in _GEMM:
         return "gemm"
@@ -80,11 +84,22 @@ def category(spec: OpSpec) -> str:
         return "reduction"
     if name in _TRANSCENDENTAL:
         return "transcendental"
+    strided = any(_strided(t) for t in spec.tensors) or _interleaves(spec)
     if name in _COPY:
-        return "copy"
-    if any(_strided(t) for t in spec.tensors):
-        return "elementwise_strided"
-    return "elementwise"
+        return "strided" if strided else "copy"
+    return "strided" if strided else "elementwise"
+
+
+def _interleaves(spec: OpSpec) -> bool:
+    """Copies whose *writes* are strided: stacking on the last dim, scattering a select back."""
+    name = spec.short_name
+    if name == "select_backward":
+        return True
+    if name == "stack":
+        dims = [a for a in spec.args[1:] if isinstance(a, int)] + [v for k, v in spec.kwargs if k == "dim"]
+        ts = spec.tensors
+        return bool(ts) and bool(dims) and dims[0] in (-1, len(ts[0].shape))
+    return False
 
 
 def _is_dtype_name(v) -> bool:
