@@ -1,13 +1,16 @@
 """Pipeline runtime on real gloo ranks vs one device, and vs torch.distributed.pipelining.
 
-Every schedule x {repo Llama, HF Llama} x {tied, untied}: pure pp on 2 and 4 ranks, (pp=2, tp=2)
+Every schedule x {repo Llama, HF Llama} x {tied, untied}: pure pp on 2 and 4 ranks (two steps,
+the second with another sequence length), (pp=2, tp=2)
 on 4 and (dp=2, pp=2, tp=2) with fully_shard on 8. Loss within rtol 1e-5, every gradient within
 1e-4 of the largest reference entry. Each world size runs all its cases in one pool call; tests
 are ordered by world size so that each pool starts once.
 """
 import pytest
 
-from tests.pipeline.workers import run_errors, run_parallel, run_pure_pp, run_torch_compare
+from tests.pipeline.workers import (
+    run_dtensor_activations, run_errors, run_parallel, run_pure_pp, run_torch_compare,
+)
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"]
 MODELS = [("titan", False), ("titan", True), ("hf", False), ("hf", True)]
@@ -36,6 +39,11 @@ def _check_pure(results, n_cases):
 def test_pure_pp_two_ranks(pool2):
     cases = _cases(2, 4)
     _check_pure(pool2.run(run_pure_pp, cases), len(cases))
+
+
+def test_overlapped_receives_give_the_same_numbers(pool2):
+    cases = [("titan", True, name, 4, 4, 8, 8) for name in SCHEDULES]
+    _check_pure(pool2.run(run_pure_pp, cases, overlap=True), len(cases))
 
 
 def test_same_split_and_schedule_through_torch_pipelining(pool2):
@@ -74,6 +82,17 @@ def _check_parallel(results, cases, dp):
 def test_pp2_tp2(pool4):
     cases = [(kind, tie, name, 4, 4, 8, 8) for kind, tie in MODELS for name in SCHEDULES]
     _check_parallel(pool4.run(run_parallel, cases, 1), cases, 1)
+
+
+def test_dtensor_activations_keep_their_placement(pool4):
+    results = pool4.run(run_dtensor_activations, SCHEDULES)
+    for i, name in enumerate(SCHEDULES):
+        for rank, r in enumerate(results):
+            assert r[i]["grad_err"] < 1e-4, r[i]
+            if rank >= 2:  # pipeline rank 1 only holds stages that receive a sequence-sharded DTensor
+                assert r[i]["dtensor_inputs"] == ["(Shard(dim=1),)"], r[i]
+        held = [r[i] for r in results if r[i]["loss_err"] is not None]
+        assert len(held) == 2 and all(h["loss_err"] < 1e-5 for h in held), held
 
 
 @pytest.mark.filterwarnings("ignore")
