@@ -153,18 +153,25 @@ def model_state_bytes(params: Iterable[ParamSpec], tp: int = 1, fsdp: int = 1,
                       precision: PrecisionPolicy | str = "fp32", tp_rank: int | None = None,
                       fsdp_rank: int | None = None, optimizer: Literal["adamw", "sgd", "none"] = "adamw",
                       fsdp_padded: bool = True) -> ModelStateBytes:
-    """Parameter, gradient and optimizer bytes one rank holds (``tp_rank=None``: the largest shard)."""
+    """Parameter, gradient and optimizer bytes one rank holds (``tp_rank``/``fsdp_rank`` None: the largest shard).
+
+    ``fsdp_padded``: count parameter storage as FSDP2 allocates it (padded chunks).
+    """
     pol = PRECISIONS[precision] if isinstance(precision, str) else precision
     n_states = {"adamw": pol.n_states, "sgd": 0, "none": 0}.get(optimizer)
     if n_states is None:
         raise ValueError(f"model_state_bytes: optimizer={optimizer!r} not in adamw/sgd/none")
-    elems = grad_elems = tensors = 0
+    # Measured with FSDP2 on torch 2.13: the sharded parameter's storage is padded (dim 0 to a
+    # multiple of the fsdp degree) while gradients and AdamW moments are exactly the local chunk.
+    elems = exact = grad_elems = tensors = 0
     for p in params:
         local = p.local_numel(tp, fsdp, tp_rank, fsdp_rank, fsdp_padded)
+        chunk = p.local_numel(tp, fsdp, tp_rank, fsdp_rank, fsdp_padded=False)
         elems += local
-        grad_elems += p.local_numel(1, fsdp, None, fsdp_rank, fsdp_padded) if p.grad_replicated else local
+        exact += chunk
+        grad_elems += p.local_numel(1, fsdp, None, fsdp_rank, fsdp_padded=False) if p.grad_replicated else chunk
         tensors += 1
-    opt = elems * (pol.master + n_states * pol.state) + (tensors * pol.step_bytes if optimizer == "adamw" else 0)
+    opt = exact * (pol.master + n_states * pol.state) + (tensors * pol.step_bytes if optimizer == "adamw" else 0)
     return ModelStateBytes(params=elems * pol.param, grads=grad_elems * pol.grad, optimizer=opt)
 
 

@@ -4,7 +4,7 @@ import pytest
 from autoplan.models import build_llama
 from cost_models.memory import (ParamSpec, chunk_size, inflight_microbatches, model_state_bytes, param_specs,
                                 rank_memory, tp_shard_dim)
-from tests.cost_models.workers import SMALL, TORCHTITAN_STYLES, measured_state_bytes
+from tests.cost_models.workers import SMALL, TORCHTITAN_STYLES, measured_fsdp_state_bytes, measured_state_bytes
 
 
 def test_state_bytes_match_torch_tp_plan_on_two_ranks(pool2):
@@ -18,6 +18,17 @@ def test_state_bytes_match_torch_tp_plan_on_two_ranks(pool2):
     # and DTensor's vocab-sharded embedding gradient is full size: the model must say so
     megatron = param_specs(build_llama(device="meta", **SMALL), TORCHTITAN_STYLES, runtime="megatron")
     assert model_state_bytes(megatron, tp=2, tp_rank=0).grads < measured[0]["grads"]
+
+
+def test_state_bytes_match_fsdp2_on_two_ranks(pool2):
+    measured = pool2.run(measured_fsdp_state_bytes)
+    specs = param_specs(build_llama(device="meta", **SMALL))
+    for m in measured:
+        pred = model_state_bytes(specs, fsdp=2, fsdp_rank=m["rank"], precision="fp32")
+        assert (pred.params, pred.grads, pred.optimizer) == (m["params"], m["grads"], m["optimizer"])
+        exact = model_state_bytes(specs, fsdp=2, fsdp_rank=m["rank"], fsdp_padded=False)
+        assert exact.params == m["params_unpadded"]
+    assert measured[1]["params_unpadded"] < measured[1]["params"]  # the odd vocabulary pads rank 1
 
 
 def test_param_specs_follow_style_conventions():

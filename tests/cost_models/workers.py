@@ -68,3 +68,33 @@ def measured_state_bytes() -> dict:
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     optim = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     return {"rank": dist.get_rank(), "params": params, "grads": grads, "optimizer": optim}
+
+
+def measured_fsdp_state_bytes() -> dict:
+    """fully_shard every block and the root over all ranks (fp32), one AdamW step; count bytes.
+
+    Parameters and optimizer moments are counted by allocated storage (FSDP2 pads dim 0 to a
+    multiple of the world size), gradients by their local shard.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = cached_mesh((world,), ("fsdp",))
+    model = build_llama(seed=0, **SMALL)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    opt.step()
+
+    def storage(t) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.untyped_storage().nbytes()
+
+    params = sum(storage(p) for p in model.parameters())
+    unpadded = sum(_local_bytes(p) for p in model.parameters())
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    optim = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+    return {"rank": dist.get_rank(), "params": params, "params_unpadded": unpadded, "grads": grads, "optimizer": optim}
