@@ -1,14 +1,18 @@
-"""Module-level capture with forward hooks, for models torch.export cannot trace.
+"""Capture with forward hooks, for models torch.export cannot trace as a whole.
 
-The model runs eagerly on meta. A dispatch mode answers the reads of tensor values that meta
-cannot answer (``.item()``, ``bool(t)``, ``nonzero``) with zero/False/empty, so data-dependent
-control flow takes one branch instead of failing; the module where that happened is named in a
-warning. FLOPs come from torch's FLOP formulas applied op by op and are credited to the innermost
-module running; backward is estimated as twice forward (the matmul rule: grad input + grad weight),
-and a module with weights is taken to keep its input for backward.
+The model runs eagerly on meta with a hook on every module. A dispatch mode answers the reads of
+tensor values that meta cannot answer (``.item()``, ``bool(t)``, ``nonzero``) with
+zero/False/empty, so data-dependent control flow takes one branch instead of failing, and records
+the module where that happened. Then, top-down, every module call that read no such value is
+exported on its own with the inputs it was called with: those parts come out op by op, as from a
+whole-model export. What is left -- the modules that read values, minus their exportable
+children -- becomes one node per call, named in a warning. For those nodes FLOPs come from
+torch's formulas applied op by op and credited to the innermost running module; backward is taken
+as twice forward (grad input + grad weight), and a module with weights as keeping its input.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -20,7 +24,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoplan.capture.blocks import block_of, type_name
 from autoplan.capture.ir import BlockGroup, Edge, ModelGraph, ModuleInfo, Node
-from autoplan.capture.trace import tensor_meta
+from autoplan.capture.trace import SubExport, export, tensor_meta, to_nodes
 from autoplan.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,42 @@ def _tensors(x: Any) -> list[torch.Tensor]:
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
+def _ordered_tensors(mod: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensor inputs in the order export numbers them: arguments bound to the forward signature."""
+    try:
+        bound = inspect.signature(mod.forward).bind(*args, **kwargs)
+        return _tensors(list(bound.arguments.values()))
+    except (TypeError, ValueError):
+        return _tensors((args, kwargs))
+
+
+def _inside(call: dict, exported: set[int], calls: list[dict]) -> bool:
+    parent = call["parent"]
+    while parent is not None:
+        if parent in exported:
+            return True
+        parent = calls[parent]["parent"]
+    return False
+
+
+def _export_call(mm: nn.Module, call: dict, in_nodes: list[str], groups: list[BlockGroup], params: dict):
+    """Op-level nodes of one module call exported on its own, or None when export fails."""
+    try:
+        ep = export(call["module"], tuple(call["args"]), dict(call["kwargs"]))
+    except Exception as exc:
+        log.debug("export of %r alone failed: %s", call["fqn"], exc)
+        return None
+    acts = [p for p in in_nodes if not p.startswith("param:")]
+    sub = SubExport(
+        prefix=call["fqn"],
+        outer_scope=[s for s in call["scope"][:-1] if s],
+        input_producers=acts,
+        input_grads=[not p.startswith("input:") for p in acts],
+    )
+    nodes, _, _, outputs = to_nodes(ep, {}, groups, call["type"], sub)
+    return nodes, [o["name"] for o in outputs]
+
+
 def capture_with_hooks(
     mm: nn.Module,
     args: tuple,
@@ -94,7 +134,11 @@ def capture_with_hooks(
     def pre(mod, a, kw):
         fqn = names.get(mod, "")
         stack.append(fqn)
-        call = {"fqn": fqn, "type": type_name(mod), "scope": list(stack), "inputs": _tensors((a, kw)), "index": len(calls)}
+        call = {
+            "fqn": fqn, "type": type_name(mod), "scope": list(stack), "index": len(calls),
+            "parent": open_calls[-1]["index"] if open_calls else None, "module": mod,
+            "args": a, "kwargs": kw, "inputs": _ordered_tensors(mod, a, kw),
+        }
         calls.append(call)
         open_calls.append(call)
 
@@ -122,17 +166,31 @@ def capture_with_hooks(
     for i, t in enumerate(flat_inputs):
         producer[id(t)] = f"input:arg{i}"
     non_reps = {m for g in groups for m in g.member_fqns() if m != g.representative}
+    dirty = set(mode.data_dependent)
     nodes: list[Node] = []
+    exported: set[int] = set()
     for call in calls:
         if "outputs" not in call or any(s in non_reps for s in call["scope"]):
             continue
+        if _inside(call, exported, calls):
+            continue
         fqn = call["fqn"]
-        name = f"call{call['index']}:{fqn or 'root'}"
         ins, outs = call["inputs"], call["outputs"]
+        in_nodes = [f"param:{params[id(t)]}" if id(t) in params else producer.get(id(t), "const:untracked") for t in ins]
+        if call["index"] > 0 and not any(d == fqn or d.startswith(fqn + ".") for d in dirty):
+            sub_nodes = _export_call(mm, call, in_nodes, groups, params)
+            if sub_nodes is not None:
+                op_nodes, out_names = sub_nodes
+                nodes.extend(op_nodes)
+                for t, name in zip(outs, out_names):
+                    producer[id(t)] = name
+                    keep_alive.append(t)
+                exported.add(call["index"])
+                continue
+        name = f"call{call['index']}:{fqn or 'root'}"
         for t in outs:
             producer.setdefault(id(t), name)
             keep_alive.append(t)
-        in_nodes = [f"param:{params[id(t)]}" if id(t) in params else producer.get(id(t), "const:untracked") for t in ins]
         own_params = [f"{fqn}.{p}" if fqn else p for p in infos[fqn].params] if fqn in infos else []
         fwd = mode.flops.get(call["index"], 0)
         param_bytes = sum(p.numel() * p.element_size() for p in mm.get_submodule(fqn).parameters(recurse=False))
@@ -161,9 +219,9 @@ def capture_with_hooks(
         )
     untraceable = sorted(mode.data_dependent) or ["<root>"]
     msg = (
-        f"export could not trace {type(mm).__name__}; captured at module level with forward hooks. "
-        f"Data-dependent values were read in: {', '.join(repr(u) for u in untraceable)} "
-        "(answered with zeros; FLOPs of the branches not taken are missing)"
+        f"export could not trace {type(mm).__name__}; the modules that read data-dependent values "
+        f"({', '.join(repr(u) for u in untraceable)}) are captured at module level with forward hooks "
+        "(values answered with zeros, FLOPs of branches not taken are missing); the rest op by op"
     )
     log.warning("%s", msg)
     names_set = {n.name for n in nodes}

@@ -73,6 +73,9 @@ def _lca(fqns: Iterable[str]) -> str:
 
 
 def _rel(fqn: str, base: str) -> str:
+    """``fqn`` relative to the block representative ``base`` ("" for the block itself)."""
+    if base and fqn == base:
+        return ""
     return fqn[len(base) + 1:] if base and fqn.startswith(base + ".") else fqn
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,28 +108,53 @@ def _non_member(scope: list[str], non_reps: set[str]) -> bool:
     return any(s in non_reps for s in scope)
 
 
+@dataclass
+class SubExport:
+    """Where an exported submodule sits in the whole model (hook fallback, see fallback.py):
+    its FQN, the scope above it, and for each of its tensor inputs (in order) the producer in
+    the outer graph and whether it requires grad."""
+
+    prefix: str
+    outer_scope: list[str]
+    input_producers: list[str]
+    input_grads: list[bool]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else (prefix or name)
+
+
 def to_nodes(
     ep: torch.export.ExportedProgram,
     rename: dict[str, str],
     groups: list[BlockGroup],
     root_type: str,
+    sub: SubExport | None = None,
 ) -> tuple[list[Node], list[Edge], list[dict], list[dict]]:
     """Nodes, edges, graph inputs and outputs of an exported program (non-representative block
-    members, when present because shortening was not possible, are dropped)."""
+    members, when present because shortening was not possible, are dropped). With ``sub`` the
+    program is one submodule: names are made global and inputs linked to outer producers."""
     non_reps = {m for g in groups for m in g.member_fqns() if m != g.representative}
+    prefix = sub.prefix if sub else ""
     producer_of: dict[str, str] = {}
     requires_grad: dict[str, bool] = {}
     graph_inputs: list[dict] = []
+    user_inputs = 0
     for spec in ep.graph_signature.input_specs:
         name = spec.arg.name
         kind = spec.kind.name
         if kind == "PARAMETER":
-            producer_of[name] = f"param:{spec.target}"
+            producer_of[name] = f"param:{_join(prefix, spec.target)}"
             requires_grad[producer_of[name]] = True
         elif kind == "BUFFER":
-            producer_of[name] = f"buffer:{spec.target}"
+            producer_of[name] = f"buffer:{_join(prefix, spec.target)}"
         elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ", "TOKEN"):
-            producer_of[name] = f"const:{spec.target or name}"
+            producer_of[name] = f"const:{_join(prefix, spec.target or name)}"
+        elif sub is not None and isinstance(getattr(spec.arg, "name", None), str) and _is_tensor_placeholder(ep, name):
+            i = user_inputs
+            user_inputs += 1
+            producer_of[name] = sub.input_producers[i] if i < len(sub.input_producers) else f"input:{name}"
+            requires_grad[producer_of[name]] = i < len(sub.input_grads) and sub.input_grads[i]
         else:
             producer_of[name] = f"input:{name}"
     for node in ep.graph.nodes:
@@ -152,8 +178,13 @@ def to_nodes(
         if op in _SKIP:
             continue
         owner, otype, scope = _owner(fxn, rename, root_type)
+        if sub is not None:
+            owner = _join(prefix, owner)
+            scope = sub.outer_scope + [_join(prefix, x) for x in scope if x] if scope else sub.outer_scope + [prefix]
         if _non_member(scope, non_reps):
             continue
+        node_name = f"{prefix}:{fxn.name}" if sub is not None else fxn.name
+        producer_of[fxn.name] = node_name
         walker = _ArgWalker(producer_of)
         jargs, margs = walker.walk(list(fxn.args))
         jkwargs, mkwargs = walker.walk(dict(fxn.kwargs))
@@ -166,7 +197,7 @@ def to_nodes(
         }
         param_idx = {i for i, p in enumerate(walker.producers) if not _is_activation(p)}
         node = Node(
-            name=fxn.name,
+            name=node_name,
             op=op,
             module=owner,
             module_type=otype,
@@ -181,7 +212,7 @@ def to_nodes(
             block=block_id,
         )
         if op == "getitem":  # one output of a multi-output op: link it to that op
-            src = fxn.args[0].name if isinstance(fxn.args[0], fx.Node) else None
+            src = producer_of.get(fxn.args[0].name) if isinstance(fxn.args[0], fx.Node) else None
             if src is not None and not walker.producers:
                 node.input_nodes, node.inputs = [src], list(outputs[:1])
             node.requires_grad = bool(src and requires_grad.get(src, False))
@@ -238,6 +269,13 @@ def _enters_block(producer: str, block_id: str | None, from_input: dict, block_a
         and block_at.get(producer) != block_id
         and meta.dtype in ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
     )
+
+
+def _is_tensor_placeholder(ep: torch.export.ExportedProgram, name: str) -> bool:
+    for n in ep.graph.nodes:
+        if n.op == "placeholder" and n.name == name:
+            return isinstance(n.meta.get("val"), torch.Tensor)
+    return False
 
 
 def _is_activation(producer: str) -> bool:
