@@ -57,10 +57,12 @@ def is_view(spec: OpSpec) -> bool:
 
 
 def category(spec: OpSpec) -> str:
-    """gemm / attention / attention_bwd / reduction / transcendental / copy / strided / elementwise / view.
+    """gemm / attention / attention_bwd / reduction / transcendental / copy / strided / interleave /
+    elementwise / view.
 
-    ``strided`` gathers the ops whose inner loop cannot stream (non-contiguous inputs, broadcast
-    along the innermost dim, interleaved writes): they run several times slower per byte.
+    ``strided``: an input whose innermost dim is not unit-stride (interleaved or broadcast), so the
+    inner loop cannot use vector loads; ``interleave``: copies whose writes are strided (stack on
+    the last dim, select_backward). Both run several times slower per byte than streaming ops.
     """
     name = spec.short_name
     if name in _GEMM:
@@ -84,7 +86,9 @@ def category(spec: OpSpec) -> str:
         return "reduction"
     if name in _TRANSCENDENTAL:
         return "transcendental"
-    strided = any(_strided(t) for t in spec.tensors) or _interleaves(spec)
+    if _interleaves(spec):
+        return "interleave"
+    strided = any(_strided(t) for t in spec.tensors)
     if name in _COPY:
         return "strided" if strided else "copy"
     return "strided" if strided else "elementwise"
@@ -109,20 +113,15 @@ def _is_dtype_name(v) -> bool:
 
 
 def _strided(t: TensorSpec) -> bool:
-    """Non-contiguous in a way that breaks vectorised inner loops (broadcast dims excepted)."""
+    """The innermost non-trivial dim is not unit-stride (interleaved or broadcast): no vector loads.
+
+    Outer-dim gaps (a slice of a wider table, a transposed batch dim) keep contiguous inner runs
+    and stream like contiguous tensors, so they do not count.
+    """
     if t.stride is None:
         return False
-    inner = [(n, st) for n, st in zip(t.shape, t.stride) if n > 1]
-    if inner and inner[-1][1] == 0:  # broadcast along the innermost dim: no vector loads
-        return True
-    expect = 1
-    for n, st in zip(reversed(t.shape), reversed(t.stride)):
-        if n == 1 or st == 0:
-            continue
-        if st != expect:
-            return True
-        expect *= n
-    return False
+    inner = [st for n, st in zip(t.shape, t.stride) if n > 1]
+    return bool(inner) and inner[-1] != 1
 
 
 def _storage_bytes(t: TensorSpec) -> int:
