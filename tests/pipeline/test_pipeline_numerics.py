@@ -9,7 +9,7 @@ are ordered by world size so that each pool starts once.
 import pytest
 
 from tests.pipeline.workers import (
-    run_dtensor_activations, run_errors, run_parallel, run_pure_pp, run_torch_compare,
+    run_dtensor_activations, run_errors, run_graph_split, run_parallel, run_pure_pp, run_torch_compare,
 )
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"]
@@ -44,6 +44,16 @@ def test_pure_pp_two_ranks(pool2):
 def test_overlapped_receives_give_the_same_numbers(pool2):
     cases = [("titan", True, name, 4, 4, 8, 8) for name in SCHEDULES]
     _check_pure(pool2.run(run_pure_pp, cases, overlap=True), len(cases))
+
+
+def test_graph_split_of_an_exported_model(pool2):
+    cases = [(True, "1F1B", ["layers.2"]), (False, "ZBV", ["layers.1", "layers.2", "norm"])]
+    results = pool2.run(run_graph_split, cases)
+    _check_grads(results, len(cases))
+    for i in range(len(cases)):
+        held = [r[i] for r in results if r[i]["loss_err"] is not None]
+        assert len(held) == 1 and held[0]["loss_err"] < 1e-5, held
+        assert all(r[i]["kinds"] == ["GraphStageModule"] for r in results)
 
 
 def test_same_split_and_schedule_through_torch_pipelining(pool2):

@@ -301,6 +301,24 @@ def _toy_spine():
                  lambda stage, fqn, module, h, ctx: module(h))
 
 
+def run_graph_split(cases) -> list[dict]:
+    """Graph-split stages (torch.export) of the repo Llama: cases (tie, schedule name, cuts)."""
+    out = []
+    p = dist.get_world_size()
+    for tie, name, cuts in cases:
+        m, batch, seq = 2 * p, 4 * p, 8
+        x, y = data(batch, seq)
+        ref_loss, ref_grads = reference("titan", tie, 4, x, y)
+        model = build_model("titan", tie, 4)
+        cls = SCHEDULES[name]
+        stages = build_stages(model, cls.ir(p, m), cuts=cuts, example_args=(x[: batch // m],))
+        loss = cls(stages, m, lm_loss).step(x, target=y)
+        res = compare(stages, ref_grads, loss, ref_loss)
+        res.update(case=(tie, name), kinds=sorted({type(s.module).__name__ for s in stages}))
+        out.append(res)
+    return out
+
+
 def run_dtensor_activations(names) -> list[dict]:
     """(pp=2, tp=2): every block ends in RowwiseParallel(output_layouts=Shard(1),
     use_local_output=False), so DTensors with Shard(1) cross the stage boundary."""
