@@ -1,1 +1,11 @@
-"""autoplan: automatic parallelization plans for PyTorch training."""
+"""autoplan: automatic parallelization plans for PyTorch training.
+
+    plan = autoplan(model, mesh, batch=(global_batch, seq_len))
+    plan.to_json("plan.json")
+    runner = plan.apply(model, device_mesh)
+"""
+from autoplan.api import autoplan
+from autoplan.plan import Plan
+from autoplan.search import MeshSpec
+
+__all__ = ["autoplan", "Plan", "MeshSpec"]

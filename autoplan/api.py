@@ -1,0 +1,219 @@
+"""autoplan(model, mesh) -> Plan: capture, cost, solve, and explain.
+
+The mesh fixes the degrees (its ``tp`` dimension is the tensor-parallel group, ``dp`` the
+data-parallel one); it may be a live DeviceMesh or an offline MeshSpec, so planning for 512
+GPUs needs no process group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.plan.plan import Plan
+from autoplan.search.costing import CostContext
+from autoplan.search.mesh_spec import MeshSpec
+from autoplan.search.structure import model_structure
+from autoplan.search.tp_search import Evaluation, TPSearch
+
+log = logging.getLogger(__name__)
+
+TP_NAMES = ("tp", "tensor")
+DP_NAMES = ("dp", "fsdp", "dp_shard", "data")
+
+# named reference assignments, priced beside the solver's answer
+REFERENCE_PLANS = {
+    "replicated": ("R", {}),
+    "megatron": ("R", {"attention": "heads_sharded", "mlp": "hidden_sharded", "embedding": "vocab_sharded",
+                       "head": "vocab_sharded_gather"}),
+    "megatron_loss_parallel": ("R", {"attention": "heads_sharded", "mlp": "hidden_sharded",
+                                     "embedding": "vocab_sharded", "head": "loss_parallel"}),
+    "sequence_parallel": ("S", {"attention": "heads_sharded", "mlp": "hidden_sharded", "norms": "sequence",
+                                "final_norm": "sequence", "embedding": "vocab_sharded", "head": "loss_parallel"}),
+}
+
+
+def _mesh_spec(mesh, hardware: str | None) -> MeshSpec:
+    if isinstance(mesh, MeshSpec):
+        return mesh if hardware is None else MeshSpec(mesh.shape, mesh.names, hardware, mesh.devices_per_node)
+    if isinstance(mesh, dict):
+        spec = MeshSpec(tuple(mesh["shape"]), tuple(mesh["names"]), mesh.get("hardware", hardware or "h100_sxm"),
+                        mesh.get("devices_per_node"))
+        return spec if hardware is None else MeshSpec(spec.shape, spec.names, hardware, spec.devices_per_node)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        return MeshSpec.from_device_mesh(mesh, hardware)
+    raise PlanningError(f"autoplan: mesh must be a DeviceMesh, a MeshSpec or a dict, got {type(mesh).__name__}")
+
+
+def _dim(spec: MeshSpec, candidates: tuple[str, ...], default_if_1d: bool) -> str | None:
+    for n in candidates:
+        if n in spec.names:
+            return n
+    if default_if_1d and len(spec.names) == 1:
+        return spec.names[0]
+    return None
+
+
+def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None) -> list[dict]:
+    agg: dict[tuple, int] = defaultdict(int)
+    for c in ev.collectives:
+        dim = tp_dim if c.dim == "tp" else c.dim
+        if dim is None or spec.degree(dim) <= 1:
+            continue
+        agg[(c.kind, dim, c.phase, int(c.nbytes))] += c.count
+    return [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n}
+            for (k, d, p, b), n in sorted(agg.items())]
+
+
+def _decision_rows(ev: Evaluation, ctx: CostContext) -> list[dict]:
+    rows = []
+    for o in sorted(ev.options, key=lambda o: o.slot):
+        if o.slot in ("rest",) or (o.slot.endswith("/other")):
+            continue
+        mem = o.memory(ctx)
+        rows.append({
+            "unit": o.slot, "block_prefix": o.owner[:-2] if o.owner.endswith(".*") else None,
+            "count": o.count, "strategy": o.strategy.name, "stream": o.stream or "-",
+            "reason": o.strategy.reason, "modules": sorted(o.styles()),
+            "compute_s": o.compute_s(ctx), "comm_s": o.comm_s(ctx), "memory_bytes": sum(mem.values()),
+        })
+    return rows
+
+
+def _summary(name: str, ev: Evaluation) -> dict:
+    return {"name": name, "step_s": ev.step_s, "compute_s": ev.compute_s, "comm_s": ev.comm_s,
+            "memory_bytes": ev.memory_total,
+            "strategies": {o.slot: o.strategy.name for o in ev.options if o.slot != "rest" and not o.slot.endswith("/other")}}
+
+
+def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = None, hardware: str | None = None,
+             memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
+             allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
+             sequence_parallel: bool | None = None,
+             graph=None) -> Plan:
+    """Choose every module's tensor-parallel style for ``model`` on ``mesh``.
+
+    Args:
+        batch: ``(global_batch, seq_len)``; each dp rank gets ``global_batch / dp`` sequences.
+        inputs: instead of ``batch``, example inputs of one rank (local batch).
+        hardware: hardware profile name (default: the mesh's, h100_sxm offline, cpu for CPU meshes).
+        memory_limit: bytes per rank (default: the hardware's memory capacity).
+        dtype: training dtype (default bf16 on accelerators, fp32 on cpu).
+        fsdp: shard parameters/gradients/optimizer over the dp dimension (FSDP2) when dp > 1.
+        allow_replicated_units: if False, every attention/MLP/embedding/head must be sharded
+            (raises InfeasiblePlanError naming the violated divisibility when impossible).
+        activation_checkpointing: full checkpointing of every repeated block; None lets the
+            planner choose (it does when activations would not fit, or it is faster).
+        sequence_parallel: force (True) or forbid (False) a sequence-sharded residual stream;
+            None lets the planner choose.
+        graph: a ModelGraph already captured for this batch (skips capture).
+    """
+    t_start = time.perf_counter()
+    spec = _mesh_spec(mesh, hardware)
+    hw = spec.hardware_profile()
+    tp_dim = _dim(spec, TP_NAMES, default_if_1d=True)
+    dp_dim = _dim(spec, DP_NAMES, default_if_1d=False)
+    tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
+    if dtype is None:
+        dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
+    if graph is None:
+        if inputs is None and batch is None:
+            from autoplan.errors import MissingInputsError
+
+            raise MissingInputsError("autoplan: give batch=(global_batch, seq_len) or example inputs=")
+        cap_batch = None
+        if batch is not None:
+            gb, seq = (batch if isinstance(batch, (tuple, list)) else (batch, 1))
+            if gb % dp:
+                raise InfeasiblePlanError(f"autoplan: global batch {gb} is not divisible by dp={dp}")
+            cap_batch = (gb // dp, seq)
+        from autoplan.capture import capture
+
+        graph = capture(model, inputs, batch=cap_batch, dtype=dtype)
+    t_captured = time.perf_counter()
+    structure = model_structure(graph)
+    pbytes = structure.dtype_bytes
+    ctx = CostContext(hardware=hw, topology=spec.topology(), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=dp_dim,
+                      dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
+                      optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
+    limit = memory_limit if memory_limit is not None else float(hw.memory_capacity)
+    search = best = None
+    info = None
+    ac_modes = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
+    for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
+        ctx_ac = dataclasses.replace(ctx, checkpoint_blocks=ac)
+        s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
+                        sequence_parallel=sequence_parallel)
+        chosen_ac, layout_ac, info_ac = s_ac.solve(limit)
+        info = info_ac if info is None else info
+        if not chosen_ac:
+            continue
+        ev = s_ac.evaluate(chosen_ac, layout_ac)
+        if best is None or ev.step_s < best.step_s:
+            search, best, chosen, layout, info, ctx = s_ac, ev, chosen_ac, layout_ac, info_ac, ctx_ac
+    if best is None:
+        ctx_min = dataclasses.replace(ctx, checkpoint_blocks=ac_modes[-1])
+        s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
+                         sequence_parallel=sequence_parallel)
+        least, lay2, _ = s_min.solve(objective="memory")
+        need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
+        raise InfeasiblePlanError(
+            f"autoplan: no plan fits memory_limit={limit / 2**30:.2f} GiB per rank on mesh "
+            f"{dict(zip(spec.names, spec.shape))}; the minimum is {need / 2**30:.2f} GiB per rank "
+            f"(solver status {info.status})")
+
+    alternatives = []
+    for name, (lay, prefer) in REFERENCE_PLANS.items():
+        if lay not in search.layouts:
+            continue
+        try:
+            ev = search.evaluate(search.assignment(lay, prefer), lay)
+        except InfeasiblePlanError:
+            continue
+        alternatives.append(_summary(name, ev))
+    alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
+
+    notes = []
+    for o in chosen.values():
+        if o.strategy.extra.get("tp_excluded"):
+            notes.append(f"{o.slot}: kept replicated: {o.strategy.extra['tp_excluded']}")
+    sharded = [o for o in chosen.values() if o.strategy.param_shard > 1 or o.strategy.compute_shard > 1]
+    if tp > 1 and not sharded:
+        others = [a for a in alternatives if a["name"] != "replicated"]
+        if others:
+            b2 = others[0]
+            notes.append(f"tensor parallelism does not pay on this model at tp={tp}: replicated step "
+                         f"{best.step_s:.3g}s vs {b2['name']} {b2['step_s']:.3g}s, whose communication "
+                         f"({b2['comm_s']:.3g}s) exceeds the compute it saves")
+    styles = {}
+    for o in sorted(best.options, key=lambda o: o.slot):
+        for pattern, style in o.styles().items():
+            styles[pattern] = style.to_dict()
+    styles = dict(sorted(styles.items()))
+    loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
+    t_end = time.perf_counter()
+    return Plan(
+        mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
+        loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
+        decisions=_decision_rows(best, ctx),
+        predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
+                     "memory_bytes": dict(best.memory, total=best.memory_total),
+                     "collectives": _collective_rows(best, spec, tp_dim)},
+        alternatives=alternatives,
+        solver={"name": info.solver, "status": info.status, "variables": info.variables,
+                "constraints": info.constraints},
+        model={"type": graph.model_type, "num_parameters": int(graph.num_parameters),
+               "blocks": [{"prefix": b.prefix, "count": b.count} for b in structure.blocks]},
+        batch={"global_batch": (batch[0] if isinstance(batch, (tuple, list)) else batch) if batch else None,
+               "seq_len": (batch[1] if isinstance(batch, (tuple, list)) else None) if batch else None,
+               "dtype": str(dtype)},
+        notes=notes,
+        timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start},
+    )

@@ -1,0 +1,133 @@
+"""Plan: the planner's answer as reviewable data.
+
+A Plan holds the mesh it was made for, the hyper_parallel styles per module pattern, the
+per-unit decisions with their costs and reasons, predictions (step time split into compute and
+communication, per-rank memory by kind, the collectives with kind, mesh dim, phase, count and
+bytes), ranked alternatives and the solver's report. ``to_json`` is deterministic (sorted keys,
+rounded floats, no wall-clock times unless asked), so identical inputs give identical files;
+``from_json`` validates against the schema and only looks style names up in a fixed registry.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoplan.errors import PlanSchemaError
+
+SCHEMA_VERSION = 1
+_ROUND = 9  # significant digits kept for floats in JSON
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.{_ROUND}g}")
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_round(v) for v in value]
+    return value
+
+
+@dataclass
+class Plan:
+    mesh: dict[str, Any]                       # MeshSpec.to_dict()
+    tp_dim: str | None
+    dp_dim: str | None
+    styles: dict[str, dict[str, Any]]          # pattern -> style dict (hyper_parallel registry)
+    stream_layout: str                         # "R" or "S" (sequence parallel)
+    loss_parallel: bool
+    fsdp: dict[str, Any]
+    decisions: list[dict[str, Any]]
+    predictions: dict[str, Any]
+    alternatives: list[dict[str, Any]]
+    solver: dict[str, Any]
+    model: dict[str, Any]
+    batch: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    activation_checkpointing: bool = False
+    pipeline: dict[str, Any] | None = None
+    timing: dict[str, float] = field(default_factory=dict)   # wall-clock; not in JSON unless asked
+    schema_version: int = SCHEMA_VERSION
+
+    # ------------------------------------------------------------------ data
+    def to_dict(self, timing: bool = False) -> dict[str, Any]:
+        data = {
+            "schema_version": self.schema_version, "model": self.model, "mesh": self.mesh, "batch": self.batch,
+            "tp_dim": self.tp_dim, "dp_dim": self.dp_dim, "styles": self.styles,
+            "stream_layout": self.stream_layout, "loss_parallel": self.loss_parallel, "fsdp": self.fsdp,
+            "activation_checkpointing": self.activation_checkpointing,
+            "pipeline": self.pipeline, "decisions": self.decisions, "predictions": self.predictions,
+            "alternatives": self.alternatives, "solver": self.solver, "notes": self.notes,
+        }
+        if timing:
+            data["timing"] = self.timing
+        return _round(data)
+
+    def to_json(self, path: str | Path | None = None, *, timing: bool = False) -> str:
+        text = json.dumps(self.to_dict(timing), indent=1, sort_keys=True) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Plan":
+        from autoplan.plan.schema import validate_plan_data
+
+        validate_plan_data(data)
+        kw = {k: data[k] for k in ("mesh", "tp_dim", "dp_dim", "styles", "stream_layout", "loss_parallel", "fsdp",
+                                   "decisions", "predictions", "alternatives", "solver", "model", "batch")}
+        return cls(**kw, notes=list(data.get("notes", [])), pipeline=data.get("pipeline"),
+                   activation_checkpointing=bool(data.get("activation_checkpointing", False)),
+                   timing=dict(data.get("timing", {})), schema_version=data["schema_version"])
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> "Plan":
+        """Load from a path or a JSON string; never executes anything in it."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(source).read_text()
+            except OSError as e:
+                raise PlanSchemaError(f"plan file {source}: {e}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanSchemaError(f"plan JSON is corrupted or truncated: {e}") from None
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ use
+    def tp_plan(self):
+        """{pattern: ParallelStyle} for hyper_parallel.parallelize_module."""
+        from hyper_parallel import style_from_dict
+
+        return {k: style_from_dict(v) for k, v in self.styles.items()}
+
+    def apply(self, model, mesh, **runner_kwargs):
+        """Parallelize ``model`` on ``mesh`` (a DeviceMesh with this plan's dim names) and return
+        a :class:`~autoplan.plan.runner.Runner` whose ``step(batch)`` trains."""
+        from autoplan.plan.runner import apply_plan
+
+        return apply_plan(self, model, mesh, **runner_kwargs)
+
+    @property
+    def step_time(self) -> float:
+        return float(self.predictions["step_s"])
+
+    def summary(self):
+        """pandas DataFrame, one row per decision (unit): strategy, styles, costs, memory."""
+        import pandas as pd
+
+        return pd.DataFrame(self.decisions)
+
+    def collectives(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.predictions.get("collectives", []))
+
+    def __repr__(self) -> str:
+        m = self.mesh
+        return (f"Plan(mesh={dict(zip(m['names'], m['shape']))}, stream={self.stream_layout}, "
+                f"loss_parallel={self.loss_parallel}, {len(self.styles)} styles, "
+                f"step≈{self.predictions.get('step_s', float('nan')):.4g}s)")

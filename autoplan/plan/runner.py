@@ -1,0 +1,101 @@
+"""Apply a Plan with hyper_parallel and train: the one call between a plan file and a step.
+
+``apply_plan`` checks the mesh against the plan, applies the tensor-parallel styles on the plan's
+tp dimension, wraps blocks and the root with FSDP2 on its dp dimension when the plan says so,
+and returns a Runner whose ``step((inputs, targets))`` runs forward, loss (vocabulary-parallel
+when the plan chose loss parallel), backward and the optimizer step.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel import fully_shard, loss_parallel, parallelize_module
+from hyper_parallel.errors import MeshError
+
+log = logging.getLogger(__name__)
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token cross entropy over (..., vocab) logits."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+class Runner:
+    def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None):
+        self.model = model
+        self.plan = plan
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.dp_mesh = dp_mesh
+
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """This rank's share of a global batch along dim 0 (its dp coordinate)."""
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return inputs, targets
+        n, r = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
+        if inputs.shape[0] % n:
+            raise MeshError(f"Runner.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
+        k = inputs.shape[0] // n
+        return inputs[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
+
+    def step(self, batch) -> float:
+        """One training step on this rank's ``(inputs, targets)``; returns the loss."""
+        inputs, targets = batch
+        self.optimizer.zero_grad()
+        logits = _logits(self.model(inputs))
+        if isinstance(logits, DTensor):
+            with loss_parallel():
+                loss = self.loss_fn(logits, targets)
+                loss.backward()
+        else:
+            loss = self.loss_fn(logits, targets)
+            loss.backward()
+        self.optimizer.step()
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return float(value.detach())
+
+
+def _check_mesh(plan, mesh) -> None:
+    names = tuple(mesh.mesh_dim_names or ())
+    want = tuple(plan.mesh["names"])
+    if names != want or tuple(mesh.shape) != tuple(plan.mesh["shape"]):
+        raise MeshError(f"plan.apply: the plan is for mesh {dict(zip(want, plan.mesh['shape']))}, "
+                        f"got {dict(zip(names, mesh.shape))}")
+
+
+def _fsdp_units(model: nn.Module, plan) -> list[nn.Module]:
+    """One FSDP unit per repeated block (what torchtitan wraps), then the root takes the rest."""
+    units = []
+    prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})
+    for prefix in prefixes:
+        parent = model.get_submodule(prefix)
+        units.extend(parent.children())
+    return units
+
+
+def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-3,
+               loss_fn: Callable = lm_loss) -> Runner:
+    _check_mesh(plan, mesh)
+    names = tuple(mesh.mesh_dim_names)
+    if plan.styles and plan.tp_dim:
+        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
+    dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
+    if plan.fsdp.get("enabled") and dp_mesh is not None and dp_mesh.size() > 1:
+        for unit in _fsdp_units(model, plan):
+            fully_shard(unit, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    elif dp_mesh is not None and dp_mesh.size() > 1:
+        raise MeshError("plan.apply: data parallel without FSDP is not supported by this runner; "
+                        "plan with fsdp=True")
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
+    return Runner(model, plan, optimizer, loss_fn, dp_mesh)

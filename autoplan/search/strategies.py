@@ -1,0 +1,196 @@
+"""Candidate tensor-parallel strategies per unit, each with the exact collectives it issues.
+
+A strategy is what a plan author would write for one unit (attention, MLP, norms, embedding,
+LM head) given the layout of the residual stream around it: R (replicated) or S (sharded on the
+sequence, i.e. sequence parallel). Its collectives are those hyper_parallel really issues for
+that style combination on DTensor (checked by CollectiveRecorder in tests/verify), so that a
+plan's predicted collectives can be compared with the issued ones exactly.
+
+Bytes follow cost_models' convention: the full logical tensor (gathered / pre-scatter / reduced).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hyper_parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Shard,
+)
+
+from autoplan.search.structure import AttentionUnit, BlockGroupInfo, EmbeddingInfo, HeadInfo, MlpUnit
+
+R, S = Replicate(), Shard(1)
+LAYOUTS = ("R", "S")
+_PLACEMENT = {"R": R, "S": S}
+LOSS_BYTES_PER_TOKEN = 4  # loss parallel reduces fp32 max / sum-exp / target logit per token
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str            # all_reduce | all_gather | reduce_scatter
+    phase: str           # forward | backward
+    nbytes: int
+    count: int = 1       # per call of the unit
+    dim: str = "tp"
+
+    def scaled(self, n: int) -> "Collective":
+        return Collective(self.kind, self.phase, self.nbytes, self.count * n, self.dim)
+
+
+@dataclass
+class Strategy:
+    """One choice for one unit. ``shard`` divides its compute and parameter bytes; ``styles``
+    maps module paths (relative to the unit's owner: block or model root) to styles."""
+
+    name: str
+    stream: str | None                      # the residual-stream layout it needs (None: any)
+    styles: dict[str, ParallelStyle]
+    collectives: list[Collective]
+    compute_shard: int = 1
+    param_shard: int = 1
+    activation_shard: float = 1.0
+    reason: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _ag_rs_pair(nbytes: int) -> list[Collective]:
+    """Enter a tensor-parallel region from S and leave it to S (one all-gather + reduce-scatter
+    each way)."""
+    return [Collective("all_gather", "forward", nbytes), Collective("reduce_scatter", "forward", nbytes),
+            Collective("reduce_scatter", "backward", nbytes), Collective("all_gather", "backward", nbytes)]
+
+
+def _ar_pair(nbytes: int) -> list[Collective]:
+    """Megatron's f/g: all-reduce the output in forward, the input gradient in backward."""
+    return [Collective("all_reduce", "forward", nbytes), Collective("all_reduce", "backward", nbytes)]
+
+
+def _replicated_region_on_s(nbytes: int) -> list[Collective]:
+    """Compute replicated while the stream is sequence-sharded: gather in, slice out."""
+    return [Collective("all_gather", "forward", nbytes), Collective("all_gather", "backward", nbytes)]
+
+
+def _grad_all_reduces(param_bytes: list[int]) -> list[Collective]:
+    """One all-reduce per replicated parameter whose gradient comes out Partial (SP regions)."""
+    return [Collective("all_reduce", "backward", b) for b in param_bytes]
+
+
+def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
+    h = blk.hidden_bytes
+    inp = (_PLACEMENT[layout],)
+    out = [Strategy("replicate", layout, {}, [], reason="replicated heads")]
+    if layout == "S":
+        out[0] = Strategy("replicate", "S", {a.rel: PrepareModuleInputOutput(
+            input_layouts=inp, desired_input_layouts=(R,), use_local_input=True,
+            output_layouts=(R,), desired_output_layouts=(S,))}, _replicated_region_on_s(h),
+            reason="replicated heads on the gathered sequence")
+    why = None
+    if t == 1:
+        why = "tp degree 1"
+    elif not a.linear:
+        why = "projections are not nn.Linear"
+    elif a.n_heads % t or a.n_kv_heads % t:
+        why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
+    if why is None:
+        styles = {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)),
+                  a.q: ColwiseParallel(), a.k: ColwiseParallel(), a.v: ColwiseParallel(),
+                  a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])}
+        comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
+        out.append(Strategy("heads_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
+                            activation_shard=t, reason="q/k/v column-wise, o row-wise (Megatron)"))
+    else:
+        out[0].extra["tp_excluded"] = why
+    return out
+
+
+def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:
+    h = blk.hidden_bytes
+    inp = (_PLACEMENT[layout],)
+    if layout == "R":
+        out = [Strategy("replicate", "R", {}, [], reason="replicated")]
+    else:
+        out = [Strategy("replicate", "S", {m.rel: PrepareModuleInputOutput(
+            input_layouts=inp, desired_input_layouts=(R,), use_local_input=True,
+            output_layouts=(R,), desired_output_layouts=(S,))}, _replicated_region_on_s(h),
+            reason="replicated on the gathered sequence")]
+        if t > 1:
+            out.append(Strategy("sequence", "S", {m.rel: SequenceParallel(use_local_output=True)},
+                                _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t,
+                                reason="per-token MLP on the sequence shard, weights replicated"))
+    if t > 1 and m.linear and m.hidden and m.hidden % t == 0:
+        styles = {m.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,))}
+        styles.update({u: ColwiseParallel() for u in m.up})
+        styles[m.down] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
+        comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
+        out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
+                            activation_shard=t, reason="up/gate column-wise, down row-wise (Megatron)"))
+    return out
+
+
+def norm_strategy(norms: list[str], t: int, layout: str, param_bytes: list[int]) -> Strategy:
+    if layout == "R" or t == 1:
+        return Strategy("replicate", layout, {}, [], reason="replicated")
+    return Strategy("sequence", "S", {n: SequenceParallel() for n in norms}, _grad_all_reduces(param_bytes),
+                    compute_shard=t, activation_shard=t, reason="sequence parallel")
+
+
+def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: int) -> list[Strategy]:
+    """Strategies keyed by their output layout (``stream``)."""
+    out = [Strategy("replicate", "R", {}, [], reason="replicated table")]
+    if t > 1 and e.linear and e.vocab % t == 0:
+        out.append(Strategy("vocab_sharded", "R", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=R)},
+                            [Collective("all_reduce", "forward", hidden_bytes)], param_shard=t,
+                            reason="vocabulary-sharded table, output all-reduced"))
+        if e.shard_safe and seq_len % t == 0:
+            out.append(Strategy("vocab_sharded", "S", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=S)},
+                                [Collective("reduce_scatter", "forward", hidden_bytes),
+                                 Collective("all_gather", "backward", hidden_bytes)], param_shard=t,
+                                reason="vocabulary-sharded table, output reduce-scattered into the sequence shard"))
+    return out
+
+
+def head_strategies(hd: HeadInfo, t: int, layout: str, hidden_bytes: int) -> list[Strategy]:
+    """Strategies for the LM head fed by a stream of ``layout``."""
+    inp = _PLACEMENT[layout]
+    if layout == "R":
+        out = [Strategy("replicate", "R", {}, [], reason="replicated")]
+    else:
+        out = [Strategy("replicate", "S", {hd.fqn: PrepareModuleInput(
+            input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)},
+            [Collective("all_gather", "forward", hidden_bytes)], reason="replicated on the gathered sequence")]
+    if t > 1 and hd.linear and hd.vocab % t == 0:
+        enter = [Collective("all_gather", "forward", hidden_bytes),
+                 Collective("reduce_scatter", "backward", hidden_bytes)] if layout == "S" else \
+            [Collective("all_reduce", "backward", hidden_bytes)]
+        out.append(Strategy("vocab_sharded_gather", layout,
+                            {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=R)},
+                            enter + [Collective("all_gather", "forward", hd.logits_bytes)],
+                            compute_shard=t, param_shard=t, activation_shard=t,
+                            reason="vocabulary-sharded head, logits gathered"))
+        out.append(Strategy("loss_parallel", layout,
+                            {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=Shard(-1),
+                                                     use_local_output=False)},
+                            enter + [Collective("all_reduce", "forward", hd.tokens * LOSS_BYTES_PER_TOKEN, 3)],
+                            compute_shard=t, param_shard=t, activation_shard=t,
+                            reason="vocabulary-sharded head and cross entropy (loss parallel)",
+                            extra={"loss_parallel": True}))
+    return out
+
+
+def first_block_entry(blk: BlockGroupInfo, emb_layout: str, layout: str) -> Strategy | None:
+    """Layout change at the first block's input when the embedding output differs from the stream;
+    None if impossible (S -> R is never needed: the embedding can always produce R)."""
+    if emb_layout == layout:
+        return Strategy("none", layout, {}, [])
+    if emb_layout == "R" and layout == "S":
+        fqn = f"{blk.prefix}.{blk.indices[0]}" if blk.prefix else blk.indices[0]
+        return Strategy("shard_sequence", "S", {fqn: PrepareModuleInput(input_layouts=(R,), desired_input_layouts=(S,))},
+                        [Collective("all_gather", "backward", blk.hidden_bytes)],
+                        reason="sequence sharded at the first block (positions/masks computed on the full sequence)")
+    return None

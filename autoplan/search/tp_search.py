@@ -1,0 +1,348 @@
+"""The tensor-parallel style search: candidates per unit, exact evaluation, and the ILP.
+
+Units are the attention, MLP and norms of each distinct repeated block (solved once, costed
+times the block count), the embedding, the final norm and the LM head. The residual stream
+between them is one layout for the whole model, R or S (sequence parallel), as in every expert
+plan; it is a one-hot pair of ILP variables that each unit's choice must agree with. The
+embedding's output layout and the stream are joined by an edge with one continuous variable
+per (embedding choice, stream layout) pair -- the linearisation that keeps the ILP small and
+tight. The same per-option numbers feed :meth:`TPSearch.evaluate`, which prices any assignment
+(the solver's, a hand-written one, an alternative), so predictions and objective agree.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from autoplan.capture.ir import ModelGraph
+from autoplan.errors import InfeasiblePlanError
+from autoplan.search.costing import CostContext
+from autoplan.search.strategies import (
+    Collective,
+    Strategy,
+    attention_strategies,
+    embedding_strategies,
+    first_block_entry,
+    head_strategies,
+    mlp_strategies,
+    norm_strategy,
+)
+from autoplan.search.structure import ModelStructure, Work
+
+log = logging.getLogger(__name__)
+TIE_EPS = 1e-9  # seconds per option rank: deterministic preference for simpler options on ties
+# Data-parallel traffic (FSDP all-gathers / reduce-scatters) overlaps with compute, but not all
+# of it: the first all-gather and the last reduce-scatter of a step are exposed, and the copy
+# engines contend with compute. We price exposed = DP_EXPOSED_MIN * dp + max(0, (1 - DP_EXPOSED_MIN)
+# * dp - DP_OVERLAP * compute).
+DP_OVERLAP = 0.8
+DP_EXPOSED_MIN = 0.1
+
+
+@dataclass
+class Option:
+    slot: str
+    strategy: Strategy
+    owner: str                      # "" (model root) or a block pattern like "layers.*"
+    count: int
+    work: Work
+    param_bytes: float
+    rank: int
+    fsdp_unit: bool = False
+
+    @property
+    def stream(self) -> str | None:
+        return self.strategy.stream
+
+    def collectives(self, ctx: CostContext) -> list[Collective]:
+        own = [c.scaled(self.count) for c in self.strategy.collectives]
+        if ctx.checkpoint_blocks and self.in_block:  # recomputed forward repeats its collectives
+            own += [Collective(c.kind, "backward", c.nbytes, c.count * self.count, c.dim)
+                    for c in self.strategy.collectives if c.phase == "forward"]
+        dp = ctx.fsdp_collectives(self.param_bytes, self.strategy.param_shard) + \
+            ctx.ddp_collectives(self.param_bytes, self.strategy.param_shard)
+        return own + [c.scaled(self.count) for c in dp]
+
+    @property
+    def in_block(self) -> bool:
+        return bool(self.owner)
+
+    def compute_s(self, ctx: CostContext) -> float:
+        t = ctx.compute_time(self.work, self.strategy.compute_shard)
+        if ctx.checkpoint_blocks and self.in_block:
+            t *= 4.0 / 3.0  # forward recomputed in backward (forward ~ 1/3 of forward+backward)
+        return self.count * t
+
+    def comm_s(self, ctx: CostContext) -> float:
+        return ctx.comm_time(self.collectives(ctx))
+
+    def tp_comm_s(self, ctx: CostContext) -> float:
+        """Communication on the critical path (tensor-parallel collectives)."""
+        return ctx.comm_time([c for c in self.collectives(ctx) if c.dim == "tp"])
+
+    def dp_comm_s(self, ctx: CostContext) -> float:
+        """Data-parallel (FSDP/DDP) communication, which overlaps with compute."""
+        return ctx.comm_time([c for c in self.collectives(ctx) if c.dim != "tp"])
+
+    def memory(self, ctx: CostContext) -> dict[str, float]:
+        st = ctx.state_bytes(self.param_bytes, self.strategy.param_shard)
+        if ctx.checkpoint_blocks and self.in_block:
+            # only each block's input survives the forward (sharded when the stream is S)
+            keep = self.strategy.extra.get("block_input_bytes", 0.0) if self.slot.endswith("/other") else 0.0
+            st["activations"] = keep / (ctx_tp(ctx) if self.stream == "S" else 1)
+        else:
+            st["activations"] = self.work.saved / self.strategy.activation_shard
+        return {k: v * self.count for k, v in st.items()}
+
+    def styles(self) -> dict[str, object]:
+        """Styles with full patterns (owner prefix joined)."""
+        if not self.owner:
+            return dict(self.strategy.styles)
+        return {f"{self.owner}.{k}": v for k, v in self.strategy.styles.items()}
+
+
+def exposed_dp(dp_comm: float, compute: float) -> float:
+    return DP_EXPOSED_MIN * dp_comm + max(0.0, (1 - DP_EXPOSED_MIN) * dp_comm - DP_OVERLAP * compute)
+
+
+def ctx_tp(ctx: CostContext) -> int:
+    dim = ctx.tp_dim
+    return ctx.topology[dim].size if dim in ctx.topology.names else 1
+
+
+def _param_tensor_bytes(graph: ModelGraph, fqn: str, dtype_bytes: int) -> list[int]:
+    out = []
+    for sub, m in sorted(graph.modules.items()):
+        if sub == fqn or sub.startswith(fqn + "."):
+            for shape in m.params.values():
+                n = 1
+                for s in shape:
+                    n *= s
+                out.append(n * dtype_bytes)
+    return out
+
+
+@dataclass
+class Evaluation:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    memory: dict[str, float]
+    options: list[Option]
+    collectives: list[Collective]
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+
+@dataclass
+class SolverInfo:
+    solver: str
+    status: str
+    time_s: float
+    variables: int
+    constraints: int
+
+
+@dataclass
+class TPSearch:
+    structure: ModelStructure
+    graph: ModelGraph
+    ctx: CostContext
+    tp: int
+    allow_replicated: bool = True
+    sequence_parallel: bool | None = None
+    slots: dict[str, list[Option]] = field(default_factory=dict)
+    layouts: tuple[str, ...] = ("R",)
+
+    def __post_init__(self) -> None:
+        st, t = self.structure, self.tp
+        db = st.dtype_bytes
+        seqs = [b.seq_len for b in st.blocks]
+        can_s = t > 1 and bool(st.blocks) and all(s % t == 0 for s in seqs)
+        self.layouts = ("R", "S") if can_s else ("R",)
+        if self.sequence_parallel is True:
+            if not can_s:
+                raise InfeasiblePlanError(
+                    f"sequence_parallel=True: needs tp > 1 and every block's sequence length {seqs} "
+                    f"divisible by tp={t}")
+            self.layouts = ("S",)
+        elif self.sequence_parallel is False:
+            self.layouts = ("R",)
+        for b in st.blocks:
+            owner = f"{b.prefix}.*" if b.prefix else "*"
+            rep = b.representative
+            for layout in self.layouts:
+                if b.attention is not None:
+                    for s in attention_strategies(b.attention, b, t, layout):
+                        self._add(f"{b.id}/attention", s, owner, b.count, b.attention.work, b.attention.work.param_bytes)
+                if b.mlp is not None:
+                    pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)
+                    for s in mlp_strategies(b.mlp, b, t, layout, pt):
+                        self._add(f"{b.id}/mlp", s, owner, b.count, b.mlp.work, b.mlp.work.param_bytes)
+                pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
+                self._add(f"{b.id}/norms", norm_strategy(b.norms, t, layout, pt), owner, b.count, b.norm_work,
+                          b.norm_param_bytes)
+                self._add(f"{b.id}/other", Strategy("replicate", layout, {}, [],
+                                                    extra={"block_input_bytes": b.hidden_bytes}),
+                          owner, b.count, b.other_work, b.other_work.param_bytes)
+        hidden = st.blocks[0].hidden_bytes if st.blocks else 0
+        seq = seqs[0] if seqs else 1
+        if st.embedding is not None:
+            for s in embedding_strategies(st.embedding, t, seq, hidden):
+                self._add("embedding", s, "", 1, st.embedding.work, st.embedding.work.param_bytes)
+        for layout in self.layouts:
+            pt = [x for n in st.final_norms for x in _param_tensor_bytes(self.graph, n, db)]
+            self._add("final_norm", norm_strategy(st.final_norms, t, layout, pt), "", 1, st.final_norm_work,
+                      st.final_norm_param_bytes)
+            if st.head is not None:
+                hb = hidden or st.head.tokens * st.embedding.dim * db if st.embedding else hidden
+                for s in head_strategies(st.head, t, layout, hb):
+                    pb = 0 if st.head.tied else st.head.work.param_bytes
+                    self._add("head", s, "", 1, st.head.work, pb)
+        self._add("rest", Strategy("replicate", None, {}, []), "", 1, st.rest, st.rest.param_bytes)
+        if not self.allow_replicated:
+            self._drop_replicated()
+
+    def _add(self, slot: str, s: Strategy, owner: str, count: int, work: Work, param_bytes: float) -> None:
+        opts = self.slots.setdefault(slot, [])
+        opts.append(Option(slot, s, owner, count, work, param_bytes, rank=len(opts)))
+
+    def _drop_replicated(self) -> None:
+        for slot in list(self.slots):
+            if slot.endswith(("/attention", "/mlp")) or slot in ("embedding", "head"):
+                sharded = [o for o in self.slots[slot] if o.strategy.name != "replicate"]
+                if not sharded:
+                    why = next((o.strategy.extra.get("tp_excluded") for o in self.slots[slot]
+                                if o.strategy.extra.get("tp_excluded")), "no sharded strategy applies")
+                    raise InfeasiblePlanError(
+                        f"{slot}: cannot be tensor-parallel at tp={self.tp}: {why}; "
+                        f"allow replicated units or choose another tp degree")
+                self.slots[slot] = sharded
+
+    # ------------------------------------------------------------------ entry edge
+    def entry(self, emb: Option | None, layout: str) -> Strategy | None:
+        if emb is None or not self.structure.blocks:
+            return Strategy("none", layout, {}, []) if emb is None or emb.stream == layout else None
+        return first_block_entry(self.structure.blocks[0], emb.stream, layout)
+
+    # ------------------------------------------------------------------ evaluation
+    def option_cost(self, o: Option) -> float:
+        """Compute plus critical-path (TP) communication; DP communication is priced as the part
+        that compute cannot hide (see ``solve``/``evaluate``)."""
+        return o.compute_s(self.ctx) + o.tp_comm_s(self.ctx)
+
+    def evaluate(self, chosen: dict[str, Option], layout: str) -> Evaluation:
+        opts = list(chosen.values())
+        entry = self.entry(chosen.get("embedding"), layout)
+        if entry is None:
+            raise InfeasiblePlanError(f"embedding output {chosen['embedding'].stream} cannot feed a {layout} stream")
+        if entry.styles or entry.collectives:
+            opts.append(Option("entry", entry, "", 1, Work(), 0, rank=0))
+        compute = sum(o.compute_s(self.ctx) for o in opts)
+        tp_comm = sum(o.tp_comm_s(self.ctx) for o in opts)
+        dp_comm = sum(o.dp_comm_s(self.ctx) for o in opts)
+        comm = tp_comm + exposed_dp(dp_comm, compute)
+        memory: dict[str, float] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+        for o in opts:
+            for k, v in o.memory(self.ctx).items():
+                memory[k] += v
+        colls = [c for o in opts for c in o.collectives(self.ctx)]
+        return Evaluation(compute + comm, compute, comm, memory, opts, colls)
+
+    def assignment(self, layout: str, prefer: dict[str, str]) -> dict[str, Option]:
+        """The options named in ``prefer`` (slot suffix -> strategy name), else replicate."""
+        chosen = {}
+        for slot, opts in self.slots.items():
+            key = slot.split("/")[-1]
+            cands = [o for o in opts if o.stream in (None, layout) or slot == "embedding"]
+            want = prefer.get(key, "replicate")
+            pick = [o for o in cands if o.strategy.name == want] or [o for o in cands if o.strategy.name == "replicate"]
+            if slot == "embedding":
+                pick = sorted(pick, key=lambda o: (o.stream != layout, o.rank))
+            if not pick:
+                pick = sorted(cands, key=lambda o: o.rank)
+            chosen[slot] = pick[0]
+        return chosen
+
+    # ------------------------------------------------------------------ ILP
+    def solve(self, memory_limit: float | None = None, objective: str = "time") -> tuple[dict[str, Option], str, SolverInfo]:
+        prob = pulp.LpProblem("tp_styles", pulp.LpMinimize)
+        z = {L: pulp.LpVariable(f"stream_{L}", cat="Binary") for L in self.layouts}
+        prob += pulp.lpSum(z.values()) == 1, "one_stream_layout"
+        x: dict[tuple[str, int], pulp.LpVariable] = {}
+        for slot, opts in self.slots.items():
+            for o in opts:
+                x[slot, o.rank] = pulp.LpVariable(f"x_{_safe(slot)}_{o.rank}", cat="Binary")
+            if slot == "embedding" or all(o.stream is None for o in opts):
+                prob += pulp.lpSum(x[slot, o.rank] for o in opts) == 1, f"one_{_safe(slot)}"
+            else:
+                for L in self.layouts:
+                    prob += pulp.lpSum(x[slot, o.rank] for o in opts if o.stream == L) == z[L], f"agree_{_safe(slot)}_{L}"
+        cost, mem = [], []
+        for slot, opts in self.slots.items():
+            for o in opts:
+                c = self.option_cost(o) if objective == "time" else 0.0
+                cost.append((c + TIE_EPS * o.rank) * x[slot, o.rank])
+                mem.append(sum(o.memory(self.ctx).values()) * x[slot, o.rank])
+        y = {}
+        for o in self.slots.get("embedding", []):  # edge: embedding output -> stream
+            for L in self.layouts:
+                e = self.entry(o, L)
+                y[o.rank, L] = pulp.LpVariable(f"y_emb{o.rank}_{L}", lowBound=0, upBound=0 if e is None else 1)
+                if e is not None:
+                    cost.append(((self.ctx.comm_time(e.collectives) if objective == "time" else 0.0)) * y[o.rank, L])
+            prob += pulp.lpSum(y[o.rank, L] for L in self.layouts) == x["embedding", o.rank], f"edge_out_{o.rank}"
+        if y:
+            for L in self.layouts:
+                prob += pulp.lpSum(y[r, L] for (r, L2) in y if L2 == L) == z[L], f"edge_in_{L}"
+        st = self.structure
+        if st.head is not None and st.head.tied and "embedding" in self.slots and "head" in self.slots:
+            prob += (pulp.lpSum(x["embedding", o.rank] for o in self.slots["embedding"] if o.strategy.name == "replicate")
+                     == pulp.lpSum(x["head", o.rank] for o in self.slots["head"] if o.strategy.name == "replicate")), \
+                "tied_embedding_head_same_layout"
+        if memory_limit is not None and objective == "time":
+            prob += pulp.lpSum(mem) <= memory_limit, "memory_limit"
+        if objective == "time":  # exposed data-parallel traffic: max(0, dp_comm - compute), linearised
+            exposed = pulp.LpVariable("exposed_dp_comm", lowBound=0)
+            prob += exposed >= pulp.lpSum(
+                ((1 - DP_EXPOSED_MIN) * o.dp_comm_s(self.ctx) - DP_OVERLAP * o.compute_s(self.ctx)) * x[slot, o.rank]
+                for slot, opts in self.slots.items() for o in opts), "exposed_dp_comm_def"
+            cost.append(exposed)
+            cost.extend(DP_EXPOSED_MIN * o.dp_comm_s(self.ctx) * x[slot, o.rank]
+                        for slot, opts in self.slots.items() for o in opts)
+        prob += pulp.lpSum(mem if objective == "memory" else cost)
+        solver, name = _solver()
+        prob.name = "tp_styles"
+        t0 = time.perf_counter()
+        prob.solve(solver)
+        info = SolverInfo(name, pulp.LpStatus[prob.status], time.perf_counter() - t0,
+                          len(prob.variables()), len(prob.constraints))
+        if prob.status != pulp.LpStatusOptimal or prob.sol_status not in (pulp.LpSolutionOptimal,
+                                                                          pulp.LpSolutionIntegerFeasible):
+            return {}, "", info
+        layout = next(L for L in self.layouts if (z[L].value() or 0) > 0.5)
+        chosen = {slot: next(o for o in opts if (x[slot, o.rank].value() or 0) > 0.5)
+                  for slot, opts in self.slots.items()}
+        return chosen, layout, info
+
+
+def _safe(s: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in s)
+
+
+def _solver():
+    """HiGHS through highspy when installed, CBC (bundled with PuLP) otherwise."""
+    try:
+        import highspy  # noqa: F401
+
+        solver = pulp.HiGHS(msg=False)
+        if solver.available():
+            return solver, "HiGHS"
+    except (ImportError, AttributeError, pulp.PulpSolverError):
+        pass
+    return pulp.PULP_CBC_CMD(msg=False), "CBC"
