@@ -87,6 +87,31 @@ def _decision_rows(ev: Evaluation, ctx: CostContext) -> list[dict]:
     return rows
 
 
+def _pad_to_signature(styles: dict[str, dict], model: torch.nn.Module) -> dict[str, dict]:
+    """Give PrepareModuleInput layouts one entry per required positional input of the module's
+    forward (None for the extra ones), so the plan also works with torch's stricter styles."""
+    import inspect
+
+    from hyper_parallel.core.tensor_parallel import match_modules
+
+    out = {}
+    for pattern, spec in styles.items():
+        spec = {"style": spec["style"], "args": dict(spec["args"])}
+        args = spec["args"]
+        if spec["style"] in ("PrepareModuleInput", "PrepareModuleInputOutput") and args.get("input_layouts"):
+            matches = match_modules(model, pattern)
+            if matches:
+                params = inspect.signature(matches[0][1].forward).parameters.values()
+                need = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                           and p.default is p.empty)
+                extra = need - len(args["input_layouts"])
+                if extra > 0:
+                    args["input_layouts"] = list(args["input_layouts"]) + [None] * extra
+                    args["desired_input_layouts"] = list(args["desired_input_layouts"]) + [None] * extra
+        out[pattern] = spec
+    return out
+
+
 def _summary(name: str, ev: Evaluation) -> dict:
     return {"name": name, "step_s": ev.step_s, "compute_s": ev.compute_s, "comm_s": ev.comm_s,
             "memory_bytes": ev.memory_total,
@@ -196,12 +221,13 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     for o in sorted(best.options, key=lambda o: o.slot):
         for pattern, style in o.styles().items():
             styles[pattern] = style.to_dict()
-    styles = dict(sorted(styles.items()))
+    styles = dict(sorted(_pad_to_signature(styles, model).items()))
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
     t_end = time.perf_counter()
     return Plan(
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
         loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
+        activation_checkpointing=bool(ctx.checkpoint_blocks),
         decisions=_decision_rows(best, ctx),
         predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
                      "memory_bytes": dict(best.memory, total=best.memory_total),

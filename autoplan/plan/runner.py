@@ -89,6 +89,11 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     names = tuple(mesh.mesh_dim_names)
     if plan.styles and plan.tp_dim:
         parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
+    if plan.activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for unit in _fsdp_units(model, plan):  # the repeated blocks
+            checkpoint(unit)
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
     if plan.fsdp.get("enabled") and dp_mesh is not None and dp_mesh.size() > 1:
         for unit in _fsdp_units(model, plan):

@@ -335,10 +335,38 @@ def _safe(s: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in s)
 
 
+_HIGHS_WARM = False
+
+
+def _silence_highs_banner() -> None:
+    """highspy prints a banner from C++ the first time a solver is built in a process; build
+    that first one with stdout pointed at /dev/null so library users see a quiet planner."""
+    global _HIGHS_WARM
+    if _HIGHS_WARM:
+        return
+    import os
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _HIGHS_WARM = True
+
+
 def _solver():
     """HiGHS through highspy when installed, CBC (bundled with PuLP) otherwise."""
     try:
         import highspy  # noqa: F401
+
+        _silence_highs_banner()
 
         solver = pulp.HiGHS(msg=False)
         if solver.available():
