@@ -195,7 +195,15 @@ def main() -> pd.DataFrame:
     md = _markdown(df[[c for c in cols if c in df]])
     header = (f"# Capture coverage\n\nBatch {BATCH}, {LAYERS} layers per stack, small widths, captured on meta; "
               "reference: the same config on CPU under FlopCounterMode (torch "
-              f"{torch.__version__}). Produced by `benchmarks/capture_coverage.py`.\n\n")
+              f"{torch.__version__}). Produced by `benchmarks/capture_coverage.py`.\n\n"
+              "- `ok`: forward FLOPs within 1 % of FlopCounterMode, parameter count equal to the model's, block "
+              "groups covering every layer (`layers_in_blocks`; T5 and BART count encoder + decoder).\n"
+              "- Attention FLOPs: the CPU SDPA kernel and MoE grouped GEMMs are 0 for FlopCounterMode until "
+              "formulas are registered; `register_flop_formulas()` gives them torch's SDPA formulas and 2·M·K·N, "
+              "for the reference and the IR alike.\n"
+              "- `bwd_err_pct` is informative: the IR counts SDPA backward as fused kernels do (scores recomputed, "
+              "2.5x forward); in train mode with dropout the CPU reference runs the math path (2x), which is the "
+              "GPT-2/BERT/RoBERTa/DistilBERT/T5/Falcon gap; ViT's pooler is outside the reference loss.\n\n")
     (HERE / "capture_coverage.md").write_text(header + md + "\n")
     print(md)
     return df
