@@ -1,10 +1,10 @@
 """Op specs: one ATen call described by data (op name, tensor shapes/dtypes/strides, other args).
 
 The profiler replays specs on real tensors and the compute model prices them, so both work from
-this one description. Specs come from three places: :func:`record_ops` (run a function on meta
-tensors under a dispatch mode; sees forward *and* backward ops), :func:`llama_block_ops` (the
-repo Llama's block, built here so profiling does not wait on the capture IR) and
-:func:`specs_from_graph` (the ModelGraph IR of autoplan.capture, forward ops).
+this one description. Specs come from three places: :func:`record_ops` (run a function on fake
+tensors under a dispatch mode; sees forward *and* backward ops, as the device would run them),
+:func:`llama_block_ops` / :func:`llama_model_ops` (the repo Llama, one block recorded and counted
+per layer) and :func:`specs_from_graph` (the ModelGraph IR of autoplan.capture, forward ops).
 """
 from __future__ import annotations
 
