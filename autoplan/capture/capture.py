@@ -58,12 +58,13 @@ def capture(
     args, kwargs = resolve_inputs(model, inputs, batch, dtype)
     register_flop_formulas()
     mm = meta_model(model, dtype, max_copy_bytes)
-    was_training = mm.training
+    modes = [(m, m.training) for m in mm.modules()]
     mm.train()  # training-time graph: dropout present, caches off
     try:
         return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
     finally:
-        mm.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallback: bool) -> ModelGraph:
