@@ -18,8 +18,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.capture import capture, register_flop_formulas
-from autoplan.capture.inputs import inputs_from_batch, resolve_inputs
-from autoplan.presets import build_preset, get_preset, preset_config
+from autoplan.capture.inputs import inputs_from_batch
+from autoplan.presets import build_preset
 
 HERE = Path(__file__).parent
 BATCH = (2, 32)

@@ -78,8 +78,8 @@ def main() -> pd.DataFrame:
         f"# Capture at scale\n\nMeta model, bf16, batch {BATCH}; one subprocess per row (peak RSS includes "
         "importing torch and transformers). `dedupe=True`: structure recognised first, one trace per "
         "distinct block; `dedupe=False`: every layer traced. `capture_s`: first capture in a fresh process "
-        "(includes torch.export warm-up); `capture_again_s`: the same capture repeated. Produced by `benchmarks/capture_scale.py` on a "
-        "shared 2-core CPU.\n\n"
+        "(includes torch.export warm-up); `capture_again_s`: the same capture repeated. Produced by "
+        "`benchmarks/capture_scale.py` on a shared 2-core CPU.\n\n"
     )
     md = _markdown(df)
     (HERE / "capture_scale.md").write_text(header + md + "\n")

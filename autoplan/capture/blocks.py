@@ -11,7 +11,6 @@ import contextlib
 from collections import defaultdict
 from typing import Iterator
 
-import torch
 import torch.nn as nn
 
 from autoplan.capture.ir import BlockGroup, ModuleInfo
@@ -74,16 +73,18 @@ def _signatures(children: list[tuple[str, nn.Module]]) -> list[tuple]:
     (``layer_idx``) is left out."""
     raws = [_raw_signature(c) for _, c in children]
     keys = {(rel, k) for raw in raws for rel, _, _, sc in raw for k in sc}
-    index_like = {
-        key
-        for key in keys
-        if all(
-            any(rel == key[0] and str(sc.get(key[1])) == name and not isinstance(sc.get(key[1]), bool) for rel, _, _, sc in raw)
-            for (name, _), raw in zip(children, raws)
+    def equals_index(key: tuple[str, str], name: str, raw) -> bool:
+        return any(
+            rel == key[0] and str(sc.get(key[1])) == name and not isinstance(sc.get(key[1]), bool)
+            for rel, _, _, sc in raw
         )
-    }
+
+    index_like = {key for key in keys if all(equals_index(key, name, raw) for (name, _), raw in zip(children, raws))}
     return [
-        tuple((rel, typ, tensors, tuple(sorted((k, v) for k, v in sc.items() if (rel, k) not in index_like))) for rel, typ, tensors, sc in raw)
+        tuple(
+            (rel, typ, tensors, tuple(sorted((k, v) for k, v in sc.items() if (rel, k) not in index_like)))
+            for rel, typ, tensors, sc in raw
+        )
         for raw in raws
     ]
 

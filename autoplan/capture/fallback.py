@@ -233,7 +233,10 @@ def capture_with_hooks(
     ]
     inputs = [{"name": f"arg{i}", "shape": list(t.shape), "dtype": str(t.dtype)} for i, t in enumerate(flat_inputs)]
     root_out = next((c for c in calls if c["fqn"] == "" and "outputs" in c), None)
-    outputs = [{"name": producer.get(id(t), "?"), "shape": list(t.shape), "dtype": str(t.dtype)} for t in (root_out or {}).get("outputs", [])]
+    outputs = [
+        {"name": producer.get(id(t), "?"), "shape": list(t.shape), "dtype": str(t.dtype)}
+        for t in (root_out or {}).get("outputs", [])
+    ]
     return ModelGraph(
         model_type=type_name(mm),
         nodes=nodes,

@@ -129,7 +129,9 @@ def model_real_bytes(model: nn.Module) -> int:
     return total
 
 
-def meta_model(model: nn.Module, dtype: torch.dtype | None = None, max_copy_bytes: int | None = DEFAULT_MAX_COPY_BYTES) -> nn.Module:
+def meta_model(
+    model: nn.Module, dtype: torch.dtype | None = None, max_copy_bytes: int | None = DEFAULT_MAX_COPY_BYTES
+) -> nn.Module:
     """The model itself when it is entirely on meta (and no dtype change), else a meta copy.
 
     Raises ModelTooLargeError when real-device parameters exceed ``max_copy_bytes``.

@@ -69,7 +69,8 @@ def register_flop_formulas() -> None:
     transformers' ops exist only once it has been imported; calling again later adds them.
     """
     _register("sdpa_cpu", getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None), _sdpa_cpu_flop)
-    _register("sdpa_cpu_bwd", getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None), _sdpa_cpu_bwd_flop)
+    cpu_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    _register("sdpa_cpu_bwd", cpu_bwd, _sdpa_cpu_bwd_flop)
     _register("grouped_mm", getattr(aten, "_grouped_mm", None), _grouped_mm_flop)
     try:
         ns = torch.ops.transformers

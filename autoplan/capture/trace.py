@@ -94,8 +94,14 @@ def _owner(node: fx.Node, rename: dict[str, str], root_type: str) -> tuple[str, 
         fqn = remap_fqn(path, rename) if path else ""
         scope.append(fqn)
         owner = fqn
-        otype = mtype if isinstance(mtype, str) else type_name(mtype) if isinstance(mtype, nn.Module) else getattr(mtype, "__module__", "") + "." + getattr(mtype, "__qualname__", str(mtype))
+        otype = mtype if isinstance(mtype, str) else _class_name(mtype)
     return owner, otype, scope
+
+
+def _class_name(cls: Any) -> str:
+    if isinstance(cls, nn.Module):
+        return type_name(cls)
+    return f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', str(cls))}"
 
 
 def _op_name(target: Any) -> str:

@@ -244,13 +244,15 @@ def block_dataflow(graph: ModelGraph, block: str | BlockGroup | None = None) -> 
     nodes = [n for n in graph.nodes if n.block == bid]
     leaf = {}
     for fqn, info in graph.modules.items():
-        if info.params and not any(graph.modules[c].params or graph.modules[c].children for c in info.children if c in graph.modules):
+        subs = [graph.modules[c] for c in info.children if c in graph.modules]
+        if info.params and not any(c.params or c.children for c in subs):
             leaf[fqn] = info
     steps: list[FlowStep] = []
     step_of: dict[str, int] = {}
     for n in nodes:
         owner = next((s for s in reversed(n.scope) if s in leaf), None)
-        if owner is not None and steps and steps[-1].kind == "module" and steps[-1].name == owner and _continues(steps[-1], n, step_of):
+        last = steps[-1] if steps else None
+        if owner is not None and last and last.kind == "module" and last.name == owner and _continues(last, n, step_of):
             step = steps[-1]
             step.nodes.append(n.name)
             step.output_shapes = [m.shape for m in n.outputs]
