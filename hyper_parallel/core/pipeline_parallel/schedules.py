@@ -32,7 +32,8 @@ class PipelineScheduleRuntime:
     per micro-batch; gradients are those of the mean of the micro-batch losses (``scale_grads``).
     ``shared_parameters``: tied groups ({stage: FQN}); by default read from stage modules built
     by :func:`split_model`. ``schedule``: a ready IR instead of the class's generator.
-    ``dp_group``: with data parallel, shared parameters must be left out of FSDP
+    ``fifo``: also check that each peer receives in send order (default: on every backend but
+    gloo, whose tags match messages in any order). ``dp_group``: with data parallel, shared parameters must be left out of FSDP
     (``ignored_params``); their gradients are then averaged over this group after the step.
     """
 
@@ -44,7 +45,7 @@ class PipelineScheduleRuntime:
                  kwarg_specs: Mapping[str, BatchDimSpec | int | None] | None = None,
                  target_spec: BatchDimSpec | int = BatchDimSpec(0), scale_grads: bool = True,
                  overlap: bool = False, shared_parameters: Sequence[dict[int, str]] | None = None,
-                 schedule: PipelineSchedule | None = None, fifo: bool = False,
+                 schedule: PipelineSchedule | None = None, fifo: bool | None = None,
                  dp_group: dist.ProcessGroup | None = None, **gen_kwargs):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -70,6 +71,8 @@ class PipelineScheduleRuntime:
                                     f"the schedule has {schedule.n_stages}")
         self.fsdp = has_fsdp(self.stages)
         lowered = lower(schedule.compute_only(), fsdp=self.fsdp) if not schedule.is_lowered else schedule
+        if fifo is None:  # only gloo honours message tags; elsewhere sends must be received in order
+            fifo = dist.is_initialized() and dist.get_backend(self.group) != "gloo"
         self.ir = validate_schedule(lowered, n_microbatches, fifo=fifo)
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
