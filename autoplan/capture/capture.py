@@ -2,10 +2,13 @@
 
 Order of attempts: export with each block group cut to its representative (fast: the cost does
 not grow with depth); export of the full model (a model that indexes its layers by count);
-module-level hooks (a model export cannot trace). Each step down logs a warning naming why.
+export with fake CPU tensors instead of meta (a forward that creates tensors without a device);
+forward hooks (a model export cannot trace), on meta then on fake CPU tensors. Each step down
+logs a warning naming why.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -13,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
+from autoplan.capture.fake import fake_device
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_model, resolve_inputs
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.opcost import register_flop_formulas
@@ -73,16 +77,18 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
     assign_blocks(infos, groups)
     root_type = type_name(mm)
     warnings: list[str] = []
-    attempts = [("export", True), ("export-full", False)] if dedupe and groups else [("export-full", False)]
+    shorten = bool(dedupe and groups)
+    attempts = [("export", True, False)] if shorten else []
+    attempts += [("export-full", False, False), ("export-fake", shorten, True)]
     errors: list[str] = []
-    for method, shorten in attempts:
+    for method, short, fake in attempts:
         try:
-            if shorten:
-                with only_representatives(mm, groups) as rename:
-                    ep = export(mm, args, kwargs)
-            else:
-                rename = {}
-                ep = export(mm, args, kwargs)
+            with contextlib.ExitStack() as stack:
+                rename = stack.enter_context(only_representatives(mm, groups)) if short else {}
+                a, kw = args, kwargs
+                if fake:  # tensors the forward creates land on the CPU: be there too, as fakes
+                    _, a, kw = stack.enter_context(fake_device(mm, args, kwargs))
+                ep = export(mm, a, kw)
         except Exception as exc:
             msg = f"{method} of {root_type} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             log.warning("%s", msg)
@@ -109,7 +115,13 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
         raise CaptureError("; ".join(errors))
     from autoplan.capture.fallback import capture_with_hooks
 
-    graph = capture_with_hooks(mm, args, kwargs, infos, groups, tied, nparams, errors)
+    try:
+        graph = capture_with_hooks(mm, args, kwargs, infos, groups, tied, nparams, errors)
+    except CaptureError as exc:
+        errors.append(str(exc))
+        log.warning("hooks on meta failed (%s); retrying with fake CPU tensors", exc)
+        with fake_device(mm, args, kwargs) as (_, a, kw):
+            graph = capture_with_hooks(mm, a, kw, infos, groups, tied, nparams, errors)
     recognise_roles(graph)
     return graph
 

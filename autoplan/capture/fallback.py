@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from autoplan.capture.blocks import block_of, type_name
+from autoplan.capture.fake import is_fake
 from autoplan.capture.ir import BlockGroup, Edge, ModelGraph, ModuleInfo, Node
 from autoplan.capture.trace import SubExport, export, tensor_meta, to_nodes
 from autoplan.errors import CaptureError
@@ -49,7 +50,7 @@ class _MetaEager(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
-        on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in flat)
+        on_meta = any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t)) for t in flat)
         if on_meta and func in (aten._local_scalar_dense.default, aten.item.default):
             self._note("reading a value")
             t = args[0]
@@ -59,7 +60,7 @@ class _MetaEager(TorchDispatchMode):
             return False
         if on_meta and func in (aten.nonzero.default,):
             self._note("nonzero")
-            return torch.empty((0, args[0].dim()), dtype=torch.long, device="meta")
+            return torch.empty((0, args[0].dim()), dtype=torch.long, device=args[0].device)
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:

@@ -84,6 +84,8 @@ class _ArgWalker:
         if isinstance(a, dict):
             pairs = {k: self.walk(v) for k, v in a.items()}
             return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+        if isinstance(a, torch.device):  # measured on meta: an op that creates tensors allocates nothing
+            return _jsonable(a), torch.device("meta")
         return _jsonable(a), a
 
 

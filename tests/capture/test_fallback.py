@@ -79,3 +79,34 @@ class Broken(nn.Module):
 def test_model_that_does_not_run_names_the_module():
     with pytest.raises(CaptureError, match="Broken"):
         capture(Broken(), torch.randn(B, D))
+
+
+class MakesCpuTensors(nn.Module):
+    """Creates a tensor without a device in forward: runs on CPU, not on meta."""
+
+    def __init__(self, branchy: bool = False):
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.branchy = branchy
+
+    def forward(self, x):
+        h = self.a(x) + torch.ones(D)
+        if self.branchy and h.sum() > 0:
+            h = h * 2
+        return h
+
+
+def test_forward_creating_cpu_tensors_is_exported_with_fake_tensors():
+    with torch.device("meta"):
+        model = MakesCpuTensors()
+    g = capture(model, torch.empty(B, D, device="meta"))
+    assert g.method == "export-fake"
+    assert g.total_flops() == 2 * B * D * D
+    assert model.a.weight.device.type == "meta"  # parameters given back
+
+
+def test_hooks_fall_back_to_fake_tensors_too():
+    g = capture(MakesCpuTensors(branchy=True), torch.randn(B, D))
+    assert g.method == "hooks"
+    assert g.total_flops() == 2 * B * D * D
+    assert any(n.op == "aten.linear.default" and n.module == "a" for n in g.nodes)
