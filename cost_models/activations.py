@@ -146,3 +146,48 @@ def llama_block_activations(b: int, s: int, dim: int, n_heads: int, n_kv_heads: 
     if rope_table_elems:
         items.append(SavedActivation("rope_table", 4 * rope_table_elems, "replicated"))
     return items
+
+
+def default_region(fqn: str, style: str | None) -> Region:
+    """Where a module's saved tensors live under a TP plan, from the module's style.
+
+    Sequence-parallel modules and unstyled norms or block roots work on the residual stream
+    (``seq``); a column-wise linear saves its (gathered) input; a row-wise linear saves its sharded
+    input (``tp``); other unstyled modules inside a block (attention core, activation functions)
+    work on head / column shards (``tp``).
+    """
+    key = (style or "").lower().replace("parallel", "").replace("_", "")
+    if key in ("sequence", "sequenceparallel", "sp"):
+        return "seq"
+    if key.startswith("colwise"):
+        return "gathered"
+    if key.startswith("rowwise"):
+        return "tp"
+    leaf = fqn.rsplit(".", 1)[-1]
+    if "norm" in leaf or fqn == "" or leaf.isdigit():
+        return "seq"
+    return "tp"
+
+
+def activations_from_modules(saved: dict[str, float], styles: dict[str, str] | None = None, prefix: str = "",
+                             layer_input_bytes: float = 0.0, region_of=default_region) -> list[SavedActivation]:
+    """SavedActivation list from measured bytes per module (e.g. :func:`cost_models.saved_bytes.saved_bytes_by_module`
+    on fake tensors) and a TP plan {fnmatch pattern of FQN: style name}.
+
+    ``prefix`` turns the measured names into the plan's FQNs (``"layers.0."`` for a block);
+    ``layer_input_bytes`` is what full recomputation keeps (the block input).
+    """
+    import fnmatch
+
+    plan = dict(styles or {})
+    items = []
+    for name, nbytes in saved.items():
+        if name == "<replicated>":
+            items.append(SavedActivation(name, float(nbytes), "replicated"))
+            continue
+        fqn = (prefix + name).rstrip(".")
+        style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(fqn, pat)), None)
+        items.append(SavedActivation(fqn or "<root>", float(nbytes), region_of(fqn, style)))
+    if layer_input_bytes:
+        items.append(SavedActivation("layer_input", 0.0, "seq", layer_input=True, checkpoint_nbytes=layer_input_bytes))
+    return items

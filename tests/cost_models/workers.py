@@ -45,6 +45,23 @@ def _torchtitan_plan():
     }
 
 
+MEGATRON_STYLES = {k: v for k, v in TORCHTITAN_STYLES.items() if v != "sequence_parallel"}
+
+
+def _megatron_plan():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+        "layers.*.attention.wq": ColwiseParallel(), "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
+        "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(),
+    }
+
+
 def _local_bytes(t) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
@@ -98,3 +115,19 @@ def measured_fsdp_state_bytes() -> dict:
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     optim = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
     return {"rank": dist.get_rank(), "params": params, "params_unpadded": unpadded, "grads": grads, "optimizer": optim}
+
+
+def measured_tp_block_activations(plan: str, batch: int = 2, seq: int = 16) -> dict:
+    """Per-rank bytes each module of layers.0 saves for backward under a TP plan ("torchtitan": TP+SP,
+    "megatron": TP without SP), plus the replicated RoPE table."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from cost_models.saved_bytes import saved_bytes_by_module
+
+    world = dist.get_world_size()
+    mesh = cached_mesh((world,), ("tp",))
+    model = build_llama(seed=0, **SMALL)
+    parallelize_module(model, mesh, _torchtitan_plan() if plan == "torchtitan" else _megatron_plan())
+    tokens = torch.randint(0, SMALL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    per, _ = saved_bytes_by_module(lambda: model(tokens), model)
+    return {k: v for k, v in per.items() if k.startswith("layers.0") or k == "<replicated>"}
