@@ -190,7 +190,8 @@ def first_block_entry(blk: BlockGroupInfo, emb_layout: str, layout: str) -> Stra
         return Strategy("none", layout, {}, [])
     if emb_layout == "R" and layout == "S":
         fqn = f"{blk.prefix}.{blk.indices[0]}" if blk.prefix else blk.indices[0]
-        return Strategy("shard_sequence", "S", {fqn: PrepareModuleInput(input_layouts=(R,), desired_input_layouts=(S,))},
+        return Strategy("shard_sequence", "S", {fqn: PrepareModuleInput(input_layouts=(R,), desired_input_layouts=(S,),
+                                                                      use_local_output=True)},
                         [Collective("all_gather", "backward", blk.hidden_bytes)],
                         reason="sequence sharded at the first block (positions/masks computed on the full sequence)")
     return None
