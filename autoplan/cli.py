@@ -13,12 +13,19 @@ def _cmd_demo(args) -> int:
 
     print(f"autoplan demo: {args.world} gloo ranks on this CPU, plan '{args.plan}' on a small Llama")
     res = run_demo(world=args.world, plan_name=args.plan, steps=args.steps)
-    print("\nPlan (module pattern -> hyper_parallel style):")
-    print(res.plan.to_string(index=False))
+    print("\nPlan (one row per unit; cost predicted on this host's CPU profile):")
+    print(res.plan.to_string(index=False, float_format=lambda v: f"{v:.2e}"))
+    for pattern, spec in res.plan.attrs.get("styles", {}).items():
+        print(f"  {pattern:28s} {spec['style']} {spec['args'] or ''}")
+    for note in res.notes:
+        print(f"note: {note}")
     print("\nTraining steps (one device vs tensor parallel):")
     print(res.steps.to_string(index=False, float_format=lambda v: f"{v:.6f}"))
     ok = res.max_rel_diff <= 1e-5
     print(f"\nmax relative loss difference: {res.max_rel_diff:.2e} -> {'EQUAL' if ok else 'DIFFERENT'} (rtol 1e-5)")
+    if res.predicted_step_s is not None:
+        print(f"step time: predicted {res.predicted_step_s * 1e3:.1f} ms, measured {res.measured_step_s * 1e3:.1f} ms "
+              f"(median after the first step)")
     return 0 if ok else 1
 
 
@@ -28,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan, apply and train a small Llama on 4 CPU ranks")
     d.add_argument("--world", type=int, default=4)
-    d.add_argument("--plan", default="torchtitan")
+    d.add_argument("--plan", default="auto", help="'auto' (autoplan) or an expert plan name (torchtitan, megatron, ...)")
     d.add_argument("--steps", type=int, default=5)
     d.set_defaults(func=_cmd_demo)
     return p

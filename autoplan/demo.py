@@ -1,11 +1,13 @@
-"""The demo behind ``autoplan demo``: a tensor-parallel Llama on 4 CPU ranks equals one device.
+"""The demo behind ``autoplan demo``: plan a small Llama for 4 CPU ranks, apply, train, compare.
 
-Starts ``world`` gloo ranks, applies a plan to a small Llama with hyper_parallel, trains a few
-steps beside a one-device copy on every rank, and returns per-step losses of both, so a person
-sees the plan and that the parallel run computes the same numbers.
+autoplan plans the model for a ``world``-rank tensor-parallel mesh on this host's measured CPU
+profile; the plan (or a named expert plan) is applied with hyper_parallel on gloo ranks, a few
+steps are trained beside a one-device copy, and the losses and the predicted vs measured step
+times come back, so a person sees the plan and that the parallel run computes the same numbers.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
-from hyper_parallel import loss_parallel, parallelize_module
+from hyper_parallel import loss_parallel, parallelize_module, style_from_dict
 from hyper_parallel.testing import RankPool, cached_mesh
 from hyper_parallel.testing.compare import full
 
@@ -28,11 +30,18 @@ class DemoResult:
     plan: pd.DataFrame
     steps: pd.DataFrame
     world: int
+    predicted_step_s: float | None
+    notes: list[str]
 
     @property
     def max_rel_diff(self) -> float:
         d = (self.steps["parallel_loss"] - self.steps["one_device_loss"]).abs() / self.steps["one_device_loss"].abs()
         return float(d.max())
+
+    @property
+    def measured_step_s(self) -> float:
+        times = list(self.steps["parallel_s"])
+        return statistics.median(times[1:] if len(times) > 1 else times)
 
 
 def _batches(steps: int, batch: int, seq: int, vocab: int):
@@ -40,12 +49,11 @@ def _batches(steps: int, batch: int, seq: int, vocab: int):
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
 
 
-def _rank_main(plan_name: str, steps: int, batch: int, seq: int):
+def _rank_main(styles: dict, steps: int, batch: int, seq: int):
     mesh = cached_mesh((dist.get_world_size(),), ("tp",))
     ref = build_llama(seed=0, **DEMO_MODEL)
     par = build_llama(seed=0, **DEMO_MODEL)
-    plan = EXPERT_PLANS[plan_name]()
-    parallelize_module(par, mesh, plan)
+    parallelize_module(par, mesh, {k: style_from_dict(v) for k, v in styles.items()})
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_p = torch.optim.AdamW(par.parameters(), lr=1e-3)
     rows = []
@@ -57,6 +65,8 @@ def _rank_main(plan_name: str, steps: int, batch: int, seq: int):
         loss_r.backward()
         opt_r.step()
         t1 = time.perf_counter()
+        dist.barrier()
+        t1b = time.perf_counter()
         opt_p.zero_grad()
         logits = par(tokens)
         with loss_parallel():
@@ -67,17 +77,38 @@ def _rank_main(plan_name: str, steps: int, batch: int, seq: int):
         t2 = time.perf_counter()
         rows.append({"step": step, "one_device_loss": float(loss_r.detach()),
                      "parallel_loss": float(full(loss_p).detach()),
-                     "one_device_s": t1 - t0, "parallel_s": t2 - t1})
+                     "one_device_s": t1 - t0, "parallel_s": t2 - t1b})
     return rows
 
 
-def run_demo(world: int = 4, plan_name: str = "torchtitan", steps: int = 5, batch: int = 4,
-             seq: int = 32) -> DemoResult:
-    """Run the demo on ``world`` gloo ranks; returns the plan table and per-step losses."""
-    plan = EXPERT_PLANS[plan_name]()
-    plan_df = pd.DataFrame(
-        [{"module": k, "style": v.to_dict()["style"], "args": v.to_dict()["args"]} for k, v in plan.items()]
-    )
+def plan_demo_model(world: int, batch: int, seq: int):
+    """autoplan for the demo model on a ``world``-rank tp mesh priced with this host's CPU profile.
+
+    The demo model is far too small for tensor parallelism to pay (the planner says so), so the
+    demo asks for every unit to be sharded to show a real plan being applied.
+    """
+    from autoplan import MeshSpec, autoplan
+
+    model = build_llama(device="meta", **DEMO_MODEL)
+    return autoplan(model, MeshSpec((world,), ("tp",), "cpu"), batch=(batch, seq), dtype=torch.float32,
+                    allow_replicated_units=False)
+
+
+def run_demo(world: int = 4, plan_name: str = "auto", steps: int = 5, batch: int = 4, seq: int = 32) -> DemoResult:
+    """Plan (``auto``) or take a named expert plan, then train on ``world`` gloo ranks."""
+    if plan_name == "auto":
+        plan = plan_demo_model(world, batch, seq)
+        styles, predicted, notes = plan.styles, plan.step_time, list(plan.notes)
+        table = plan.summary()[["unit", "count", "strategy", "stream", "compute_s", "comm_s", "reason"]]
+    elif plan_name in EXPERT_PLANS:
+        styles = {k: v.to_dict() for k, v in EXPERT_PLANS[plan_name]().items()}
+        predicted, notes = None, []
+        table = pd.DataFrame([{"module": k, "style": v["style"], "args": v["args"]} for k, v in styles.items()])
+    else:
+        raise ValueError(f"demo: unknown plan {plan_name!r}; use 'auto' or one of {sorted(EXPERT_PLANS)}")
     with RankPool(world, timeout_s=600) as pool:
-        per_rank = pool.run(_rank_main, plan_name, steps, batch, seq)
-    return DemoResult(plan=plan_df, steps=pd.DataFrame(per_rank[0]), world=world)
+        per_rank = pool.run(_rank_main, styles, steps, batch, seq)
+    if plan_name == "auto":
+        table.attrs["styles"] = styles
+    return DemoResult(plan=table, steps=pd.DataFrame(per_rank[0]), world=world, predicted_step_s=predicted,
+                      notes=notes)
