@@ -1,0 +1,27 @@
+"""The cost_models CLI: listing hardware and profiling a tiny model end to end."""
+import pandas as pd
+
+from cost_models.cli import PRESETS, main
+
+
+def test_hardware_listing_and_show(capsys):
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    assert "h100_sxm" in out and "ascend_910c" in out
+    assert main(["hardware", "b200"]) == 0
+    assert "2250000000000000.0" in capsys.readouterr().out
+
+
+def test_profile_tiny_model_writes_rows_and_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "ops.csv"
+    assert main(["profile", "--model", "tiny", "--batch", "1", "--seq", "8", "--out", str(out)]) == 0
+    frame = pd.read_csv(out)
+    assert len(frame) > 50 and frame["time_s"].gt(0).all()
+    assert list((tmp_path / "cache" / "profiles").glob("*.csv"))
+    assert "distinct ops" in capsys.readouterr().out
+
+
+def test_presets_follow_llama3_shapes():
+    assert PRESETS["llama3-8b"]["ffn_hidden"] == 14336
+    assert PRESETS["llama3-70b"]["ffn_hidden"] == 28672
