@@ -67,6 +67,21 @@ EXTRA = [
                                                              vocab_size=256, max_position_embeddings=80)),
     ("DistilBERT", "DistilBertConfig", "AutoModelForMaskedLM", dict(dim=64, n_heads=4, hidden_dim=128, vocab_size=256,
                                                                    max_position_embeddings=64, **_IDS)),
+    ("Starcoder2", "Starcoder2Config", "AutoModelForCausalLM", _DEC),
+    ("Granite", "GraniteConfig", "AutoModelForCausalLM", _DEC),
+    ("Granite-MoE", "GraniteMoeConfig", "AutoModelForCausalLM", {**_DEC, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("OLMoE", "OlmoeConfig", "AutoModelForCausalLM", {**_DEC, "num_experts": 4, "num_experts_per_tok": 2}),
+    ("Cohere", "CohereConfig", "AutoModelForCausalLM", _DEC),
+    ("MPT", "MptConfig", "AutoModelForCausalLM", dict(d_model=64, n_heads=4, vocab_size=256, max_seq_len=64, **_IDS)),
+    ("Gemma-3", "Gemma3TextConfig", "AutoModelForCausalLM", {**_DEC, "head_dim": 16}),
+    ("Mamba (no attention)", "MambaConfig", "AutoModelForCausalLM", dict(hidden_size=64, vocab_size=256, state_size=8,
+                                                                          **_IDS)),
+    ("ELECTRA", "ElectraConfig", "AutoModelForMaskedLM", dict(hidden_size=64, embedding_size=64, num_attention_heads=4,
+                                                             intermediate_size=128, vocab_size=256,
+                                                             max_position_embeddings=64, **_IDS)),
+    ("mBART", "MBartConfig", "AutoModelForSeq2SeqLM", dict(d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                                          encoder_attention_heads=4, decoder_attention_heads=4,
+                                                          vocab_size=256, max_position_embeddings=64, **_IDS)),
 ]
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "encoder_layers",
@@ -81,7 +96,7 @@ def _build(source, layers: int, device: str):
 
     cfg_cls = getattr(transformers, name)
     keys = {k: layers for k in _LAYER_KEYS if k in cfg_cls().to_dict()}
-    if name == "BartConfig":
+    if name in ("BartConfig", "MBartConfig"):
         keys = {"encoder_layers": layers, "decoder_layers": layers}
     cfg = cfg_cls(**{**keys, **overrides})
     with torch.device(device):
@@ -203,7 +218,7 @@ def main() -> pd.DataFrame:
               "for the reference and the IR alike.\n"
               "- `bwd_err_pct` is informative: the IR counts SDPA backward as fused kernels do (scores recomputed, "
               "2.5x forward); in train mode with dropout the CPU reference runs the math path (2x), which is the "
-              "GPT-2/BERT/RoBERTa/DistilBERT/T5/Falcon gap; ViT's pooler is outside the reference loss.\n\n")
+              "GPT-2/BERT/RoBERTa/DistilBERT/ELECTRA/T5/Falcon gap; ViT's pooler is outside the reference loss.\n\n")
     (HERE / "capture_coverage.md").write_text(header + md + "\n")
     print(md)
     return df

@@ -61,7 +61,10 @@ class _MetaEager(TorchDispatchMode):
         if on_meta and func in (aten.nonzero.default,):
             self._note("nonzero")
             return torch.empty((0, args[0].dim()), dtype=torch.long, device=args[0].device)
-        out = func(*args, **kwargs)
+        if on_meta and func is getattr(aten._grouped_mm, "default", None):
+            out = _grouped_mm_shape(*args, **kwargs)  # the meta kernel insists on bf16
+        else:
+            out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             where = self.open_calls[-1]["index"] if self.open_calls else -1
@@ -70,6 +73,20 @@ class _MetaEager(TorchDispatchMode):
             except Exception as exc:  # a formula that cannot read these args: count nothing
                 log.debug("no FLOPs for %s: %s", func, exc)
         return out
+
+
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, *rest, **kw):
+    """Empty result of ``torch._grouped_mm`` (2-D x 3-D, 3-D x 3-D, or 2-D x 2-D split by ``offs``)."""
+    dtype = kw.get("out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2 and offs is not None:
+        shape = (offs.shape[0], a.shape[0], b.shape[-1])
+    else:
+        shape = (a.shape[0], b.shape[-1])
+    return torch.empty(shape, dtype=dtype, device=a.device)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:

@@ -93,7 +93,10 @@ def inputs_from_batch(model: nn.Module, batch: Any, dtype: torch.dtype | None = 
 
 def with_defaults(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Turn off KV caches: a training step has none and caches are objects export cannot return."""
-    if "use_cache" in _forward_params(model) and "use_cache" not in kwargs:
+    params = _forward_params(model)
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    has_cache = "use_cache" in params or (takes_any and hasattr(getattr(model, "config", None), "use_cache"))
+    if has_cache and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}
     return kwargs
 

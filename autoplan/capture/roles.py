@@ -251,6 +251,8 @@ def recognise_roles(graph: ModelGraph) -> None:
         if not routers:
             continue
         r = routers[0]
+        if r.module in claimed:  # a second top-k on the same scores (group-limited routing)
+            continue
         top_k = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("k")
         parent = r.module.rpartition(".")[0]
         after = [m for m in graph.nodes if m.block == n.block and (m.module + ".").startswith(parent + ".")]
