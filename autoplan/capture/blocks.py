@@ -2,8 +2,10 @@
 
 Siblings in a container (ModuleList, ModuleDict, Sequential) are the same block when their
 submodule types, parameter and buffer shapes and scalar settings agree; a setting equal to the
-child's own index (``layer_idx``) does not count. Only the outermost repeats become block groups;
-repeats nested inside a block (MoE experts) stay part of it.
+child's own index (``layer_idx``) does not count. A container groups its children when some of
+them repeat, or when all are of one class (a stack of layers that all differ, e.g. two layers of
+Gemma-2 alternating sliding and global attention, gives groups of one). Only the outermost such
+containers form block groups; repeats nested inside a block (MoE experts) stay part of it.
 """
 from __future__ import annotations
 
@@ -104,8 +106,8 @@ def find_blocks(model: nn.Module) -> list[BlockGroup]:
         by_sig: dict[tuple, list[tuple[str, nn.Module]]] = {}
         for (name, child), sig in zip(children, _signatures(children)):
             by_sig.setdefault(sig, []).append((name, child))
-        if len(by_sig) == len(children):
-            continue  # nothing repeats here; look deeper
+        if len(by_sig) == len(children) and len({type(c) for _, c in children}) > 1:
+            continue  # neither repeated nor a stack of one layer class: look deeper
         for k, members in enumerate(by_sig.values()):
             rep_name, rep = members[0]
             groups.append(

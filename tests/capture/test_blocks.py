@@ -59,3 +59,11 @@ def test_dtype_casts_parameters_and_inputs():
     assert lin16.outputs[0].dtype == "torch.bfloat16"
     assert lin16.bytes_read * 2 == lin32.bytes_read
     assert next(model.parameters()).dtype == torch.float32  # the user's model is not cast
+
+
+def test_stack_of_one_layer_class_is_grouped_even_when_all_differ():
+    with torch.device("meta"):
+        stack = nn.Module()
+        stack.layers = nn.ModuleList([Odd(16), Odd(32)])
+        stack.heads = nn.ModuleList([nn.Linear(8, 2), nn.Conv1d(8, 2, 1)])  # mixed classes: not a stack
+    assert sorted((g.prefix, g.indices) for g in find_blocks(stack)) == [("layers", ["0"]), ("layers", ["1"])]
