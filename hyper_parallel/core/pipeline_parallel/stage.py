@@ -3,10 +3,10 @@
 The stage runs forward and the three backward flavours for one micro-batch at a time:
 - ``full`` (B): one backward pass, input and parameter gradients together;
 - ``input`` (I, dx): only the gradient of the stage input, graph kept for the weight pass;
-- ``weight`` (W, dw): the parameter gradients. It reruns backward over the kept graph with
-  ``.backward`` so that autograd hooks (FSDP's among them) see an ordinary backward; the input
-  gradient it recomputes on the way is discarded. Numerically identical to B; it costs one extra
-  dx pass, which is the price of staying on public autograd APIs.
+- ``weight`` (W, dw): the parameter gradients, from gradients the I pass recorded at the nodes
+  where parameters join the dx path (see weight_grad.py), so W does only weight work. Where that
+  does not apply (the first stage, whose input needs no gradient; FSDP stages, whose reduction
+  hangs off an ordinary backward) W is a plain backward over the kept graph.
 Inputs received from another stage become fresh leaves, so each stage's graph ends at its input.
 """
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.pipeline_parallel.weight_grad import input_backward
 from hyper_parallel.errors import PipelineError
 from hyper_parallel.platform import device_type
 
@@ -108,6 +110,9 @@ class PipelineStage:
 
     def clear(self) -> None:
         """Drop every micro-batch's saved state (start of a step)."""
+        # FSDP reduces gradients from its own backward hooks, so its stages take the plain W path;
+        # looked up every step because fully_shard may be applied after the stage is built
+        self._split_weights = not any(isinstance(m, FSDPModule) for m in self.module.modules())
         self._inputs: dict[int, list[Any]] = {}
         self._roots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
         self.outputs: dict[int, list[torch.Tensor]] = {}
@@ -144,7 +149,7 @@ class PipelineStage:
             if mb not in self._pending_w:
                 raise PipelineError(f"stage {self.stage_index}: weight backward of micro-batch {mb} "
                                     "before its input backward")
-            roots, grads = self._pending_w.pop(mb)
+            roots, grads, deferred = self._pending_w.pop(mb)
         elif self.is_last and mb in self._roots:
             roots, grads = self._roots[mb]
         else:
@@ -160,14 +165,22 @@ class PipelineStage:
                                     for x in inputs]
             self._free(mb)
         elif mode == "input":
-            got = torch.autograd.grad(roots, needs, grad_outputs=grads, retain_graph=True,
-                                      allow_unused=True) if needs and roots else []
-            self._pending_w[mb] = (roots, grads)
+            deferred = None
+            if needs and roots and self._split_weights:
+                got, deferred = input_backward(roots, grads, needs, list(self.module.parameters()))
+            elif needs and roots:
+                got = torch.autograd.grad(roots, needs, grad_outputs=grads, retain_graph=True,
+                                          allow_unused=True)
+            else:
+                got = []
+            self._pending_w[mb] = (roots, grads, deferred)
             it = iter(got)
             self.input_grads[mb] = [_like(next(it), x) if (isinstance(x, torch.Tensor) and x.requires_grad)
                                     else None for x in inputs]
         elif mode == "weight":
-            if roots:
+            if deferred is not None:
+                deferred.run()
+            elif roots:
                 torch.autograd.backward(roots, grad_tensors=grads)
             self._free(mb)
         else:
