@@ -18,6 +18,7 @@ from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.plan.plan import Plan
 from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
+from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
 from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import Evaluation, TPSearch
 
@@ -61,13 +62,15 @@ def _dim(spec: MeshSpec, candidates: tuple[str, ...], default_if_1d: bool) -> st
     return None
 
 
-def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None) -> list[dict]:
+def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None, extra: list[dict]) -> list[dict]:
+    """Tensor-parallel collectives of the chosen options plus the exact FSDP rows (``extra``)."""
     agg: dict[tuple, int] = defaultdict(int)
     for c in ev.collectives:
-        dim = tp_dim if c.dim == "tp" else c.dim
-        if dim is None or spec.degree(dim) <= 1:
+        if c.dim != "tp" or tp_dim is None or spec.degree(tp_dim) <= 1:
             continue
-        agg[(c.kind, dim, c.phase, int(c.nbytes))] += c.count
+        agg[(c.kind, tp_dim, c.phase, int(c.nbytes))] += c.count
+    for r in extra:
+        agg[(r["kind"], r["mesh_dim"], r["phase"], int(r["bytes"]))] += r["count"]
     return [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n}
             for (k, d, p, b), n in sorted(agg.items())]
 
@@ -222,6 +225,13 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         for pattern, style in o.styles().items():
             styles[pattern] = style.to_dict()
     styles = dict(sorted(_pad_to_signature(styles, model).items()))
+    shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
+    use_fsdp = bool(fsdp and dp > 1)
+    fsdp_rows = fsdp_collectives(shards, dp, dp_dim) if use_fsdp else []
+    memory = dict(best.memory)
+    elements = rank_param_bytes(shards, dp, use_fsdp) / pbytes
+    memory.update(params=elements * pbytes, grads=elements * pbytes,
+                  optimizer=elements * ctx.optimizer_bytes_per_element)
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
     t_end = time.perf_counter()
     return Plan(
@@ -230,8 +240,8 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         activation_checkpointing=bool(ctx.checkpoint_blocks),
         decisions=_decision_rows(best, ctx),
         predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
-                     "memory_bytes": dict(best.memory, total=best.memory_total),
-                     "collectives": _collective_rows(best, spec, tp_dim)},
+                     "memory_bytes": dict(memory, total=sum(memory.values())),
+                     "collectives": _collective_rows(best, spec, tp_dim, fsdp_rows)},
         alternatives=alternatives,
         solver={"name": info.solver, "status": info.status, "variables": info.variables,
                 "constraints": info.constraints},

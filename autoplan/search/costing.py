@@ -1,13 +1,31 @@
 """Prices of strategies: compute (roofline on the hardware profile), collectives (alpha-beta per
 mesh dimension from cost_models), and per-rank memory (parameters, gradients, AdamW state,
 saved activations). One place, so the ILP and the plan's predictions never disagree.
+
+On the measured ``cpu`` profile the ranks are eager processes sharing the host, and what
+dominates a step there is not in a datasheet roofline. When this host has a runtime calibration
+for the mesh's world size (:func:`cost_models.runtime.calibrate_runtime`, cached per host and
+world) the context picks it up and prices, all measured on that many concurrent gloo ranks:
+
+- compute: roofline FLOP and byte times x ``compute_scale`` (cores shared by ranks), plus
+  ``op_s`` per kernel (eager dispatch + autograd) and, in units whose weights are sharded (their
+  ops run on DTensors), ``dtensor_op_s`` per kernel on top;
+- collectives: ring alpha-beta on the calibrated gloo link, plus ``collective_s`` per call for
+  issuing it through DTensor.
+
+Datasheet profiles (h100_sxm, ...) are priced exactly as before.
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 from autoplan.search.strategies import Collective
 from autoplan.search.structure import Work
+
+log = logging.getLogger(__name__)
+_AUTO = "auto"
 
 
 @dataclass
@@ -22,13 +40,42 @@ class CostContext:
     param_bytes_per_element: int
     optimizer_bytes_per_element: int   # AdamW: 2 fp32 states (+ fp32 master weights for 16-bit params)
     checkpoint_blocks: bool = False    # full activation checkpointing of every repeated block
+    # cost_models.runtime.RuntimeOverheads of eager ranks on this host; "auto": the cached
+    # calibration for the mesh's world size when the hardware is the measured cpu profile
+    runtime: object = _AUTO
+
+    def __post_init__(self) -> None:
+        if self.runtime == _AUTO:
+            self.runtime = self._auto_runtime()
+
+    def _auto_runtime(self):
+        hw = self.hardware
+        if getattr(hw, "device_type", None) != "cpu" or getattr(hw, "name", None) != "cpu":
+            return None
+        from cost_models.runtime import load_runtime
+
+        world = math.prod(d.size for d in self.topology.dims)
+        rt = load_runtime(world)
+        if rt is None:
+            log.info("costing: no runtime calibration of this host for %d ranks (python -m cost_models.runtime "
+                     "--world %d); pricing with the bare cpu profile", world, world)
+        return rt
+
+    @classmethod
+    def with_runtime(cls, runtime, **fields) -> "CostContext":
+        """A context with an explicit runtime calibration (None: none, even on cpu)."""
+        return cls(runtime=runtime, **fields)
 
     def compute_time(self, work: Work, shard: int) -> float:
         hw = self.hardware
         eff = hw.efficiency
         t_flop = work.flops / shard / (hw.peak(self.dtype) * eff.compute)
         t_mem = work.bytes / shard / (hw.memory_bandwidth * eff.memory)
-        return max(t_flop, t_mem) + work.kernels * eff.kernel_overhead
+        rt = self.runtime
+        if rt is None:
+            return max(t_flop, t_mem) + work.kernels * eff.kernel_overhead
+        per_kernel = rt.op_s + (rt.dtensor_op_s if shard > 1 else 0.0)
+        return rt.compute_scale * max(t_flop, t_mem) + work.kernels * per_kernel
 
     def collective_time(self, c: Collective) -> float:
         if c.nbytes <= 0:
@@ -36,7 +83,13 @@ class CostContext:
         dim = self.tp_dim if c.dim == "tp" else c.dim
         if dim not in self.topology.names or self.topology[dim].size == 1:
             return 0.0
-        return c.count * self.topology.collective_time(dim, c.kind, c.nbytes)
+        rt = self.runtime
+        if rt is None:
+            return c.count * self.topology.collective_time(dim, c.kind, c.nbytes)
+        from cost_models.collectives import collective_terms
+
+        terms = collective_terms(c.kind, c.nbytes, self.topology[dim].size)
+        return c.count * (terms.time(rt.link) + rt.collective_s)
 
     def comm_time(self, collectives: list[Collective]) -> float:
         return sum(self.collective_time(c) for c in collectives)

@@ -63,6 +63,10 @@ class CollectiveRecorder:
     def __init__(self) -> None:
         self.events: list[dict] = []
         self._mode = None
+        # None: phase from autograd (inside a backward node or not); set it to "forward" /
+        # "backward" around the two halves of a step to also attribute end-of-backward callbacks
+        self.phase: str | None = None
+        self._in_api = False  # inside a patched torch.distributed call (already recorded)
 
     def __enter__(self) -> "CollectiveRecorder":
         import torch
@@ -79,7 +83,7 @@ class CollectiveRecorder:
                     return NotImplemented
                 out = func(*args, **(kwargs or {}))
                 name = str(func)
-                if ("_c10d_functional" in name or name.startswith("c10d.")) and not any(
+                if ("_c10d_functional" in name or name.startswith("c10d.")) and not recorder._in_api and not any(
                         w in name for w in _NOT_COLLECTIVES):
                     kind = kind_of(name)
                     first = args[0]
@@ -89,16 +93,66 @@ class CollectiveRecorder:
                     if kind == "all_gather":
                         size *= group
                     recorder.events.append({
-                        "kind": kind, "bytes": int(size), "group_size": group,
-                        "phase": "backward" if torch._C._current_autograd_node() is not None else "forward",
+                        "kind": kind, "bytes": int(size), "group_size": group, "group": _group_name(args),
+                        "phase": recorder._phase(),
                     })
                 return out
 
         self._mode = _Mode()
         self._mode.__enter__()
+        self._patch_python_api()
         return self
 
+    def _phase(self) -> str:
+        import torch
+
+        if self.phase is not None:
+            return self.phase
+        return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+    def _patch_python_api(self) -> None:
+        """FSDP2 calls torch.distributed's Python API (all_gather_single, reduce_scatter_single),
+        which reaches the process group without passing the dispatcher; record those calls too."""
+        import torch
+        import torch.distributed as dist
+
+        recorder = self
+        self._saved = {}
+
+        def wrap(name, kind, tensor_param):
+            import inspect
+
+            original = getattr(dist, name)
+            sig = inspect.signature(original)
+
+            def recorded(*args, **kwargs):
+                bound = sig.bind(*args, **kwargs)
+                t = bound.arguments.get(tensor_param)
+                pg = bound.arguments.get("group") or dist.group.WORLD
+                if isinstance(t, torch.Tensor):
+                    recorder.events.append({
+                        "kind": kind, "bytes": int(t.numel() * t.element_size()), "group_size": pg.size(),
+                        "group": dist.distributed_c10d._get_process_group_name(pg),
+                        "phase": recorder._phase(),
+                    })
+                recorder._in_api = True
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    recorder._in_api = False
+
+            self._saved[name] = original
+            setattr(dist, name, recorded)
+
+        # logical bytes: the gathered output / the pre-scatter input
+        wrap("all_gather_single", "all_gather", "output_tensor")
+        wrap("reduce_scatter_single", "reduce_scatter", "input")
+
     def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
         self._mode.__exit__(*exc)
 
     def frame(self):
@@ -109,6 +163,18 @@ class CollectiveRecorder:
         if df.empty:
             return pd.DataFrame(columns=cols + ["count"])
         return df.groupby(cols).size().reset_index(name="count").sort_values(cols).reset_index(drop=True)
+
+
+def _group_name(args) -> str | None:
+    """The process group a collective ran on, by name: functional collectives pass it as their
+    last string argument (after the reduce op), c10d ops pass a ProcessGroup object."""
+    for a in reversed(args[1:]):
+        if isinstance(a, str):
+            return a
+        name = getattr(a, "group_name", None)
+        if isinstance(name, str):
+            return name
+    return None
 
 
 def _group_size(args, kind: str) -> int:

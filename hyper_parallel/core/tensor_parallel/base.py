@@ -39,6 +39,10 @@ class ApplyRecord:
     def add_hook(self, handle) -> None:
         self._undo.append(("hook", handle))
 
+    def add_flag(self, obj, name: str) -> None:
+        setattr(obj, name, True)
+        self._undo.append(("flag", (obj, name)))
+
     def sharded(self, param: nn.Parameter, placements, mesh: DeviceMesh, where: str):
         """The DTensor parameter for ``param``; created once and shared by every user of it."""
         key = id(param)
@@ -58,8 +62,6 @@ class ApplyRecord:
                 distribute_tensor(param.detach(), mesh, placements, src_data_rank=self.src_data_rank),
                 requires_grad=param.requires_grad,
             )
-            if new.requires_grad:
-                self.add_hook(new.register_post_accumulate_grad_hook(align_grad_to_param))
         self._shared[key] = (placements, new)
         return new
 
@@ -68,6 +70,8 @@ class ApplyRecord:
             if kind == "param":
                 module, name, old = item
                 module._parameters[name] = old
+            elif kind == "flag":
+                delattr(*item)
             else:
                 item.remove()
         self._undo.clear()
@@ -164,6 +168,16 @@ def check_divides(size: int, mesh: DeviceMesh, where: str, what: str) -> None:
         raise DivisibilityError(f"{where}: {what} = {size} is not divisible by the mesh size {n}")
 
 
+def _ensure_grad_alignment(module: nn.Module, inputs) -> None:
+    """Forward pre-hook: make sure every DTensor parameter of ``module`` carries the gradient
+    alignment hook. Done lazily, at forward time, because ``module.to_empty()`` (meta
+    initialisation after sharding) replaces parameter objects and would drop hooks set earlier."""
+    for p in module.parameters(recurse=False):
+        if isinstance(p, DTensor) and p.requires_grad and not getattr(p, "_hp_grad_aligned", False):
+            p.register_post_accumulate_grad_hook(align_grad_to_param)
+            p._hp_grad_aligned = True
+
+
 def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, placements: dict[str, Placement],
                  default: Placement, fqn: str, recurse: bool = False) -> None:
     """Replace each parameter of ``module`` (and of its submodules if ``recurse``) by a DTensor.
@@ -172,6 +186,9 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, place
     """
     subs = module.named_modules() if recurse else [("", module)]
     for sub_fqn, sub in subs:
+        if not getattr(sub, "_hp_align_hook", False) and sub._parameters:
+            record.add_hook(sub.register_forward_pre_hook(_ensure_grad_alignment))
+            record.add_flag(sub, "_hp_align_hook")
         for name, param in list(sub._parameters.items()):
             if param is None:
                 continue

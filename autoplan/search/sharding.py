@@ -1,0 +1,127 @@
+"""Exact per-rank parameter shards and FSDP traffic of a chosen plan.
+
+The ILP prices parameter bytes per unit; a plan's predictions must instead match what the
+runtime does byte for byte. DTensor shards a dimension in ``ceil(n / t)`` chunks (rank 0 holds
+a full chunk); FSDP2 then shards dim 0 of each rank's tensor over dp, padding it to a multiple
+of dp, and moves each FSDP unit's parameters in one all-gather / reduce-scatter of the padded
+size. FSDP units are what the runner wraps: every repeated block, then the root with the rest.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from autoplan.capture.ir import ModelGraph
+
+_LINEAR = "torch.nn.modules.linear.Linear"
+_EMBEDDING = "torch.nn.modules.sparse.Embedding"
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    if pattern == "":
+        return fqn == ""
+    a, b = pattern.split("."), fqn.split(".") if fqn else []
+    return len(a) == len(b) and all(fnmatchcase(x, y) for y, x in zip(a, b))
+
+
+def _shard_dim(style: str, module_type: str, param: str) -> int | None:
+    if style == "ColwiseParallel":
+        if module_type == _LINEAR:
+            return 0
+        if module_type == _EMBEDDING:
+            return 1
+    if style == "RowwiseParallel":
+        if module_type == _LINEAR:
+            return 1 if param == "weight" else None
+        if module_type == _EMBEDDING:
+            return 0
+    return None
+
+
+@dataclass
+class ParamShard:
+    fqn: str
+    unit: str            # FSDP unit: a block FQN or "" (root)
+    local_shape: tuple[int, ...]   # after tensor parallel, rank 0
+    dtype_bytes: int
+
+    def fsdp_local_numel(self, dp: int) -> int:
+        if not self.local_shape:
+            return 1
+        d0 = self.local_shape[0]
+        return math.ceil(d0 / dp) * math.prod(self.local_shape[1:])
+
+    def fsdp_padded_numel(self, dp: int) -> int:
+        return self.fsdp_local_numel(dp) * dp
+
+
+def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_prefixes: list[str]) -> list[ParamShard]:
+    """Every parameter (ties counted once, at its first FQN) with its rank-0 TP-local shape."""
+    canonical = {}
+    for group in graph.tied_parameters:
+        for name in group:
+            canonical[name] = group[0]
+    owner_style: dict[str, str] = {}
+    for fqn in graph.modules:
+        best = None
+        for pattern, spec in styles.items():
+            if _matches(pattern, fqn):
+                wild = sum(any(c in x for c in "*?[") for x in pattern.split("."))
+                if best is None or wild < best[0]:
+                    best = (wild, spec["style"])
+        if best:
+            owner_style[fqn] = best[1]
+    out, seen = [], set()
+    dtype_bytes = _param_dtype_bytes(graph)
+    for fqn, info in sorted(graph.modules.items()):
+        for pname, shape in info.params.items():
+            full = f"{fqn}.{pname}" if fqn else pname
+            full = canonical.get(full, full)
+            if full in seen:
+                continue
+            seen.add(full)
+            owner = full.rsplit(".", 1)[0] if "." in full else ""
+            mtype = graph.modules[owner].type if owner in graph.modules else info.type
+            dim = _shard_dim(owner_style.get(owner, ""), mtype, full.rsplit(".", 1)[-1])
+            local = list(shape)
+            if dim is not None and tp > 1:
+                local[dim] = math.ceil(local[dim] / tp)
+            unit = next((f"{p}.{rest.split('.')[0]}" for p in block_prefixes
+                         if full.startswith(p + ".") and (rest := full[len(p) + 1:]).count(".") >= 1), "")
+            out.append(ParamShard(full, unit, tuple(local), dtype_bytes))
+    return out
+
+
+def _param_dtype_bytes(graph: ModelGraph) -> int:
+    from autoplan.capture.ir import dtype_size
+
+    for n in graph.nodes:
+        for t in n.inputs:
+            if "float" in t.dtype or "bfloat" in t.dtype:
+                return dtype_size(t.dtype)
+    return 4
+
+
+def rank_param_bytes(shards: list[ParamShard], dp: int, fsdp: bool) -> int:
+    """Parameter bytes on rank 0."""
+    d = dp if fsdp else 1
+    return sum(s.fsdp_local_numel(d) * s.dtype_bytes for s in shards)
+
+
+def fsdp_collectives(shards: list[ParamShard], dp: int, dp_dim: str) -> list[dict]:
+    """The collectives FSDP2 issues over ``dp_dim`` in one forward+backward: per block unit an
+    all-gather in forward, another in backward (resharded after forward) and a reduce-scatter
+    in backward; the root unit all-gathers once (it stays unsharded for backward) and
+    reduce-scatters at the end of backward."""
+    units: dict[str, int] = {}
+    for s in shards:
+        units[s.unit] = units.get(s.unit, 0) + s.fsdp_padded_numel(dp) * s.dtype_bytes
+    rows = []
+    for unit, nbytes in sorted(units.items()):
+        if unit:
+            rows += [("all_gather", "forward", nbytes), ("all_gather", "backward", nbytes),
+                     ("reduce_scatter", "backward", nbytes)]
+        else:
+            rows += [("all_gather", "forward", nbytes), ("reduce_scatter", "backward", nbytes)]
+    return [{"kind": k, "mesh_dim": dp_dim, "phase": p, "bytes": b, "count": 1} for k, p, b in rows]

@@ -1,0 +1,4 @@
+"""Predicted versus issued: dry runs of plans at their real world size."""
+from autoplan.verify.dry_run import VerifyResult, issued_collectives, verify
+
+__all__ = ["VerifyResult", "issued_collectives", "verify"]
