@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -98,8 +99,10 @@ def main() -> None:
     from hyper_parallel.core.pipeline_parallel import StageCost, build_schedule, simulate
     from hyper_parallel.testing import RankPool
 
+    load_before = os.getloadavg()[0]
     with RankPool(4, timeout_s=1800) as pool:
         rows = pool.run(_bench, args.steps, args.warmup)[0]
+    load_after = os.getloadavg()[0]
     df = pd.DataFrame(rows)
     df["torch/ours"] = df["torch_ms"] / df["ours_ms"]
     sim = []
@@ -111,7 +114,10 @@ def main() -> None:
     df = df.round(3)
     df.to_csv(HERE / "pipeline_schedules.csv", index=False)
     header = (f"4 gloo ranks (CPU, shared 2 cores), repo Llama {MODEL}, batch {BATCH}x{SEQ}, "
-              f"{N_MB} micro-batches, median of {args.steps} steps after {args.warmup} warm-up.\n\n")
+              f"{N_MB} micro-batches, median of {args.steps} steps after {args.warmup} warm-up; "
+              f"1-min load average {load_before:.1f} before, {load_after:.1f} after (other jobs share "
+              "the cores). sim_bubble_uniform: the simulator's bubble fraction for uniform stages "
+              "(T_F = T_I = T_W).\n\n")
     (HERE / "pipeline_schedules.md").write_text(header + df.to_markdown(index=False) + "\n")
     log.info("%s", df.to_string(index=False))
 
