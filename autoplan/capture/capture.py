@@ -49,7 +49,8 @@ def capture(
             are made on meta.
         dtype: cast floating parameters and inputs to this dtype first (e.g. ``torch.bfloat16``).
         max_copy_bytes: largest real-device model copied to meta; above it ModelTooLargeError.
-        dedupe_blocks: trace one representative per block group (False traces every layer).
+        dedupe_blocks: trace one representative per block group (False traces every layer; the IR
+            still keeps one representative per group).
         fallback: when export fails, capture with module hooks instead of raising.
 
     Raises:
