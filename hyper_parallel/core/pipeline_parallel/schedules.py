@@ -6,6 +6,7 @@ same IR without torch state.
 from __future__ import annotations
 
 import logging
+import zlib
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -111,7 +112,7 @@ class PipelineScheduleRuntime:
             if target is not None:
                 split, _ = split_microbatches([target], None, m, [self.target_spec])
                 targets = [t[0] for t in split]
-        key = signature(mb_args[0], mb_kwargs[0])
+        key = self._agreed_signature(mb_args[0], mb_kwargs[0])
         if key not in self._metas:
             self._metas[key] = infer_boundaries(self.stages, self.ir.stage_to_rank, self.group,
                                                 mb_args[0], mb_kwargs[0])
@@ -131,6 +132,22 @@ class PipelineScheduleRuntime:
         if losses is not None:
             losses.extend(ordered)
         return torch.stack(ordered).mean()
+
+
+    def _agreed_signature(self, args0, kwargs0) -> int:
+        """The input signature every pipeline rank uses as its cache key.
+
+        Only the first stage's rank needs real inputs, so it decides: its signature hash reaches
+        the others through one small all-reduce, and all ranks rerun shape inference together
+        when it changes (rather than some waiting for descriptions that never come).
+        """
+        mine = zlib.crc32(repr(signature(args0, kwargs0)).encode()) if 0 in self.stages else 0
+        if not dist.is_initialized():
+            return mine
+        device = next(iter(self.stages.values())).device
+        t = torch.tensor([mine], dtype=torch.int64, device=device)
+        dist.all_reduce(t, group=self.group)
+        return int(t.item())
 
 
 class ScheduleGPipe(PipelineScheduleRuntime):
