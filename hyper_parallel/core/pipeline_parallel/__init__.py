@@ -1,4 +1,12 @@
-"""Pipeline parallelism: stage split, schedule IR (generators, validator, simulator), executor."""
+"""Pipeline parallelism: stage split, schedule IR (generators, validator, simulator), executor.
+
+    stages = build_stages(model, Schedule1F1B.ir(pp, m), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stages, m, loss_fn)
+    loss = schedule.step(tokens, target=labels)      # mean micro-batch loss on the last stage
+
+The planner times the same IR without torch state:
+    simulate(build_schedule("1F1B", pp, m), StageCost(f, b_input, b_weight), p2p_time)
+"""
 from hyper_parallel.core.pipeline_parallel.builder import build_stages
 from hyper_parallel.core.pipeline_parallel.generators import (
     build_schedule, gpipe, interleaved_1f1b, one_f_one_b, zbv, zero_bubble_h1,
@@ -20,10 +28,14 @@ from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
 
 __all__ = [
-    "PipelineStage", "BatchDimSpec", "build_stages", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-    "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "stage_placement",
-    "split_model", "split_graph", "GraphStageModule", "even_cuts", "stage_units", "tied_parameters", "StageModule", "Spine",
-    "register_spine", "split_microbatches",
+    # runtime
+    "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+    "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
+    "split_microbatches",
+    # stage split
+    "split_model", "split_graph", "even_cuts", "stage_units", "tied_parameters", "StageModule",
+    "GraphStageModule", "Spine", "register_spine",
+    # schedule IR, generators, validator, simulator (torch-free)
     "Action", "ActionKind", "PipelineSchedule", "from_orders", "lower",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zbv", "build_schedule",
     "validate_schedule", "simulate", "StageCost", "SimResult",
