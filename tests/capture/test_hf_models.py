@@ -96,3 +96,22 @@ def test_every_distinct_op_replays_on_cpu():
         first = out[0] if isinstance(out, (tuple, list)) else out
         if isinstance(first, torch.Tensor):
             assert tuple(first.shape) == g.nodes[[n.name for n in g.nodes].index(op.example)].outputs[0].shape
+
+
+def test_batch_spec_builds_images_and_decoder_tokens():
+    vit = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 image_size=32, patch_size=8)
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(vit)
+    g = capture(model, batch=(2, 1))
+    assert [(i["name"], tuple(i["shape"])) for i in g.inputs] == [("pixel_values", (2, 3, 32, 32))]
+    assert g.blocks[0].count == 2 and g.blocks[0].roles["attention"][0]["n_heads"] == 4
+
+    t5 = transformers.T5Config(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, vocab_size=128, **IDS)
+    with torch.device("meta"):
+        model = transformers.AutoModelForSeq2SeqLM.from_config(t5)
+    g = capture(model, batch={"batch_size": 2, "seq_len": 16, "decoder_seq_len": 8})
+    assert {i["name"]: tuple(i["shape"]) for i in g.inputs} == {"input_ids": (2, 16), "decoder_input_ids": (2, 8)}
+    assert sum(b.count for b in g.blocks) == 4  # encoder and decoder stacks
+    cross = [a for b in g.blocks for a in b.roles.get("attention", []) if "EncDec" in a["module"]]
+    assert cross and g.outputs[0]["shape"] == [2, 8, 128]

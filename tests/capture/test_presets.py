@@ -39,3 +39,16 @@ def test_param_count_of_full_405b_shape():
     model = build_preset("titan-llama3-405b", dtype=torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
     assert 405e9 < n < 406e9
+
+
+def test_llama3_70b_flops_match_the_model_flops_formula():
+    """Forward FLOPs = 2 * (matmul parameters) * tokens + 4 * s^2 * (heads * head_dim) per layer."""
+    from autoplan.capture import capture
+
+    layers, batch, seq = 2, 1, 1024
+    model = build_preset("titan-llama3-70b", num_layers=layers, dtype=torch.bfloat16)
+    g = capture(model, batch=(batch, seq))
+    matmul_params = g.num_parameters - model.tok_embeddings.weight.numel() - 8192 * (2 * layers + 1)  # no norms
+    attention = 4 * batch * seq * seq * 64 * 128 * layers
+    assert g.total_flops() == 2 * matmul_params * batch * seq + attention
+    assert g.total_flops(backward=True) == 2 * g.total_flops() + attention // 2  # fused-kernel SDPA backward
