@@ -77,7 +77,6 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
     groups = find_blocks(mm)
     assign_blocks(infos, groups)
     root_type = type_name(mm)
-    warnings: list[str] = []
     shorten = bool(dedupe and groups)
     attempts = [("export", True, False)] if shorten else []
     attempts += [("export-full", False, False), ("export-fake", shorten, True)]
@@ -107,7 +106,7 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
             inputs=gin,
             outputs=gout,
             method=method,
-            warnings=warnings + errors,
+            warnings=list(errors),
             num_parameters=nparams,
         )
         recognise_roles(graph)
@@ -123,6 +122,7 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
         log.warning("hooks on meta failed (%s); retrying with fake CPU tensors", exc)
         with fake_device(mm, args, kwargs) as (_, a, kw):
             graph = capture_with_hooks(mm, a, kw, infos, groups, tied, nparams, errors)
+    _own_tied_names(graph.nodes, tied)
     recognise_roles(graph)
     return graph
 
