@@ -123,6 +123,7 @@ def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, 
     from autoplan.plan.runner import _logits, lm_loss
     from hyper_parallel.testing.compare import grads_by_name
 
+    ref = make(**kwargs).to(device)
     par = make(**kwargs).to(device)
     vocab = vocab or _vocab(ref)
     tokens, targets = (t.to(device) for t in _batch(global_batch, seq, vocab, seed))
@@ -149,7 +150,6 @@ def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, 
             bad.append(name)
     ref_loss = ref_loss.detach()
     loss_rel = abs(float(par_loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30)
-
     return dict(ref_loss=float(ref_loss), par_loss=float(par_loss), loss_rel=loss_rel, rel_errs=rel_errs, bad=bad,
                 vocab=vocab)
 
@@ -165,10 +165,8 @@ def measure_rank(plan_json: str, factory: Callable | str, factory_kwargs: dict |
     import torch.distributed as dist
 
     from autoplan.plan import Plan
-    from autoplan.plan.runner import _logits, lm_loss
     from hyper_parallel.platform import backend_for, device_type
     from hyper_parallel.testing import cached_mesh
-    from hyper_parallel.testing.compare import grads_by_name
 
     plan = Plan.from_json(plan_json) if isinstance(plan_json, str) else plan_json
     make = resolve_factory(factory)
@@ -192,6 +190,7 @@ def measure_rank(plan_json: str, factory: Callable | str, factory_kwargs: dict |
     vocab = vocab or num.get("vocab") or _vocab(make(**kwargs))
     tokens, targets = (t.to(device) for t in _batch(global_batch, seq, vocab, seed))
     ref_loss, par_loss, loss_rel, rel_errs, bad = (num[k] for k in ("ref_loss", "par_loss", "loss_rel", "rel_errs", "bad"))
+
     # ---- timing and memory: AdamW steps of the plan on a fresh copy
     par = make(**kwargs).to(device)
     runner = plan.apply(par, mesh)

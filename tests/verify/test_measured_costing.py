@@ -1,0 +1,77 @@
+"""The planner's costs with and without a runtime calibration of this host (cost_models.runtime)."""
+from __future__ import annotations
+
+import pytest
+
+from autoplan.search.costing import CostContext
+from autoplan.search.strategies import Collective
+from autoplan.search.structure import Work
+from cost_models import load_hardware, mesh_links
+from cost_models.collectives import collective_terms
+from cost_models.hardware import Link
+from cost_models.runtime import RuntimeOverheads, load_runtime, save_runtime
+
+RT = RuntimeOverheads(world=4, op_s=5e-6, dtensor_op_s=1e-4, compute_scale=3.0, collective_s=1e-3,
+                      link=Link("gloo_test", bandwidth=5e8, latency=3e-4), sources="test")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _ctx(hw, shape=(4,), names=("tp",), **kw):
+    return CostContext(hardware=hw, topology=mesh_links(shape, names, hw), dtype="torch.float32", tp_dim="tp",
+                       dp_dim=None, dp=1, fsdp=False, param_bytes_per_element=4, optimizer_bytes_per_element=8, **kw)
+
+
+def _cpu_profile(cache):
+    # a fixed profile so the test does not measure the host
+    h100 = load_hardware("h100_sxm")
+    return h100.with_overrides(name="cpu", device_type="cpu")
+
+
+def test_runtime_roundtrip(cache):
+    assert load_runtime(4) is None
+    save_runtime(RT)
+    assert load_runtime(4) == RT
+    assert load_runtime(2) is None
+
+
+def test_cpu_context_picks_up_calibration_for_its_world(cache):
+    hw = _cpu_profile(cache)
+    assert _ctx(hw).runtime is None          # nothing cached yet: bare profile
+    save_runtime(RT)
+    ctx = _ctx(hw)
+    assert ctx.runtime == RT
+    assert _ctx(hw, shape=(2,)).runtime is None   # calibrations are per world size
+    w = Work(flops=1e9, bytes=1e6, kernels=30)
+    bare = _ctx(hw, runtime=None)
+    roof = bare.compute_time(w, 1) - 30 * hw.efficiency.kernel_overhead
+    assert ctx.compute_time(w, 1) == pytest.approx(3.0 * roof + 30 * 5e-6)
+    # sharded units run their ops on DTensors
+    assert ctx.compute_time(w, 4) == pytest.approx(3.0 * roof / 4 + 30 * (5e-6 + 1e-4))
+    c = Collective("all_reduce", "forward", 65536, count=2, dim="tp")
+    want = 2 * (collective_terms("all_reduce", 65536, 4).time(RT.link) + 1e-3)
+    assert ctx.collective_time(c) == pytest.approx(want)
+
+
+def test_datasheet_profiles_ignore_calibrations(cache):
+    save_runtime(RT)
+    hw = load_hardware("h100_sxm")
+    ctx = _ctx(hw)
+    assert ctx.runtime is None
+    w = Work(flops=1e12, bytes=1e9, kernels=10)
+    eff = hw.efficiency
+    want = max(1e12 / (hw.peak("torch.float32") * eff.compute), 1e9 / (hw.memory_bandwidth * eff.memory)) \
+        + 10 * eff.kernel_overhead
+    assert ctx.compute_time(w, 1) == pytest.approx(want)
+
+
+def test_explicit_runtime(cache):
+    hw = load_hardware("h100_sxm")
+    ctx = CostContext.with_runtime(RT, hardware=hw, topology=mesh_links((4,), ("tp",), hw), dtype="bf16",
+                                   tp_dim="tp", dp_dim=None, dp=1, fsdp=False, param_bytes_per_element=2,
+                                   optimizer_bytes_per_element=12)
+    assert ctx.runtime is RT
