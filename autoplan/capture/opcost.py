@@ -8,8 +8,9 @@ counter counts, op by op, and CompositeImplicit ops (linear, matmul) decompose a
 Attention: on CPU ``F.scaled_dot_product_attention`` runs ``_scaled_dot_product_flash_attention_for_cpu``,
 which FlopCounterMode counts as 0. :func:`register_flop_formulas` gives it (and its backward)
 torch's own SDPA formulas (4·b·h·s_q·s_kv·d forward, causal masks not discounted; backward 2.5x,
-scores recomputed as fused kernels do). On meta SDPA takes the math path (backward 2x), so
-:func:`measure` counts an SDPA node with those same formulas. MoE grouped GEMMs, also 0 for the
+scores recomputed as fused kernels do). On meta SDPA takes the math path (backward 2x, the
+(b, h, s, s) probabilities kept), so :func:`measure` counts an SDPA node as a fused kernel:
+those same formulas, and q, k, v, output and log-sum-exp kept for backward. MoE grouped GEMMs, also 0 for the
 counter, get 2·M·K·N (backward twice that) registered the same way.
 """
 from __future__ import annotations
@@ -147,13 +148,15 @@ def measure(op: Callable, args: list[Any], kwargs: dict[str, Any], grad_args: se
             out = op(*args, **kwargs)
     cost.flops_fwd = fwd.get_total_flops()
     outs = _flatten(out)
+    fused_sdpa = False
     if op is aten.scaled_dot_product_attention.default and len(tensors) >= 3:
         # meta runs the math path (two bmm, backward four); fused kernels recompute scores in
         # backward, so count what flash/efficient/cudnn (and torch's formulas for them) count
         q, k, v = (tuple(t.shape) for t in tensors[:3])
         if len(q) == len(k) == len(v) == 4:
+            fused_sdpa = any(t.requires_grad for t in tensors[:3])
             cost.flops_fwd = flop_counter.sdpa_flop_count(q, k, v)
-            if any(t.requires_grad for t in tensors[:3]):
+            if fused_sdpa:
                 cost.flops_bwd = flop_counter.sdpa_backward_flop_count(q[:3] + (v[3],), q, k, v)
     diff_outs = [o for o in outs if o.requires_grad and o.grad_fn is not None]
     cost.output_requires_grad = bool(diff_outs)
@@ -167,6 +170,14 @@ def measure(op: Callable, args: list[Any], kwargs: dict[str, Any], grad_args: se
             cost.flops_bwd = bwd.get_total_flops()
         except Exception as exc:
             log.debug("backward of %s not measurable on meta: %s", op, exc)
+    if fused_sdpa:
+        # what a fused kernel keeps: q, k, v (and a mask), its output and the fp32 log-sum-exp --
+        # not the math path's (b, h, s, s) probabilities
+        cost.saved_inputs = [i for i in range(len(tensors)) if i not in param_args]
+        cost.saved_output = True
+        q = tensors[0].shape
+        cost.saved_internal_bytes = q[0] * q[1] * q[2] * 4
+        return cost
     for s in saved:
         base = s._base if s._base is not None else s
         hit = next((i for i, t in enumerate(tensors) if s is t or base is t), None)
