@@ -77,6 +77,22 @@ class CostContext:
         per_kernel = rt.op_s + (rt.dtensor_op_s if shard > 1 else 0.0)
         return rt.compute_scale * max(t_flop, t_mem) + work.kernels * per_kernel
 
+    def optimizer_time(self, param_tensors: int, elements: float, sharded: bool) -> float:
+        """AdamW step for ``param_tensors`` tensors holding ``elements`` elements on this rank.
+
+        Bandwidth-bound per element (fp32 states: read p, g, m, v and write p, m, v), plus a fixed
+        cost per tensor from the runtime calibration (much larger for DTensor parameters).
+        Not yet called by the search (tp_search prices forward and backward only).
+        """
+        hw = self.hardware
+        nbytes = 28.0 * elements
+        t_mem = nbytes / (hw.memory_bandwidth * hw.efficiency.memory)
+        rt = self.runtime
+        if rt is None:
+            return t_mem + param_tensors * hw.efficiency.kernel_overhead
+        per = rt.optimizer_dtensor_tensor_s if sharded else rt.optimizer_tensor_s
+        return rt.compute_scale * t_mem + param_tensors * per
+
     def collective_time(self, c: Collective) -> float:
         if c.nbytes <= 0:
             return 0.0

@@ -28,7 +28,9 @@ from autoplan.search.structure import AttentionUnit, BlockGroupInfo, EmbeddingIn
 R, S = Replicate(), Shard(1)
 LAYOUTS = ("R", "S")
 _PLACEMENT = {"R": R, "S": S}
-LOSS_BYTES_PER_TOKEN = 4  # loss parallel reduces fp32 max / sum-exp / target logit per token
+# loss parallel all-reduces, per token: the max and the sum of exponentials in fp32, then the
+# target logit in the logits' dtype
+LOSS_FP32_REDUCTIONS = 2
 
 
 @dataclass(frozen=True)
@@ -176,11 +178,19 @@ def head_strategies(hd: HeadInfo, t: int, layout: str, hidden_bytes: int) -> lis
         out.append(Strategy("loss_parallel", layout,
                             {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=Shard(-1),
                                                      use_local_output=False)},
-                            enter + [Collective("all_reduce", "forward", hd.tokens * LOSS_BYTES_PER_TOKEN, 3)],
+                            enter + _loss_parallel_reductions(hd),
                             compute_shard=t, param_shard=t, activation_shard=t,
                             reason="vocabulary-sharded head and cross entropy (loss parallel)",
                             extra={"loss_parallel": True}))
     return out
+
+
+def _loss_parallel_reductions(hd: HeadInfo) -> list[Collective]:
+    dtype_bytes = hd.logits_bytes // max(hd.tokens * hd.vocab, 1)
+    fp32 = Collective("all_reduce", "forward", hd.tokens * 4, LOSS_FP32_REDUCTIONS)
+    if dtype_bytes == 4:
+        return [Collective("all_reduce", "forward", hd.tokens * 4, LOSS_FP32_REDUCTIONS + 1)]
+    return [fp32, Collective("all_reduce", "forward", hd.tokens * dtype_bytes)]
 
 
 def first_block_entry(blk: BlockGroupInfo, emb_layout: str, layout: str) -> Strategy | None:

@@ -61,7 +61,7 @@ class Option:
         own = [c.scaled(self.count) for c in self.strategy.collectives]
         if ctx.checkpoint_blocks and self.in_block:  # recomputed forward repeats its collectives
             own += [Collective(c.kind, "backward", c.nbytes, c.count * self.count, c.dim)
-                    for c in self.strategy.collectives if c.phase == "forward"]
+                    for c in self.strategy.collectives if c.phase == "forward" and not self._not_recomputed(c)]
         dp = ctx.fsdp_collectives(self.param_bytes, self.strategy.param_shard) + \
             ctx.ddp_collectives(self.param_bytes, self.strategy.param_shard)
         return own + [c.scaled(self.count) for c in dp]
@@ -69,6 +69,12 @@ class Option:
     @property
     def in_block(self) -> bool:
         return bool(self.owner)
+
+    def _not_recomputed(self, c: Collective) -> bool:
+        """torch's non-reentrant checkpoint stops recomputing once every saved tensor is back;
+        the MLP's output reduction produces nothing saved (it only feeds the residual add), so
+        it is the one forward collective of a block that is not repeated."""
+        return self.slot.endswith("/mlp") and c.kind in ("reduce_scatter", "all_reduce")
 
     def compute_s(self, ctx: CostContext) -> float:
         t = ctx.compute_time(self.work, self.strategy.compute_shard)

@@ -85,14 +85,17 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
             with CollectiveRecorder() as rec:
                 rec.phase = "forward"
                 logits = _logits(meta(inputs))
-                rec.phase = "backward"
                 if plan.loss_parallel:
                     from hyper_parallel import loss_parallel
 
                     with loss_parallel():
-                        lm_loss(logits, targets).backward()
+                        loss = lm_loss(logits, targets)
+                        rec.phase = "backward"
+                        loss.backward()
                 else:
-                    lm_loss(logits, targets).backward()
+                    loss = lm_loss(logits, targets)
+                    rec.phase = "backward"
+                    loss.backward()
     rows = [dict(e, mesh_dim=groups.get(e["group"], f"group:{e['group']}")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "phase", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])
