@@ -115,3 +115,12 @@ def test_batch_spec_builds_images_and_decoder_tokens():
     assert sum(b.count for b in g.blocks) == 4  # encoder and decoder stacks
     cross = [a for b in g.blocks for a in b.roles.get("attention", []) if "EncDec" in a["module"]]
     assert cross and g.outputs[0]["shape"] == [2, 8, 128]
+
+
+def test_sdpa_keeps_what_a_fused_kernel_keeps():
+    _, meta = _pair(transformers.LlamaConfig(**SMALL))
+    g = capture(meta, batch=BATCH)
+    sdpa = next(n for n in g.nodes if n.op == "aten.scaled_dot_product_attention.default")
+    assert sdpa.saves[-1] == sdpa.name and len(sdpa.saves) >= 4  # q, k, v (and mask), output
+    b, h, s, _ = sdpa.inputs[0].shape
+    assert sdpa.saved_internal_bytes == b * h * s * 4  # fp32 log-sum-exp, no (b, h, s, s) probabilities
