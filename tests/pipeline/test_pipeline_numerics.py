@@ -9,7 +9,7 @@ are ordered by world size so that each pool starts once.
 import pytest
 
 from tests.pipeline.workers import (
-    run_dtensor_activations, run_errors, run_graph_split, run_parallel, run_pure_pp, run_torch_compare,
+    run_dtensor_activations, run_errors, run_graph_split, run_kwargs_and_counts, run_parallel, run_pure_pp, run_torch_compare,
 )
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"]
@@ -39,6 +39,11 @@ def _check_pure(results, n_cases):
 def test_pure_pp_two_ranks(pool2):
     cases = _cases(2, 4)
     _check_pure(pool2.run(run_pure_pp, cases), len(cases))
+
+
+def test_kwargs_reach_every_stage_at_any_micro_batch_count(pool2):
+    cases = [("GPipe", 1, 2), ("1F1B", 3, 6), ("ZeroBubble", 3, 6), ("ZBV", 3, 6), ("Interleaved1F1B", 6, 6)]
+    _check_pure(pool2.run(run_kwargs_and_counts, cases), len(cases))
 
 
 def test_overlapped_receives_give_the_same_numbers(pool2):

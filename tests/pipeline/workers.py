@@ -42,18 +42,6 @@ def _built(kind: str, tie: bool, n_layers: int, seed: int):
     return model
 
 
-class _Logits(torch.nn.Module):
-    """HF models return an output object; the reference takes its logits."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        out = self.model(x)
-        return out.logits if hasattr(out, "logits") else out
-
-
 def data(batch: int, seq: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCAB, (batch, seq), generator=g)
@@ -61,9 +49,10 @@ def data(batch: int, seq: int, seed: int = 1):
     return x, y
 
 
-def reference(kind: str, tie: bool, n_layers: int, x, y):
+def reference(kind: str, tie: bool, n_layers: int, x, y, **kwargs):
     model = build_model(kind, tie, n_layers)
-    loss = lm_loss(_Logits(model)(x), y)
+    out = model(x, **kwargs)
+    loss = lm_loss(out.logits if hasattr(out, "logits") else out, y)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     return loss.detach(), grads
@@ -307,6 +296,27 @@ def _toy_spine():
     return Spine("toy", lambda m: isinstance(m, _Toy),
                  lambda m: ["emb"] + [f"blocks.{i}" for i in range(len(m.blocks))] + ["head"],
                  lambda stage, fqn, module, h, ctx: module(h))
+
+
+def run_kwargs_and_counts(cases) -> list[dict]:
+    """HF Llama with a left-padding attention mask passed as a step kwarg (split per micro-batch,
+    seen by every stage), at micro-batch counts that are not powers of two.
+    cases: (schedule name, n_microbatches, batch)."""
+    out = []
+    p = dist.get_world_size()
+    for name, m, batch in cases:
+        x, y = data(batch, 8)
+        mask = torch.ones(batch, 8, dtype=torch.long)
+        mask[::2, :3] = 0  # every other row left-padded
+        ref_loss, ref_grads = reference("hf", True, 4, x, y, attention_mask=mask)
+        cls = SCHEDULES[name]
+        stages = build_stages(build_model("hf", True, 4), cls.ir(p, m))
+        losses: list = []
+        loss = cls(stages, m, lm_loss).step(x, target=y, losses=losses, attention_mask=mask)
+        res = compare(stages, ref_grads, loss, ref_loss)
+        res.update(case=("hf+mask", True, name, m), n_losses=len(losses))
+        out.append(res)
+    return out
 
 
 def run_graph_split(cases) -> list[dict]:
