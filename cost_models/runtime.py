@@ -16,7 +16,10 @@ get scheduled, not by loopback bandwidth. :func:`calibrate_runtime` measures eac
 - ``link``: alpha (per latency step) and bandwidth fitted, with the ring step/byte counts, to
   all-reduce, all-gather and reduce-scatter timed on all ranks at once;
 - ``collective_s``: the extra per collective issued through DTensor (redistribute) over the raw
-  ``torch.distributed`` call of the same size.
+  ``torch.distributed`` call of the same size;
+- ``optimizer_tensor_s`` / ``optimizer_dtensor_tensor_s``: AdamW (foreach) step time per parameter
+  tensor of small plain / sharded DTensor parameters (the per-tensor fixed cost; the per-element
+  cost is bandwidth, priced from the profile).
 
 The planner's :class:`~autoplan.search.costing.CostContext` picks the calibration for its world
 size up automatically on the ``cpu`` profile (:func:`load_runtime`).
@@ -48,6 +51,8 @@ class RuntimeOverheads:
     collective_s: float
     link: Link
     sources: str = ""
+    optimizer_tensor_s: float = 0.0
+    optimizer_dtensor_tensor_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -128,6 +133,17 @@ def bench_runtime(reps: int = 20, layers: int = 16, width: int = 32) -> dict:
     dist.barrier()
     out["dtensor_chain_s"] = _median(lambda: chain(dws, dx), reps) / kernels
     out["dtensor_op_s"] = max(out["dtensor_chain_s"] - out["op_s"], 0.0)
+    # AdamW per parameter tensor, plain and sharded DTensor parameters
+    def adamw(make):
+        ps = [torch.nn.Parameter(make(torch.randn(width, width))) for _ in range(layers)]
+        for q in ps:
+            q.grad = make(torch.randn(width, width))
+        opt = torch.optim.AdamW(ps, lr=1e-3)
+        dist.barrier()
+        return _median(opt.step, reps) / layers
+
+    out["optimizer_tensor_s"] = adamw(lambda t: t)
+    out["optimizer_dtensor_tensor_s"] = adamw(lambda t: distribute_tensor(t, mesh, [Shard(0)]))
     # GEMM throughput with all ranks computing at once
     for n in _GEMM_SIZES:
         a, b = torch.randn(n, n), torch.randn(n, n)
@@ -184,6 +200,8 @@ def calibrate_runtime(world: int = 4, pool=None, hardware=None, reps: int = 20, 
         world=int(world), op_s=float(med["op_s"]), dtensor_op_s=float(med["dtensor_op_s"]),
         compute_scale=float(scale), collective_s=float(statistics.mean(extra)),
         link=Link(f"gloo_w{world}_calibrated", bandwidth=float(bw), latency=float(alpha)),
+        optimizer_tensor_s=float(med["optimizer_tensor_s"]),
+        optimizer_dtensor_tensor_s=float(med["optimizer_dtensor_tensor_s"]),
         sources=f"measured on {world} concurrent gloo ranks ({host_key()}) at {time.strftime('%Y-%m-%d %H:%M:%S')}")
     if save:
         save_runtime(rt)

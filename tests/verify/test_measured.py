@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -58,7 +59,7 @@ def test_default_group_path_and_string_factory(pool2):
     """The torchrun path: no pool, the default process group, factory as 'module:function'."""
     plan = _plan((2,), ("tp",), allow_replicated_units=False)
     per_rank = pool2.run(measure_without_pool, plan.to_json(), steps=1, warmup=0, numerics=False)
-    assert per_rank[0] == per_rank[1]  # every rank gets the whole frame
+    assert pd.DataFrame(per_rank[0]).equals(pd.DataFrame(per_rank[1]))  # every rank gets the whole frame
     rows = per_rank[0]
     assert [r["rank"] for r in rows] == [0, 1]
     assert all(r["numerics_ok"] is None for r in rows)

@@ -75,3 +75,29 @@ def test_explicit_runtime(cache):
                                    tp_dim="tp", dp_dim=None, dp=1, fsdp=False, param_bytes_per_element=2,
                                    optimizer_bytes_per_element=12)
     assert ctx.runtime is RT
+
+
+def test_optimizer_time(cache):
+    hw = _cpu_profile(cache)
+    rt = RuntimeOverheads(**{**RT.to_dict(), "link": RT.link, "optimizer_tensor_s": 2e-5,
+                             "optimizer_dtensor_tensor_s": 5e-4})
+    ctx = _ctx(hw, runtime=rt)
+    t_mem = 28.0 * 1e6 / (hw.memory_bandwidth * hw.efficiency.memory)
+    assert ctx.optimizer_time(10, 1e6, sharded=False) == pytest.approx(3.0 * t_mem + 10 * 2e-5)
+    assert ctx.optimizer_time(10, 1e6, sharded=True) == pytest.approx(3.0 * t_mem + 10 * 5e-4)
+    assert _ctx(hw, runtime=None).optimizer_time(10, 1e6, True) == pytest.approx(
+        t_mem + 10 * hw.efficiency.kernel_overhead)
+
+
+def test_old_calibration_files_load(cache):
+    """Calibrations written before the optimizer fields existed still load (fields default to 0)."""
+    import json
+
+    from cost_models.runtime import _path
+
+    data = RT.to_dict()
+    data.pop("optimizer_tensor_s")
+    data.pop("optimizer_dtensor_tensor_s")
+    _path(4).parent.mkdir(parents=True, exist_ok=True)
+    _path(4).write_text(json.dumps(data))
+    assert load_runtime(4).optimizer_tensor_s == 0.0
