@@ -75,18 +75,35 @@ def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None, extra: 
             for (k, d, p, b), n in sorted(agg.items())]
 
 
-def _decision_rows(ev: Evaluation, ctx: CostContext) -> list[dict]:
+def _block_prefix(owner: str) -> str | None:
+    """The module holding a block group's members ("layers" for "layers.*" or "layers.0,layers.1")."""
+    if not owner:
+        return None
+    first = owner.split(",")[0]
+    return first.rsplit(".", 1)[0] if "." in first else ""
+
+
+def _decision_rows(ev: Evaluation, ctx: CostContext, search: TPSearch | None = None) -> list[dict]:
+    """One row per unit: the chosen strategy and, under ``options``, every candidate with its
+    cost, so ``explain`` can say why the others lost."""
     rows = []
     for o in sorted(ev.options, key=lambda o: o.slot):
         if o.slot in ("rest",) or (o.slot.endswith("/other")):
             continue
         mem = o.memory(ctx)
-        rows.append({
-            "unit": o.slot, "block_prefix": o.owner[:-2] if o.owner.endswith(".*") else None,
+        row = {
+            "unit": o.slot, "block_prefix": _block_prefix(o.owner),
             "count": o.count, "strategy": o.strategy.name, "stream": o.stream or "-",
             "reason": o.strategy.reason, "modules": sorted(o.styles()),
             "compute_s": o.compute_s(ctx), "comm_s": o.comm_s(ctx), "memory_bytes": sum(mem.values()),
-        })
+        }
+        if search is not None and o.slot in search.slots:
+            row["options"] = [
+                {"strategy": c.strategy.name, "stream": c.stream or "-", "compute_s": c.compute_s(ctx),
+                 "comm_s": c.comm_s(ctx), "memory_bytes": sum(c.memory(ctx).values()), "reason": c.strategy.reason,
+                 "excluded": c.strategy.extra.get("tp_excluded")}
+                for c in search.slots[o.slot]]
+        rows.append(row)
     return rows
 
 
@@ -238,7 +255,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
         loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
         activation_checkpointing=bool(ctx.checkpoint_blocks),
-        decisions=_decision_rows(best, ctx),
+        decisions=_decision_rows(best, ctx, search),
         predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
                      "memory_bytes": dict(memory, total=sum(memory.values())),
                      "collectives": _collective_rows(best, spec, tp_dim, fsdp_rows)},

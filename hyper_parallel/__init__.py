@@ -16,6 +16,24 @@ from torch.distributed.tensor import (
 )
 
 from hyper_parallel.core.dtensor import custom_shard
+from hyper_parallel.core.pipeline_parallel import (
+    BatchDimSpec,
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBV,
+    ScheduleZeroBubble,
+    SimResult,
+    StageCost,
+    build_schedule,
+    build_stages,
+    simulate,
+    split_graph,
+    split_model,
+    validate_schedule,
+)
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
     NoParallel,
@@ -37,4 +55,7 @@ __all__ = [
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
+    "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+    "ScheduleZeroBubble", "ScheduleZBV", "split_model", "split_graph", "build_stages",
+    "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
 ]

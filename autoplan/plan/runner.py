@@ -76,7 +76,7 @@ def _check_mesh(plan, mesh) -> None:
 def _fsdp_units(model: nn.Module, plan) -> list[nn.Module]:
     """One FSDP unit per repeated block (what torchtitan wraps), then the root takes the rest."""
     units = []
-    prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})
+    prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix") is not None})
     for prefix in prefixes:
         parent = model.get_submodule(prefix)
         units.extend(parent.children())

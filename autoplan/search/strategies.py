@@ -86,6 +86,9 @@ def _grad_all_reduces(param_bytes: list[int]) -> list[Collective]:
 def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
+    if not a.rel:
+        return [Strategy("replicate", "R", {}, [], reason="replicated (projections sit directly in the block)")] \
+            if layout == "R" else []
     out = [Strategy("replicate", layout, {}, [], reason="replicated heads")]
     if layout == "S":
         out[0] = Strategy("replicate", "S", {a.rel: PrepareModuleInputOutput(
@@ -114,6 +117,10 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
 def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
+    if not m.rel:
+        # no container module to change layouts at: only the replicated form on a replicated stream
+        return [Strategy("replicate", "R", {}, [], reason="replicated (MLP linears sit directly in the block)")] \
+            if layout == "R" else []
     if layout == "R":
         out = [Strategy("replicate", "R", {}, [], reason="replicated")]
     else:

@@ -165,7 +165,13 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for m in roles.get("mlp", [])[:1]:
             ups = [m[k] for k in ("gate", "up") if m.get(k)]
             lin = all(_type(graph, f"{rep}.{x}") == _LINEAR for x in ups + [m["down"]])
-            mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, work(f"{rep}.{m['module']}"))
+            if m["module"]:
+                mw = work(f"{rep}.{m['module']}")
+            else:  # the MLP's linears sit directly in the block (OPT fc1/fc2): no container module
+                mw = Work()
+                for x in ups + [m["down"]]:
+                    mw = mw + work(f"{rep}.{x}")
+            mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw)
         norms = list(roles.get("norms", []))
         norm_work = Work()
         for n in norms:

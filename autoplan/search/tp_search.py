@@ -46,7 +46,7 @@ DP_EXPOSED_MIN = 0.1
 class Option:
     slot: str
     strategy: Strategy
-    owner: str                      # "" (model root) or a block pattern like "layers.*"
+    owner: str                      # "" (model root) or block pattern(s) like "layers.*", comma-joined
     count: int
     work: Work
     param_bytes: float
@@ -104,10 +104,10 @@ class Option:
         return {k: v * self.count for k, v in st.items()}
 
     def styles(self) -> dict[str, object]:
-        """Styles with full patterns (owner prefix joined)."""
+        """Styles with full patterns (owner prefix joined; one pattern per owner)."""
         if not self.owner:
             return dict(self.strategy.styles)
-        return {f"{self.owner}.{k}": v for k, v in self.strategy.styles.items()}
+        return {f"{owner}.{k}": v for owner in self.owner.split(",") for k, v in self.strategy.styles.items()}
 
 
 def exposed_dp(dp_comm: float, compute: float) -> float:
@@ -180,7 +180,7 @@ class TPSearch:
         elif self.sequence_parallel is False:
             self.layouts = ("R",)
         for b in st.blocks:
-            owner = f"{b.prefix}.*" if b.prefix else "*"
+            owner = self._owner(b)
             rep = b.representative
             for layout in self.layouts:
                 if b.attention is not None:
@@ -213,6 +213,17 @@ class TPSearch:
         self._add("rest", Strategy("replicate", None, {}, []), "", 1, st.rest, st.rest.param_bytes)
         if not self.allow_replicated:
             self._drop_replicated()
+
+    def _owner(self, b) -> str:
+        """Pattern(s) naming the members of block group ``b``. The largest group under a prefix
+        takes ``prefix.*``; smaller groups under the same prefix (T5's first block, Gemma-2's
+        alternating layers) name their indices, which the most-specific-pattern rule lets win."""
+        siblings = [g for g in self.structure.blocks if g.prefix == b.prefix]
+        largest = max(siblings, key=lambda g: (g.count, -int(g.indices[0]) if g.indices[0].isdigit() else 0))
+        join = (lambda i: f"{b.prefix}.{i}") if b.prefix else (lambda i: i)
+        if b is largest:
+            return join("*")
+        return ",".join(join(i) for i in b.indices)
 
     def _add(self, slot: str, s: Strategy, owner: str, count: int, work: Work, param_bytes: float) -> None:
         opts = self.slots.setdefault(slot, [])
@@ -272,6 +283,8 @@ class TPSearch:
                 pick = sorted(pick, key=lambda o: (o.stream != layout, o.rank))
             if not pick:
                 pick = sorted(cands, key=lambda o: o.rank)
+            if not pick:
+                raise InfeasiblePlanError(f"{slot}: no strategy for a {layout} stream")
             chosen[slot] = pick[0]
         return chosen
 
