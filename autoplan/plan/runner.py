@@ -84,8 +84,12 @@ def _fsdp_units(model: nn.Module, plan) -> list[nn.Module]:
 
 
 def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-3,
-               loss_fn: Callable = lm_loss) -> Runner:
+               loss_fn: Callable = lm_loss):
     _check_mesh(plan, mesh)
+    if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
+        from autoplan.plan.pipeline_runner import apply_pipeline_plan
+
+        return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
     names = tuple(mesh.mesh_dim_names)
     if plan.styles and plan.tp_dim:
         parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)

@@ -110,6 +110,10 @@ def _local(p):
 def verify(plan: Plan, model: torch.nn.Module, inputs=None) -> VerifyResult:
     """Dry-run ``plan`` at its world size; compare issued collectives and parameter bytes with
     the plan's predictions. ``passed`` is True only when everything agrees exactly."""
+    if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
+        from autoplan.verify.pipeline_dry_run import verify_pipeline
+
+        return verify_pipeline(plan, model, inputs)
     issued, pbytes = issued_collectives(plan, model, inputs)
     predicted = pd.DataFrame(plan.predictions["collectives"])
     if predicted.empty:
