@@ -20,7 +20,7 @@ from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
 from autoplan.search.structure import model_structure
-from autoplan.search.tp_search import Evaluation, TPSearch
+from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
              memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
              sequence_parallel: bool | None = None,
-             graph=None) -> Plan:
+             graph=None, styles: dict | None = None) -> Plan:
     """Choose every module's tensor-parallel style for ``model`` on ``mesh``.
 
     Args:
@@ -159,6 +159,9 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         sequence_parallel: force (True) or forbid (False) a sequence-sharded residual stream;
             None lets the planner choose.
         graph: a ModelGraph already captured for this batch (skips capture).
+        styles: instead of solving, price this hand-written plan ({pattern: ParallelStyle or
+            style dict}, e.g. the torchtitan plan): the Plan then carries its predicted cost,
+            collectives and memory, comparable with the planner's own.
     """
     t_start = time.perf_counter()
     spec = _mesh_spec(mesh, hardware)
@@ -196,7 +199,17 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         ctx_ac = dataclasses.replace(ctx, checkpoint_blocks=ac)
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
                         sequence_parallel=sequence_parallel)
-        chosen_ac, layout_ac, info_ac = s_ac.solve(limit)
+        if styles is not None:
+            t_fix = time.perf_counter()
+            chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
+            info_ac = SolverInfo("none", "imported", time.perf_counter() - t_fix, 0, 0)
+            if unmatched:
+                raise PlanningError(f"autoplan(styles=...): no strategy accounts for {unmatched}")
+            ev_ac = s_ac.evaluate(chosen_ac, layout_ac)
+            if ev_ac.memory_total > limit and ac != ac_modes[-1]:
+                continue
+        else:
+            chosen_ac, layout_ac, info_ac = s_ac.solve(limit)
         info = info_ac if info is None else info
         if not chosen_ac:
             continue

@@ -288,6 +288,47 @@ class TPSearch:
             chosen[slot] = pick[0]
         return chosen
 
+    def assignment_from_styles(self, styles: dict) -> tuple[dict[str, Option], str, list[str]]:
+        """The options a hand-written plan amounts to: for each slot, the candidate whose styles
+        all appear in ``styles`` (the largest such), for the stream layout that accounts for the
+        most of ``styles``. Returns (chosen, layout, patterns no option accounts for).
+
+        PrepareModuleInput entries that only annotate a replicated input are optional: plans
+        written for torch often leave them out (DTensor then all-reduces each column-parallel
+        linear's input gradient separately; the costing assumes the one shared annotation)."""
+        wanted = {k: _canonical(v) for k, v in styles.items()}
+        best = None
+        for layout in self.layouts:
+            chosen, covered = {}, set()
+            for slot, opts in self.slots.items():
+                cands = [o for o in opts if o.stream in (None, layout) or slot == "embedding"]
+                fits = []
+                for o in cands:
+                    own = {k: _canonical(v.to_dict()) for k, v in o.styles().items()}
+                    required = {k: v for k, v in own.items() if not _optional(v)}
+                    if all(wanted.get(k) == v for k, v in required.items()) and \
+                            all(wanted.get(k, v) == v for k, v in own.items()):
+                        fits.append((len(required), -o.rank, o, own))
+                if not fits:
+                    chosen = None
+                    break
+                fits.sort(key=lambda f: (f[0], f[1]))
+                _, _, o, own = fits[-1]
+                chosen[slot] = o
+                covered |= {k for k in own if k in wanted}
+            if chosen is None:
+                continue
+            if self.entry(chosen.get("embedding"), layout) is None:
+                continue
+            entry = self.entry(chosen.get("embedding"), layout)
+            covered |= {k for k in entry.styles if k in wanted}
+            missing = sorted(set(wanted) - covered)
+            if best is None or len(missing) < len(best[2]):
+                best = (chosen, layout, missing)
+        if best is None:
+            raise InfeasiblePlanError("the given styles match no combination of the planner's strategies")
+        return best
+
     # ------------------------------------------------------------------ ILP
     def solve(self, memory_limit: float | None = None, objective: str = "time") -> tuple[dict[str, Option], str, SolverInfo]:
         prob = pulp.LpProblem("tp_styles", pulp.LpMinimize)
@@ -348,6 +389,35 @@ class TPSearch:
         chosen = {slot: next(o for o in opts if (x[slot, o.rank].value() or 0) > 0.5)
                   for slot, opts in self.slots.items()}
         return chosen, layout, info
+
+
+def _canonical(spec) -> str:
+    """A style as comparable text: dict form, trailing (None, None) layout pairs dropped."""
+    import json
+
+    if hasattr(spec, "to_dict"):
+        spec = spec.to_dict()
+    args = dict(spec.get("args", {}))
+    ins, outs = args.get("input_layouts"), args.get("desired_input_layouts")
+    if isinstance(ins, list) and isinstance(outs, list):
+        while ins and outs and ins[-1] is None and outs[-1] is None:
+            ins, outs = ins[:-1], outs[:-1]
+        args["input_layouts"], args["desired_input_layouts"] = ins, outs
+    if spec["style"] == "ColwiseParallel" and args.get("input_layouts") == "Replicate()":
+        del args["input_layouts"]  # ColwiseParallel's natural input
+    return json.dumps({"style": spec["style"], "args": args}, sort_keys=True)
+
+
+def _optional(canonical: str) -> bool:
+    """A PrepareModuleInput that only annotates replicated inputs as replicated."""
+    import json
+
+    spec = json.loads(canonical)
+    if spec["style"] != "PrepareModuleInput":
+        return False
+    a = spec["args"]
+    return a.get("input_layouts") == a.get("desired_input_layouts") and \
+        all(x in (None, "Replicate()") for x in a.get("input_layouts") or [])
 
 
 def _safe(s: str) -> str:
