@@ -131,3 +131,58 @@ class Plan:
         return (f"Plan(mesh={dict(zip(m['names'], m['shape']))}, stream={self.stream_layout}, "
                 f"loss_parallel={self.loss_parallel}, {len(self.styles)} styles, "
                 f"step≈{self.predictions.get('step_s', float('nan')):.4g}s)")
+
+    # ---- review (issue 8): thin delegations to autoplan.review (exports, explain, diff, plots)
+    def explain(self, fqn_or_unit: str):
+        """Chosen style for a unit or module, each alternative's predicted cost and why it lost."""
+        from autoplan.review import explain
+
+        return explain(self, fqn_or_unit)
+
+    def diff(self, other: "Plan"):
+        """DataFrame of what differs from ``other`` (styles, decisions, predictions, collectives)."""
+        from autoplan.review import diff
+
+        return diff(self, other)
+
+    def stage_table(self):
+        """DataFrame, one row per pipeline stage (one row without pipeline parallelism)."""
+        from autoplan.review import stage_table
+
+        return stage_table(self)
+
+    def to_torch(self, model=None):
+        """{pattern: torch.distributed.tensor.parallel style} for torch's parallelize_module."""
+        from autoplan.review import to_torch
+
+        return to_torch(self, model)
+
+    def to_hf_tp_plan(self, model=None, **kwargs):
+        """HF tp_plan strings where expressible, and the entries that are not (with reasons)."""
+        from autoplan.review import to_hf_tp_plan
+
+        return to_hf_tp_plan(self, model, **kwargs)
+
+    def to_python(self) -> str:
+        """A readable snippet reproducing this parallelization with hyper_parallel."""
+        from autoplan.review import to_python
+
+        return to_python(self)
+
+    def plot_memory(self, **kwargs):
+        """matplotlib Figure: memory per rank stacked by kind."""
+        from autoplan.review import plot_memory
+
+        return plot_memory(self, **kwargs)
+
+    def plot_communication(self):
+        """matplotlib Figure: bytes per collective kind and mesh dimension."""
+        from autoplan.review import plot_communication
+
+        return plot_communication(self)
+
+    def plot_timeline(self, **kwargs):
+        """matplotlib Figure: the pipeline schedule per rank from hyper_parallel's simulator."""
+        from autoplan.review import plot_timeline
+
+        return plot_timeline(self, **kwargs)

@@ -1,0 +1,27 @@
+"""Plans are for people: exports, imports, explain, diff, compare, per-stage tables and plots.
+
+Everything here reads a :class:`~autoplan.plan.Plan` as data and turns it into something a
+person (or another framework) can use: a torch-native style dict, HF ``tp_plan`` strings, a
+Python snippet, an explanation of one decision, a diff of two plans, a comparison table or a
+matplotlib Figure. Nothing here changes a plan; imports go through ``autoplan(styles=...)`` so
+hand-written plans are priced by the same cost model as the planner's own.
+"""
+from autoplan.review.compare import compare_plans
+from autoplan.review.diff import diff
+from autoplan.review.explain import Explanation, explain
+from autoplan.review.exports import HFExport, to_hf_tp_plan, to_python, to_torch
+from autoplan.review.importers import (
+    import_hf_tp_plan,
+    import_plan,
+    import_torchtitan,
+    styles_from_expert,
+    styles_from_hf,
+)
+from autoplan.review.plots import plot_communication, plot_memory, plot_timeline, save_figure
+from autoplan.review.stages import simulate_pipeline, stage_table
+
+__all__ = [
+    "compare_plans", "diff", "explain", "Explanation", "to_torch", "to_hf_tp_plan", "to_python", "HFExport",
+    "import_plan", "import_torchtitan", "import_hf_tp_plan", "styles_from_expert", "styles_from_hf",
+    "plot_communication", "plot_memory", "plot_timeline", "save_figure", "simulate_pipeline", "stage_table",
+]

@@ -1,0 +1,75 @@
+"""Per-stage table and the pipeline simulation behind the timeline plot.
+
+A pipeline plan (``plan.pipeline``, pp > 1) records per stage its rank, unit range, compute,
+exposed communication, bubble and the rank's memory. ``stage_table`` shows that as a DataFrame;
+a plan without a pipeline is one stage (every rank holds the whole model), so the same table
+and plots work for every plan. ``simulate_pipeline`` replays the schedule in hyper_parallel's
+simulator from those stage costs, giving the per-rank timeline the plot draws.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from autoplan.errors import AutoplanError
+
+STAGE_COLUMNS = ["stage", "rank", "units", "compute_s", "comm_s", "bubble_s", "busy_fraction", "memory_bytes",
+                 "memory_gib"]
+
+
+def _stages(plan) -> list[dict[str, Any]]:
+    pipe = plan.pipeline
+    if pipe and int(pipe.get("pp", 1)) > 1:
+        rows = pipe.get("per_stage") or []
+        if not rows:
+            raise AutoplanError("stage_table: plan.pipeline has pp > 1 but no per_stage rows")
+        return [dict(r, stage=r.get("stage", i), rank=r.get("rank", i)) for i, r in enumerate(rows)]
+    pred = plan.predictions
+    return [{"stage": 0, "rank": 0, "units": "all", "compute_s": pred["compute_s"], "comm_s": pred["comm_s"],
+             "bubble_s": 0.0, "memory_bytes": pred["memory_bytes"].get("total", 0.0)}]
+
+
+def stage_table(plan):
+    """DataFrame, one row per pipeline stage (a single row without pipeline parallelism)."""
+    import pandas as pd
+
+    rows = []
+    for r in _stages(plan):
+        total = r["compute_s"] + r.get("comm_s", 0.0) + r.get("bubble_s", 0.0)
+        rows.append({"stage": r["stage"], "rank": r["rank"], "units": str(r.get("units", "")),
+                     "compute_s": r["compute_s"], "comm_s": r.get("comm_s", 0.0), "bubble_s": r.get("bubble_s", 0.0),
+                     "busy_fraction": r["compute_s"] / total if total else float("nan"),
+                     "memory_bytes": r.get("memory_bytes", 0.0),
+                     "memory_gib": r.get("memory_bytes", 0.0) / 2**30})
+    return pd.DataFrame(rows, columns=STAGE_COLUMNS)
+
+
+def stage_costs(plan) -> list:
+    """One StageCost per stage, per micro-batch. Rows may carry ``forward_s`` /
+    ``backward_input_s`` / ``backward_weight_s``; otherwise a stage's compute over m micro-batches
+    is split 1:1:1 into forward, input-gradient and weight-gradient work (the FLOPs ratio)."""
+    from hyper_parallel import StageCost
+
+    m = int((plan.pipeline or {}).get("microbatches", 1)) or 1
+    out = []
+    for r in _stages(plan):
+        if "forward_s" in r:
+            out.append(StageCost(r["forward_s"], r["backward_input_s"], r.get("backward_weight_s", 0.0)))
+        else:
+            third = r["compute_s"] / m / 3.0
+            out.append(StageCost(third, third, third))
+    return out
+
+
+def simulate_pipeline(plan, p2p_s: float | None = None):
+    """hyper_parallel's SimResult for the plan's schedule (a one-rank, one-stage run without pp)."""
+    from hyper_parallel import build_schedule, simulate
+
+    pipe = plan.pipeline if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1 else None
+    if pipe is None:
+        return simulate(build_schedule("GPipe", 1, 1), stage_costs(plan), 0.0)
+    p, m = int(pipe["pp"]), int(pipe.get("microbatches", 1))
+    schedule = build_schedule(pipe.get("schedule", "1F1B"), p, m)
+    costs = stage_costs(plan)
+    if p2p_s is None:
+        p2p_s = float(pipe.get("p2p_s", 0.0))
+    return simulate(schedule, costs, p2p_s)
