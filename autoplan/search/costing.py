@@ -7,7 +7,8 @@ dominates a step there is not in a datasheet roofline. When this host has a runt
 for the mesh's world size (:func:`cost_models.runtime.calibrate_runtime`, cached per host and
 world) the context picks it up and prices, all measured on that many concurrent gloo ranks:
 
-- compute: roofline FLOP and byte times x ``compute_scale`` (cores shared by ranks), plus
+- compute: roofline time x ``compute_scale`` (one-thread ranks sharing the host's cores, measured
+  on GEMMs run by that many ranks at once), plus
   ``op_s`` per kernel (eager dispatch + autograd) and, in units whose weights are sharded (their
   ops run on DTensors), ``dtensor_op_s`` per kernel on top;
 - collectives: ring alpha-beta on the calibrated gloo link, plus ``collective_s`` per call for
@@ -75,6 +76,8 @@ class CostContext:
         if rt is None:
             return max(t_flop, t_mem) + work.kernels * eff.kernel_overhead
         per_kernel = rt.op_s + (rt.dtensor_op_s if shard > 1 else 0.0)
+        # one measured scale for both terms: streaming microbenchmarks (rt.memory_scale) run from
+        # cache and under-price a model's memory-bound eager ops ~4x (see cost_models.runtime)
         return rt.compute_scale * max(t_flop, t_mem) + work.kernels * per_kernel
 
     def optimizer_time(self, param_tensors: int, elements: float, sharded: bool) -> float:

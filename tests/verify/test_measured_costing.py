@@ -101,3 +101,11 @@ def test_old_calibration_files_load(cache):
     _path(4).parent.mkdir(parents=True, exist_ok=True)
     _path(4).write_text(json.dumps(data))
     assert load_runtime(4).optimizer_tensor_s == 0.0
+
+
+def test_memory_scale_is_recorded_not_used(cache):
+    hw = _cpu_profile(cache)
+    rt = RuntimeOverheads(**{**RT.to_dict(), "link": RT.link, "memory_scale": 0.5})
+    ctx, bare = _ctx(hw, runtime=rt), _ctx(hw, runtime=None)
+    w = Work(flops=1e6, bytes=1e9, kernels=0)      # streaming-bound
+    assert ctx.compute_time(w, 1) == pytest.approx(3.0 * bare.compute_time(w, 1))
