@@ -61,13 +61,80 @@ def _load_model(spec: str, layers: int | None):
     return build_preset(spec, num_layers=layers)
 
 
-def _cmd_plan(args) -> int:
-    from autoplan import MeshSpec, autoplan
+EXPERT_STYLE_NAMES = ("torchtitan", "torchtitan_no_loss_parallel", "megatron", "megatron_loss_parallel", "hf")
 
-    shape, names = _parse_mesh(args.mesh)
+
+def _load_styles(spec: str, model):
+    """``--styles``: an expert plan name, or a JSON file of {pattern: style dict} or HF strings."""
+    import json
+    from pathlib import Path
+
+    from autoplan.review import importers
+
+    if spec == "hf":
+        return importers.styles_from_hf(importers.load_reference("hf/llama")["tp_plan"],
+                                        prefix="model." if hasattr(model, "model") else "")
+    if spec in EXPERT_STYLE_NAMES:
+        from autoplan.models.llama_plans import EXPERT_PLANS
+
+        return {k: v.to_dict() for k, v in EXPERT_PLANS[spec]().items()}
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"--styles {spec!r}: neither a file nor one of {list(EXPERT_STYLE_NAMES)}")
+    data = json.loads(path.read_text())
+    data = data.get("tp_plan", data) if isinstance(data, dict) else data
+    if all(isinstance(v, str) for v in data.values()):
+        return importers.styles_from_hf(data, prefix="model." if hasattr(model, "model") else "")
+    return importers.styles_from_expert(data, model=model)
+
+
+def _mesh_candidates(args) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """--mesh as given, or for --devices N every dp x tp with tp in 1, 2, 4, 8 dividing N."""
+    if args.mesh:
+        return [_parse_mesh(args.mesh)]
+    if not args.devices or args.devices < 1:
+        raise ValueError("plan: give --mesh dp=D,tp=T or --devices N")
+    return [((args.devices // tp, tp), ("dp", "tp")) for tp in (1, 2, 4, 8) if args.devices % tp == 0]
+
+
+def _cmd_plan(args) -> int:
+    from tqdm import tqdm
+
+    from autoplan import MeshSpec, autoplan
+    from autoplan.errors import AutoplanError
+
+    meshes = _mesh_candidates(args)
     model = _load_model(args.model, args.layers)
-    plan = autoplan(model, MeshSpec(shape, names, args.hardware), batch=(args.batch, args.seq))
+    styles = _load_styles(args.styles, model) if args.styles else None
+    if args.batch:
+        batch = args.batch
+    elif args.mesh:  # one sequence per data-parallel rank
+        shape, names = meshes[0]
+        batch = next((n for n, name in zip(shape, names) if name in ("dp", "fsdp", "dp_shard", "data")), 1)
+    else:
+        batch = args.devices
+    plans, failures = [], []
+    for shape, names in tqdm(meshes, desc="planning meshes", unit="mesh", disable=len(meshes) == 1,
+                             file=sys.stderr):
+        try:
+            plans.append(autoplan(model, MeshSpec(shape, names, args.hardware), batch=(batch, args.seq),
+                                  styles=styles))
+        except AutoplanError as e:
+            failures.append(f"{dict(zip(names, shape))}: {str(e).splitlines()[0]}")
+    if not plans:
+        raise ValueError("no mesh admits a plan: " + "; ".join(failures))
+    plan = min(plans, key=lambda p: p.step_time)
+    if len(plans) > 1:
+        from autoplan import compare_plans
+
+        names = ["x".join(f"{n}{s}" for n, s in zip(p.mesh["names"], p.mesh["shape"])) for p in plans]
+        table = compare_plans(plans, names)[["step_s", "vs_best", "comm_s", "mem_total_gib", "tokens_per_s"]]
+        print(table.to_string(float_format=lambda v: f"{v:.4g}"))
+        for f in failures:
+            print(f"skipped {f}")
     plan.model["source"] = args.model
+    if styles is not None:
+        plan.model["plan_name"] = args.styles
     if args.layers:
         plan.model["layers_override"] = args.layers
     if args.output:
@@ -114,14 +181,97 @@ def _cmd_verify(args) -> int:
     return 0 if result.passed else 1
 
 
+def _cmd_diff(args) -> int:
+    from autoplan import Plan
+    from autoplan.review import diff
+
+    frame = diff(Plan.from_json(args.a), Plan.from_json(args.b))
+    if frame.empty:
+        print("plans are identical")
+        return 0
+    print(frame.to_string(index=False, max_colwidth=args.width))
+    print(f"{len(frame)} differences")
+    return 1 if args.exit_code else 0
+
+
+def _cmd_compare(args) -> int:
+    from pathlib import Path
+
+    from autoplan import Plan, compare_plans
+
+    if len(args.plans) < 1:
+        raise ValueError("compare: give one or more plan files")
+    names = args.names.split(",") if args.names else [Path(p).stem for p in args.plans]
+    frame = compare_plans([Plan.from_json(p) for p in args.plans], names, strategies=args.strategies)
+    if args.csv:
+        frame.to_csv(args.csv)
+        print(f"wrote {args.csv}")
+    print(frame.T.to_string(float_format=lambda v: f"{v:.4g}"))
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    from autoplan import Plan
+
+    print(Plan.from_json(args.plan).explain(args.module).text)
+    return 0
+
+
+def _cmd_export(args) -> int:
+    import json
+
+    from autoplan import Plan
+    from autoplan.review import to_hf_tp_plan, to_python, to_torch
+
+    plan = Plan.from_json(args.plan)
+    if args.format == "json":
+        text = plan.to_json()
+    elif args.format == "python":
+        text = to_python(plan)
+    elif args.format == "hf":
+        hf = to_hf_tp_plan(plan, version=args.hf_version)
+        text = json.dumps({"tp_plan": hf.tp_plan, "base_model_tp_plan": hf.base_model_tp_plan,
+                           "not_expressible": hf.not_expressible, "omitted": hf.omitted}, indent=1) + "\n"
+    else:  # torch: the styles as torch objects (repr), for reading; apply them with to_torch in Python
+        text = "".join(f"{k!r}: {v!r}\n" for k, v in to_torch(plan).items())
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}")
+    else:
+        print(text, end="")
+    if args.format == "hf" and hf.not_expressible:
+        print(f"note: {len(hf.not_expressible)} entries have no HF name (see not_expressible)", file=sys.stderr)
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    from autoplan import Plan
+    from autoplan.review import plot_communication, plot_memory, plot_timeline, save_figure
+
+    plan = Plan.from_json(args.plan)
+    fig = {"memory": plot_memory, "communication": plot_communication, "timeline": plot_timeline}[args.kind](plan)
+    print(f"wrote {save_figure(fig, args.output)}")
+    return 0
+
+
 def _cmd_cost_models(args) -> int:
     from cost_models.cli import main as cost_main
 
     return cost_main([args.command, *args.rest])
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block), as the CLI promises."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autoplan", description="Automatic parallelization plans for PyTorch.")
+    p = _Parser(prog="autoplan", description="Automatic parallelization plans for PyTorch.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan, apply and train a small Llama on 4 CPU ranks")
@@ -131,10 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
     pl = sub.add_parser("plan", help="plan a preset or an HF config.json for a mesh")
     pl.add_argument("model", help="preset name (see autoplan.presets.list_presets) or path to an HF config.json")
-    pl.add_argument("--mesh", required=True, help="e.g. dp=64,tp=8")
+    pl.add_argument("--mesh", default=None, help="e.g. dp=64,tp=8")
+    pl.add_argument("--devices", type=int, default=None, help="instead of --mesh: try dp x tp (tp 1..8), keep the best")
     pl.add_argument("--hardware", default="h100_sxm")
-    pl.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
-    pl.add_argument("--seq", type=int, required=True, help="sequence length")
+    pl.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per dp rank)")
+    pl.add_argument("--seq", type=int, default=4096, help="sequence length")
+    pl.add_argument("--styles", default=None,
+                    help=f"price a hand-written plan instead of solving: {', '.join(EXPERT_STYLE_NAMES)} or a JSON file")
     pl.add_argument("--layers", type=int, default=None, help="override the number of layers")
     pl.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     pl.set_defaults(func=_cmd_plan)
@@ -146,6 +299,33 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("--model", default=None, help="preset/config (default: the one recorded in the plan)")
     ve.add_argument("--layers", type=int, default=None)
     ve.set_defaults(func=_cmd_verify)
+    di = sub.add_parser("diff", help="differences between two plan files")
+    di.add_argument("a")
+    di.add_argument("b")
+    di.add_argument("--exit-code", action="store_true", help="exit 1 when the plans differ (like git diff)")
+    di.add_argument("--width", type=int, default=60, help="column width")
+    di.set_defaults(func=_cmd_diff)
+    co = sub.add_parser("compare", help="plan files side by side (step time, throughput, memory)")
+    co.add_argument("plans", nargs="+")
+    co.add_argument("--names", default=None, help="comma-separated names (default: file stems)")
+    co.add_argument("--strategies", action="store_true", help="add one row per unit's strategy")
+    co.add_argument("--csv", default=None, help="also write the table as CSV")
+    co.set_defaults(func=_cmd_compare)
+    ex = sub.add_parser("explain", help="why a module got its style: each alternative's cost")
+    ex.add_argument("plan")
+    ex.add_argument("module", help="module FQN (layers.3.attention.wq) or unit (head, layers/mlp)")
+    ex.set_defaults(func=_cmd_explain)
+    xp = sub.add_parser("export", help="a plan as JSON, torch styles, HF tp_plan strings or Python")
+    xp.add_argument("plan")
+    xp.add_argument("--format", choices=("json", "torch", "hf", "python"), default="python")
+    xp.add_argument("--hf-version", choices=("v5", "v4"), default="v5")
+    xp.add_argument("-o", "--output", default=None)
+    xp.set_defaults(func=_cmd_export)
+    pt = sub.add_parser("plot", help="save a plot of a plan as PNG")
+    pt.add_argument("plan")
+    pt.add_argument("kind", choices=("memory", "communication", "timeline"))
+    pt.add_argument("-o", "--output", required=True)
+    pt.set_defaults(func=_cmd_plot)
     for name in ("profile", "calibrate", "hardware"):
         c = sub.add_parser(name, help=f"cost_models {name} (see: autoplan {name} -h)", add_help=False)
         c.add_argument("rest", nargs=argparse.REMAINDER)
@@ -155,7 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad command line (2, one line already printed)
+        return int(e.code or 0)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
