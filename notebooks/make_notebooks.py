@@ -1,0 +1,133 @@
+"""Writes the notebooks in this folder from the cell sources below (outputs are not stored).
+
+Keeping the sources here makes them reviewable as plain Python; tests/review/test_notebooks.py
+executes the .ipynb files so they never rot. Run: ``.venv/bin/python notebooks/make_notebooks.py``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+LLAMA70B = [
+    new_markdown_cell("# Llama-3-70B on 64 H100: autoplan vs the torchtitan plan\n\n"
+                      "Plan the Llama-3-70B shape (meta device, no weights) for a 8 x 8 (dp x tp) mesh of H100s, "
+                      "import torchtitan's hand-written TP/SP plan, price both with the same cost model, and "
+                      "compare. torchtitan's shipped 70B config: tp 8, local batch 8, seq 8192, full AC."),
+    new_code_cell("import pandas as pd\n"
+                  "import autoplan\n"
+                  "from autoplan import MeshSpec, compare_plans\n"
+                  "from autoplan.presets import build_preset\n"
+                  "from autoplan.models.llama_plans import megatron_plan\n"
+                  "from autoplan.review import import_torchtitan, import_plan, save_figure\n"
+                  "pd.set_option('display.width', 200)\n"
+                  "mesh = MeshSpec((8, 8), ('dp', 'tp'), 'h100_sxm')\n"
+                  "batch = (64, 8192)   # 8 sequences per dp rank\n"
+                  "model = build_preset('titan-llama3-70b')   # the repo Llama at 70B shapes, torchtitan names"),
+    new_code_cell("plan = autoplan.autoplan(model, mesh, batch=batch)\n"
+                  "plan.model['plan_name'] = 'autoplan'\n"
+                  "expert = import_torchtitan(model, mesh, batch=batch)   # expert_plans.json['torchtitan/llama3']\n"
+                  "megatron = import_plan(model, mesh, megatron_plan(), name='megatron (no SP)', batch=batch)\n"
+                  "plan, expert, megatron"),
+    new_code_cell("table = compare_plans([plan, expert, megatron])\n"
+                  "table[['mesh', 'stream', 'act_ckpt', 'step_s', 'vs_best', 'comm_s', 'tokens_per_s_per_device', "
+                  "'mem_total_gib']]"),
+    new_markdown_cell("## What differs from the expert plan?"),
+    new_code_cell("d = plan.diff(expert)\n"
+                  "print('identical to torchtitan' if d.empty else d.to_string())\n"
+                  "plan.diff(megatron).head(12)"),
+    new_markdown_cell("## Why this style? Each alternative's predicted cost"),
+    new_code_cell("print(plan.explain('layers.0.attention.wo'))\nprint(plan.explain('output'))"),
+    new_code_cell("plan.summary()[['unit', 'count', 'strategy', 'stream', 'compute_s', 'comm_s', 'memory_bytes']]"),
+    new_markdown_cell("## Memory and communication"),
+    new_code_cell("fig = autoplan.review.plot_memory([plan, megatron], ['autoplan', 'megatron'], "
+                  "limit_bytes=80 * 2**30)\nfig"),
+    new_code_cell("plan.plot_communication()"),
+    new_markdown_cell("## Hand it to torch or HF"),
+    new_code_cell("hf = plan.to_hf_tp_plan(model)\n"
+                  "print('HF can express:', hf.tp_plan)\nprint('HF cannot:', hf.not_expressible)\n"
+                  "print(plan.to_python())"),
+]
+
+SWEEP = [
+    new_markdown_cell("# Sweep device counts and hardware\n\n"
+                      "Predicted training throughput of the Llama-3-70B shape at tp 8 with 8 sequences of 8192 "
+                      "tokens per data-parallel rank, on 16 to 128 devices of four accelerators. Each point is a "
+                      "full autoplan run (about half a second on a laptop CPU)."),
+    new_code_cell("import pandas as pd\n"
+                  "import autoplan\n"
+                  "from autoplan import MeshSpec, compare_plans\n"
+                  "from autoplan.errors import AutoplanError\n"
+                  "from autoplan.presets import build_preset\n"
+                  "model = build_preset('titan-llama3-70b')\n"
+                  "HARDWARE = ['h100_sxm', 'a100_80gb', 'b200', 'ascend_910b']\n"
+                  "DEVICES = [16, 32, 64, 128]\nTP, SEQ, LOCAL = 8, 8192, 8"),
+    new_code_cell("plans, names = [], []\n"
+                  "for hw in HARDWARE:\n"
+                  "    for n in DEVICES:\n"
+                  "        dp = n // TP\n"
+                  "        try:\n"
+                  "            plans.append(autoplan.autoplan(model, MeshSpec((dp, TP), ('dp', 'tp'), hw), "
+                  "batch=(LOCAL * dp, SEQ)))\n"
+                  "            names.append(f'{hw}/{n}')\n"
+                  "        except AutoplanError as e:\n"
+                  "            print(f'{hw} x {n}: {e}')\n"
+                  "table = compare_plans(plans, names)\n"
+                  "table[['hardware', 'devices', 'step_s', 'tokens_per_s', 'tokens_per_s_per_device', 'comm_fraction', "
+                  "'mem_total_gib', 'act_ckpt']]"),
+    new_code_cell("import matplotlib\nmatplotlib.use('Agg')\nfrom matplotlib.figure import Figure\n"
+                  "fig = Figure(figsize=(7, 4)); ax = fig.add_subplot()\n"
+                  "for hw, rows in table.groupby('hardware'):\n"
+                  "    ax.plot(rows['devices'], rows['tokens_per_s'] / 1e3, marker='o', label=hw)\n"
+                  "ax.set_xscale('log', base=2); ax.set_xlabel('devices'); ax.set_ylabel('predicted k tokens / s')\n"
+                  "ax.set_title('Llama-3-70B shape, tp 8, 8 x 8192 tokens per dp rank'); ax.legend()\nfig"),
+    new_code_cell("# scaling efficiency: throughput per device relative to the smallest mesh\n"
+                  "eff = table.groupby('hardware')['tokens_per_s_per_device'].transform(lambda s: s / s.iloc[0])\n"
+                  "table.assign(efficiency=eff)[['hardware', 'devices', 'efficiency']]"
+                  ".pivot(index='devices', columns='hardware')"),
+]
+
+APPLY = [
+    new_markdown_cell("# Apply and verify a small plan on this CPU\n\n"
+                      "1. plan a small Llama for a 2-rank tensor-parallel mesh priced with this host's CPU profile;\n"
+                      "2. dry run: parallelize on a fake process group and check that the collectives the runtime "
+                      "issues equal the predicted ones (and the same at 64 ranks, dp 16 x tp 4);\n"
+                      "3. train it on 2 gloo ranks beside a one-device copy and compare the losses."),
+    new_code_cell("import torch\n"
+                  "from autoplan import MeshSpec, autoplan\n"
+                  "from autoplan.models import build_llama\n"
+                  "from autoplan.demo import DEMO_MODEL, plan_demo_model, run_demo\n"
+                  "from autoplan.verify import verify\n"
+                  "plan = plan_demo_model(world=2, batch=4, seq=32)\n"
+                  "plan"),
+    new_code_cell("plan.summary()[['unit', 'strategy', 'stream', 'compute_s', 'comm_s', 'reason']]"),
+    new_code_cell("result = verify(plan, build_llama(device='meta', **DEMO_MODEL))\n"
+                  "assert result.passed\nresult.collectives"),
+    new_code_cell("big = autoplan(build_llama(device='meta', **DEMO_MODEL), MeshSpec((16, 4), ('dp', 'tp'), 'h100_sxm'),"
+                  " batch=(64, 64), allow_replicated_units=False)\n"
+                  "big_result = verify(big, build_llama(device='meta', **DEMO_MODEL))\n"
+                  "assert big_result.passed\nbig_result.collectives"),
+    new_code_cell("demo = run_demo(world=2, plan_name='auto', steps=3)\n"
+                  "assert demo.max_rel_diff <= 1e-5, demo.steps\n"
+                  "demo.steps"),
+    new_code_cell("print(f'max relative loss difference {demo.max_rel_diff:.2e}; step time predicted '\n"
+                  "      f'{demo.predicted_step_s * 1e3:.1f} ms, measured {demo.measured_step_s * 1e3:.1f} ms')"),
+]
+
+NOTEBOOKS = {"01_llama3_70b_vs_torchtitan.ipynb": LLAMA70B, "02_sweep_devices_hardware.ipynb": SWEEP,
+             "03_apply_and_verify_on_cpu.ipynb": APPLY}
+
+
+def main() -> None:
+    for name, cells in NOTEBOOKS.items():
+        nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                "language": "python"}})
+        nbformat.validate(nb)
+        nbformat.write(nb, HERE / name)
+
+
+if __name__ == "__main__":
+    main()
