@@ -125,7 +125,10 @@ def main(argv=None) -> int:
     from hyper_parallel.testing import RankPool
     from tests.verify.measured_workers import tiny_llama
 
+    import os
+
     t_start = time.time()
+    load_start = os.getloadavg()[0]
     rows = {}
     with RankPool(4, timeout_s=900) as pool:
         if not args.no_calibrate:
@@ -179,6 +182,7 @@ def main(argv=None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     df.to_csv(OUT / "verify_kendall.csv", index=False)
     _plot(df, tau, tau_bare)
+    args.load = (load_start, os.getloadavg()[0])
     _markdown(df, rt, tau, tau_bare, tau_listed, tau_rounds, tau_between, args, time.time() - t_start)
     print(df[["plan", "predicted_step_s", "predicted_bare_step_s", "measured_step_s", "numerics_ok"]].to_string())
     print(f"Kendall tau (calibrated) = {tau:.3f}; bare cpu profile = {tau_bare:.3f}; as listed = {tau_listed:.3f}; "
@@ -247,8 +251,8 @@ gloo alpha {rt.link.latency * 1e6:.0f} us/step, {rt.link.bandwidth / 1e9:.2f} GB
 
 ## How to read this; noise
 
-- The host has 2 CPU cores shared with other engineers' jobs (load average was ~10 during the
-  runs). 4 ranks with one thread each already oversubscribe it 2x; every extra process changes
+- The host has 2 CPU cores shared with other engineers' jobs (1-minute load average
+  {args.load[0]:.1f} at the start of this run, {args.load[1]:.1f} at the end). 4 ranks with one thread each already oversubscribe it 2x; every extra process changes
   both compute speed and gloo latency (a collective completes only once all 4 ranks are scheduled).
   The calibration is a snapshot of the load at the time it ran; step times are each plan's fastest
   of {args.rounds} rounds of a {args.steps}-step median (slowest rank per step). Absolute errors of

@@ -3,6 +3,7 @@
     python -m cost_models.cli hardware [NAME]
     python -m cost_models.cli profile --model llama3-8b --batch 1 --seq 256 [--device cpu] [--out ops.csv]
     python -m cost_models.cli calibrate --world 2 [--out DIR]
+    python -m cost_models.cli runtime --world 4     # eager-rank costs the planner uses on the cpu profile
 
 ``autoplan profile`` forwards here. Profiles are merged into the on-disk ProfileTable of the device
 (``$AUTOPLAN_CACHE_DIR`` or ~/.cache/autoplan); calibration writes the fitted link into the cached
@@ -61,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     ca.add_argument("--max-bytes", type=int, default=1 << 24)
     ca.add_argument("--out", type=Path, help="folder for collectives_fit.csv and collectives_points.csv")
     ca.add_argument("--no-save", action="store_true", help="do not write the link into the cpu profile")
+
+    rt = sub.add_parser("runtime", help="measure per-op, DTensor, GEMM and gloo costs on concurrent ranks")
+    rt.add_argument("--world", type=int, default=4)
+    rt.add_argument("--reps", type=int, default=20)
+    rt.add_argument("--no-save", action="store_true", help="print only; do not cache for the planner")
     return ap
 
 
@@ -148,10 +154,22 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _runtime(args) -> int:
+    import json
+
+    from cost_models.runtime import _path, calibrate_runtime
+
+    rt = calibrate_runtime(args.world, reps=args.reps, save=not args.no_save)
+    print(json.dumps(rt.to_dict(), indent=1))
+    if not args.no_save:
+        print(f"saved: {_path(args.world)} (and the link into the cpu profile)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return {"hardware": _hardware, "profile": _profile, "calibrate": _calibrate}[args.cmd](args)
+    return {"hardware": _hardware, "profile": _profile, "calibrate": _calibrate, "runtime": _runtime}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -109,3 +109,12 @@ def test_memory_scale_is_recorded_not_used(cache):
     ctx, bare = _ctx(hw, runtime=rt), _ctx(hw, runtime=None)
     w = Work(flops=1e6, bytes=1e9, kernels=0)      # streaming-bound
     assert ctx.compute_time(w, 1) == pytest.approx(3.0 * bare.compute_time(w, 1))
+
+
+def test_runtime_cli_is_wired(capsys):
+    from cost_models.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["runtime", "--help"])
+    assert exc.value.code == 0
+    assert "--world" in capsys.readouterr().out
