@@ -26,7 +26,7 @@ def _change(a: Any, b: Any) -> Any:
 def _style_text(spec: dict | None) -> str | None:
     if spec is None:
         return None
-    args = ", ".join(f"{k}={v}" for k, v in spec.get("args", {}).items())
+    args = ", ".join(f"{k}={v}" for k, v in sorted(spec.get("args", {}).items()))  # JSON sorts keys
     return f"{spec['style']}({args})"
 
 
@@ -38,8 +38,10 @@ def _collective_totals(plan) -> dict[str, float]:
     return out
 
 
-def diff(plan_a, plan_b, *, rel_tol: float = 1e-9):
-    """DataFrame of the differences (columns section, key, a, b, change); empty when equal."""
+def diff(plan_a, plan_b, *, rel_tol: float = 1e-6):
+    """DataFrame of the differences (columns section, key, a, b, change); empty when equal.
+
+    Numbers within ``rel_tol`` are equal (a plan read back from JSON keeps 9 significant digits)."""
     import pandas as pd
 
     rows: list[tuple] = []
