@@ -96,22 +96,47 @@ class CostContext:
         per = rt.optimizer_dtensor_tensor_s if sharded else rt.optimizer_tensor_s
         return rt.compute_scale * t_mem + param_tensors * per
 
-    def collective_time(self, c: Collective) -> float:
+    def collective_time(self, c: Collective, latency: bool = True) -> float:
+        """Seconds for ``c`` (all its calls). ``latency=False``: the bandwidth term only, for
+        collectives whose calls are fused with others' (FSDP: a block's units share one all-gather;
+        price the calls once with :meth:`fsdp_latency_time`)."""
         if c.nbytes <= 0:
             return 0.0
         dim = self.tp_dim if c.dim == "tp" else c.dim
         if dim not in self.topology.names or self.topology[dim].size == 1:
             return 0.0
-        rt = self.runtime
-        if rt is None:
-            return c.count * self.topology.collective_time(dim, c.kind, c.nbytes)
         from cost_models.collectives import collective_terms
 
-        terms = collective_terms(c.kind, c.nbytes, self.topology[dim].size)
-        return c.count * (terms.time(rt.link) + rt.collective_s)
+        md = self.topology[dim]
+        terms = collective_terms(c.kind, c.nbytes, md.size)
+        rt = self.runtime
+        if rt is None:
+            if latency:
+                return c.count * md.time(c.kind, c.nbytes)
+            return c.count * terms.wire_bytes / (md.link.bandwidth * md.link_efficiency)
+        if latency:
+            return c.count * (terms.time(rt.link) + rt.collective_s)
+        return c.count * terms.wire_bytes / rt.link.bandwidth
 
-    def comm_time(self, collectives: list[Collective]) -> float:
-        return sum(self.collective_time(c) for c in collectives)
+    def fsdp_latency_time(self, fsdp_units: int) -> float:
+        """The per-call part of FSDP's collectives: ``fsdp_units`` wrapped modules (each repeated
+        block and the root), each all-gathering in forward and backward and reduce-scattering in
+        backward. Independent of the tensor-parallel choice; with :meth:`collective_time`
+        ``latency=False`` for the per-unit bytes it prices FSDP as the runner issues it."""
+        if not self.fsdp or self.dp <= 1 or fsdp_units <= 0 or self.dp_dim not in self.topology.names:
+            return 0.0
+        from cost_models.collectives import collective_terms
+
+        md = self.topology[self.dp_dim]
+        rt = self.runtime
+        alpha = rt.link.latency if rt is not None else md.link.latency
+        extra = rt.collective_s if rt is not None else 0.0
+        per_unit = sum(collective_terms(k, 1.0, md.size).latency_steps * alpha + extra
+                       for k in ("all_gather", "all_gather", "reduce_scatter"))
+        return fsdp_units * per_unit
+
+    def comm_time(self, collectives: list[Collective], latency: bool = True) -> float:
+        return sum(self.collective_time(c, latency) for c in collectives)
 
     def state_bytes(self, param_bytes: float, param_shard: int) -> dict[str, float]:
         """Parameters, gradients and optimizer state per rank for ``param_bytes`` of weights."""

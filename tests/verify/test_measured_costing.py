@@ -118,3 +118,21 @@ def test_runtime_cli_is_wired(capsys):
         main(["runtime", "--help"])
     assert exc.value.code == 0
     assert "--world" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("runtime", [None, RT])
+def test_fsdp_priced_per_fsdp_unit_adds_up(cache, runtime):
+    """bytes per planner unit + latency once per FSDP unit == the collectives priced one per FSDP unit."""
+    from cost_models import load_hardware as lh
+
+    hw = lh("h100_sxm")
+    topo = mesh_links((4, 2), ("dp", "tp"), hw)
+    ctx = CostContext(hardware=hw, topology=topo, dtype="bf16", tp_dim="tp", dp_dim="dp", dp=4, fsdp=True,
+                      param_bytes_per_element=2, optimizer_bytes_per_element=12, runtime=runtime)
+    units = [1e6, 3e6, 2e3]                      # attention, MLP, norms of one block
+    split = sum(ctx.comm_time(ctx.fsdp_collectives(b, 2), latency=False) for b in units) + ctx.fsdp_latency_time(1)
+    fused = ctx.comm_time(ctx.fsdp_collectives(sum(units), 2))
+    assert split == pytest.approx(fused, rel=1e-9)
+    per_unit = sum(ctx.comm_time(ctx.fsdp_collectives(b, 2)) for b in units)
+    assert per_unit > fused                      # today's per-planner-unit pricing counts latency 3x
+    assert ctx.collective_time(Collective("all_reduce", "forward", 1024, dim="tp"), latency=False) > 0
