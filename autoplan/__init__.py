@@ -5,6 +5,7 @@
     runner = plan.apply(model, device_mesh)
 """
 from autoplan.api import autoplan
+from autoplan.cluster import plan_cluster
 from autoplan.plan import Plan
 from autoplan.search import MeshSpec
 from autoplan.review.compare import compare_plans

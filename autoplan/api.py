@@ -163,6 +163,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
             style dict}, e.g. the torchtitan plan): the Plan then carries its predicted cost,
             collectives and memory, comparable with the planner's own.
     """
+    if isinstance(mesh, int): from autoplan.cluster import plan_cluster; return plan_cluster(model, mesh, hardware=hardware or "h100_sxm", batch=batch, memory_limit=memory_limit, dtype=dtype, allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel)  # noqa: E501,E702
     t_start = time.perf_counter()
     spec = _mesh_spec(mesh, hardware)
     hw = spec.hardware_profile()

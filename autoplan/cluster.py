@@ -1,0 +1,149 @@
+"""plan_cluster(model, devices, ...) -> Plan: the whole plan for N devices.
+
+Given only a device count, a hardware profile and a global batch, choose dp x pp x tp, FSDP or
+replicated data parallel, activation checkpointing, the micro-batch size and count, the pipeline
+schedule and its cuts, and every module's tensor-parallel style, and say what the runners-up
+would cost. The search is ``autoplan.search.mesh_search``; this module turns its winner into a
+Plan: the TP styles come from ``autoplan()`` on the winning mesh (so ``plan.apply`` and
+``verify`` see the same styles the search priced), and ``plan.pipeline`` carries the stages.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from autoplan.plan.plan import Plan
+from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
+from autoplan.search.mesh_spec import MeshSpec
+from autoplan.search.pipeline_search import SCHEDULES, schedule_ir, stage_bounds
+
+log = logging.getLogger(__name__)
+UNBOUNDED = 1e30  # the TP solve of a pipelined plan: memory is checked per stage by the pipeline search
+
+
+def _rank_rows(search: ClusterSearch, best: Candidate, rank: int) -> tuple[list[dict], dict[str, float]]:
+    """Collectives and memory of pipeline rank ``rank``: the TP collectives of its units once per
+    micro-batch, the dp collectives once per step, and the P2P sends of its stage boundaries."""
+    from collections import defaultdict
+
+    c = best.choice
+    options, layout = search.tp_solution(best.tp, best.b, best.ac)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.fsdp, best.ac)
+    names = search.unit_names
+    index = {n: i for i, n in enumerate(names)}
+    st = search.structure(best.b)
+    head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
+    emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
+    norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
+    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    mine = set()
+    for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))):
+        if s2r[s] == rank:
+            mine.update(range(a, b))
+    agg: dict[tuple, int] = defaultdict(int)
+    mem = defaultdict(float)
+    for o in options:
+        targets = ClusterSearch._targets(o, names, index, emb_i, norm_i, head_i)
+        if not targets:
+            continue
+        k = sum(1 for t in targets if t in mine)
+        if not k:
+            continue
+        for col in o.collectives(ctx):
+            dim = "tp" if col.dim == "tp" else col.dim
+            if dim not in MESH_NAMES or ctx.topology[dim].size == 1 or col.nbytes <= 0:
+                continue
+            per = col.count * k // len(targets)
+            agg[(col.kind, dim, col.phase, int(col.nbytes))] += per * (c.m if dim == "tp" else 1)
+        for key, v in o.memory(ctx).items():
+            mem[key] += v * k / len(targets)
+    if c.p > 1:
+        units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.fsdp, best.ac, best.b)
+        hidden = st.blocks[0].hidden_bytes if st.blocks else 0
+        nbytes = int(hidden / (best.tp if layout == "S" else 1))
+        for s in range(len(s2r)):
+            if s2r[s] != rank:
+                continue
+            if s + 1 < len(s2r) and s2r[s + 1] != rank:
+                agg[("send_recv", "pp", "forward", nbytes)] += c.m
+            if s > 0 and s2r[s - 1] != rank:
+                agg[("send_recv", "pp", "backward", nbytes)] += c.m
+    inflight = c.peak_inflight[rank] / max(1, sum(1 for r in s2r if r == rank))
+    mem["activations"] *= inflight
+    rows = [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n} for (k, d, p, b), n in sorted(agg.items())]
+    return rows, dict(mem)
+
+
+def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_sxm", batch: tuple[int, int],
+                 devices_per_node: int | None = None, memory_limit: float | None = None,
+                 dtype: torch.dtype | None = None, constraints: dict | None = None,
+                 schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
+                 virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
+                 sequence_parallel: bool | None = None, graphs: dict | None = None, alternatives: int = 10,
+                 max_simulations: int = 400, time_budget_s: float | None = None, **_ignored: Any) -> Plan:
+    """The best whole plan for ``devices`` devices.
+
+    Args:
+        batch: ``(global_batch, seq_len)`` in sequences.
+        constraints: fix any of ``dp, pp, tp, schedule, microbatches, microbatch_size, fsdp,
+            activation_checkpointing, virtual_stages`` (e.g. ``{"pp": 2}``).
+        microbatch_sizes: sequences per micro-batch to consider (one capture each).
+        graphs: ``{micro-batch size: ModelGraph}`` already captured at ``(b, seq_len)``.
+    Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
+    hardware's memory) per device.
+    """
+    from autoplan.api import autoplan
+
+    t0 = time.perf_counter()
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        from autoplan.errors import PlanningError
+
+        raise PlanningError(f"plan_cluster: batch must be (global_batch, seq_len), got {batch!r}")
+    search = ClusterSearch(model, devices, hardware=hardware, batch=tuple(batch), devices_per_node=devices_per_node,
+                           memory_limit=memory_limit, dtype=dtype, constraints=constraints, schedules=schedules,
+                           microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
+                           allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
+                           graphs=graphs)
+    cands = search.search(max_simulations=max_simulations, time_budget_s=time_budget_s)
+    t_search = time.perf_counter()
+    best = cands[0]
+    c = best.choice
+    spec = MeshSpec((best.dp, best.pp, best.tp), MESH_NAMES, hardware, search.dpn)
+    tp_plan = autoplan(model, spec, batch=tuple(batch), graph=search.graph(best.b), memory_limit=UNBOUNDED,
+                       dtype=search.dtype, fsdp=best.fsdp, activation_checkpointing=best.ac,
+                       allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel)
+    names = search.unit_names
+    stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
+    s2r = list(schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank)
+    rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
+    collectives, mem = _rank_rows(search, best, 0)
+    _, worst_mem = _rank_rows(search, best, rank) if rank else (None, mem)
+    busy = max(c.busy_s)
+    tp_plan.pipeline = {
+        "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
+        "stages": stages, "cuts": [names[s] for s in c.starts[1:]], "stage_to_rank": s2r,
+        "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": list(c.peak_inflight),
+        "per_stage": [{k: row[k] for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
+                      for row in c.per_stage],
+        "collectives_rank": 0,
+    }
+    tp_plan.predictions = {
+        "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
+        "bubble_s": max(0.0, c.sim_step_s - busy),
+        "memory_bytes": dict({k: float(v) for k, v in sorted(worst_mem.items())},
+                             total=float(sum(worst_mem.values()))),
+        "collectives": collectives,
+    }
+    tp_plan.alternatives = ranked_alternatives(cands, names, alternatives)
+    tp_plan.solver = dict(tp_plan.solver, simulations=search.simulations, candidates=len(cands))
+    tp_plan.notes = list(tp_plan.notes) + [
+        f"mesh dp={best.dp} x pp={best.pp} x tp={best.tp} ({'FSDP' if best.fsdp else 'replicated'} data parallel"
+        f"{', activation checkpointing' if best.ac else ''}), {c.schedule} with {c.m} micro-batches of "
+        f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
+        "predictions.collectives are pipeline rank 0's (its stages' TP collectives per micro-batch, dp "
+        "collectives per step, P2P sends per boundary); memory_bytes is the fullest rank's"]
+    tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
+    return tp_plan

@@ -1,0 +1,374 @@
+"""dp x pp x tp for N devices, searched jointly with the pipeline (cuts, schedule, micro-batches).
+
+Why one search and not levels one after another: the best tensor-parallel degree depends on the
+micro-batch size, which depends on dp and on the number of micro-batches the pipeline wants, and
+what fits in memory depends on all three. So every factorization N = dp * pp * tp (tp within a
+node and innermost, pp next, dp/FSDP outermost) is a group of candidates, and the groups are
+visited best-first by a lower bound (the busiest rank's compute with perfectly balanced stages):
+once that bound is no better than the best simulated plan, no later group can win.
+
+Pricing reuses the TP planner: the ILP is solved once per (tp degree, micro-batch shape,
+activation checkpointing) on a graph captured once per micro-batch shape, and its chosen options
+are re-priced per mesh (FSDP vs replicated dp, the dp degree) into per-unit costs
+(``pipeline_search.UnitCost``) that the pipeline search cuts and the simulator times.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.search.mesh_spec import MeshSpec
+from autoplan.search.pipeline_search import (
+    SCHEDULES, PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates, time_choice,
+)
+from autoplan.search.tp_search import DP_EXPOSED_MIN
+
+log = logging.getLogger(__name__)
+MESH_NAMES = ("dp", "pp", "tp")
+# bubble over busy time, per (p-1)/m, of uniform stages (formulas.md); orders the search only
+BUBBLE = {"GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 0.5, "ZeroBubble": 1 / 3, "ZBV": 1 / 6}
+
+
+@dataclass
+class Candidate:
+    """One whole plan: mesh degrees, data-parallel mode, checkpointing, micro-batch size and the
+    timed pipeline."""
+
+    dp: int
+    pp: int
+    tp: int
+    fsdp: bool
+    ac: bool
+    b: int
+    choice: PipelineChoice
+
+    @property
+    def step_s(self) -> float:
+        return self.choice.step_s
+
+    @property
+    def key(self) -> tuple:
+        c = self.choice
+        return (self.step_s, self.dp, self.pp, self.tp, not self.fsdp, self.ac, self.b, c.schedule, c.v, c.starts)
+
+    def summary(self, units: Sequence[str]) -> dict[str, Any]:
+        c = self.choice
+        return {"name": f"dp{self.dp}-pp{self.pp}-tp{self.tp}-{c.schedule}-m{c.m}", "step_s": c.step_s,
+                "mesh": {"dp": self.dp, "pp": self.pp, "tp": self.tp}, "schedule": c.schedule,
+                "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": self.b, "fsdp": self.fsdp,
+                "activation_checkpointing": self.ac, "bubble_fraction": c.bubble_fraction,
+                "memory_bytes": max(c.rank_memory), "cuts": [units[s] for s in c.starts[1:]],
+                "cut_method": c.cut_method}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_factorizations(devices: int, devices_per_node: int, max_pp: int,
+                        constraints: dict | None = None) -> list[tuple[int, int, int]]:
+    """(dp, pp, tp) with tp a divisor of the node size (tensor parallel stays on NVLink)."""
+    cons = constraints or {}
+    out = []
+    for tp in divisors(math.gcd(devices, devices_per_node)):
+        for pp in divisors(devices // tp):
+            if pp > max_pp:
+                continue
+            dp = devices // (tp * pp)
+            want = {"dp": dp, "pp": pp, "tp": tp}
+            if all(cons.get(k) in (None, v) for k, v in want.items()):
+                out.append((dp, pp, tp))
+    return out
+
+
+class ClusterSearch:
+    """State shared by every candidate of one planning call: captured graphs per micro-batch
+    shape, TP solutions per (tp, micro-batch, checkpointing), unit costs per mesh."""
+
+    def __init__(self, model: torch.nn.Module, devices: int, *, hardware: str, batch: tuple[int, int],
+                 devices_per_node: int | None = None, memory_limit: float | None = None,
+                 dtype: torch.dtype | None = None, constraints: dict | None = None,
+                 schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
+                 virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
+                 sequence_parallel: bool | None = None, graphs: dict | None = None):
+        from cost_models.hardware import load_hardware
+
+        self.model, self.devices, self.hardware = model, int(devices), hardware
+        self.hw = load_hardware(hardware)
+        self.dpn = int(devices_per_node or self.hw.devices_per_node)
+        self.gb, self.seq = int(batch[0]), int(batch[1])
+        self.limit = float(memory_limit if memory_limit is not None else self.hw.memory_capacity)
+        self.dtype = dtype or (torch.float32 if self.hw.device_type == "cpu" else torch.bfloat16)
+        self.cons = dict(constraints or {})
+        unknown = set(self.cons) - {"dp", "pp", "tp", "schedule", "microbatches", "microbatch_size", "fsdp",
+                                    "activation_checkpointing", "virtual_stages"}
+        if unknown:
+            raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
+        self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)
+        self.virtual = [self.cons["virtual_stages"]] if "virtual_stages" in self.cons else list(virtual_stages)
+        self.mb_sizes = [self.cons["microbatch_size"]] if "microbatch_size" in self.cons else list(microbatch_sizes)
+        self.allow_replicated, self.sp = allow_replicated_units, sequence_parallel
+        self.graphs: dict[int, Any] = dict(graphs or {})
+        self._tp: dict[tuple, tuple] = {}
+        self._structures: dict[int, Any] = {}
+        self._ctx: dict[tuple, Any] = {}
+        self._units: dict[tuple, tuple] = {}
+        self.simulations = 0
+        self.unit_names = self._unit_names()
+
+    # ---------------------------------------------------------------- pricing
+    def graph(self, b: int):
+        if b not in self.graphs:
+            from autoplan.capture import capture
+
+            self.graphs[b] = capture(self.model, None, batch=(b, self.seq), dtype=self.dtype)
+        return self.graphs[b]
+
+    def structure(self, b: int):
+        if b not in self._structures:
+            from autoplan.search.structure import model_structure
+
+            self._structures[b] = model_structure(self.graph(b))
+        return self._structures[b]
+
+    def _unit_names(self) -> list[str]:
+        """Pipeline units in execution order: the runtime's spine when it knows the model, else
+        embedding, every block, final norms, head from the captured structure."""
+        try:
+            from hyper_parallel.core.pipeline_parallel.split import spine_for
+
+            return list(spine_for(self.model).units(self.model))
+        except Exception:  # noqa: BLE001 - any model the runtime cannot split is planned by structure
+            st = self.structure(self.mb_sizes[0])
+            names = [st.embedding.fqn] if st.embedding else []
+            for g in st.blocks:
+                names += [f"{g.prefix}.{i}" for i in g.indices]
+            return names + list(st.final_norms) + ([st.head.fqn] if st.head else [])
+
+    def ctx(self, dp: int, pp: int, tp: int, fsdp: bool, ac: bool):
+        key = (dp, pp, tp, fsdp, ac)
+        if key not in self._ctx:
+            self._ctx[key] = self._make_ctx(*key)
+        return self._ctx[key]
+
+    def _make_ctx(self, dp: int, pp: int, tp: int, fsdp: bool, ac: bool):
+        from autoplan.search.costing import CostContext
+
+        spec = MeshSpec((dp, pp, tp), MESH_NAMES, self.hardware, self.dpn)
+        pbytes = self.structure(self.mb_sizes[0]).dtype_bytes
+        return CostContext(hardware=self.hw, topology=spec.topology(), dtype=str(self.dtype), tp_dim="tp",
+                           dp_dim="dp", dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
+                           optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), checkpoint_blocks=ac)
+
+    def tp_solution(self, tp: int, b: int, ac: bool):
+        """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` (cached)."""
+        key = (tp, b, ac)
+        if key not in self._tp:
+            from autoplan.search.tp_search import TPSearch
+
+            ctx = self.ctx(1, 1, tp, False, ac)
+            search = TPSearch(self.structure(b), self.graph(b), ctx, tp, allow_replicated=self.allow_replicated,
+                              sequence_parallel=self.sp)
+            chosen, layout, _info = search.solve(None)
+            if not chosen:
+                self._tp[key] = None
+            else:
+                ev = search.evaluate(chosen, layout)
+                self._tp[key] = (ev.options, layout)
+        return self._tp[key]
+
+    def unit_costs(self, dp: int, pp: int, tp: int, fsdp: bool, ac: bool, b: int):
+        """(per-unit costs, P2P seconds per micro-batch hop) of the TP solution on this mesh."""
+        key = (dp, pp, tp, fsdp, ac, b)
+        if key in self._units:
+            return self._units[key]
+        sol = self.tp_solution(tp, b, ac)
+        if sol is None:
+            self._units[key] = None
+            return None
+        options, layout = sol
+        ctx = self.ctx(dp, pp, tp, fsdp, ac)
+        names = self.unit_names
+        index = {n: i for i, n in enumerate(names)}
+        acc = [[0.0] * 6 for _ in names]  # F, I, W, state, act, dp_comm
+        st = self.structure(b)
+        head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
+        emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
+        norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
+        for o in options:
+            targets = self._targets(o, names, index, emb_i, norm_i, head_i)
+            if not targets:
+                continue
+            share = 1.0 / len(targets)
+            c = o.compute_s(ctx)
+            base = c * 0.75 if (ac and o.in_block) else c
+            tp_c = [x for x in o.collectives(ctx) if x.dim == "tp"]
+            f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])
+            b_comm = ctx.comm_time([x for x in tp_c if x.phase != "forward"])
+            mem = o.memory(ctx)
+            vals = (base / 3 + f_comm, c - 2 * base / 3 + b_comm, base / 3,
+                    sum(v for k, v in mem.items() if k != "activations"), mem.get("activations", 0.0),
+                    o.dp_comm_s(ctx))
+            for t in targets:
+                for k in range(6):
+                    acc[t][k] += vals[k] * share
+        units = [UnitCost(n, *a) for n, a in zip(names, acc)]
+        hidden = st.blocks[0].hidden_bytes if st.blocks else 0
+        p2p_bytes = hidden / (tp if layout == "S" else 1)
+        p2p = ctx.topology.collective_time("pp", "send_recv", p2p_bytes) if pp > 1 else 0.0
+        self._units[key] = (units, p2p)
+        return self._units[key]
+
+    @staticmethod
+    def _targets(o, names, index, emb_i, norm_i, head_i) -> list[int]:
+        if o.in_block:
+            out = []
+            for pat in o.owner.split(","):
+                if pat.endswith(".*"):
+                    pre = pat[:-1]
+                    out += [i for i, n in enumerate(names) if n.startswith(pre) and "." not in n[len(pre):]]
+                elif pat in index:
+                    out.append(index[pat])
+            return out
+        if o.slot in ("embedding", "entry"):
+            return [emb_i]
+        if o.slot == "final_norm":
+            return [norm_i]
+        return [head_i]  # head, rest (loss, rotary tables): the last stage
+
+    # ---------------------------------------------------------------- search
+    def modes(self, dp: int) -> list[tuple[bool, bool]]:
+        fs = [self.cons["fsdp"]] if "fsdp" in self.cons else ([True, False] if dp > 1 else [True])
+        acs = [self.cons["activation_checkpointing"]] if "activation_checkpointing" in self.cons else [False, True]
+        return [(f, a) for f in fs for a in acs]
+
+    def microbatch_options(self, dp: int) -> list[tuple[int, int]]:
+        """(micro-batch size b, micro-batches m) with dp * m * b = global batch."""
+        if self.gb % dp:
+            return []
+        local = self.gb // dp
+        out = [(b, local // b) for b in self.mb_sizes if local % b == 0]
+        if "microbatches" in self.cons:
+            out = [(b, m) for b, m in out if m == self.cons["microbatches"]]
+        return out
+
+    def exposed(self):
+        from autoplan.search.tp_search import exposed_dp
+
+        return exposed_dp
+
+    def search(self, max_simulations: int = 400, time_budget_s: float | None = None) -> list[Candidate]:
+        """All candidates that were simulated, best first (the first is the optimum: the rest of
+        the space was cut by lower bounds, unless the budget ran out, which is logged)."""
+        t0 = time.perf_counter()
+        n_units = len(self.unit_names)
+        meshes = mesh_factorizations(self.devices, self.dpn, n_units, self.cons)
+        if not meshes:
+            raise InfeasiblePlanError(f"plan_cluster: no dp x pp x tp factorization of {self.devices} devices "
+                                      f"({self.dpn} per node) meets constraints {self.cons}")
+        groups = []  # (lower bound, dp, pp, tp, fsdp, ac, b, m)
+        for dp, pp, tp in meshes:
+            for b, m in self.microbatch_options(dp):
+                for fsdp, ac in self.modes(dp):
+                    uc = self.unit_costs(dp, pp, tp, fsdp, ac, b)
+                    if uc is None:
+                        continue
+                    units, _ = uc
+                    total_t = sum(u.time for u in units)
+                    if sum(u.state_bytes for u in units) / pp > self.limit:
+                        continue
+                    dp_min = DP_EXPOSED_MIN * sum(u.dp_comm_s for u in units) / pp
+                    chain = sum(u.forward + u.backward_input for u in units)
+                    lb = max(m * total_t / pp, chain) + dp_min
+                    # visiting order only: the least bubble any schedule has on even stages
+                    est = m * total_t / pp * (1 + min(BUBBLE[n] for n in self.schedules) * (pp - 1) / m) + dp_min
+                    groups.append((est, lb, dp, pp, tp, fsdp, ac, b, m))
+        groups.sort()
+        best, done, cut = float("inf"), [], False
+        for _est, lb, dp, pp, tp, fsdp, ac, b, m in groups:
+            if lb >= best:
+                continue
+            if len(done) >= max_simulations or (time_budget_s and time.perf_counter() - t0 > time_budget_s):
+                cut = True
+                break
+            units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b)
+            cands = pipeline_candidates(units, pp, [m], self.limit, self.schedules, self.virtual)
+            cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
+            for c in cands:
+                if full_lower_bound(c, units, self.exposed()) >= best:
+                    continue
+                time_choice(c, units, p2p, self.exposed())
+                self.simulations += 1
+                if max(c.rank_memory) > self.limit:
+                    continue
+                done.append(Candidate(dp, pp, tp, fsdp, ac, b, c))
+                best = min(best, c.step_s)
+        if cut:
+            log.warning("plan_cluster: stopped after %d simulations / %.1f s; the best is not proven optimal",
+                        self.simulations, time.perf_counter() - t0)
+        if not done:
+            raise InfeasiblePlanError(
+                f"plan_cluster: nothing fits {self.limit / 2**30:.1f} GiB per device on {self.devices} devices "
+                f"(global batch {self.gb}, seq {self.seq}, constraints {self.cons})")
+        done.sort(key=lambda c: c.key)
+        log.info("plan_cluster: %d meshes, %d groups, %d simulations, %.2f s", len(meshes), len(groups),
+                 self.simulations, time.perf_counter() - t0)
+        return done
+
+    def evaluate(self, dp: int, pp: int, tp: int, schedule: str = "1F1B", b: int = 1, fsdp: bool = True,
+                 ac: bool | None = None, cuts: str = "even", v: int = 1) -> Candidate:
+        """Price one fixed plan (e.g. an expert's) with the same costs: even or balanced cuts;
+        ``ac=None`` takes the faster fitting of with/without activation checkpointing."""
+        from autoplan.search.pipeline_search import balanced_cuts, schedule_virtual, uniform_inflight
+
+        if self.gb % (dp * b):
+            raise InfeasiblePlanError(f"evaluate: global batch {self.gb} not divisible by dp*b = {dp * b}")
+        m = self.gb // (dp * b)
+        best = None
+        for a in ([False, True] if ac is None else [ac]):
+            uc = self.unit_costs(dp, pp, tp, fsdp, a, b)
+            if uc is None:
+                continue
+            units, p2p = uc
+            vv = schedule_virtual(schedule, v)
+            if cuts == "even":
+                starts = even_starts(len(units), pp * vv)
+            else:
+                c0 = [c for c in pipeline_candidates(units, pp, [m], self.limit, [schedule], [v], False)]
+                starts = c0[0].starts if c0 else None
+            if starts is None:
+                continue
+            c = time_choice(PipelineChoice(schedule, pp, vv, m, starts, cut_method=cuts), units, p2p,
+                            self.exposed())
+            fits = max(c.rank_memory) <= self.limit
+            cand = Candidate(dp, pp, tp, fsdp, a, b, c)
+            if best is None or (fits, -c.step_s) > (best[0], -best[1].step_s):
+                best = (fits, cand)
+        if best is None:
+            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} {schedule} cannot be cut")
+        cand = best[1]
+        if not best[0]:
+            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} {schedule} b={b} does not fit "
+                                      f"({max(cand.choice.rank_memory) / 2**30:.1f} GiB > {self.limit / 2**30:.1f})")
+        return cand
+
+
+def ranked_alternatives(cands: Sequence[Candidate], units: Sequence[str], top: int = 10) -> list[dict]:
+    """The best candidate of each distinct (mesh, schedule, dp mode), best first."""
+    seen, out = set(), []
+    for c in cands:
+        k = (c.dp, c.pp, c.tp, c.choice.schedule, c.fsdp)
+        if k in seen:
+            continue
+        seen.add(k)
+        out.append(c.summary(units))
+        if len(out) >= top:
+            break
+    return out
+

@@ -1,0 +1,418 @@
+"""Pipeline cuts, schedule and micro-batch count, chosen together and timed by the simulator.
+
+Why this shape: the step time of a pipeline is set by its slowest stage (every micro-batch passes
+through it) plus the bubble of the schedule, and a stage must hold its weights plus the
+activations of the micro-batches the schedule keeps in flight on its rank. So for each
+(schedule, stages, micro-batches) we
+
+1. place the cuts by an exact min-max partition of the unit sequence (embedding, blocks, final
+   norm, head, each priced by the TP plan) under per-stage memory limits: bisection on the
+   bottleneck time with a greedy feasibility test (greedy is optimal for contiguous partitions
+   whose per-stage constraints are monotone in the range; the exchange argument is in
+   ``balanced_cuts``). The even split experts use is kept as a second candidate;
+2. time the stage costs on the very schedule IR the runtime executes (``build_schedule`` +
+   ``validate_schedule`` + ``play``, the engine of ``simulate``), with a P2P hop per boundary;
+3. check every rank's memory with the simulator's in-flight micro-batch count for that rank.
+
+Validation of a schedule IR is the slow part of ``simulate`` (seconds at p=16, m=128); the lowered
+IR depends only on (schedule, p, m, v), so it is cached here; ``play`` then times each cost vector.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from autoplan.errors import InfeasiblePlanError
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV")
+SPLIT_BACKWARD = {"ZeroBubble", "ZBV"}   # schedules that run dx (I) and dw (W) separately
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One pipeline unit (a spine FQN) per micro-batch on one rank: forward, backward-input and
+    backward-weight seconds (tensor-parallel collectives included), bytes of parameter state
+    (params + grads + optimizer, after FSDP), saved activation bytes per micro-batch, and its
+    data-parallel communication seconds per step."""
+
+    name: str
+    forward: float
+    backward_input: float
+    backward_weight: float
+    state_bytes: float = 0.0
+    act_bytes: float = 0.0
+    dp_comm_s: float = 0.0
+
+    @property
+    def time(self) -> float:
+        return self.forward + self.backward_input + self.backward_weight
+
+
+@dataclass
+class PipelineChoice:
+    """A timed pipeline: schedule, ranks (p), virtual stages per rank (v), micro-batches (m), the
+    unit index where each stage starts (``starts``, first is 0), and what the simulator said."""
+
+    schedule: str
+    p: int
+    v: int
+    m: int
+    starts: list[int]
+    step_s: float = float("nan")
+    sim_step_s: float = float("nan")
+    bubble_fraction: float = float("nan")
+    busy_s: list[float] = field(default_factory=list)
+    rank_memory: list[float] = field(default_factory=list)
+    peak_inflight: list[int] = field(default_factory=list)
+    per_stage: list[dict] = field(default_factory=list)
+    cut_method: str = "balanced"
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.starts)
+
+
+# ------------------------------------------------------------------ schedule IR (cached)
+
+@functools.lru_cache(maxsize=256)
+def schedule_ir(name: str, p: int, m: int, v: int = 1):
+    """The generator's compute orders (stage placement, in-flight counts come from these)."""
+    from hyper_parallel.core.pipeline_parallel import build_schedule
+
+    kwargs = {"n_virtual": v} if name == "Interleaved1F1B" else {}
+    return build_schedule(name, p, m, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def lowered_schedule(name: str, p: int, m: int, v: int = 1):
+    """The lowered IR of a schedule (compute plus send/recv actions, what the executor runs).
+
+    ``simulate`` runs the full validator on every call (quadratic membership checks: ~1.4 s at
+    p=16, m=128); the generators' output is validated by the runtime before it runs and by
+    tests/pipeline, and the timing itself raises on a deadlock, so the planner lowers only."""
+    from hyper_parallel.core.pipeline_parallel import lower
+
+    return lower(schedule_ir(name, p, m, v))
+
+
+def schedule_virtual(name: str, v: int) -> int:
+    return 2 if name == "ZBV" else (v if name == "Interleaved1F1B" else 1)
+
+
+@functools.lru_cache(maxsize=256)
+def uniform_inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """Peak in-flight micro-batch chunks per rank: a function of each rank's program order only
+    (forwards minus finished backwards, as ``simulate`` counts them), so no timing is needed."""
+    return tuple(_peak(prog) for prog in schedule_ir(name, p, m, v).actions)
+
+
+def _peak(prog) -> int:
+    from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+
+    live = peak = 0
+    for a in prog:
+        if a.kind is K.FORWARD:
+            live += 1
+        elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            live -= 1
+        peak = max(peak, live)
+    return peak
+
+
+def play_costs(name: str, p: int, m: int, v: int, costs: Sequence, p2p_time: float):
+    """(step_time, bubble_fraction, busy per rank, peak in-flight per rank): ``simulate``'s
+    numbers for per-stage StageCosts, on the cached lowered IR (timed by its compiled form,
+    ``schedule_timing``, which equals ``playback.play``)."""
+    from autoplan.search.schedule_timing import compile_schedule, time_schedule
+
+    step, busy = time_schedule(compile_schedule(name, p, m, v), costs, p2p_time)
+    top = max(busy) if busy else 0.0
+    peaks = list(uniform_inflight(name, p, m, v))
+    return step, ((step - top) / top if top > 0 else 0.0), busy, peaks
+
+
+# ------------------------------------------------------------------ cuts
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for x in values:
+        out.append(out[-1] + x)
+    return out
+
+
+def balanced_cuts(times: Sequence[float], states: Sequence[float], acts: Sequence[float], n_stages: int,
+                  inflight: Sequence[float], budgets: Sequence[float], min_units: int = 1) -> list[int] | None:
+    """Starts of ``n_stages`` contiguous stages minimising the largest stage time, such that stage j
+    holds ``sum(states) + inflight[j] * sum(acts) <= budgets[j]``; None if no split fits.
+
+    Exact for this objective: for a bottleneck T, greedily extending each stage as far as T, its
+    memory budget and the units the later stages still need allow is optimal (by induction the
+    greedy stage j ends no earlier than stage j of any feasible split, because a sub-range of a
+    feasible range is feasible). Feasibility is monotone in T, so bisection finds the least T.
+    """
+    n = len(times)
+    if n_stages < 1 or n_stages * min_units > n:
+        return None
+    pt, ps, pa = _prefix(times), _prefix(states), _prefix(acts)
+
+    def greedy(limit_t: float) -> list[int] | None:
+        starts, i = [], 0
+        for j in range(n_stages):
+            starts.append(i)
+            hi = n - (n_stages - 1 - j) * min_units
+            if j == n_stages - 1:
+                e = n
+                if pt[e] - pt[i] > limit_t * (1 + 1e-12) or \
+                        (ps[e] - ps[i]) + inflight[j] * (pa[e] - pa[i]) > budgets[j]:
+                    return None
+            else:
+                e = bisect.bisect_right(pt, pt[i] + limit_t * (1 + 1e-12), i, hi + 1) - 1
+                # memory is monotone in e too: shrink until it fits
+                lo_e, hi_e = i, e
+                while lo_e < hi_e:
+                    mid = (lo_e + hi_e + 1) // 2
+                    if (ps[mid] - ps[i]) + inflight[j] * (pa[mid] - pa[i]) <= budgets[j]:
+                        lo_e = mid
+                    else:
+                        hi_e = mid - 1
+                e = min(e, lo_e)
+                if e - i < min_units:
+                    return None
+            i = e
+        return starts
+
+    lo, hi = max(times) if times else 0.0, pt[-1]
+    best = greedy(hi)
+    if best is None:
+        return None
+    for _ in range(60):
+        if hi - lo <= 1e-12 * max(hi, 1e-30):
+            break
+        mid = (lo + hi) / 2
+        g = greedy(mid)
+        if g is None:
+            lo = mid
+        else:
+            hi, best = mid, g
+    return best
+
+
+def even_starts(n_units: int, n_stages: int, first_blocks: int = 1, tail: int = 2) -> list[int] | None:
+    """The experts' even split (torchtitan / ``even_cuts``): blocks spread evenly, the embedding
+    with the first stage, the final norm and head with the last."""
+    blocks = n_units - first_blocks - tail
+    if n_stages > blocks or n_stages < 1:
+        return None
+    per, extra = divmod(blocks, n_stages)
+    starts, i = [0], first_blocks
+    for s in range(n_stages - 1):
+        i += per + (1 if s < extra else 0)
+        starts.append(i)
+    return starts
+
+
+def stage_bounds(starts: Sequence[int], n_units: int) -> list[tuple[int, int]]:
+    ends = list(starts[1:]) + [n_units]
+    return list(zip(starts, ends))
+
+
+# ------------------------------------------------------------------ timing one choice
+
+def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: float,
+                exposed_dp=None) -> PipelineChoice:
+    """Simulate ``choice`` (its cuts fixed) and fill step time, bubble, memory per rank and the
+    per-stage rows. ``exposed_dp(dp_comm_s, busy_s)`` prices the data-parallel communication a
+    rank cannot hide (added once per step; default: all of it)."""
+    from hyper_parallel.core.pipeline_parallel import StageCost
+
+    bounds = stage_bounds(choice.starts, len(units))
+    stage_costs, stage_rows = [], []
+    for a, b in bounds:
+        seg = units[a:b]
+        stage_costs.append(StageCost(sum(u.forward for u in seg), sum(u.backward_input for u in seg),
+                                     sum(u.backward_weight for u in seg)))
+        stage_rows.append({"state": sum(u.state_bytes for u in seg), "act": sum(u.act_bytes for u in seg),
+                           "dp_comm_s": sum(u.dp_comm_s for u in seg)})
+    hop = p2p_time if choice.p > 1 else 0.0
+    if choice.p == 1:  # one stage: m forwards and backwards back to back, one micro-batch live
+        busy1 = choice.m * sum(c.forward + c.backward for c in stage_costs)
+        step, bubble, busy, peaks = busy1, 0.0, [busy1], [1]
+    else:
+        step, bubble, busy, peaks = play_costs(choice.schedule, choice.p, choice.m, choice.v, stage_costs, hop)
+    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank
+    mem = [0.0] * choice.p
+    act_rank = [0.0] * choice.p
+    n_on = [0] * choice.p
+    dp_rank = [0.0] * choice.p
+    for s, row in enumerate(stage_rows):
+        r = s2r[s]
+        mem[r] += row["state"]
+        act_rank[r] += row["act"]
+        n_on[r] += 1
+        dp_rank[r] += row["dp_comm_s"]
+    for r in range(choice.p):  # in-flight chunks x the mean activation of this rank's stages
+        mem[r] += peaks[r] * act_rank[r] / max(n_on[r], 1)
+    exposed = [(exposed_dp(dp_rank[r], busy[r]) if exposed_dp else dp_rank[r]) for r in range(choice.p)]
+    choice.sim_step_s, choice.bubble_fraction, choice.busy_s = step, bubble, busy
+    choice.step_s = step + max(exposed)
+    choice.rank_memory, choice.peak_inflight = mem, peaks
+    choice.per_stage = []
+    for s, ((a, b), c, row) in enumerate(zip(bounds, stage_costs, stage_rows)):
+        r = s2r[s]
+        compute = choice.m * (c.forward + c.backward)
+        choice.per_stage.append({
+            "stage": s, "rank": r, "units": [a, b], "compute_s": compute,
+            "comm_s": exposed[r] + (2 * choice.m * hop if choice.p > 1 else 0.0),
+            "bubble_s": max(0.0, step - busy[r]), "memory_bytes": mem[r]})
+    return choice
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_ends(name: str, p: int, m: int, v: int) -> tuple:
+    """Per rank: (stage of its first compute, (kind, stage) of its last compute, its stages)."""
+    from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+
+    lowered = schedule_ir(name, p, m, v)
+    out = []
+    for r, prog in enumerate(lowered.actions):
+        comp = [a for a in prog if a.is_compute]
+        last = comp[-1]
+        out.append((comp[0].stage, (last.kind in (K.BACKWARD, K.BACKWARD_INPUT), last.stage),
+                    tuple(s for s, rr in enumerate(lowered.stage_to_rank) if rr == r)))
+    return tuple(out)
+
+
+def lower_bound(choice: PipelineChoice, units: Sequence[UnitCost]) -> float:
+    """A step time the simulator cannot beat for these cuts and this schedule: for every rank,
+    the forward chain before its first action (stages before it must run first) + its compute
+    + the input-gradient chain after its last backward (it must flow down to stage 0)."""
+    bounds = stage_bounds(choice.starts, len(units))
+    fwd = [sum(u.forward for u in units[a:b]) for a, b in bounds]
+    dx = [sum(u.backward_input for u in units[a:b]) for a, b in bounds]
+    tot = [sum(u.time for u in units[a:b]) for a, b in bounds]
+    best = 0.0
+    for first, (ends_in_dx, last), stages in _rank_ends(choice.schedule, choice.p, choice.m, choice.v):
+        head = sum(fwd[:first])
+        tail = sum(dx[:last]) if ends_in_dx else 0.0
+        best = max(best, head + choice.m * sum(tot[s] for s in stages) + tail)
+    return best
+
+
+def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float]:
+    """Bytes per rank: its stages' parameter state + its peak in-flight chunks x the mean
+    activation per chunk of its stages (known before timing: in-flight counts are a property of
+    the schedule's order)."""
+    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank
+    peaks = uniform_inflight(choice.schedule, choice.p, choice.m, choice.v) if choice.p > 1 else (1,)
+    state, act, n_on = [0.0] * choice.p, [0.0] * choice.p, [0] * choice.p
+    for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
+        r = s2r[s] if choice.p > 1 else 0
+        state[r] += sum(u.state_bytes for u in units[a:b])
+        act[r] += sum(u.act_bytes for u in units[a:b])
+        n_on[r] += 1
+    return [state[r] + peaks[r] * act[r] / max(n_on[r], 1) for r in range(choice.p)]
+
+
+def full_lower_bound(choice: PipelineChoice, units: Sequence[UnitCost], exposed_dp=None) -> float:
+    """``lower_bound`` plus the data-parallel time ``time_choice`` adds, which is exact before
+    simulating (it depends only on each rank's compute and dp traffic)."""
+    return lower_bound(choice, units) + max(_exposed(choice, units, exposed_dp))
+
+
+def _exposed(choice: PipelineChoice, units: Sequence[UnitCost], exposed_dp=None) -> list[float]:
+    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank
+    busy, dp = [0.0] * choice.p, [0.0] * choice.p
+    for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
+        busy[s2r[s]] += choice.m * sum(u.time for u in units[a:b])
+        dp[s2r[s]] += sum(u.dp_comm_s for u in units[a:b])
+    return [exposed_dp(d, c) if exposed_dp else d for d, c in zip(dp, busy)]
+
+
+def estimate(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: float) -> float:
+    """Closed-form step estimate (formulas.md bubbles) used only to order simulations."""
+    bounds = stage_bounds(choice.starts, len(units))
+    t_stage = max(sum(u.time for u in units[a:b]) for a, b in bounds)
+    frac = {"GPipe": 1 / 3, "1F1B": 1 / 3, "Interleaved1F1B": 1 / 3, "ZeroBubble": 0.0, "ZBV": 0.0}[choice.schedule]
+    return lower_bound(choice, units) + frac * (choice.p - 1) * t_stage + 2 * (choice.n_stages - 1) * p2p_time
+
+
+# ------------------------------------------------------------------ candidates for one mesh
+
+def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequence[int], memory_limit: float,
+                        schedules: Sequence[str] = SCHEDULES, virtual: Sequence[int] = (2,),
+                        include_even: bool = True) -> list[PipelineChoice]:
+    """Every (schedule, v, m) on ``p`` ranks whose cuts fit memory, with balanced (and even) cuts;
+    untimed (see ``time_choice``). With p == 1 the only schedule is one stage doing m micro-batches."""
+    from hyper_parallel.errors import ScheduleError
+
+    out = []
+    n = len(units)
+    times = [u.time for u in units]
+    states = [u.state_bytes for u in units]
+    acts = [u.act_bytes for u in units]
+    if p == 1:
+        for m in microbatches:
+            c = PipelineChoice("1F1B", 1, 1, m, [0])
+            if sum(states) + sum(acts) <= memory_limit:   # one stage: one micro-batch in flight
+                out.append(c)
+        return out
+    for name in schedules:
+        for v in (virtual if name == "Interleaved1F1B" else (1,)):
+            vv = schedule_virtual(name, v)
+            n_st = p * vv
+            if n_st > n:
+                continue
+            for m in microbatches:
+                try:
+                    s2r = schedule_ir(name, p, m, v).stage_to_rank
+                    infl = uniform_inflight(name, p, m, v)
+                except ScheduleError:
+                    continue
+                per_rank = [sum(1 for r in s2r if r == rr) for rr in range(p)]
+                inflight = [infl[s2r[s]] / per_rank[s2r[s]] for s in range(n_st)]
+                budgets = [memory_limit / per_rank[s2r[s]] for s in range(n_st)]
+                cand = []
+                starts = balanced_cuts(times, states, acts, n_st, inflight, budgets)
+                if starts is not None:
+                    cand.append((starts, "balanced"))
+                if include_even:
+                    ev = even_starts(n, n_st)
+                    if ev is not None and ev != starts:
+                        cand.append((ev, "even"))
+                for st, how in cand:
+                    c = PipelineChoice(name, p, vv, m, list(st), cut_method=how)
+                    if max(rank_memory(c, units)) <= memory_limit:
+                        out.append(c)
+    return out
+
+
+def search_pipeline(units: Sequence[UnitCost], p: int, microbatches: Sequence[int], memory_limit: float,
+                    p2p_time: float, exposed_dp=None, schedules: Sequence[str] = SCHEDULES,
+                    virtual: Sequence[int] = (2,), max_simulations: int | None = None) -> list[PipelineChoice]:
+    """The fitting pipelines of one mesh, timed and sorted by step time (best first).
+
+    Candidates are simulated in order of their closed-form estimate; once the busiest-rank lower
+    bound of the next one is no better than the best simulated step, the rest cannot win and are
+    skipped (branch and bound), so the answer equals simulating them all.
+    """
+    cands = pipeline_candidates(units, p, microbatches, memory_limit, schedules, virtual)
+    if not cands:
+        raise InfeasiblePlanError(f"pipeline search: no cut of {len(units)} units into {p} ranks fits "
+                                  f"{memory_limit / 2**30:.2f} GiB with micro-batches {list(microbatches)}")
+    keyed = sorted(cands, key=lambda c: (estimate(c, units, p2p_time), c.schedule, c.m, c.starts))
+    done, best = [], float("inf")
+    for c in keyed:
+        if lower_bound(c, units) >= best or (max_simulations is not None and len(done) >= max_simulations):
+            continue
+        time_choice(c, units, p2p_time, exposed_dp)
+        if max(c.rank_memory) > memory_limit:
+            continue
+        done.append(c)
+        best = min(best, c.step_s)
+    done.sort(key=lambda c: (c.step_s, c.schedule, c.m, c.starts))
+    return done
