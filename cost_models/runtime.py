@@ -34,6 +34,7 @@ size up automatically on the ``cpu`` profile (:func:`load_runtime`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -90,10 +91,18 @@ def save_runtime(rt: RuntimeOverheads) -> Path:
 def load_runtime(world: int) -> RuntimeOverheads | None:
     """The cached calibration of this host for ``world`` ranks, or None when there is none."""
     path = _path(world)
-    if not path.is_file():
-        return None
     try:
-        return RuntimeOverheads.from_dict(json.loads(path.read_text()))
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _read(str(path), mtime)
+
+
+@functools.lru_cache(maxsize=64)
+def _read(path: str, mtime_ns: int) -> RuntimeOverheads | None:
+    """Parsed once per (file, modification time): planners build many cost contexts."""
+    try:
+        return RuntimeOverheads.from_dict(json.loads(Path(path).read_text()))
     except (ValueError, TypeError, KeyError) as exc:
         log.warning("ignoring unreadable runtime calibration %s: %s", path, exc)
         return None
