@@ -138,3 +138,12 @@ def test_explain_unknown_module_and_corrupt_plan(files, capsys):
 def test_help_exits_zero(capsys):
     assert run(capsys, "--help")[0] == 0
     assert run(capsys, "compare", "--help")[0] == 0
+
+
+def test_plan_prices_the_hf_plan_on_an_hf_model(capsys, tmp_path):
+    out_file = tmp_path / "hf.json"
+    code, out, _ = run(capsys, "plan", "llama3-8b", "--layers", "2", "--mesh", "dp=2,tp=4", "--seq", "2048",
+                       "--styles", "hf", "-o", out_file)
+    assert code == 0 and "model.layers.*.self_attn.o_proj" in out
+    plan = Plan.from_json(out_file)
+    assert plan.model["plan_name"] == "hf" and plan.stream_layout == "R" and plan.solver["status"] == "imported"

@@ -145,6 +145,12 @@ class Plan:
 
         return diff(self, other)
 
+    def module_table(self):
+        """DataFrame, one row per module pattern: style, layouts, and its unit's predicted costs."""
+        from autoplan.review import module_table
+
+        return module_table(self)
+
     def stage_table(self):
         """DataFrame, one row per pipeline stage (one row without pipeline parallelism)."""
         from autoplan.review import stage_table

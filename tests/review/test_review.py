@@ -140,3 +140,13 @@ def test_memory_and_communication_plots(plans, tmp_path):
     assert labels == ["mesh dim dp", "mesh dim tp"]
     for name, f in (("mem", fig), ("comm", comm)):
         assert save_figure(f, tmp_path / f"{name}.png").stat().st_size > 5000
+
+
+def test_module_table(plans):
+    auto, _ = plans
+    t = auto.module_table().set_index("module")
+    assert set(t.index) == set(auto.styles)
+    assert t.loc["layers.*.attention", "input_layouts"] == "Shard(1), - -> Replicate(), -"
+    assert t.loc["layers.*.attention.wo", "output_layouts"] == "Shard(1)"
+    assert t.loc["layers.*.feed_forward.w1", "unit"] == "layers/mlp"
+    assert t.loc["output", "strategy"] == "loss_parallel"
