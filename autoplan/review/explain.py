@@ -59,6 +59,33 @@ class Explanation:
         return "```\n" + self.text + "\n```"
 
 
+# unit kinds and the module names that usually implement them (torchtitan, HF, GPT-2 naming)
+_KIND_NAMES = {"attention": ("attention", "attn"), "mlp": ("mlp", "feed_forward", "ffn"),
+               "norms": ("norm", "ln_"), "embedding": ("embed", "wte", "word_embeddings"),
+               "head": ("lm_head", "output"), "final_norm": ("norm", "ln_f")}
+
+
+def _by_name(rows: list[dict], query: str) -> dict | None:
+    """The unit a module belongs to by its name, for units without styles (kept replicated)."""
+    for d in rows:
+        prefix, kind = d.get("block_prefix"), d["unit"].split("/")[-1]
+        if prefix is not None:
+            rest = query[len(prefix) + 1:] if prefix and query.startswith(prefix + ".") else None
+            if rest is None or "." not in rest:
+                continue
+            name = rest.split(".", 1)[1]
+        elif "." in query:
+            continue
+        else:
+            name = query
+        first = name.split(".")[0]
+        if ("norm" in first or first.startswith("ln_")) != kind.endswith("norm" if kind == "final_norm" else "norms"):
+            continue  # attention_norm / ffn_norm are norms, not attention / MLP
+        if any(k in first for k in _KIND_NAMES.get(kind, (kind,))):
+            return d
+    return None
+
+
 def _find_decision(plan, query: str) -> tuple[dict, dict[str, dict]]:
     """The decision row for a unit name ("model.layers/attention", or "attention" when unique)
     or a module FQN ("model.layers.3.self_attn.q_proj"), and the styles that apply to it."""
@@ -77,6 +104,9 @@ def _find_decision(plan, query: str) -> tuple[dict, dict[str, dict]]:
         if own or inside:
             hits.append((0 if own else 1, d, own or inside))
     if not hits:
+        d = _by_name(rows, query)
+        if d is not None:  # a replicated unit has no styles to match: find it by the module's name
+            return d, {}
         units = sorted(d["unit"] for d in rows)
         raise UnknownModuleError(f"explain: {query!r} is neither a unit {units} nor a module in any unit's patterns")
     hits.sort(key=lambda h: h[0])
@@ -87,7 +117,7 @@ def _find_decision(plan, query: str) -> tuple[dict, dict[str, dict]]:
 def _verdict(opt: dict, chosen: dict, plan_stream: str) -> str:
     if opt["strategy"] == chosen["strategy"] and opt["stream"] in (chosen["stream"], "-"):
         return "chosen"
-    if opt.get("excluded"):
+    if opt.get("excluded") and opt["strategy"] != "replicate":
         return f"excluded: {opt['excluded']}"
     t_opt, t_ch = opt["compute_s"] + opt["comm_s"], chosen["compute_s"] + chosen["comm_s"]
     if opt["stream"] not in ("-", plan_stream) and t_opt <= t_ch * (1 + _REL_TIE):
@@ -128,5 +158,8 @@ def explain(plan, fqn_or_unit: str) -> Explanation:
     if not rows:
         notes.append("the planner had no alternative for this unit (a fixed layout change)")
     notes += [n for n in plan.notes if n.startswith(d["unit"] + ":")]
+    excluded = {o["excluded"] for o in d.get("options", []) if o.get("excluded") and o["strategy"] == "replicate"}
+    notes += [f"sharded strategies were not candidates: {why}" for why in sorted(excluded)
+              if not any(why in n for n in notes)]
     return Explanation(query=fqn_or_unit, unit=d["unit"], strategy=d["strategy"], stream=d.get("stream", "-"),
                        reason=d.get("reason", ""), styles=styles, options=table.reset_index(drop=True), notes=notes)

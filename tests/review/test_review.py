@@ -150,3 +150,20 @@ def test_module_table(plans):
     assert t.loc["layers.*.attention.wo", "output_layouts"] == "Shard(1)"
     assert t.loc["layers.*.feed_forward.w1", "unit"] == "layers/mlp"
     assert t.loc["output", "strategy"] == "loss_parallel"
+
+
+def test_explain_a_replicated_unit_by_module_name():
+    """Units kept replicated have no styles; a module FQN still finds them, with the reason."""
+    from autoplan.demo import DEMO_MODEL
+    from autoplan.models import build_llama
+
+    plan = autoplan(build_llama(device="meta", **DEMO_MODEL), MESH, batch=(64, 64))   # 4 KV heads, tp 8
+    e = plan.explain("layers.0.attention")
+    assert e.unit == "layers/attention" and e.strategy == "replicate" and e.styles == {}
+    assert any("KV heads 4 not divisible by tp=8" in n for n in e.notes)
+    assert not e.options["verdict"].str.startswith("excluded").any()
+    units = {q: plan.explain(q).unit for q in ("layers.1.ffn_norm", "layers.1.attention_norm", "layers.1.feed_forward",
+                                               "norm", "output", "tok_embeddings")}
+    assert units == {"layers.1.ffn_norm": "layers/norms", "layers.1.attention_norm": "layers/norms",
+                     "layers.1.feed_forward": "layers/mlp", "norm": "final_norm", "output": "head",
+                     "tok_embeddings": "embedding"}
