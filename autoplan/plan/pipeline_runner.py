@@ -1,0 +1,143 @@
+"""Apply a plan with pp > 1: this rank's stage(s), TP on the tp sub-mesh, FSDP on dp, the schedule.
+
+Order matters and follows the runtime's tested recipe (tests/pipeline/workers.py): the TP styles
+go on the whole model first (every rank builds the same model, so the layouts agree across
+stages), then the model is cut at the plan's cuts and only the stages the schedule places on
+this pipeline rank are kept, then each block of those stages and the stage root are wrapped with
+FSDP over dp (tied parameters shared between stages are left out of FSDP: the runtime sums their
+gradients across stages itself). ``step`` runs every micro-batch, then the optimizer.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.errors import MeshError
+
+log = logging.getLogger(__name__)
+
+_CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
+            "ZeroBubble": "ScheduleZeroBubble", "ZBV": "ScheduleZBV"}
+
+
+def _full_logits_loss(loss_fn: Callable) -> Callable:
+    """Loss on plain logits: a vocabulary-sharded DTensor head output is gathered first (same
+    numbers as loss parallel; the schedule runs backward outside any loss_parallel context)."""
+    def fn(logits, targets):
+        logits = logits.logits if hasattr(logits, "logits") else logits
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return loss_fn(logits, targets)
+    return fn
+
+
+class PipelineRunner:
+    """``step((inputs, targets)) -> float``: one training step of this rank's stages; the loss
+    returned on every rank is the global one (mean over micro-batches and dp ranks)."""
+
+    def __init__(self, plan, stages, schedule, optimizer, pp_group, last_pp_rank: int, dp_mesh=None):
+        self.plan, self.stages, self.schedule, self.optimizer = plan, stages, schedule, optimizer
+        self.pp_group, self.last_pp_rank, self.dp_mesh = pp_group, last_pp_rank, dp_mesh
+        idx = {s.stage_index for s in stages}
+        self.first, self.last = 0 in idx, schedule.ir.n_stages - 1 in idx
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        return [s.module for s in self.stages]
+
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """This rank's share of a global batch along dim 0 (its dp coordinate)."""
+        if self.dp_mesh is None or self.dp_mesh.size() == 1:
+            return inputs, targets
+        n, r = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
+        if inputs.shape[0] % n:
+            raise MeshError(f"PipelineRunner.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
+        k = inputs.shape[0] // n
+        return inputs[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
+
+    def step(self, batch) -> float:
+        inputs, targets = batch
+        self.optimizer.zero_grad()
+        args = (inputs,) if self.first else ()
+        loss = self.schedule.step(*args, target=targets if self.last else None)
+        self.optimizer.step()
+        value = torch.zeros((), dtype=torch.float64)
+        if loss is not None:
+            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+            value = loss.detach().to(torch.float64).reshape(())
+        src = dist.get_global_rank(self.pp_group, self.last_pp_rank)
+        dist.broadcast(value, src=src, group=self.pp_group)
+        if self.dp_mesh is not None and self.dp_mesh.size() > 1:
+            dist.all_reduce(value, group=self.dp_mesh.get_group())
+            value /= self.dp_mesh.size()
+        return float(value)
+
+
+def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: float = 1e-3,
+                        loss_fn: Callable | None = None) -> PipelineRunner:
+    """Build this rank's pipeline from ``plan.pipeline`` on ``mesh`` (dims named as in the plan).
+
+    ``optimizer``: None (AdamW over this rank's parameters) or a factory ``params -> Optimizer``
+    (parameters change identity under FSDP, so an optimizer made beforehand would miss them).
+    """
+    import hyper_parallel.core.pipeline_parallel as pipe
+    from hyper_parallel import fully_shard, parallelize_module
+
+    from autoplan.plan.runner import lm_loss
+
+    pipe_cfg = plan.pipeline
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise MeshError(f"plan.apply: a pipelined plan needs a 'pp' mesh dimension, got {names}")
+    p, m, sched_name = int(pipe_cfg["pp"]), int(pipe_cfg["microbatches"]), pipe_cfg["schedule"]
+    if mesh["pp"].size() != p:
+        raise MeshError(f"plan.apply: plan has pp={p}, mesh has pp={mesh['pp'].size()}")
+    tp_mesh = mesh[plan.tp_dim] if plan.tp_dim and plan.tp_dim in names else None
+    dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
+    if plan.styles and tp_mesh is not None and tp_mesh.size() > 1:
+        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
+    cls = getattr(pipe, _CLASSES[sched_name])
+    kwargs = {"n_virtual": int(pipe_cfg["virtual_stages"])} if sched_name == "Interleaved1F1B" else {}
+    ir = cls.ir(p, m, **kwargs)
+    pp_group = mesh["pp"].get_group()
+    stages = pipe.build_stages(model, ir, group=pp_group, cuts=list(pipe_cfg["cuts"]),
+                               activation_mesh=tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None)
+    blocks = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})
+
+    def is_block(unit: str) -> bool:
+        return any(unit.startswith(b + ".") for b in blocks)
+
+    if plan.activation_checkpointing:
+        from torch.distributed._composable import checkpoint
+
+        for st in stages:
+            for u in st.module.units:
+                if is_block(u):
+                    checkpoint(st.module.get_submodule(u))
+    use_dp = dp_mesh is not None and dp_mesh.size() > 1
+    if use_dp and not plan.fsdp.get("enabled"):
+        raise MeshError("plan.apply: data parallel without FSDP is not supported by this runner; "
+                        "plan with constraints={'fsdp': True}")
+    if use_dp:
+        tied = {id(prm) for st in stages for g in st.module.tied_groups
+                for s, fqn in g.items() if s == st.stage_index for prm in [st.module.get_parameter(fqn)]}
+        ignored = {prm for st in stages for prm in st.module.parameters() if id(prm) in tied}
+        for st in stages:
+            for u in st.module.units:
+                if is_block(u):
+                    fully_shard(st.module.get_submodule(u), mesh=dp_mesh, ignored_params=ignored)
+            fully_shard(st.module, mesh=dp_mesh, ignored_params=ignored)
+    schedule = cls(stages, m, _full_logits_loss(loss_fn or lm_loss),
+                   dp_group=dp_mesh.get_group() if use_dp else None, **kwargs)
+    params = [prm for st in stages for prm in st.module.parameters()]
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(params, lr=lr)
+    elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    last_rank = ir.stage_to_rank[ir.n_stages - 1]
+    return PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank, dp_mesh if use_dp else None)
