@@ -90,8 +90,10 @@ class Option:
         return ctx.comm_time([c for c in self.collectives(ctx) if c.dim == "tp"])
 
     def dp_comm_s(self, ctx: CostContext) -> float:
-        """Data-parallel (FSDP/DDP) communication, which overlaps with compute."""
-        return ctx.comm_time([c for c in self.collectives(ctx) if c.dim != "tp"])
+        """Data-parallel (FSDP/DDP) communication, which overlaps with compute. Under FSDP only
+        the bandwidth term: the per-call latency is paid once per FSDP unit (block), not per
+        planner unit, and is added once in :meth:`TPSearch.fsdp_latency`."""
+        return ctx.comm_time([c for c in self.collectives(ctx) if c.dim != "tp"], latency=not ctx.fsdp)
 
     def memory(self, ctx: CostContext) -> dict[str, float]:
         st = ctx.state_bytes(self.param_bytes, self.strategy.param_shard)
@@ -241,6 +243,13 @@ class TPSearch:
                         f"allow replicated units or choose another tp degree")
                 self.slots[slot] = sharded
 
+    def fsdp_latency(self) -> float:
+        """Per-call cost of FSDP's collectives: one set per wrapped block plus the root, whatever
+        the tensor-parallel choice (a constant of the ILP, but part of the predicted step)."""
+        if not self.ctx.fsdp:
+            return 0.0
+        return self.ctx.fsdp_latency_time(sum(b.count for b in self.structure.blocks) + 1)
+
     # ------------------------------------------------------------------ entry edge
     def entry(self, emb: Option | None, layout: str) -> Strategy | None:
         if emb is None or not self.structure.blocks:
@@ -262,7 +271,7 @@ class TPSearch:
             opts.append(Option("entry", entry, "", 1, Work(), 0, rank=0))
         compute = sum(o.compute_s(self.ctx) for o in opts)
         tp_comm = sum(o.tp_comm_s(self.ctx) for o in opts)
-        dp_comm = sum(o.dp_comm_s(self.ctx) for o in opts)
+        dp_comm = sum(o.dp_comm_s(self.ctx) for o in opts) + self.fsdp_latency()
         comm = tp_comm + exposed_dp(dp_comm, compute)
         memory: dict[str, float] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         for o in opts:
@@ -371,7 +380,8 @@ class TPSearch:
             exposed = pulp.LpVariable("exposed_dp_comm", lowBound=0)
             prob += exposed >= pulp.lpSum(
                 ((1 - DP_EXPOSED_MIN) * o.dp_comm_s(self.ctx) - DP_OVERLAP * o.compute_s(self.ctx)) * x[slot, o.rank]
-                for slot, opts in self.slots.items() for o in opts), "exposed_dp_comm_def"
+                for slot, opts in self.slots.items() for o in opts) + (1 - DP_EXPOSED_MIN) * self.fsdp_latency(), \
+                "exposed_dp_comm_def"
             cost.append(exposed)
             cost.extend(DP_EXPOSED_MIN * o.dp_comm_s(self.ctx) * x[slot, o.rank]
                         for slot, opts in self.slots.items() for o in opts)
