@@ -16,13 +16,44 @@ STAGE_COLUMNS = ["stage", "rank", "units", "compute_s", "comm_s", "bubble_s", "b
                  "memory_gib"]
 
 
+def _compact(modules: list[str]) -> str:
+    """["tok_embeddings", "layers.0", "layers.1", "layers.2"] -> "tok_embeddings, layers.0-2"."""
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None
+    for name in modules:
+        prefix, _, idx = name.rpartition(".")
+        if prefix and idx.isdigit():
+            if run and run[0] == prefix and run[2] + 1 == int(idx):
+                run = (prefix, run[1], int(idx))
+                continue
+            if run:
+                out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = (prefix, int(idx), int(idx))
+            continue
+        if run:
+            out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = None
+        out.append(name)
+    if run:
+        out.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+    return ", ".join(out)
+
+
 def _stages(plan) -> list[dict[str, Any]]:
     pipe = plan.pipeline
     if pipe and int(pipe.get("pp", 1)) > 1:
         rows = pipe.get("per_stage") or []
         if not rows:
             raise AutoplanError("stage_table: plan.pipeline has pp > 1 but no per_stage rows")
-        return [dict(r, stage=r.get("stage", i), rank=r.get("rank", i)) for i, r in enumerate(rows)]
+        names = pipe.get("stages") or []
+        s2r = pipe.get("stage_to_rank") or []
+        out = []
+        for i, r in enumerate(rows):
+            row = dict(r, stage=r.get("stage", i), rank=r.get("rank", s2r[i] if i < len(s2r) else i))
+            if "units" not in row and i < len(names) and isinstance(names[i], list):
+                row["units"] = _compact(names[i])
+            out.append(row)
+        return out
     pred = plan.predictions
     return [{"stage": 0, "rank": 0, "units": "all", "compute_s": pred["compute_s"], "comm_s": pred["comm_s"],
              "bubble_s": 0.0, "memory_bytes": pred["memory_bytes"].get("total", 0.0)}]

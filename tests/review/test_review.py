@@ -167,3 +167,24 @@ def test_explain_a_replicated_unit_by_module_name():
     assert units == {"layers.1.ffn_norm": "layers/norms", "layers.1.attention_norm": "layers/norms",
                      "layers.1.feed_forward": "layers/mlp", "norm": "final_norm", "output": "head",
                      "tok_embeddings": "embedding"}
+
+
+def test_stage_table_and_timeline_of_a_real_pipeline_plan(tmp_path):
+    """plan_cluster with pp=2: the table names each stage's modules and the simulator replays
+    the plan's schedule within the exposed data-parallel time of the predicted step."""
+    from autoplan.cluster import plan_cluster
+    from autoplan.review.stages import _compact
+
+    assert _compact(["tok_embeddings", "layers.0", "layers.1", "layers.3", "norm"]) == \
+        "tok_embeddings, layers.0-1, layers.3, norm"
+    model = build_preset("titan-llama3-70b", num_layers=4)
+    plan = plan_cluster(model, 32, batch=(32, 4096), constraints={"pp": 2, "tp": 8})
+    t = plan.stage_table()
+    pipe = plan.pipeline
+    assert len(t) == pipe["pp"] * pipe.get("virtual_stages", 1) and set(t["rank"]) == {0, 1}
+    assert t.iloc[0]["units"].startswith("tok_embeddings, layers.0") and t.iloc[-1]["units"].endswith("norm, output")
+    sim = simulate_pipeline(plan)
+    assert sim.schedule == plan.pipeline["schedule"]
+    assert sim.step_time <= plan.step_time * 1.001 and sim.step_time >= 0.8 * plan.step_time
+    assert save_figure(plan.plot_timeline(), tmp_path / "t.png").stat().st_size > 5000
+    assert len(plan.plot_memory().axes[0].patches) == 2
