@@ -37,6 +37,7 @@ def plot_timeline(plan=None, *, sim=None, p2p_s: float | None = None, title: str
     tl = sim.timeline
     work = tl[~tl["kind"].astype(str).str.contains("SEND|RECV")]
     ranks = sorted(work["rank"].unique())
+    multi = work["stage"].nunique() > len(ranks)   # virtual stages: name the stage too
     fig = Figure(figsize=(10, 0.6 * len(ranks) + 1.5))
     ax = fig.add_subplot()
     for _, r in work.iterrows():
@@ -44,17 +45,19 @@ def plot_timeline(plan=None, *, sim=None, p2p_s: float | None = None, title: str
         ax.barh(r["rank"], r["end"] - r["start"], left=r["start"], color=_COLORS.get(kind, "#8172B3"),
                 edgecolor="white", linewidth=0.5)
         if r["end"] - r["start"] > sim.step_time / 60:
-            ax.text((r["start"] + r["end"]) / 2, r["rank"], f"{kind}{r['microbatch']}", ha="center", va="center",
-                    fontsize=6, color="white")
+            label = f"{kind}{r['microbatch']}" + (f"\ns{r['stage']}" if multi else "")
+            ax.text((r["start"] + r["end"]) / 2, r["rank"], label, ha="center", va="center", fontsize=6,
+                    color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
-    ax.set_title(title or f"{sim.schedule}: step {sim.step_time:.3g} s, bubble {sim.bubble_fraction:.1%}")
+    idle = 1 - sum(sim.busy) / (len(sim.busy) * sim.step_time) if sim.step_time else 0.0
+    ax.set_title(title or f"{sim.schedule}: step {sim.step_time:.3g} s, idle {idle:.1%} (mean over ranks)")
     from matplotlib.patches import Patch
 
     kinds = sorted(work["kind"].astype(str).unique())
-    ax.legend(handles=[Patch(color=_COLORS.get(k, "#8172B3"), label=k) for k in kinds], loc="upper right",
-              fontsize=7)
+    ax.legend(handles=[Patch(color=_COLORS.get(k, "#8172B3"), label=k) for k in kinds], loc="upper left",
+              bbox_to_anchor=(1.005, 1.0), fontsize=7)
     fig.tight_layout()
     return fig
 
