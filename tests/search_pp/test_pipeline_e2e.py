@@ -11,9 +11,9 @@ from tests.search_pp.workers import run_pipeline_case
 BATCH, SEQ = 8, 16
 
 
-def _plan(world: int, constraints: dict, model: str = "llama"):
+def _plan(world: int, constraints: dict, model: str = "llama", **kwargs):
     plan = plan_cluster(build(model, device="meta"), world, hardware="cpu", batch=(BATCH, SEQ),
-                        devices_per_node=world, constraints=dict(constraints, fsdp=True))
+                        devices_per_node=world, constraints=dict(constraints, fsdp=True), **kwargs)
     assert plan.pipeline and plan.pipeline["pp"] == constraints["pp"]
     assert len(plan.pipeline["stages"]) == plan.pipeline["pp"] * plan.pipeline["virtual_stages"]
     return plan
@@ -32,11 +32,22 @@ def test_pp2_plan_matches_one_device(pool2, model):
     _check(pool2.run(run_pipeline_case, plan.to_json(), model, BATCH, SEQ), plan)
 
 
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "ZBV"])
+def test_every_schedule_the_planner_can_write_runs(pool2, schedule):
+    plan = _plan(2, {"pp": 2, "tp": 1, "dp": 1, "schedule": schedule})
+    assert plan.pipeline["schedule"] == schedule
+    _check(pool2.run(run_pipeline_case, plan.to_json(), "llama", BATCH, SEQ), plan)
+
+
+# tiny models do not pay for TP on this host, so the tp cases forbid replicated units: the
+# plan then carries real TP styles (sequence parallel, sharded embedding/head) across stages
 def test_pp2_tp2_plan_matches_one_device(pool4):
-    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1})
+    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1}, allow_replicated_units=False)
+    assert plan.styles
     _check(pool4.run(run_pipeline_case, plan.to_json(), "llama", BATCH, SEQ), plan)
 
 
 def test_dp2_pp2_tp2_plan_matches_one_device(pool8):
-    plan = _plan(8, {"pp": 2, "tp": 2, "dp": 2})
+    plan = _plan(8, {"pp": 2, "tp": 2, "dp": 2}, allow_replicated_units=False)
+    assert plan.styles
     _check(pool8.run(run_pipeline_case, plan.to_json(), "llama", BATCH, SEQ), plan)
