@@ -46,6 +46,19 @@ LLAMA70B = [
     new_code_cell("fig = autoplan.review.plot_memory([plan, megatron], ['autoplan', 'megatron'], "
                   "limit_bytes=80 * 2**30)\nfig"),
     new_code_cell("plan.plot_communication()"),
+    new_markdown_cell("## The whole cluster: dp x pp x tp, pipeline schedules, micro-batches\n\n"
+                      "`plan_cluster` searches every factorization of the 64 devices (and the pipeline cuts, "
+                      "schedule and micro-batching when pp > 1). Below: its best plan beside the expert's, then "
+                      "a pipeline plan (pp 4 forced) with its per-stage table and simulated timeline."),
+    new_code_cell("from autoplan.cluster import plan_cluster\n"
+                  "best = plan_cluster(model, 64, batch=batch)\nbest.model['plan_name'] = 'plan_cluster'\n"
+                  "piped = plan_cluster(model, 64, batch=batch, constraints={'pp': 4, 'tp': 8})\n"
+                  "piped.model['plan_name'] = 'plan_cluster pp4'\n"
+                  "compare_plans([best, piped, expert])[['mesh', 'pp', 'schedule', 'act_ckpt', 'step_s', 'vs_best', "
+                  "'mem_total_gib']]"),
+    new_code_cell("piped.stage_table()"),
+    new_code_cell("piped.plot_timeline()"),
+    new_code_cell("piped.plot_memory(limit_bytes=80 * 2**30)"),
     new_markdown_cell("## Hand it to torch or HF"),
     new_code_cell("hf = plan.to_hf_tp_plan(model)\n"
                   "print('HF can express:', hf.tp_plan)\nprint('HF cannot:', hf.not_expressible)\n"

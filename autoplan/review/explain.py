@@ -37,6 +37,7 @@ class Explanation:
     styles: dict[str, dict[str, Any]]
     options: Any                       # pandas DataFrame, one row per candidate
     notes: list[str] = field(default_factory=list)
+    count: int = 1                     # instances of the unit (e.g. 80 identical blocks)
 
     @property
     def text(self) -> str:
@@ -44,7 +45,7 @@ class Explanation:
         for pattern, spec in self.styles.items():
             lines.append(f"  style {pattern}: {spec['style']} {spec['args'] or ''}".rstrip())
         if len(self.options):
-            lines.append("  alternatives (predicted for this unit):")
+            lines.append(f"  alternatives (predicted for this unit, all {self.count} instance(s) together):")
             for _, r in self.options.iterrows():
                 lines.append(f"    {r['strategy']:>22s} [{r['stream']}] compute {r['compute_s'] * 1e3:9.3f} ms  "
                              f"comm {r['comm_s'] * 1e3:9.3f} ms  memory {r['memory_bytes'] / 2**30:7.2f} GiB  "
@@ -162,4 +163,5 @@ def explain(plan, fqn_or_unit: str) -> Explanation:
     notes += [f"sharded strategies were not candidates: {why}" for why in sorted(excluded)
               if not any(why in n for n in notes)]
     return Explanation(query=fqn_or_unit, unit=d["unit"], strategy=d["strategy"], stream=d.get("stream", "-"),
-                       reason=d.get("reason", ""), styles=styles, options=table.reset_index(drop=True), notes=notes)
+                       reason=d.get("reason", ""), styles=styles, options=table.reset_index(drop=True), notes=notes,
+                       count=int(d.get("count", 1)))

@@ -171,6 +171,12 @@ def to_python(plan) -> str:
             lines += [f"for block in model.get_submodule({prefix!r}).children():",
                       f"    fully_shard(block, mesh=mesh[{dp!r}])"]
         lines.append(f"fully_shard(model, mesh=mesh[{dp!r}])")
+    pipe = getattr(plan, "pipeline", None)
+    if pipe and int(pipe.get("pp", 1)) > 1:
+        lines += [f"# pipeline: pp={pipe['pp']}, schedule {pipe.get('schedule')}, "
+                  f"{pipe.get('microbatches')} micro-batches, cuts before {pipe.get('cuts')};",
+                  "# split the model at those cuts (hyper_parallel PipelineStage + the schedule) before the lines "
+                  "above, or use plan.apply(model, mesh), which does it"]
     if getattr(plan, "activation_checkpointing", False):
         lines.append("# the plan checkpoints every repeated block's activations (torch.distributed._composable.checkpoint)")
     if getattr(plan, "loss_parallel", False):
