@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan, apply and train a small Llama on 4 CPU ranks")
     d.add_argument("--world", type=int, default=4)
-    d.add_argument("--plan", default="auto", help="'auto' (autoplan) or an expert plan name (torchtitan, megatron, ...)")
+    d.add_argument("--plan", default="auto",
+                   help="'auto' (autoplan) or an expert plan name (torchtitan, megatron, ...)")
     d.add_argument("--steps", type=int, default=5)
     d.set_defaults(func=_cmd_demo)
     pl = sub.add_parser("plan", help="plan a preset or an HF config.json for a mesh")
@@ -287,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per dp rank)")
     pl.add_argument("--seq", type=int, default=4096, help="sequence length")
     pl.add_argument("--styles", default=None,
-                    help=f"price a hand-written plan instead of solving: {', '.join(EXPERT_STYLE_NAMES)} or a JSON file")
+                    help="price a hand-written plan instead of solving: "
+                         f"{', '.join(EXPERT_STYLE_NAMES)} or a JSON file")
     pl.add_argument("--layers", type=int, default=None, help="override the number of layers")
     pl.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     pl.set_defaults(func=_cmd_plan)

@@ -119,7 +119,8 @@ APPLY = [
     new_code_cell("plan.summary()[['unit', 'strategy', 'stream', 'compute_s', 'comm_s', 'reason']]"),
     new_code_cell("result = verify(plan, build_llama(device='meta', **DEMO_MODEL))\n"
                   "assert result.passed\nresult.collectives"),
-    new_code_cell("big = autoplan(build_llama(device='meta', **DEMO_MODEL), MeshSpec((16, 4), ('dp', 'tp'), 'h100_sxm'),"
+    new_code_cell("big = autoplan(build_llama(device='meta', **DEMO_MODEL), "
+                  "MeshSpec((16, 4), ('dp', 'tp'), 'h100_sxm'),"
                   " batch=(64, 64), allow_replicated_units=False)\n"
                   "big_result = verify(big, build_llama(device='meta', **DEMO_MODEL))\n"
                   "assert big_result.passed\nbig_result.collectives"),

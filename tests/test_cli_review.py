@@ -17,7 +17,8 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     auto, titan, mega = d / "auto.json", d / "titan.json", d / "mega.json"
     assert main(["plan", *PRESET, "--mesh", "dp=2,tp=4", "--batch", "8", "-o", str(auto)]) == 0
-    assert main(["plan", *PRESET, "--mesh", "dp=2,tp=4", "--batch", "8", "--styles", "torchtitan", "-o", str(titan)]) == 0
+    assert main(["plan", *PRESET, "--mesh", "dp=2,tp=4", "--batch", "8", "--styles", "torchtitan",
+                 "-o", str(titan)]) == 0
     assert main(["plan", *PRESET, "--mesh", "dp=2,tp=4", "--batch", "8", "--styles", "megatron", "-o", str(mega)]) == 0
     return d, auto, titan, mega
 

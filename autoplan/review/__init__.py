@@ -24,5 +24,6 @@ from autoplan.review.stages import simulate_pipeline, stage_table
 __all__ = [
     "compare_plans", "diff", "explain", "Explanation", "to_torch", "to_hf_tp_plan", "to_python", "HFExport",
     "import_plan", "import_torchtitan", "import_hf_tp_plan", "styles_from_expert", "styles_from_hf",
-    "module_table", "plot_communication", "plot_memory", "plot_timeline", "save_figure", "simulate_pipeline", "stage_table",
+    "module_table", "plot_communication", "plot_memory", "plot_timeline", "save_figure", "simulate_pipeline",
+    "stage_table",
 ]

@@ -38,7 +38,8 @@ def test_explain_module_gives_style_alternatives_and_why(plans):
     auto, _ = plans
     e = auto.explain("layers.7.feed_forward.w2")
     assert e.unit == "layers/mlp" and e.strategy == "hidden_sharded" and e.stream == "S"
-    assert e.styles == {"layers.*.feed_forward.w2": {"style": "RowwiseParallel", "args": {"output_layouts": "Shard(1)"}}}
+    w2 = {"style": "RowwiseParallel", "args": {"output_layouts": "Shard(1)"}}
+    assert e.styles == {"layers.*.feed_forward.w2": w2}
     t = e.options.set_index(["strategy", "stream"])
     assert t.loc[("hidden_sharded", "S"), "verdict"] == "chosen"
     assert t.loc[("replicate", "R"), "verdict"].startswith("slower by")
