@@ -137,6 +137,8 @@ NOTEBOOKS = {"01_llama3_70b_vs_torchtitan.ipynb": LLAMA70B, "02_sweep_devices_ha
 
 def main() -> None:
     for name, cells in NOTEBOOKS.items():
+        for i, cell in enumerate(cells):
+            cell.id = f"cell-{i:02d}"   # stable ids: regenerating gives no diff
         nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                 "language": "python"}})
         nbformat.validate(nb)
