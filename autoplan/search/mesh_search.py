@@ -298,7 +298,8 @@ class ClusterSearch:
                 cut = True
                 break
             units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b)
-            cands = pipeline_candidates(units, pp, [m], self.limit, self.schedules, self.virtual)
+            cands = pipeline_candidates(units, pp, [m], self.limit, self.schedules, self.virtual, bound=best,
+                                        extra=DP_EXPOSED_MIN * sum(u.dp_comm_s for u in units) / pp)
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
             for c in cands:
                 if full_lower_bound(c, units, self.exposed()) >= best:

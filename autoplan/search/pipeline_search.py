@@ -345,9 +345,14 @@ def estimate(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: float)
 
 def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequence[int], memory_limit: float,
                         schedules: Sequence[str] = SCHEDULES, virtual: Sequence[int] = (2,),
-                        include_even: bool = True) -> list[PipelineChoice]:
+                        include_even: bool = True, bound: float = float("inf"),
+                        extra: float = 0.0) -> list[PipelineChoice]:
     """Every (schedule, v, m) on ``p`` ranks whose cuts fit memory, with balanced (and even) cuts;
-    untimed (see ``time_choice``). With p == 1 the only schedule is one stage doing m micro-batches."""
+    untimed (see ``time_choice``). With p == 1 the only schedule is one stage doing m micro-batches.
+
+    ``bound``: skip (without generating its IR, the costly part) a schedule whose busiest rank
+    must work at least ``bound - extra`` for any cut: m x the least bottleneck of p stages for
+    one stage per rank, m x total / p otherwise."""
     from hyper_parallel.errors import ScheduleError
 
     out = []
@@ -361,6 +366,9 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
             if sum(states) + sum(acts) <= memory_limit:   # one stage: one micro-batch in flight
                 out.append(c)
         return out
+    inf = [float("inf")] * p
+    free = balanced_cuts(times, [0.0] * n, [0.0] * n, p, [0.0] * p, inf) if p <= n else None
+    least_bottleneck = max(sum(times[a:b]) for a, b in stage_bounds(free, n)) if free else 0.0
     for name in schedules:
         for v in (virtual if name == "Interleaved1F1B" else (1,)):
             vv = schedule_virtual(name, v)
@@ -368,6 +376,9 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
             if n_st > n:
                 continue
             for m in microbatches:
+                floor = m * (least_bottleneck if vv == 1 else sum(times) / p) + extra
+                if floor >= bound:
+                    continue
                 try:
                     s2r = schedule_ir(name, p, m, v).stage_to_rank
                     infl = uniform_inflight(name, p, m, v)
