@@ -88,9 +88,11 @@ class Plan:
         text = str(source)
         if not text.lstrip().startswith("{"):
             try:
-                text = Path(source).read_text()
+                text = Path(source).read_text(encoding="utf-8")
             except OSError as e:
                 raise PlanSchemaError(f"plan file {source}: {e}") from None
+            except UnicodeDecodeError as e:
+                raise PlanSchemaError(f"plan file {source} is not UTF-8 JSON (corrupted?): {e}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

@@ -44,13 +44,10 @@ def test_missing_file(tmp_path):
         Plan.from_json(tmp_path / "missing.json")
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError,
-                   reason="Plan.from_json reads with read_text(); non-UTF-8 bytes escape as UnicodeDecodeError "
-                          "(plan.py is outside issue 8's files; reported)")
 def test_binary_garbage_file_on_disk(text, tmp_path):
     path = tmp_path / "plan.json"
     path.write_bytes(text.encode()[:100] + b"\x00\xff\xfe" + text.encode()[100:])
-    with pytest.raises(PlanSchemaError):
+    with pytest.raises(PlanSchemaError, match="not UTF-8"):
         Plan.from_json(path)
 
 
