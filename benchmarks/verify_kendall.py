@@ -1,6 +1,6 @@
 """Predicted vs measured step time of distinct plans of one model on 4 gloo ranks (Kendall tau).
 
-    .venv/bin/python benchmarks/verify_kendall.py [--steps 5] [--rounds 5] [--no-calibrate]
+    PYTHONPATH=. .venv/bin/python benchmarks/verify_kendall.py [--steps 5] [--rounds 5] [--no-calibrate]
 
 For each case autoplan plans a small Llama on a 4-rank mesh (tp 4, dp 2 x tp 2, dp 4; sequence
 parallel forced on/off; replicated units allowed or not; two batch shapes) with the measured
