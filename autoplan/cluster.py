@@ -18,13 +18,60 @@ import torch
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
-from autoplan.search.pipeline_search import SCHEDULES, schedule_ir, stage_bounds
+from autoplan.search.pipeline_search import SCHEDULES, fsdp_gathers, schedule_ir, stage_bounds
 
 log = logging.getLogger(__name__)
 UNBOUNDED = 1e30  # the TP solve of a pipelined plan: memory is checked per stage by the pipeline search
 
 
-def _rank_rows(search: ClusterSearch, best: Candidate, rank: int) -> tuple[list[dict], dict[str, float]]:
+def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
+    """FSDP2 traffic of pipeline rank ``rank``, exactly as the pipeline runner wraps it: every
+    block of its stages is a unit, each stage root holds the rest (embedding, norm, head)."""
+    from autoplan.search.sharding import param_shards
+
+    c = best.choice
+    st = search.structure(best.b)
+    shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
+    names = search.unit_names
+    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    units: dict[tuple, int] = {}
+    unit_stage: dict[str, int] = {}
+    for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))):
+        if s2r[s] != rank:
+            continue
+        for sh in shards:
+            if any(sh.fqn.startswith(u + ".") for u in names[a:b]):
+                unit_stage[sh.unit] = s
+                key = (1, sh.unit) if sh.unit else (0, f"stage{s}")
+                units[key] = units.get(key, 0) + sh.fsdp_padded_numel(best.dp) * sh.dtype_bytes
+    gathers = fsdp_gathers(c.schedule, c.p, c.m, c.v)
+    rows = []
+    for (is_block, unit), nbytes in sorted(units.items()):
+        stage = unit_stage[unit] if is_block else int(unit[5:])
+        # a block is resharded after each forward (gathered again when next needed); the stage
+        # root stays unsharded for the whole step
+        rows += [("all_gather", "forward", nbytes, gathers[stage] if is_block else 1),
+                 ("reduce_scatter", "backward", nbytes, 1)]
+    return [{"kind": k, "mesh_dim": "dp", "phase": p, "bytes": b, "count": n} for k, p, b, n in rows]
+
+
+def _rank_param_bytes(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> int:
+    """Parameter bytes pipeline rank ``rank`` holds after TP and FSDP (tied parameters once)."""
+    from autoplan.search.sharding import param_shards
+
+    c = best.choice
+    st = search.structure(best.b)
+    shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
+    names = search.unit_names
+    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    mine = [u for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) if s2r[s] == rank for u in names[a:b]]
+    d = best.dp if best.fsdp else 1
+    return sum(sh.fsdp_local_numel(d) * sh.dtype_bytes for sh in shards
+               if any(sh.fqn.startswith(u + ".") for u in mine))
+
+
+def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict | None = None
+               ) -> tuple[list[dict], dict[str, float]]:
     """Collectives and memory of pipeline rank ``rank``: the TP collectives of its units once per
     micro-batch, the dp collectives once per step, and the P2P sends of its stage boundaries."""
     from collections import defaultdict
@@ -56,6 +103,8 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int) -> tuple[list[
             dim = "tp" if col.dim == "tp" else col.dim
             if dim not in MESH_NAMES or ctx.topology[dim].size == 1 or col.nbytes <= 0:
                 continue
+            if dim == "dp" and best.fsdp:
+                continue  # exact FSDP rows per wrapped unit: _fsdp_rows
             per = col.count * k // len(targets)
             agg[(col.kind, dim, col.phase, int(col.nbytes))] += per * (c.m if dim == "tp" else 1)
         for key, v in o.memory(ctx).items():
@@ -67,10 +116,19 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int) -> tuple[list[
         for s in range(len(s2r)):
             if s2r[s] != rank:
                 continue
+            # activations go up and gradients come back: a send and a receive per micro-batch
+            # on each side of every boundary this stage has with another rank
             if s + 1 < len(s2r) and s2r[s + 1] != rank:
                 agg[("send_recv", "pp", "forward", nbytes)] += c.m
-            if s > 0 and s2r[s - 1] != rank:
                 agg[("send_recv", "pp", "backward", nbytes)] += c.m
+            if s > 0 and s2r[s - 1] != rank:
+                agg[("send_recv", "pp", "forward", nbytes)] += c.m
+                agg[("send_recv", "pp", "backward", nbytes)] += c.m
+        # the runtime agrees on the input signature once per step (one int64 all-reduce on pp)
+        agg[("all_reduce", "pp", "forward", 8)] += 1
+        if best.fsdp and best.dp > 1:
+            for row in _fsdp_rows(search, best, rank, styles):
+                agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
     inflight = c.peak_inflight[rank] / max(1, sum(1 for r in s2r if r == rank))
     mem["activations"] *= inflight
     rows = [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n} for (k, d, p, b), n in sorted(agg.items())]
@@ -119,8 +177,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
     stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
     s2r = list(schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank)
     rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
-    collectives, mem = _rank_rows(search, best, 0)
-    _, worst_mem = _rank_rows(search, best, rank) if rank else (None, mem)
+    collectives, mem = _rank_rows(search, best, 0, tp_plan.styles)
+    if c.p == 1:  # one stage: the TP planner's exact rows (one micro-batch; dry_run.verify checks them)
+        collectives = tp_plan.predictions["collectives"]
+    _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles) if rank else (None, mem)
     busy = max(c.busy_s)
     tp_plan.pipeline = {
         "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
@@ -129,6 +189,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
         "per_stage": [{k: row[k] for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
                       for row in c.per_stage],
         "collectives_rank": 0,
+        "rank0_param_bytes": _rank_param_bytes(search, best, 0, tp_plan.styles),
     }
     tp_plan.predictions = {
         "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
@@ -143,7 +204,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
         f"mesh dp={best.dp} x pp={best.pp} x tp={best.tp} ({'FSDP' if best.fsdp else 'replicated'} data parallel"
         f"{', activation checkpointing' if best.ac else ''}), {c.schedule} with {c.m} micro-batches of "
         f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
-        "predictions.collectives are pipeline rank 0's (its stages' TP collectives per micro-batch, dp "
-        "collectives per step, P2P sends per boundary); memory_bytes is the fullest rank's"]
+        "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
+        "per step, P2P send+recv per boundary and micro-batch); memory_bytes is the fullest rank's"]
+    if c.p == 1 and c.m > 1:
+        tp_plan.notes.append(f"pp=1 with {c.m} micro-batches is gradient accumulation; the runner (runner.py) "
+                             "runs the local batch in one pass, so apply with microbatches=1 or accumulate yourself")
     tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
     return tp_plan

@@ -173,8 +173,13 @@ class ClusterSearch:
             from autoplan.search.tp_search import TPSearch
 
             ctx = self.ctx(1, 1, tp, False, ac)
-            search = TPSearch(self.structure(b), self.graph(b), ctx, tp, allow_replicated=self.allow_replicated,
-                              sequence_parallel=self.sp)
+            try:
+                search = TPSearch(self.structure(b), self.graph(b), ctx, tp, allow_replicated=self.allow_replicated,
+                                  sequence_parallel=self.sp)
+            except InfeasiblePlanError as e:  # e.g. allow_replicated_units=False at a degree that cannot shard
+                log.info("plan_cluster: tp=%d skipped: %s", tp, e)
+                self._tp[key] = None
+                return None
             chosen, layout, _info = search.solve(None)
             if not chosen:
                 self._tp[key] = None
@@ -196,7 +201,7 @@ class ClusterSearch:
         ctx = self.ctx(dp, pp, tp, fsdp, ac)
         names = self.unit_names
         index = {n: i for i, n in enumerate(names)}
-        acc = [[0.0] * 6 for _ in names]  # F, I, W, state, act, dp_comm
+        acc = [[0.0] * 7 for _ in names]  # F, I, W, state, act, dp_comm, one dp all-gather
         st = self.structure(b)
         head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
         emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
@@ -212,11 +217,13 @@ class ClusterSearch:
             f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])
             b_comm = ctx.comm_time([x for x in tp_c if x.phase != "forward"])
             mem = o.memory(ctx)
+            gather = ctx.comm_time([x for x in o.collectives(ctx) if x.dim == "dp" and x.kind == "all_gather"
+                                    and x.phase == "forward"]) if (fsdp and o.in_block) else 0.0
             vals = (base / 3 + f_comm, c - 2 * base / 3 + b_comm, base / 3,
                     sum(v for k, v in mem.items() if k != "activations"), mem.get("activations", 0.0),
-                    o.dp_comm_s(ctx))
+                    o.dp_comm_s(ctx), gather)
             for t in targets:
-                for k in range(6):
+                for k in range(7):
                     acc[t][k] += vals[k] * share
         units = [UnitCost(n, *a) for n, a in zip(names, acc)]
         hidden = st.blocks[0].hidden_bytes if st.blocks else 0

@@ -38,7 +38,8 @@ class UnitCost:
     """One pipeline unit (a spine FQN) per micro-batch on one rank: forward, backward-input and
     backward-weight seconds (tensor-parallel collectives included), bytes of parameter state
     (params + grads + optimizer, after FSDP), saved activation bytes per micro-batch, and its
-    data-parallel communication seconds per step."""
+    data-parallel communication seconds per step (FSDP: two all-gathers and a reduce-scatter;
+    a pipeline gathers a block again whenever it finds it resharded, see ``fsdp_gathers``)."""
 
     name: str
     forward: float
@@ -47,6 +48,7 @@ class UnitCost:
     state_bytes: float = 0.0
     act_bytes: float = 0.0
     dp_comm_s: float = 0.0
+    dp_gather_s: float = 0.0   # one FSDP all-gather of this unit if it is its own FSDP unit (a block)
 
     @property
     def time(self) -> float:
@@ -237,7 +239,7 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
         stage_costs.append(StageCost(sum(u.forward for u in seg), sum(u.backward_input for u in seg),
                                      sum(u.backward_weight for u in seg)))
         stage_rows.append({"state": sum(u.state_bytes for u in seg), "act": sum(u.act_bytes for u in seg),
-                           "dp_comm_s": sum(u.dp_comm_s for u in seg)})
+                           "dp_comm_s": _stage_dp(choice, units, len(stage_rows), a, b)})
     hop = p2p_time if choice.p > 1 else 0.0
     if choice.p == 1:  # one stage: m forwards and backwards back to back, one micro-batch live
         busy1 = choice.m * sum(c.forward + c.backward for c in stage_costs)
@@ -287,6 +289,32 @@ def _rank_ends(name: str, p: int, m: int, v: int) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
+def fsdp_gathers(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """All-gathers of a block's FSDP unit per stage in one step, as the runtime runs FSDP inside a
+    pipeline (fsdp_actions.py): resharded after every forward, kept unsharded after backward
+    until the step ends; so a forward or backward that finds it resharded gathers it."""
+    from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+
+    ir = schedule_ir(name, p, m, v)
+    out = [0] * ir.n_stages
+    for prog in ir.actions:
+        sharded: dict[int, bool] = {}
+        for a in prog:
+            if a.kind is K.FORWARD:
+                out[a.stage] += sharded.get(a.stage, True)
+                sharded[a.stage] = True
+            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
+                out[a.stage] += sharded.get(a.stage, True)
+                sharded[a.stage] = False
+    return tuple(out)
+
+
+def _stage_dp(choice: PipelineChoice, units: Sequence[UnitCost], s: int, a: int, b: int) -> float:
+    extra = (fsdp_gathers(choice.schedule, choice.p, choice.m, choice.v)[s] - 2) if choice.p > 1 else 0
+    return sum(u.dp_comm_s + extra * u.dp_gather_s for u in units[a:b])
+
+
 def lower_bound(choice: PipelineChoice, units: Sequence[UnitCost]) -> float:
     """A step time the simulator cannot beat for these cuts and this schedule: for every rank,
     the forward chain before its first action (stages before it must run first) + its compute
@@ -329,7 +357,7 @@ def _exposed(choice: PipelineChoice, units: Sequence[UnitCost], exposed_dp=None)
     busy, dp = [0.0] * choice.p, [0.0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         busy[s2r[s]] += choice.m * sum(u.time for u in units[a:b])
-        dp[s2r[s]] += sum(u.dp_comm_s for u in units[a:b])
+        dp[s2r[s]] += _stage_dp(choice, units, s, a, b)
     return [exposed_dp(d, c) if exposed_dp else d for d, c in zip(dp, busy)]
 
 
