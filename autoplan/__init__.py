@@ -10,4 +10,4 @@ from autoplan.plan import Plan
 from autoplan.search import MeshSpec
 from autoplan.review.compare import compare_plans
 
-__all__ = ["autoplan", "Plan", "MeshSpec", "compare_plans"]
+__all__ = ["autoplan", "plan_cluster", "Plan", "MeshSpec", "compare_plans"]
