@@ -27,7 +27,7 @@ from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import (
     SCHEDULES, PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates, time_choice,
 )
-from autoplan.search.tp_search import DP_EXPOSED_MIN
+from autoplan.search.tp_search import exposed_dp
 
 log = logging.getLogger(__name__)
 MESH_NAMES = ("dp", "pp", "tp")
@@ -290,13 +290,17 @@ class ClusterSearch:
                     total_t = sum(u.time for u in units)
                     if sum(u.state_bytes for u in units) / pp > self.limit:
                         continue
-                    dp_min = DP_EXPOSED_MIN * sum(u.dp_comm_s for u in units) / pp
+                    # exposed dp time is convex in (traffic, compute), so its max over ranks is at
+                    # least its value at the rank average (Jensen): a valid bound before any cut
+                    dp_min = exposed_dp(sum(u.dp_comm_s for u in units) / pp, m * total_t / pp)
                     chain = sum(u.forward + u.backward_input for u in units)
                     lb = max(m * total_t / pp, chain) + dp_min
                     # visiting order only: the least bubble any schedule has on even stages
                     est = m * total_t / pp * (1 + min(BUBBLE[n] for n in self.schedules) * (pp - 1) / m) + dp_min
                     groups.append((est, lb, dp, pp, tp, fsdp, ac, b, m))
-        groups.sort()
+        # one-stage groups first: timed in closed form (no schedule IR), they give the bound that
+        # lets pipelined groups be skipped before their schedules are generated
+        groups.sort(key=lambda g: (g[3] > 1, g))
         best, done, cut = float("inf"), [], False
         for _est, lb, dp, pp, tp, fsdp, ac, b, m in groups:
             if lb >= best:
@@ -306,7 +310,8 @@ class ClusterSearch:
                 break
             units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b)
             cands = pipeline_candidates(units, pp, [m], self.limit, self.schedules, self.virtual, bound=best,
-                                        extra=DP_EXPOSED_MIN * sum(u.dp_comm_s for u in units) / pp)
+                                        extra=lb - max(m * sum(u.time for u in units) / pp,
+                                                       sum(u.forward + u.backward_input for u in units)))
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
             for c in cands:
                 if full_lower_bound(c, units, self.exposed()) >= best:

@@ -204,6 +204,38 @@ def balanced_cuts(times: Sequence[float], states: Sequence[float], acts: Sequenc
     return best
 
 
+def ramp_floor(units: Sequence[UnitCost], p: int, m: int) -> float:
+    """min over cuts into p stages of max_j (forwards of stages before j + m x work of stage j):
+    a lower bound on the simulated step of any one-stage-per-rank schedule (GPipe, 1F1B, ZB-H1:
+    rank j's first action is stage j's forward, which waits for the forward chain before it).
+    Exact by bisection with a greedy test (the offset grows with a stage's start)."""
+    n = len(units)
+    if p > n:
+        return float("inf")
+    pt, pf = _prefix([u.time for u in units]), _prefix([u.forward for u in units])
+
+    def fits(x: float) -> bool:
+        i = 0
+        for j in range(p):
+            hi = n - (p - 1 - j)
+            if j == p - 1:
+                return pf[i] + m * (pt[n] - pt[i]) <= x * (1 + 1e-12)
+            e = bisect.bisect_right(pt, pt[i] + (x * (1 + 1e-12) - pf[i]) / m, i, hi + 1) - 1
+            if e <= i:
+                return False
+            i = e
+        return True
+
+    lo, hi = 0.0, pf[n] + m * pt[n]
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
 def even_starts(n_units: int, n_stages: int, first_blocks: int = 1, tail: int = 2) -> list[int] | None:
     """The experts' even split (torchtitan / ``even_cuts``): blocks spread evenly, the embedding
     with the first stage, the final norm and head with the last."""
@@ -378,9 +410,9 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
     """Every (schedule, v, m) on ``p`` ranks whose cuts fit memory, with balanced (and even) cuts;
     untimed (see ``time_choice``). With p == 1 the only schedule is one stage doing m micro-batches.
 
-    ``bound``: skip (without generating its IR, the costly part) a schedule whose busiest rank
-    must work at least ``bound - extra`` for any cut: m x the least bottleneck of p stages for
-    one stage per rank, m x total / p otherwise."""
+    ``bound``: skip (without generating its IR, the costly part) a schedule that cannot beat it
+    for any cut: ``ramp_floor`` + ``extra`` for one stage per rank, m x total / p + ``extra``
+    otherwise."""
     from hyper_parallel.errors import ScheduleError
 
     out = []
@@ -394,9 +426,7 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
             if sum(states) + sum(acts) <= memory_limit:   # one stage: one micro-batch in flight
                 out.append(c)
         return out
-    inf = [float("inf")] * p
-    free = balanced_cuts(times, [0.0] * n, [0.0] * n, p, [0.0] * p, inf) if p <= n else None
-    least_bottleneck = max(sum(times[a:b]) for a, b in stage_bounds(free, n)) if free else 0.0
+    ramps: dict[int, float] = {}
     for name in schedules:
         for v in (virtual if name == "Interleaved1F1B" else (1,)):
             vv = schedule_virtual(name, v)
@@ -404,7 +434,9 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
             if n_st > n:
                 continue
             for m in microbatches:
-                floor = m * (least_bottleneck if vv == 1 else sum(times) / p) + extra
+                if vv == 1 and m not in ramps:
+                    ramps[m] = ramp_floor(units, p, m)
+                floor = (ramps[m] if vv == 1 else m * sum(times) / p) + extra
                 if floor >= bound:
                     continue
                 try:

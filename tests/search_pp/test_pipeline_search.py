@@ -6,8 +6,8 @@ import random
 import pytest
 
 from autoplan.search.pipeline_search import (
-    UnitCost, balanced_cuts, even_starts, full_lower_bound, pipeline_candidates, play_costs, search_pipeline,
-    stage_bounds,
+    UnitCost, balanced_cuts, even_starts, full_lower_bound, pipeline_candidates, play_costs, ramp_floor,
+    search_pipeline, stage_bounds,
 )
 from hyper_parallel.core.pipeline_parallel import StageCost, build_schedule, simulate
 
@@ -84,6 +84,19 @@ def test_search_is_exact_against_simulating_every_candidate():
     every = [time_choice(c, units, 0.05) for c in pipeline_candidates(units, 4, [4, 8, 16], 40.0)]
     assert best.step_s == pytest.approx(min(c.step_s for c in every if max(c.rank_memory) <= 40.0))
     assert all(full_lower_bound(c, units) <= c.step_s + 1e-12 for c in every)
+    for c in every:
+        if c.v == 1:  # the schedule-free floor used to skip generating a schedule is below every step
+            assert ramp_floor(units, 4, c.m) <= c.sim_step_s + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ramp_floor_equals_brute_force(seed):
+    rng = random.Random(seed)
+    n, p, m = rng.randint(3, 9), rng.randint(1, 3), rng.randint(1, 6)
+    units = [UnitCost(f"u{i}", rng.uniform(.1, 1), rng.uniform(.1, 1), rng.uniform(0, 1)) for i in range(n)]
+    want = min(max(sum(u.forward for u in units[:a]) + m * sum(u.time for u in units[a:b])
+                   for a, b in stage_bounds(st, n)) for st in _all_starts(n, p))
+    assert ramp_floor(units, p, m) == pytest.approx(want, rel=1e-9)
 
 
 def test_memory_limit_is_respected_with_in_flight_micro_batches():
