@@ -8,6 +8,7 @@ stages living on different ranks. Nothing here imports torch.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -59,18 +60,24 @@ class Action:
         return self.kind in COMM_KINDS
 
 
+# Actions are immutable values; the planner builds schedules with hundreds of thousands of
+# them, so the constructors hand out one shared instance per (stage, micro-batch).
+@functools.lru_cache(maxsize=None)
 def F(stage: int, mb: int) -> Action:
     return Action(ActionKind.FORWARD, stage, mb)
 
 
+@functools.lru_cache(maxsize=None)
 def B(stage: int, mb: int) -> Action:
     return Action(ActionKind.BACKWARD, stage, mb)
 
 
+@functools.lru_cache(maxsize=None)
 def I(stage: int, mb: int) -> Action:  # noqa: E743 - the literature's name for backward-input
     return Action(ActionKind.BACKWARD_INPUT, stage, mb)
 
 
+@functools.lru_cache(maxsize=None)
 def W(stage: int, mb: int) -> Action:
     return Action(ActionKind.BACKWARD_WEIGHT, stage, mb)
 
