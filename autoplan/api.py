@@ -259,6 +259,9 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
     use_fsdp = bool(fsdp and dp > 1)
     fsdp_rows = fsdp_collectives(shards, dp, dp_dim) if use_fsdp else []
+    if dp > 1 and not use_fsdp:  # replicated DP: one all-reduce of the flattened local gradients
+        fsdp_rows = [{"kind": "all_reduce", "mesh_dim": dp_dim, "phase": "backward",
+                      "bytes": int(rank_param_bytes(shards, dp, False)), "count": 1}]
     memory = dict(best.memory)
     elements = rank_param_bytes(shards, dp, use_fsdp) / pbytes
     memory.update(params=elements * pbytes, grads=elements * pbytes,

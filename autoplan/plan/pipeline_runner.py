@@ -65,6 +65,11 @@ class PipelineRunner:
         self.optimizer.zero_grad()
         args = (inputs,) if self.first else ()
         loss = self.schedule.step(*args, target=targets if self.last else None)
+        if getattr(self, "replicate_dp", False):
+            from autoplan.plan.data_parallel import allreduce_gradients, unique_params
+
+            params = [p for st in self.stages for p in unique_params(st.module)]
+            allreduce_gradients(params, self.dp_mesh.get_group(), self.dp_mesh.size())
         self.optimizer.step()
         value = torch.zeros((), dtype=torch.float64)
         if loss is not None:
@@ -120,9 +125,10 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
                 if is_block(u):
                     checkpoint(st.module.get_submodule(u))
     use_dp = dp_mesh is not None and dp_mesh.size() > 1
-    if use_dp and not plan.fsdp.get("enabled"):
-        raise MeshError("plan.apply: data parallel without FSDP is not supported by this runner; "
-                        "plan with constraints={'fsdp': True}")
+    replicate_dp = use_dp and not plan.fsdp.get("enabled")
+    if replicate_dp:
+        use_dp = False  # whole parameters per dp rank; gradients averaged after each step
+
     if use_dp:
         tied = {id(prm) for st in stages for g in st.module.tied_groups
                 for s, fqn in g.items() if s == st.stage_index for prm in [st.module.get_parameter(fqn)]}
@@ -140,4 +146,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
     last_rank = ir.stage_to_rank[ir.n_stages - 1]
-    return PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank, dp_mesh if use_dp else None)
+    runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank,
+                            dp_mesh if (use_dp or replicate_dp) else None)
+    runner.replicate_dp = replicate_dp
+    return runner

@@ -31,12 +31,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Runner:
-    def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None):
+    def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
+                 replicate_dp: bool = False):
         self.model = model
         self.plan = plan
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.dp_mesh = dp_mesh
+        self.replicate_dp = replicate_dp  # replicated data parallel: average gradients after backward
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's share of a global batch along dim 0 (its dp coordinate)."""
@@ -60,6 +62,10 @@ class Runner:
         else:
             loss = self.loss_fn(logits, targets)
             loss.backward()
+        if self.replicate_dp:
+            from autoplan.plan.data_parallel import allreduce_gradients, unique_params
+
+            allreduce_gradients(unique_params(self.model), self.dp_mesh.get_group(), self.dp_mesh.size())
         self.optimizer.step()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return float(value.detach())
@@ -103,8 +109,6 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
         for unit in _fsdp_units(model, plan):
             fully_shard(unit, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
-    elif dp_mesh is not None and dp_mesh.size() > 1:
-        raise MeshError("plan.apply: data parallel without FSDP is not supported by this runner; "
-                        "plan with fsdp=True")
+    replicate_dp = dp_mesh is not None and dp_mesh.size() > 1 and not plan.fsdp.get("enabled")
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
-    return Runner(model, plan, optimizer, loss_fn, dp_mesh)
+    return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=replicate_dp)

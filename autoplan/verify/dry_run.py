@@ -96,6 +96,10 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
                     loss = lm_loss(logits, targets)
                     rec.phase = "backward"
                     loss.backward()
+                if getattr(runner, "replicate_dp", False):  # what Runner.step does after backward
+                    from autoplan.plan.data_parallel import allreduce_gradients, unique_params
+
+                    allreduce_gradients(unique_params(meta), runner.dp_mesh.get_group(), runner.dp_mesh.size())
     rows = [dict(e, mesh_dim=groups.get(e["group"], f"group:{e['group']}")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "phase", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])

@@ -147,6 +147,7 @@ class CollectiveRecorder:
         # logical bytes: the gathered output / the pre-scatter input
         wrap("all_gather_single", "all_gather", "output_tensor")
         wrap("reduce_scatter_single", "reduce_scatter", "input")
+        wrap("all_reduce", "all_reduce", "tensor")
 
     def __exit__(self, *exc) -> None:
         import torch.distributed as dist

@@ -17,6 +17,7 @@ CASES = [
     ("llama_kv2", (4,), ("tp",), dict(sequence_parallel=True)),
     ("llama", (2, 2), ("dp", "tp"), dict(allow_replicated_units=False, sequence_parallel=True)),
     ("hf_llama", (2, 2), ("dp", "tp"), dict(allow_replicated_units=False, sequence_parallel=False)),
+    ("llama_tied", (2, 2), ("dp", "tp"), dict(allow_replicated_units=False, sequence_parallel=True, fsdp=False)),
 ]
 
 

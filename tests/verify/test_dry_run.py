@@ -21,6 +21,7 @@ CASES = [
     ("tp8_sp_loss_parallel", _llama, (8,), ("tp",), 2, 128, dict(sequence_parallel=True)),
     ("tp8_megatron", _llama, (8,), ("tp",), 2, 128, dict(sequence_parallel=False)),
     ("dp3_tp2_uneven_fsdp", _llama, (3, 2), ("dp", "tp"), 6, 128, dict(sequence_parallel=False)),
+    ("dp4_tp2_replicated_dp", _llama, (4, 2), ("dp", "tp"), 8, 128, dict(sequence_parallel=True, fsdp=False)),
     ("dp4_tp8_sp_fsdp", _llama, (4, 8), ("dp", "tp"), 8, 128, dict(sequence_parallel=True)),
     ("tied_tp4_sp", lambda: _llama(tie_embeddings=True, dim=128, n_heads=4, n_kv_heads=4), (4,), ("tp",), 2, 64,
      dict(sequence_parallel=True)),
