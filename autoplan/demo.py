@@ -7,6 +7,7 @@ times come back, so a person sees the plan and that the parallel run computes th
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from hyper_parallel import loss_parallel, parallelize_module, style_from_dict
 from hyper_parallel.testing import RankPool, cached_mesh
 from hyper_parallel.testing.compare import full
 
+log = logging.getLogger(__name__)
 DEMO_MODEL = dict(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_hidden=384, max_seq_len=64)
 
 
@@ -81,6 +83,16 @@ def _rank_main(styles: dict, steps: int, batch: int, seq: int):
     return rows
 
 
+def _ensure_runtime_calibration(world: int, pool) -> None:
+    """The cpu profile's predictions need this host's eager-rank overheads (DTensor dispatch,
+    gloo collectives); measure them once on the demo's own ranks (~15 s) if none are cached."""
+    from cost_models.runtime import calibrate_runtime, load_runtime
+
+    if load_runtime(world) is None:
+        log.warning("demo: calibrating this host's runtime overheads on %d ranks (once, cached)", world)
+        calibrate_runtime(world, pool=pool)
+
+
 def plan_demo_model(world: int, batch: int, seq: int):
     """autoplan for the demo model on a ``world``-rank tp mesh priced with this host's CPU profile.
 
@@ -96,17 +108,18 @@ def plan_demo_model(world: int, batch: int, seq: int):
 
 def run_demo(world: int = 4, plan_name: str = "auto", steps: int = 5, batch: int = 4, seq: int = 32) -> DemoResult:
     """Plan (``auto``) or take a named expert plan, then train on ``world`` gloo ranks."""
-    if plan_name == "auto":
-        plan = plan_demo_model(world, batch, seq)
-        styles, predicted, notes = plan.styles, plan.step_time, list(plan.notes)
-        table = plan.summary()[["unit", "count", "strategy", "stream", "compute_s", "comm_s", "reason"]]
-    elif plan_name in EXPERT_PLANS:
-        styles = {k: v.to_dict() for k, v in EXPERT_PLANS[plan_name]().items()}
-        predicted, notes = None, []
-        table = pd.DataFrame([{"module": k, "style": v["style"], "args": v["args"]} for k, v in styles.items()])
-    else:
+    if plan_name != "auto" and plan_name not in EXPERT_PLANS:
         raise ValueError(f"demo: unknown plan {plan_name!r}; use 'auto' or one of {sorted(EXPERT_PLANS)}")
     with RankPool(world, timeout_s=600) as pool:
+        if plan_name == "auto":
+            _ensure_runtime_calibration(world, pool)
+            plan = plan_demo_model(world, batch, seq)
+            styles, predicted, notes = plan.styles, plan.step_time, list(plan.notes)
+            table = plan.summary()[["unit", "count", "strategy", "stream", "compute_s", "comm_s", "reason"]]
+        else:
+            styles = {k: v.to_dict() for k, v in EXPERT_PLANS[plan_name]().items()}
+            predicted, notes = None, []
+            table = pd.DataFrame([{"module": k, "style": v["style"], "args": v["args"]} for k, v in styles.items()])
         per_rank = pool.run(_rank_main, styles, steps, batch, seq)
     if plan_name == "auto":
         table.attrs["styles"] = styles

@@ -208,7 +208,8 @@ class TPSearch:
             self._add("final_norm", norm_strategy(st.final_norms, t, layout, pt), "", 1, st.final_norm_work,
                       st.final_norm_param_bytes)
             if st.head is not None:
-                hb = hidden or st.head.tokens * st.embedding.dim * db if st.embedding else hidden
+                # the hidden state entering the head: a block's stream, else tokens x embedding width
+                hb = hidden or (st.head.tokens * st.embedding.dim * db if st.embedding else 0)
                 for s in head_strategies(st.head, t, layout, hb):
                     pb = 0 if st.head.tied else st.head.work.param_bytes
                     self._add("head", s, "", 1, st.head.work, pb)
