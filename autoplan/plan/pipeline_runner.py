@@ -52,13 +52,9 @@ class PipelineRunner:
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's share of a global batch along dim 0 (its dp coordinate)."""
-        if self.dp_mesh is None or self.dp_mesh.size() == 1:
-            return inputs, targets
-        n, r = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
-        if inputs.shape[0] % n:
-            raise MeshError(f"PipelineRunner.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
-        k = inputs.shape[0] // n
-        return inputs[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
+        from autoplan.plan.runner import dp_share
+
+        return dp_share(inputs, targets, self.dp_mesh, "PipelineRunner")
 
     def step(self, batch) -> float:
         inputs, targets = batch

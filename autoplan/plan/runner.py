@@ -30,6 +30,17 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
+def dp_share(inputs: torch.Tensor, targets: torch.Tensor, dp_mesh, who: str):
+    """Rows of a global batch that belong to this rank's data-parallel coordinate."""
+    if dp_mesh is None or dp_mesh.size() == 1:
+        return inputs, targets
+    n, r = dp_mesh.size(), dp_mesh.get_local_rank()
+    if inputs.shape[0] % n:
+        raise MeshError(f"{who}.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
+    k = inputs.shape[0] // n
+    return inputs[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
+
+
 class Runner:
     def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
                  replicate_dp: bool = False):
@@ -42,13 +53,7 @@ class Runner:
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's share of a global batch along dim 0 (its dp coordinate)."""
-        if self.dp_mesh is None or self.dp_mesh.size() == 1:
-            return inputs, targets
-        n, r = self.dp_mesh.size(), self.dp_mesh.get_local_rank()
-        if inputs.shape[0] % n:
-            raise MeshError(f"Runner.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
-        k = inputs.shape[0] // n
-        return inputs[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
+        return dp_share(inputs, targets, self.dp_mesh, "Runner")
 
     def step(self, batch) -> float:
         """One training step on this rank's ``(inputs, targets)``; returns the loss."""
