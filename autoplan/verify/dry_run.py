@@ -76,12 +76,7 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
         if hasattr(meta, "_get_fsdp_state"):
             meta._get_fsdp_state()._lazy_init()
         with fake:
-            if inputs is None:
-                gb, seq = plan.batch.get("global_batch"), plan.batch.get("seq_len")
-                if not gb or not seq:
-                    raise AutoplanError("verify: the plan has no batch shape; pass inputs=")
-                inputs = torch.zeros(gb // dp, seq, dtype=torch.long)
-            targets = torch.zeros(inputs.shape, dtype=torch.long)
+            inputs, targets = dry_batch(plan, dp, inputs)
             with CollectiveRecorder() as rec:
                 rec.phase = "forward"
                 logits = _logits(meta(inputs))
@@ -105,6 +100,17 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])
     del runner
     return issued, int(pbytes)
+
+
+def dry_batch(plan: Plan, dp: int, inputs=None):
+    """(inputs, targets) of one dp rank: token ids of the plan's batch shape unless given.
+    Call under FakeTensorMode: the values never matter, only the shapes."""
+    if inputs is None:
+        gb, seq = plan.batch.get("global_batch"), plan.batch.get("seq_len")
+        if not gb or not seq:
+            raise AutoplanError("verify: the plan has no batch shape; pass inputs=")
+        inputs = torch.zeros(gb // dp, seq, dtype=torch.long)
+    return inputs, torch.zeros(inputs.shape, dtype=torch.long)
 
 
 def _local(p):

@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from autoplan.errors import AutoplanError
-from autoplan.verify.dry_run import VerifyResult, _dtype, _local, _meta_copy
+from autoplan.verify.dry_run import VerifyResult, _dtype, _local, _meta_copy, dry_batch
 
 log = logging.getLogger(__name__)
 KEY = ["kind", "mesh_dim", "bytes"]
@@ -54,12 +54,7 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None) -> tu
                 st.module.to_empty(device="cpu")
         dp = mesh[plan.dp_dim].size() if plan.dp_dim else 1
         with fake:
-            if inputs is None:
-                gb, seq = plan.batch.get("global_batch"), plan.batch.get("seq_len")
-                if not gb or not seq:
-                    raise AutoplanError("verify: the plan has no batch shape; pass inputs=")
-                inputs = torch.zeros(gb // dp, seq, dtype=torch.long)
-            targets = torch.zeros(inputs.shape, dtype=torch.long)
+            inputs, targets = dry_batch(plan, dp, inputs)
             args = (inputs,) if runner.first else ()
             tgt = targets if runner.last else None
             runner.schedule.step(*args, target=tgt)   # warm-up: shape inference
