@@ -18,6 +18,7 @@ from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.plan.plan import Plan
 from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
+from autoplan.search.probe import Prober
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
 from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
@@ -195,11 +196,13 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     limit = memory_limit if memory_limit is not None else float(hw.memory_capacity)
     search = best = None
     info = None
+    seq = structure.blocks[0].seq_len if structure.blocks else 1
+    prober = Prober(model, graph.blocks, tp, (1, seq), dtype) if tp > 1 and graph.blocks else None
     ac_modes = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
     for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
         ctx_ac = dataclasses.replace(ctx, checkpoint_blocks=ac)
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, prober=prober)
         if styles is not None:
             t_fix = time.perf_counter()
             chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
@@ -220,7 +223,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     if best is None:
         ctx_min = dataclasses.replace(ctx, checkpoint_blocks=ac_modes[-1])
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, prober=prober)
         least, lay2, _ = s_min.solve(objective="memory")
         need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
         raise InfeasiblePlanError(
@@ -239,7 +242,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         alternatives.append(_summary(name, ev))
     alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
 
-    notes = []
+    notes = list(search.soundness.notes())
     for o in chosen.values():
         if o.strategy.extra.get("tp_excluded"):
             notes.append(f"{o.slot}: kept replicated: {o.strategy.extra['tp_excluded']}")

@@ -26,6 +26,18 @@ def type_name(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# torch.nn layers whose parameters our styles know how to shard, matched by isinstance
+SHARDABLE_BASES = (nn.Linear, nn.Embedding)
+
+
+def nn_base(module: nn.Module) -> str:
+    """Type name of the shardable torch.nn layer ``module`` is an instance of, else ""."""
+    for base in SHARDABLE_BASES:
+        if isinstance(module, base):
+            return f"{base.__module__}.{base.__qualname__}"
+    return ""
+
+
 def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]], int]:
     """(FQN -> ModuleInfo, tied parameter groups, distinct parameter count)."""
     infos: dict[str, ModuleInfo] = {}
@@ -37,6 +49,7 @@ def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]
             params=params,
             num_params=sum(_numel(s) for s in params.values()),
             children=[f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children()],
+            nn_base=nn_base(mod),
         )
     owners: dict[int, list[str]] = defaultdict(list)
     numels: dict[int, int] = {}

@@ -99,6 +99,9 @@ class ModuleInfo:
     children: list[str]
     role: str | None = None
     block: str | None = None
+    # the torch.nn layer class it is an instance of (subclasses included: FalconLinear is a
+    # Linear, Gemma's scaled embedding an Embedding), "" for any other module
+    nn_base: str = ""
 
 
 @dataclass

@@ -25,6 +25,15 @@ def _logits(out):
     return out.logits if hasattr(out, "logits") else out
 
 
+def forward_tokens(model: nn.Module, tokens: torch.Tensor):
+    """The model's output for token ids. Encoder-decoder models (T5, BART) get the tokens as
+    the decoder's input too: one call trains both stacks, as a denoising step would."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return model(input_ids=tokens, decoder_input_ids=tokens)
+    return model(tokens)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Token cross entropy over (..., vocab) logits."""
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
@@ -59,7 +68,7 @@ class Runner:
         """One training step on this rank's ``(inputs, targets)``; returns the loss."""
         inputs, targets = batch
         self.optimizer.zero_grad()
-        logits = _logits(self.model(inputs))
+        logits = _logits(forward_tokens(self.model, inputs))
         if isinstance(logits, DTensor):
             with loss_parallel():
                 loss = self.loss_fn(logits, targets)

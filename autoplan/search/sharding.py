@@ -25,6 +25,11 @@ def _matches(pattern: str, fqn: str) -> bool:
     return len(a) == len(b) and all(fnmatchcase(x, y) for y, x in zip(a, b))
 
 
+def _layer(info) -> str:
+    """The torch.nn layer a module is an instance of (subclasses included), else its type."""
+    return info.nn_base or info.type
+
+
 def _shard_dim(style: str, module_type: str, param: str) -> int | None:
     if style == "ColwiseParallel":
         if module_type == _LINEAR:
@@ -82,7 +87,7 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
                 continue
             seen.add(full)
             owner = full.rsplit(".", 1)[0] if "." in full else ""
-            mtype = graph.modules[owner].type if owner in graph.modules else info.type
+            mtype = _layer(graph.modules[owner]) if owner in graph.modules else _layer(info)
             dim = _shard_dim(owner_style.get(owner, ""), mtype, full.rsplit(".", 1)[-1])
             local = list(shape)
             if dim is not None and tp > 1:

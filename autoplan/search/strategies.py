@@ -16,7 +16,7 @@ from hyper_parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
+    PrepareModuleOutput,
     Replicate,
     RowwiseParallel,
     SequenceParallel,
@@ -43,6 +43,10 @@ class Collective:
 
     def scaled(self, n: int) -> "Collective":
         return Collective(self.kind, self.phase, self.nbytes, self.count * n, self.dim)
+
+    def scaled_bytes(self, n: int) -> "Collective":
+        """The same collective on ``n`` times the tokens (bytes proportional to the batch)."""
+        return Collective(self.kind, self.phase, self.nbytes * n, self.count, self.dim)
 
 
 @dataclass
@@ -78,6 +82,15 @@ def _replicated_region_on_s(nbytes: int) -> list[Collective]:
     return [Collective("all_gather", "forward", nbytes), Collective("all_gather", "backward", nbytes)]
 
 
+def _gathered_region(container: str, last: str) -> dict[str, ParallelStyle]:
+    """A replicated unit on a sequence-sharded stream: the sequence gathered at the unit's input,
+    the stream's shard sliced out of its last projection's output. The output is taken at the
+    projection, not at the container, whose return value may be a tuple (HF attention returns
+    its weights beside the output)."""
+    return {container: PrepareModuleInput(input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True),
+            last: PrepareModuleOutput(output_layouts=(R,), desired_output_layouts=(S,), use_local_output=True)}
+
+
 def _grad_all_reduces(param_bytes: list[int]) -> list[Collective]:
     """One all-reduce per replicated parameter whose gradient comes out Partial (SP regions)."""
     return [Collective("all_reduce", "backward", b) for b in param_bytes]
@@ -91,10 +104,8 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             if layout == "R" else []
     out = [Strategy("replicate", layout, {}, [], reason="replicated heads")]
     if layout == "S":
-        out[0] = Strategy("replicate", "S", {a.rel: PrepareModuleInputOutput(
-            input_layouts=inp, desired_input_layouts=(R,), use_local_input=True,
-            output_layouts=(R,), desired_output_layouts=(S,))}, _replicated_region_on_s(h),
-            reason="replicated heads on the gathered sequence")
+        out[0] = Strategy("replicate", "S", _gathered_region(a.rel, a.o), _replicated_region_on_s(h),
+                          reason="replicated heads on the gathered sequence")
     why = None
     if t == 1:
         why = "tp degree 1"
@@ -124,10 +135,8 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
     if layout == "R":
         out = [Strategy("replicate", "R", {}, [], reason="replicated")]
     else:
-        out = [Strategy("replicate", "S", {m.rel: PrepareModuleInputOutput(
-            input_layouts=inp, desired_input_layouts=(R,), use_local_input=True,
-            output_layouts=(R,), desired_output_layouts=(S,))}, _replicated_region_on_s(h),
-            reason="replicated on the gathered sequence")]
+        out = [Strategy("replicate", "S", _gathered_region(m.rel, m.down), _replicated_region_on_s(h),
+                        reason="replicated on the gathered sequence")]
         if t > 1:
             out.append(Strategy("sequence", "S", {m.rel: SequenceParallel(use_local_output=True)},
                                 _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t,
@@ -142,11 +151,17 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
     return out
 
 
-def norm_strategy(norms: list[str], t: int, layout: str, param_bytes: list[int]) -> Strategy:
+def norm_strategies(norms: list[str], t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:
+    """Stream norms: replicated on R; on S sequence parallel with a DTensor output (what a
+    pre-norm block's sharded attention/MLP input takes, torchtitan's form) or a local one (a
+    post-norm block adds the norm's output to the local residual: OLMo-2)."""
     if layout == "R" or t == 1:
-        return Strategy("replicate", layout, {}, [], reason="replicated")
-    return Strategy("sequence", "S", {n: SequenceParallel() for n in norms}, _grad_all_reduces(param_bytes),
-                    compute_shard=t, activation_shard=t, reason="sequence parallel")
+        return [Strategy("replicate", layout, {}, [], reason="replicated")]
+    return [Strategy(name, "S", {n: SequenceParallel(use_local_output=local) for n in norms},
+                     _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t, reason=why, extra=extra)
+            for name, local, why, extra in (("sequence", False, "sequence parallel", {}),
+                                            ("sequence_local", True, "sequence parallel, local output",
+                                             {"fallback_for": "sequence"}))]
 
 
 def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: int) -> list[Strategy]:

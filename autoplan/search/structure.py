@@ -132,8 +132,9 @@ def _is_view(op: str) -> bool:
 
 
 def _type(graph: ModelGraph, fqn: str) -> str:
+    """The shardable torch.nn layer a module is (by isinstance at capture), else its own type."""
     m = graph.modules.get(fqn)
-    return m.type if m else ""
+    return (m.nn_base or m.type) if m else ""
 
 
 def model_structure(graph: ModelGraph) -> ModelStructure:
@@ -172,7 +173,10 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 for x in ups + [m["down"]]:
                     mw = mw + work(f"{rep}.{x}")
             mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw)
-        norms = list(roles.get("norms", []))
+        # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
+        # sees that unit's activations, not the stream, and belongs to the unit
+        inner = [u.rel for u in (att, mlp) if u is not None and u.rel]
+        norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")

@@ -28,8 +28,10 @@ from autoplan.search.strategies import (
     first_block_entry,
     head_strategies,
     mlp_strategies,
-    norm_strategy,
+    norm_strategies,
 )
+from autoplan.search.probe import Prober
+from autoplan.search.soundness import SoundnessReport, check_search
 from autoplan.search.structure import ModelStructure, Work
 
 log = logging.getLogger(__name__)
@@ -166,6 +168,8 @@ class TPSearch:
     sequence_parallel: bool | None = None
     slots: dict[str, list[Option]] = field(default_factory=dict)
     layouts: tuple[str, ...] = ("R",)
+    prober: Prober | None = None         # checks candidates on the model (see soundness.py)
+    soundness: SoundnessReport = field(default_factory=SoundnessReport)
 
     def __post_init__(self) -> None:
         st, t = self.structure, self.tp
@@ -193,8 +197,8 @@ class TPSearch:
                     for s in mlp_strategies(b.mlp, b, t, layout, pt):
                         self._add(f"{b.id}/mlp", s, owner, b.count, b.mlp.work, b.mlp.work.param_bytes)
                 pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
-                self._add(f"{b.id}/norms", norm_strategy(b.norms, t, layout, pt), owner, b.count, b.norm_work,
-                          b.norm_param_bytes)
+                for s in norm_strategies(b.norms, t, layout, pt):
+                    self._add(f"{b.id}/norms", s, owner, b.count, b.norm_work, b.norm_param_bytes)
                 self._add(f"{b.id}/other", Strategy("replicate", layout, {}, [],
                                                     extra={"block_input_bytes": b.hidden_bytes}),
                           owner, b.count, b.other_work, b.other_work.param_bytes)
@@ -205,8 +209,8 @@ class TPSearch:
                 self._add("embedding", s, "", 1, st.embedding.work, st.embedding.work.param_bytes)
         for layout in self.layouts:
             pt = [x for n in st.final_norms for x in _param_tensor_bytes(self.graph, n, db)]
-            self._add("final_norm", norm_strategy(st.final_norms, t, layout, pt), "", 1, st.final_norm_work,
-                      st.final_norm_param_bytes)
+            for s in norm_strategies(st.final_norms, t, layout, pt):
+                self._add("final_norm", s, "", 1, st.final_norm_work, st.final_norm_param_bytes)
             if st.head is not None:
                 # the hidden state entering the head: a block's stream, else tokens x embedding width
                 hb = hidden or (st.head.tokens * st.embedding.dim * db if st.embedding else 0)
@@ -214,6 +218,11 @@ class TPSearch:
                     pb = 0 if st.head.tied else st.head.work.param_bytes
                     self._add("head", s, "", 1, st.head.work, pb)
         self._add("rest", Strategy("replicate", None, {}, []), "", 1, st.rest, st.rest.param_bytes)
+        self.soundness = check_search(self, self.prober)
+        self._drop_unneeded_fallbacks()
+        if self.sequence_parallel is True and "S" not in self.layouts:
+            raise InfeasiblePlanError(
+                f"sequence_parallel=True: {'; '.join(self.soundness.notes())}")
         if not self.allow_replicated:
             self._drop_replicated()
 
@@ -231,6 +240,14 @@ class TPSearch:
     def _add(self, slot: str, s: Strategy, owner: str, count: int, work: Work, param_bytes: float) -> None:
         opts = self.slots.setdefault(slot, [])
         opts.append(Option(slot, s, owner, count, work, param_bytes, rank=len(opts)))
+
+    def _drop_unneeded_fallbacks(self) -> None:
+        """A strategy marked ``fallback_for`` another stays a candidate only if that one was
+        rejected: equal in cost, the two would otherwise tie."""
+        for slot, opts in self.slots.items():
+            names = {(o.strategy.name, o.stream) for o in opts}
+            self.slots[slot] = [o for o in opts
+                                if (o.strategy.extra.get("fallback_for"), o.stream) not in names]
 
     def _drop_replicated(self) -> None:
         for slot in list(self.slots):

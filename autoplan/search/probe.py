@@ -1,0 +1,231 @@
+"""Strategies checked against the model itself before they enter the ILP.
+
+A strategy is a guess about a module's code: that q/k/v feed the attention only through reshapes
+by the *local* head count, that nothing inside normalises over a sharded width, that no
+parameter other than the projections sees sharded activations. Names cannot tell; running can.
+So every sharded candidate is applied to a copy of the model cut to one block per group, on meta,
+and one training forward and backward runs under a fake process group of the planned degree
+with fake tensors (no FLOPs, no memory). What happens decides:
+
+- an exception (a Tensor mixed with a DTensor, a reshape by a global size, a width mismatch) --
+  the candidate is rejected, and the reason is kept for the plan's ``explain``;
+- a module that owns plain (non-DTensor) parameters and receives a tensor whose shape differs
+  from the replicated run in exactly one dimension by the degree (Qwen3's q/k norms on
+  head-sharded activations, OLMo-2's q norm on a column shard) would leave an un-reduced partial
+  gradient: the candidate is *repaired* -- that module gets ``SequenceParallel`` on the sharded
+  dimension (replicated DTensor parameters; DTensor reduces what must be reduced, also a norm
+  over the sharded width) -- and probed again;
+- any other shape change, or one outside every unit (on a sequence-sharded stream: a module
+  the planner does not shard sees a sequence shard) -- the candidate, or the stream layout, is
+  rejected.
+
+The repair's collectives come from the same run: what the module issued in forward (recorded
+per module), plus the all-reduce of each of its parameters' gradients in backward.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from autoplan.search.strategies import Collective, Strategy
+from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProbeRun:
+    """One forward/backward of a styled copy: the error, or every module's input shapes, the
+    modules with plain parameters and the collectives each module issued in forward."""
+
+    error: str | None = None
+    inputs: dict[str, list[tuple]] = field(default_factory=dict)
+    plain_param_modules: dict[str, list[int]] = field(default_factory=dict)   # fqn -> param bytes
+    forward_collectives: dict[str, list[Collective]] = field(default_factory=dict)
+
+
+@dataclass
+class Finding:
+    """A module the run says is unsound as styled: repairable on ``dim`` or not (``dim`` None)."""
+
+    module: str          # FQN in the shortened copy
+    dim: int | None
+    detail: str
+
+
+def _shape(x) -> tuple | None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor):
+        return ("dtensor",) + tuple(x.shape)
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape)
+    return None
+
+
+class Prober:
+    """Runs styled copies of ``model`` (cut to one block per group) at tensor-parallel degree
+    ``tp`` on a fake process group. Build once per search; :meth:`run` per candidate set."""
+
+    def __init__(self, model: nn.Module, groups, tp: int, batch: tuple[int, int], dtype: torch.dtype | None):
+        from autoplan.capture.blocks import only_representatives
+        from autoplan.capture.inputs import meta_model
+
+        self.tp = tp
+        self.batch = batch
+        mm = meta_model(model, dtype)
+        with only_representatives(mm, groups) as rename:
+            self.small = copy.deepcopy(mm)
+        self.short_of = {real: short for short, real in rename.items()}
+        self.reference: ProbeRun | None = None
+        self.verdicts: dict | None = None     # (unit, strategy, stream) -> checked Strategy, None if rejected
+        self.report = None
+
+    def short(self, fqn: str) -> str:
+        for real, short in self.short_of.items():
+            if fqn == real or fqn.startswith(real + "."):
+                return short + fqn[len(real):]
+        return fqn
+
+    @staticmethod
+    def _backward(logits, tokens) -> None:
+        from autoplan.plan.runner import lm_loss
+
+        if _is_dtensor(logits):
+            with loss_parallel():
+                lm_loss(logits, tokens).backward()
+        else:
+            lm_loss(logits.float(), tokens).backward()
+
+    def run(self, styles: dict[str, ParallelStyle], mesh, *, record: bool = False, backward: bool = False) -> ProbeRun:
+        """Forward (and ``backward``) of a copy styled with ``styles``; ``record`` attributes the
+        forward collectives to the innermost module issuing them."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from autoplan.plan.runner import _logits, forward_tokens
+        from hyper_parallel.testing.comm_counts import CollectiveRecorder
+
+        model = copy.deepcopy(self.small)
+        out = ProbeRun()
+        stack: list[str] = []
+        hooks = []
+
+        def pre(name):
+            def hook(mod, args, kwargs):
+                stack.append(name)
+                out.inputs[name] = [_shape(a) for a in list(args) + list(kwargs.values()) if _shape(a) is not None]
+            return hook
+
+        def post(name):
+            def hook(mod, args, output):
+                if stack and stack[-1] == name:
+                    stack.pop()
+            return hook
+
+        try:
+            if styles:
+                parallelize_module(model, mesh, styles)
+            for name, mod in model.named_modules():
+                hooks.append(mod.register_forward_pre_hook(pre(name), with_kwargs=True))
+                hooks.append(mod.register_forward_hook(post(name)))
+                own = [p for p in mod.parameters(recurse=False)]
+                if own and not any(_is_dtensor(p) for p in own):
+                    out.plain_param_modules[name] = [p.numel() * p.element_size() for p in own]
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            with fake:
+                model.to_empty(device="cpu")
+                tokens = torch.zeros(self.batch, dtype=torch.long)
+                if not record:
+                    logits = _logits(forward_tokens(model, tokens))
+                    if backward:
+                        self._backward(logits, tokens)
+                    return out
+                with CollectiveRecorder() as rec:
+                    rec.phase = "forward"
+                    seen = 0
+
+                    def attribute():
+                        nonlocal seen
+                        for e in rec.events[seen:]:
+                            c = Collective(e["kind"], "forward", int(e["bytes"]))
+                            out.forward_collectives.setdefault(stack[-1] if stack else "", []).append(c)
+                        seen = len(rec.events)
+
+                    for name, mod in model.named_modules():  # attribute forward collectives on exit
+                        hooks.append(mod.register_forward_hook(lambda *_: attribute()))
+                    logits = _logits(forward_tokens(model, tokens))
+                    attribute()
+                    rec.phase = "backward"
+                    if backward:
+                        self._backward(logits, tokens)
+        except Exception as exc:  # noqa: BLE001 - the reason a candidate is rejected
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            out.error = last[:400]
+            log.debug("probe run failed:\n%s", traceback.format_exc())
+        finally:
+            for h in hooks:
+                h.remove()
+        return out
+
+    def findings(self, run: ProbeRun) -> list[Finding]:
+        """Modules with plain parameters whose inputs changed shape from the replicated run."""
+        ref = self.reference
+        found = []
+        for name in run.plain_param_modules:
+            got, want = run.inputs.get(name), ref.inputs.get(name) if ref else None
+            if got is None or want is None or got == want:
+                continue
+            dims = _sharded_dims(got, want, self.tp)
+            if dims is None:
+                found.append(Finding(name, None, f"{name} receives inputs {got} instead of {want}"))
+            else:
+                found.append(Finding(name, dims, f"{name} receives a shard on dim {dims} of {want}"))
+        return found
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _sharded_dims(got: list[tuple], want: list[tuple], t: int) -> int | None:
+    """The one dimension every changed input is divided on by ``t`` (None if not that simple)."""
+    if len(got) != len(want):
+        return None
+    dims = set()
+    for g, w in zip(got, want):
+        if g == w:
+            continue
+        if len(g) != len(w) or g[:1] == ("dtensor",):
+            return None
+        diff = [i for i, (a, b) in enumerate(zip(g, w)) if a != b]
+        if len(diff) != 1 or -(-w[diff[0]] // t) != g[diff[0]]:
+            return None
+        dims.add(diff[0])
+    return dims.pop() if len(dims) == 1 else None
+
+
+def repaired(strategy: Strategy, repairs: dict[str, int], param_bytes: dict[str, list[int]],
+             forward: dict[str, list[Collective]], rel_of) -> Strategy:
+    """``strategy`` plus SequenceParallel on each repaired module (relative to the unit's owner)
+    and the collectives that repair issues."""
+    styles = dict(strategy.styles)
+    colls = list(strategy.collectives)
+    names = []
+    for module, dim in sorted(repairs.items()):
+        rel = rel_of(module)
+        styles[rel] = SequenceParallel(sequence_dim=dim, use_local_output=True)
+        colls += forward.get(module, [])
+        colls += [Collective("all_reduce", "backward", b) for b in param_bytes.get(module, [])]
+        names.append(rel.rsplit(".", 1)[-1])
+    reason = strategy.reason + f"; {', '.join(names)} see sharded activations: replicated weights, gradients " \
+                               f"all-reduced over tp"
+    return dataclasses.replace(strategy, styles=styles, collectives=colls, reason=reason,
+                               extra=dict(strategy.extra, repaired=sorted(names), unrepaired=strategy))

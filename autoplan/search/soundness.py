@@ -1,0 +1,270 @@
+"""Which candidate strategies survive a run on the model, and how they are repaired.
+
+:class:`~autoplan.search.probe.Prober` runs styled copies of the model; this module decides what
+to run and what the runs mean for the search's candidates (``slots``: unit -> options). For each
+residual-stream layout it first runs the *base* assignment (every unit replicated on that
+stream): on a sequence-sharded stream this alone shows whether modules the planner does not
+shard would see a sequence shard (then the layout is dropped). Then it runs sets of sharded
+options together (the k-th sharded option of every unit), and only when a set fails each of its
+options alone -- so a sound model costs a handful of runs. Rejections carry their reason
+(``Strategy.extra["rejected"]``) into the plan.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from autoplan.search.probe import Finding, Prober, repaired
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SoundnessReport:
+    """What the runs decided: rejected options (slot, strategy, stream, reason), dropped stream
+    layouts with their reason, and the number of runs."""
+
+    rejected: list[tuple[str, str, str, str]] = field(default_factory=list)
+    dropped_layouts: dict[str, str] = field(default_factory=dict)
+    runs: int = 0
+    skipped: str | None = None
+
+    def notes(self) -> list[str]:
+        out = [f"{slot}: {name} on a {stream} stream rejected: {why}" for slot, name, stream, why in self.rejected]
+        out += [f"sequence-sharded stream ({lay}) not used: {why}" for lay, why in self.dropped_layouts.items()]
+        if self.skipped:
+            out.append(f"strategies not checked on the model: {self.skipped}")
+        return out
+
+
+# assignments tried, in order, as the "every unit replicated" base of a stream layout: on a
+# sequence-sharded stream the stream norms must be sequence parallel, with a DTensor output
+# (pre-norm blocks) or a local one (post-norm blocks)
+BASE_PREFERENCES = {"R": ({},), "S": ({}, {"norms": "sequence_local", "final_norm": "sequence_local"})}
+
+
+class SlotChecker:
+    """Checks ``search.slots`` of one TPSearch in place with ``prober`` (see module doc)."""
+
+    def __init__(self, search, prober: Prober):
+        self.search = search
+        self.prober = prober
+        self.report = SoundnessReport()
+        self.units = self._unit_paths()
+        self.repairs: dict[tuple, tuple] = {}   # option key -> (module -> dim, param bytes, forward collectives)
+
+    # -- naming -------------------------------------------------------------------------
+    def _unit_paths(self) -> dict[str, str]:
+        """slot -> FQN (in the shortened copy) of the module the slot's styles are rooted at."""
+        st = self.search.structure
+        out = {}
+        for b in st.blocks:
+            rep = self.prober.short(b.representative)
+            if b.attention is not None and b.attention.rel:
+                out[f"{b.id}/attention"] = f"{rep}.{b.attention.rel}"
+            if b.mlp is not None and b.mlp.rel:
+                out[f"{b.id}/mlp"] = f"{rep}.{b.mlp.rel}"
+            out[f"{b.id}/block"] = rep
+        return out
+
+    def _root(self, slot: str) -> str:
+        return self.units.get(slot.split("/")[0] + "/block", "") if "/" in slot else ""
+
+    def styles(self, assignment: dict) -> dict:
+        out = {}
+        for slot, o in assignment.items():
+            root = self._root(slot)
+            for rel, style in o.strategy.styles.items():
+                out[f"{root}.{rel}" if root else rel] = style
+        return out
+
+    # -- assignments ----------------------------------------------------------------------
+    def with_entry(self, assignment: dict, layout: str) -> dict:
+        styles = self.styles(assignment)
+        entry = self.search.entry(assignment.get("embedding"), layout)
+        if entry is not None:
+            styles.update(entry.styles)
+        return styles
+
+    # -- the check --------------------------------------------------------------------------
+    def check(self, mesh) -> None:
+        p = self.prober
+        p.reference = p.run({}, mesh)
+        self.report.runs += 1
+        if p.reference.error:
+            self._reject_all(f"the model does not run replicated on fake tensors ({p.reference.error})")
+            return
+        for layout in list(self.search.layouts):
+            base, bad = None, ""
+            for prefer in BASE_PREFERENCES[layout]:
+                base = self.search.assignment(layout, prefer)
+                run = p.run(self.with_entry(base, layout), mesh)
+                self.report.runs += 1
+                bad = run.error or "; ".join(f.detail for f in p.findings(run))
+                if not bad:
+                    break
+            if bad:
+                self._drop_layout(layout, bad)
+                continue
+            sharded = {slot: [o for o in opts if o.strategy.name != "replicate" and
+                              (o.stream in (None, layout) or slot == "embedding") and
+                              (slot != "embedding" or o.stream == layout or o.stream == "R")]
+                       for slot, opts in self.search.slots.items()}
+            depth = max((len(v) for v in sharded.values()), default=0)
+            for k in range(depth):
+                trial = {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k}
+                self._check_set(base, trial, layout, mesh)
+
+    def _check_set(self, base: dict, trial: dict, layout: str, mesh, alone: bool = False) -> None:
+        """Run ``trial`` (slot -> option) over ``base``; repair what can be repaired (a run that
+        fails may fail *because* of a module to repair: OLMo-2's q norm), split a failing set
+        into its options, reject a failing option."""
+        if not trial:
+            return
+        p = self.prober
+        original = {slot: o.strategy for slot, o in trial.items()}
+        fixes: dict[str, dict[str, int]] = {}
+        pbytes: dict[str, list[int]] = {}
+        for _ in range(4):
+            run = p.run(self.with_entry(dict(base, **trial), layout), mesh)
+            self.report.runs += 1
+            pbytes.update({k: v for k, v in run.plain_param_modules.items() if k not in pbytes})
+            new, unsound = False, []
+            for f in p.findings(run):
+                slot = self._owner_slot(f, trial)
+                if slot is not None and f.dim is not None:
+                    if f.module not in fixes.get(slot, {}):
+                        fixes.setdefault(slot, {})[f.module] = f.dim
+                        new = True
+                else:
+                    unsound.append(f)
+            if not new:
+                break
+            for slot, mods in fixes.items():
+                trial[slot].strategy = self.apply_repair(slot, original[slot], (mods, pbytes, {}), 1)
+        why = run.error or "; ".join(f.detail for f in unsound)
+        if not why and fixes:  # the repaired set, forward and backward, its collectives recorded
+            run = p.run(self.with_entry(dict(base, **trial), layout), mesh, record=True, backward=True)
+            self.report.runs += 1
+            why = run.error or "; ".join(f.detail for f in p.findings(run))
+            for slot, mods in fixes.items():
+                fix = (mods, pbytes, run.forward_collectives)
+                self.repairs[_key(slot, trial[slot])] = fix
+                trial[slot].strategy = self.apply_repair(slot, original[slot], fix, 1)
+        if not why:
+            return
+        for slot, strategy in original.items():
+            trial[slot].strategy = strategy
+            self.repairs.pop(_key(slot, trial[slot]), None)
+        if alone or len(trial) == 1:
+            for slot, o in trial.items():
+                self._reject(slot, o, layout, why)
+            return
+        for slot, o in trial.items():
+            self._check_set(base, {slot: o}, layout, mesh, alone=True)
+
+    def apply_repair(self, slot: str, strategy, fix: tuple, batch: int):
+        mods, param_bytes, forward = fix
+        root = self._root(slot)
+        forward = {m: [c.scaled_bytes(batch) for c in cs] for m, cs in forward.items()}
+        return repaired(strategy, mods, param_bytes, forward, lambda m: m[len(root) + 1:] if root else m)
+
+    def _owner_slot(self, f: Finding, trial: dict) -> str | None:
+        best = None
+        for slot in trial:
+            root = self.units.get(slot)
+            if root and (f.module == root or f.module.startswith(root + ".")):
+                best = slot
+        return best
+
+    # -- outcomes ---------------------------------------------------------------------------
+    def _reject(self, slot: str, option, layout: str, why: str) -> None:
+        opts = self.search.slots.get(slot, [])
+        if option in opts:
+            opts.remove(option)
+            self.report.rejected.append((slot, option.strategy.name, layout, why))
+            for o in opts:  # the replicated fallback says why it stays
+                if o.strategy.name == "replicate" and o.stream in (None, layout):
+                    o.strategy.extra.setdefault("tp_excluded", f"{option.strategy.name} rejected: {why}")
+            log.info("%s: %s on %s rejected: %s", slot, option.strategy.name, layout, why)
+
+    def _drop_layout(self, layout: str, why: str) -> None:
+        if layout == "R":  # the replicated stream with every unit replicated must run
+            self._reject_all(f"the replicated model fails under the planned styles ({why})")
+            return
+        self.report.dropped_layouts[layout] = why
+        self.search.layouts = tuple(x for x in self.search.layouts if x != layout)
+        for slot, opts in self.search.slots.items():
+            keep = [o for o in opts if o.stream != layout or (slot == "embedding" and o.stream == "R")]
+            if slot == "embedding":
+                keep = [o for o in opts if o.stream != layout]
+            self.search.slots[slot] = keep
+
+    def _reject_all(self, why: str) -> None:
+        self.report.skipped = why
+        for slot, opts in self.search.slots.items():
+            for o in list(opts):
+                if o.strategy.name != "replicate" and o.strategy.name != "none":
+                    self._reject(slot, o, o.stream or "R", why)
+        if "S" in self.search.layouts:
+            self._drop_layout("S", why)
+
+
+def _key(slot: str, o) -> tuple:
+    return slot, o.strategy.name, o.stream
+
+
+def check_search(search, prober: Prober | None) -> SoundnessReport:
+    """Check ``search.slots`` against the model. The first search of a prober runs the model
+    (one sequence per run); later searches at the same degree (other checkpointing or
+    micro-batch choices) reuse the verdicts, keyed by (unit, strategy, stream), with the
+    repairs' per-sequence collectives scaled to their micro-batch."""
+    if prober is None or search.tp <= 1:
+        return SoundnessReport()
+    checker = SlotChecker(search, prober)
+    blk = search.structure.blocks[0] if search.structure.blocks else None
+    batch = max(1, blk.hidden_bytes // max(blk.seq_len * blk.dim * search.structure.dtype_bytes, 1)) if blk else 1
+    if prober.verdicts is None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from hyper_parallel.testing import fake_world
+
+        before = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
+        if dist.is_initialized():
+            checker._reject_all("a process group is already initialised in this process; plan before "
+                                "init_process_group (or in another process) to check strategies")
+        else:
+            with fake_world(search.tp):
+                checker.check(init_device_mesh("cpu", (search.tp,), mesh_dim_names=("tp",)))
+        after = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
+        prober.verdicts = {k: (checker.repairs.get(k, ()) if k in after else None) for k in before}
+        prober.report = checker.report
+        if batch != 1:  # the runs were for one sequence: rescale the repairs
+            for slot, opts in search.slots.items():
+                for o in opts:
+                    fix = checker.repairs.get(_key(slot, o))
+                    if fix:
+                        o.strategy = checker.apply_repair(slot, _unrepaired(o.strategy), fix, batch)
+        return checker.report
+    for slot, opts in search.slots.items():
+        kept = []
+        for o in opts:
+            k = _key(slot, o)
+            verdict = prober.verdicts.get(k, ())
+            if verdict is None:
+                continue
+            if verdict:
+                o.strategy = checker.apply_repair(slot, o.strategy, verdict, batch)
+            kept.append(o)
+        search.slots[slot] = kept
+    for slot, name, stream, why in prober.report.rejected:
+        for o in search.slots.get(slot, []):
+            if o.strategy.name == "replicate" and o.stream in (None, stream):
+                o.strategy.extra.setdefault("tp_excluded", f"{name} rejected: {why}")
+    search.layouts = tuple(x for x in search.layouts if x not in prober.report.dropped_layouts)
+    return prober.report
+
+
+def _unrepaired(strategy):
+    return strategy.extra.get("unrepaired", strategy)

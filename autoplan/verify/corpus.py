@@ -1,0 +1,140 @@
+"""The model corpus: the families a planner is judged on, each planned at its real shape and
+checked on a small copy against one device.
+
+A case is (family, mesh, variant). The family is planned at its published shape (two blocks per
+stack: the per-block decision does not depend on depth) on H100 settings; the plan is then run
+by :func:`~autoplan.verify.numerics.check_numerics` on a small copy of the same architecture.
+Every case must end EQUAL (one training step equals one device) or REFUSED (autoplan raised a
+typed error at planning time, naming the module and the reason). WRONG (a silently wrong
+gradient or loss), CRASH (the plan fails to apply or step) and UNTYPED (planning failed with an
+exception outside autoplan's hierarchy) are bugs.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from autoplan.errors import AutoplanError
+from autoplan.verify.numerics import check_numerics
+from autoplan.verify.shrink import ModelRecipe, recipe_for
+
+log = logging.getLogger(__name__)
+
+# family -> (config class, model class, config overrides at the real shape)
+HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1600, "n_head": 25}),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"new_decoder_architecture": True, "hidden_size": 8192,
+                                                     "num_attention_heads": 128, "num_kv_heads": 8}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {}),
+    "bert": ("BertConfig", "BertForMaskedLM", {"hidden_size": 1024, "num_attention_heads": 16,
+                                               "intermediate_size": 4096}),
+    "t5": ("T5Config", "T5ForConditionalGeneration", {"d_model": 1024, "num_heads": 16, "d_ff": 4096}),
+    "bart": ("BartConfig", "BartForConditionalGeneration", {}),
+}
+FAMILIES = ("llama",) + tuple(HF_FAMILIES)
+MESHES = {"tp4": ((4,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp"))}
+VARIANTS = {
+    "default": {},
+    "forced_R": {"allow_replicated_units": False, "sequence_parallel": False},
+    "forced_S": {"allow_replicated_units": False, "sequence_parallel": True},
+}
+SEQ = 2048                      # planning sequence length (real shape)
+LLAMA_REAL = dict(dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336,
+                  max_seq_len=SEQ)
+LLAMA_SMALL = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, ffn_hidden=128, max_seq_len=64)
+
+
+def real_model(family: str) -> torch.nn.Module:
+    """The family at its published shape with two blocks per stack, on meta."""
+    if family == "llama":
+        from autoplan.models import build_llama
+
+        return build_llama(device="meta", **LLAMA_REAL)
+    import transformers
+
+    cfg_name, model_name, overrides = HF_FAMILIES[family]
+    cfg_cls = getattr(transformers, cfg_name)
+    layers = {"GPT2Config": {"n_layer": 2}, "T5Config": {"num_layers": 2, "num_decoder_layers": 2},
+              "BartConfig": {"encoder_layers": 2, "decoder_layers": 2}}.get(cfg_name, {"num_hidden_layers": 2})
+    config = cfg_cls(**{**layers, **overrides})
+    with torch.device("meta"):
+        return getattr(transformers, model_name)(config)
+
+
+def small_recipe(family: str, model: torch.nn.Module, degrees: list[int]) -> ModelRecipe:
+    if family == "llama":
+        return ModelRecipe(factory="autoplan.models:build_llama", kwargs=dict(LLAMA_SMALL, seed=3), seed=3)
+    return recipe_for(model, degrees, seed=3)
+
+
+@dataclass
+class CaseResult:
+    family: str
+    mesh: str
+    variant: str
+    outcome: str                 # EQUAL | REFUSED | WRONG | CRASH | UNTYPED
+    sharded: str                 # units sharded by the plan (strategy names)
+    stream: str
+    detail: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("EQUAL", "REFUSED")
+
+
+def plan_case(family: str, mesh: str, variant: str):
+    from autoplan import MeshSpec, autoplan
+
+    shape, names = MESHES[mesh]
+    dp = dict(zip(names, shape)).get("dp", 1)
+    model = real_model(family)
+    plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=(4 * dp, SEQ), **VARIANTS[variant])
+    return model, plan
+
+
+def sharded_units(plan) -> str:
+    units = sorted({f"{d['unit'].split('/')[-1]}:{d['strategy']}" for d in plan.decisions
+                    if d["strategy"] not in ("replicate", "none")})
+    return ", ".join(units) or "-"
+
+
+def run_case(family: str, mesh: str, variant: str, pool=None) -> CaseResult:
+    t0 = time.perf_counter()
+    try:
+        model, plan = plan_case(family, mesh, variant)
+    except AutoplanError as exc:
+        return CaseResult(family, mesh, variant, "REFUSED", "-", "-", f"{type(exc).__name__}: {exc}",
+                          time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - the corpus reports it
+        log.debug("%s", traceback.format_exc())
+        return CaseResult(family, mesh, variant, "UNTYPED", "-", "-", f"{type(exc).__name__}: {exc}"[:300],
+                          time.perf_counter() - t0)
+    degrees = [d for d in plan.mesh["shape"] if d > 1]
+    result = check_numerics(plan, small_recipe(family, model, degrees), pool=pool)
+    outcome = "EQUAL" if result.passed else ("CRASH" if result.error else "WRONG")
+    return CaseResult(family, mesh, variant, outcome, sharded_units(plan), plan.stream_layout,
+                      result.summary()[:300], time.perf_counter() - t0)
+
+
+def all_cases(families=FAMILIES, meshes=tuple(MESHES), variants=tuple(VARIANTS)):
+    return [(f, m, v) for f in families for m in meshes for v in variants]
+
+
+def world_of(mesh: str) -> int:
+    return math.prod(MESHES[mesh][0])

@@ -1,0 +1,163 @@
+"""A small copy of a model for checking a plan's numerics on a few CPU ranks.
+
+A plan made for a 70B model cannot be run on this CPU, but its *styles* can: the same
+architecture with small widths runs the same code paths -- the same module names, the same
+reshapes by head count, the same norms, the same fused projections. What must survive the
+shrinking is every fact a style depends on: the number of heads and KV heads, and whether each
+sharded width (vocabulary, MLP hidden, experts) is divisible by the tensor-parallel degree.
+So head counts are kept, the head dimension is made small, and every other width keeps its
+residue modulo the plan's degrees (a vocabulary of 128257 at tp=4 stays one more than a
+multiple of 4).
+
+``ModelRecipe`` is the picklable description the ranks rebuild the model from: an HF config
+(as a dict) or an importable factory with keyword arguments. Every parameter of the rebuilt
+model is perturbed from its initialisation (seeded), so zero biases and unit norm weights cannot
+hide a wrong gradient.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from autoplan.errors import PlanningError
+
+HEAD_DIM = 8          # per-head width of the small copy (even: rotary embeddings pair dimensions)
+LAYERS = 2            # repeated blocks kept per stack
+BASE_WIDTH = 16       # multiple (times the degrees) every shrunk width starts from
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How every rank builds the same model: ``hf_config`` (``config.to_dict()`` plus
+    ``model_class``) or ``factory`` ("package.module:function") called with ``kwargs``."""
+
+    hf_config: dict | None = None
+    factory: str | None = None
+    kwargs: dict = field(default_factory=dict)
+    seed: int = 0
+    perturb: float = 0.05
+
+    def build(self, device: str = "cpu") -> nn.Module:
+        torch.manual_seed(self.seed)
+        if self.hf_config is not None:
+            model = _build_hf(self.hf_config, device)
+        elif self.factory is not None:
+            model = _resolve(self.factory)(**self.kwargs)
+            model = model.to(device) if device != "meta" else model
+        else:
+            raise PlanningError("ModelRecipe: give hf_config= or factory=")
+        if self.perturb and device != "meta":
+            perturb_parameters(model, self.seed, self.perturb)
+        return model
+
+
+def perturb_parameters(model: nn.Module, seed: int, scale: float) -> None:
+    """Every parameter gets seeded noise added (norm weights 1 -> 1 +- scale, biases 0 -> +-scale),
+    so no parameter's gradient is trivially zero or symmetric across ranks."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * scale)
+
+
+def _resolve(path: str) -> Callable:
+    mod, _, name = path.partition(":")
+    if not name:
+        raise PlanningError(f"ModelRecipe: factory {path!r} must be 'package.module:function'")
+    return getattr(importlib.import_module(mod), name)
+
+
+def _build_hf(cfg: dict, device: str) -> nn.Module:
+    import transformers
+
+    cfg = dict(cfg)
+    model_cls = getattr(transformers, cfg.pop("model_class"))
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = "eager"  # every family has it; the plan's styles do not depend on it
+    with torch.device(device):
+        return model_cls(config)
+
+
+def _keep_residue(width: int, degrees: list[int]) -> int:
+    """A small width with the same residue as ``width`` modulo every degree's lcm."""
+    m = math.lcm(*degrees) if degrees else 1
+    return BASE_WIDTH * m + width % m
+
+
+_HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "encoder_attention_heads",
+              "decoder_attention_heads", "num_heads", "n_head")
+_WIDTH_KEYS = ("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim",
+               "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
+               "decoder_layers")
+
+
+def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
+    """The small config (as a dict) of an HF ``config``: heads kept, head dim ``HEAD_DIM``, widths
+    small with their residues modulo ``degrees`` kept, ``LAYERS`` blocks per stack, no dropout."""
+    d = config.to_dict()
+    out = dict(d)
+    heads = next((d[k] for k in ("num_attention_heads", "encoder_attention_heads", "num_heads", "n_head")
+                  if isinstance(d.get(k), int)), None)
+    if heads is None:
+        raise PlanningError(f"shrink: {type(config).__name__} names no attention head count")
+    hidden_key = next(k for k in ("hidden_size", "d_model", "n_embd") if k in d)
+    old_hidden = d[hidden_key]
+    head_dim = d.get("head_dim") or d.get("d_kv") or old_hidden // heads
+    out[hidden_key] = heads * HEAD_DIM
+    if d.get("head_dim"):
+        out["head_dim"] = HEAD_DIM
+    if "d_kv" in d:
+        out["d_kv"] = HEAD_DIM
+    if "query_pre_attn_scalar" in d:
+        out["query_pre_attn_scalar"] = HEAD_DIM
+    for k in _WIDTH_KEYS:
+        if isinstance(d.get(k), int) and d[k] > 0:
+            out[k] = _keep_residue(d[k], degrees)
+    for k in _LAYER_KEYS:
+        if isinstance(d.get(k), int):
+            out[k] = min(d[k], LAYERS)
+    for k in ("layer_types",):
+        if isinstance(d.get(k), list):
+            n = out.get("num_hidden_layers", LAYERS)
+            out[k] = d[k][:n]
+    for k in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if isinstance(d.get(k), int):
+            out[k] = min(d[k], 4)
+    if isinstance(d.get("num_experts_per_tok"), int):
+        experts = next((out[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in out), 4)
+        out["num_experts_per_tok"] = min(d["num_experts_per_tok"], experts)
+    for k in list(out):
+        if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
+            out[k] = 0.0
+    if "max_position_embeddings" in d:
+        out["max_position_embeddings"] = max(64, min(d["max_position_embeddings"], 512))
+    if "n_positions" in d:
+        out["n_positions"] = 64
+    if head_dim and "partial_rotary_factor" not in d and d.get("rotary_dim"):
+        out["rotary_dim"] = HEAD_DIM
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_eos_token_id"):
+        v = out.get(k)
+        if isinstance(v, int) and v >= out.get("vocab_size", 1 << 30):
+            out[k] = 0
+    out.pop("architectures", None)
+    out.pop("transformers_version", None)
+    return out
+
+
+def recipe_for(model: nn.Module, degrees: list[int], seed: int = 0) -> ModelRecipe:
+    """The small-copy recipe of ``model``: from its HF config when it has one."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
+        raise PlanningError(
+            f"verify(numerics=True): {type(model).__name__} has no Hugging Face config to shrink; "
+            f"pass factory='package.module:function' (and factory_kwargs) that builds a small copy")
+    cfg = shrink_hf_config(config, degrees)
+    cfg["model_class"] = type(model).__name__
+    cfg["model_type"] = config.model_type
+    return ModelRecipe(hf_config=cfg, seed=seed)
