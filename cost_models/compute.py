@@ -149,6 +149,33 @@ def gemm_dims(spec: OpSpec) -> tuple[int, int, int, int]:
     return 1, a[-2], b[-1], a[-1]
 
 
+def gemm_shape_dims(short_name: str, shapes: list[tuple[int, ...]]) -> tuple[int, int, int] | None:
+    """(M, N, K) of a matmul-family or fused-attention op from its input shapes; None for any
+    other op. Batched dims fold into M (a bmm over heads runs as one wide GEMM); attention is
+    (s_q, s_k, head_dim) like :func:`_attention_dims`."""
+    if short_name in _ATTN_FWD or (short_name.endswith("_backward") and short_name[:-9] in _ATTN_FWD):
+        q, k = shapes[0], shapes[1]
+        return (q[-2], k[-2], q[-1]) if len(q) >= 2 and len(k) >= 2 else None
+    if short_name not in _GEMM or len(shapes) < 2:
+        return None
+    if short_name in ("addmm", "baddbmm"):
+        shapes = shapes[1:3]
+    a, b = shapes[0], shapes[1]
+    if len(a) < 2 or not b:
+        return None
+    if short_name == "linear":
+        return math.prod(a[:-1]), b[0], a[-1]
+    return math.prod(a[:-1]), b[-1], a[-1]
+
+
+def gemm_efficiency(hardware: HardwareProfile, m: float, n: float, k: float) -> float:
+    """Achieved fraction of dense peak for an (M, N, K) GEMM: the profile's large-GEMM efficiency
+    (``efficiency.compute``, a published measurement) times prod(d / (d + dim_half)) -- small
+    dimensions leave tiles and SMs idle. The one GEMM formula of the cost model."""
+    eff = hardware.efficiency
+    return eff.compute * math.prod(d / (d + eff.dim_half) for d in (m, n, k))
+
+
 def _attention_dims(spec: OpSpec) -> tuple[int, int, int, int, bool]:
     q, k = spec.tensors[0].shape, spec.tensors[1].shape
     causal = False
@@ -203,12 +230,10 @@ class ComputeModel:
         t_flop = 0.0
         if cat == "gemm":
             _, m, n, k = gemm_dims(spec)
-            shape_eff = eff.compute * math.prod(d / (d + eff.dim_half) for d in (m, n, k))
-            t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * shape_eff)
+            t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * gemm_efficiency(self.hardware, m, n, k))
         elif cat in ("attention", "attention_bwd"):
             _, sq, sk, d, _ = _attention_dims(spec)
-            shape_eff = eff.compute * math.prod(x / (x + eff.dim_half) for x in (sq, sk, d))
-            t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * shape_eff)
+            t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * gemm_efficiency(self.hardware, sq, sk, d))
         return eff.kernel_overhead + max(t_flop, t_mem)
 
     def estimate(self, spec: OpSpec) -> float:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autoplan.errors import PlanSchemaError
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -41,3 +43,33 @@ def unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def mixed_precision_policy(fsdp: dict | None):
+    """FSDP2 ``MixedPrecisionPolicy`` of a plan's ``fsdp["mixed_precision"]`` (None: full precision).
+
+    The planner prices 16-bit compute with fp32 master weights: parameters stay fp32 in the
+    sharded state the optimizer updates, each unit all-gathers them cast to ``param_dtype`` and
+    computes in it, and gradients are reduce-scattered in ``reduce_dtype`` (fp32, so the sum over
+    dp ranks does not round). ``{"param_dtype": "bfloat16", "reduce_dtype": "float32"}``.
+    """
+    spec = (fsdp or {}).get("mixed_precision")
+    if not spec:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def dt(key: str, default: str) -> torch.dtype:
+        name = str(spec.get(key, default)).replace("torch.", "")
+        d = getattr(torch, name, None)
+        if not isinstance(d, torch.dtype):
+            raise PlanSchemaError(f"plan.fsdp.mixed_precision.{key}={spec.get(key)!r} is not a torch dtype "
+                            f"(e.g. 'bfloat16', 'float32')")
+        return d
+
+    return MixedPrecisionPolicy(param_dtype=dt("param_dtype", "bfloat16"), reduce_dtype=dt("reduce_dtype", "float32"))
+
+
+def fsdp_kwargs(fsdp: dict | None) -> dict:
+    """Keyword arguments for every ``fully_shard`` call of a plan (its mixed-precision policy)."""
+    mp = mixed_precision_policy(fsdp)
+    return {"mp_policy": mp} if mp is not None else {}

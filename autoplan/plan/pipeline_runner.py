@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from autoplan.plan.data_parallel import fsdp_kwargs
 from hyper_parallel.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,9 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
         for st in stages:
             for u in st.module.units:
                 if is_block(u):
-                    fully_shard(st.module.get_submodule(u), mesh=dp_mesh, ignored_params=ignored)
-            fully_shard(st.module, mesh=dp_mesh, ignored_params=ignored)
+                    fully_shard(st.module.get_submodule(u), mesh=dp_mesh, ignored_params=ignored,
+                                **fsdp_kwargs(plan.fsdp))
+            fully_shard(st.module, mesh=dp_mesh, ignored_params=ignored, **fsdp_kwargs(plan.fsdp))
     schedule = cls(stages, m, _full_logits_loss(loss_fn or lm_loss),
                    dp_group=dp_mesh.get_group() if use_dp else None, **kwargs)
     params = [prm for st in stages for prm in st.module.parameters()]

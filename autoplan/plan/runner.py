@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from autoplan.plan.data_parallel import fsdp_kwargs
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.errors import MeshError
 
@@ -120,9 +121,10 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
             checkpoint(unit)
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
     if plan.fsdp.get("enabled") and dp_mesh is not None and dp_mesh.size() > 1:
+        kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
         for unit in _fsdp_units(model, plan):
-            fully_shard(unit, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+            fully_shard(unit, mesh=dp_mesh, **kw)
+        fully_shard(model, mesh=dp_mesh, **kw)
     replicate_dp = dp_mesh is not None and dp_mesh.size() > 1 and not plan.fsdp.get("enabled")
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
     return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=replicate_dp)

@@ -14,7 +14,12 @@ world) the context picks it up and prices, all measured on that many concurrent 
 - collectives: ring alpha-beta on the calibrated gloo link, plus ``collective_s`` per call for
   issuing it through DTensor.
 
-Datasheet profiles (h100_sxm, ...) are priced exactly as before.
+On datasheet profiles (h100_sxm, ...) compute is priced per op class by cost_models: each GEMM
+or fused-attention op at its shape's achieved efficiency (``cost_models.compute.gemm_efficiency``),
+every other op by its bytes at achieved HBM bandwidth, plus a launch cost per kernel -- summed,
+so norms, softmax and elementwise time no longer vanish under the GEMMs. Data-parallel modes
+(``replicate`` / ``zero1`` / ``fsdp``) and recomputation (``none`` / ``selective`` / ``full``) are
+fields of the context, and so is the AdamW step (:meth:`CostContext.optimizer_time`).
 """
 from __future__ import annotations
 
@@ -24,9 +29,12 @@ from dataclasses import dataclass
 
 from autoplan.search.strategies import Collective
 from autoplan.search.structure import Work
+from cost_models.compute import gemm_efficiency
+from cost_models.overlap import DP_MODES, dp_overlap
 
 log = logging.getLogger(__name__)
 _AUTO = "auto"
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -41,11 +49,25 @@ class CostContext:
     param_bytes_per_element: int
     optimizer_bytes_per_element: int   # AdamW: 2 fp32 states (+ fp32 master weights for 16-bit params)
     checkpoint_blocks: bool = False    # full activation checkpointing of every repeated block
+    # "replicate" | "zero1" | "fsdp" ("" = from ``fsdp``); "none" | "selective" | "full"
+    # ("" = from ``checkpoint_blocks``)
+    dp_mode: str = ""
+    recompute: str = ""
     # cost_models.runtime.RuntimeOverheads of eager ranks on this host; "auto": the cached
     # calibration for the mesh's world size when the hardware is the measured cpu profile
     runtime: object = _AUTO
 
     def __post_init__(self) -> None:
+        if not self.dp_mode:
+            self.dp_mode = "fsdp" if self.fsdp else "replicate"
+        if self.dp_mode not in DP_MODES:
+            raise ValueError(f"CostContext: dp_mode={self.dp_mode!r} is not one of {DP_MODES}")
+        self.fsdp = self.dp_mode == "fsdp"
+        if not self.recompute:
+            self.recompute = "full" if self.checkpoint_blocks else "none"
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"CostContext: recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        self.checkpoint_blocks = self.recompute == "full"
         if self.runtime == _AUTO:
             self.runtime = self._auto_runtime()
 
@@ -74,18 +96,43 @@ class CostContext:
         t_mem = work.bytes / shard / (hw.memory_bandwidth * eff.memory)
         rt = self.runtime
         if rt is None:
-            return max(t_flop, t_mem) + work.kernels * eff.kernel_overhead
+            if not (work.gemms or work.other_bytes):  # no op-class split (a hand-made Work)
+                return max(t_flop, t_mem) + work.kernels * eff.kernel_overhead
+            return self._op_class_time(work, shard)
         per_kernel = rt.op_s + (rt.dtensor_op_s if shard > 1 else 0.0)
         # one measured scale for both terms: streaming microbenchmarks (rt.memory_scale) run from
         # cache and under-price a model's memory-bound eager ops ~4x (see cost_models.runtime)
         return rt.compute_scale * max(t_flop, t_mem) + work.kernels * per_kernel
+
+    def _op_class_time(self, work: Work, shard: int) -> float:
+        """GEMMs at their shape's achieved efficiency + every other op at achieved HBM bandwidth
+        + kernel launches. The shape factor uses the unsharded GEMM dimensions (a shard divides
+        one of N, K or the batch; at the widths priced here that moves it by a few per cent)."""
+        hw = self.hardware
+        peak = hw.peak(self.dtype)
+        t, gflops = 0.0, 0.0
+        for f, m, n, k in work.gemms:
+            gflops += f
+            t += f / (peak * gemm_efficiency(hw, m, n, k))
+        t += max(work.flops - gflops, 0.0) / (peak * hw.efficiency.compute)
+        t += work.other_bytes / (hw.memory_bandwidth * hw.efficiency.memory)
+        return t / shard + work.kernels * hw.efficiency.kernel_overhead
+
+    def recompute_time(self, work: Work, shard: int) -> float:
+        """Extra seconds per call that recomputation adds in backward: the whole forward (full:
+        a third of forward + backward) or the attention core's forward (selective)."""
+        if self.recompute == "full":
+            return self.compute_time(work, shard) / 3.0
+        if self.recompute == "selective" and work.core is not None:
+            return self.compute_time(work.core, shard) / 3.0
+        return 0.0
 
     def optimizer_time(self, param_tensors: int, elements: float, sharded: bool) -> float:
         """AdamW step for ``param_tensors`` tensors holding ``elements`` elements on this rank.
 
         Bandwidth-bound per element (fp32 states: read p, g, m, v and write p, m, v), plus a fixed
         cost per tensor from the runtime calibration (much larger for DTensor parameters).
-        Not yet called by the search (tp_search prices forward and backward only).
+        Charged once per step after backward (not overlapped) by every search path.
         """
         hw = self.hardware
         nbytes = 28.0 * elements
@@ -139,12 +186,23 @@ class CostContext:
         return sum(self.collective_time(c, latency) for c in collectives)
 
     def state_bytes(self, param_bytes: float, param_shard: int) -> dict[str, float]:
-        """Parameters, gradients and optimizer state per rank for ``param_bytes`` of weights."""
+        """Parameters, gradients and optimizer state per rank for ``param_bytes`` of weights:
+        FSDP shards all three over dp, ZeRO-1 the optimizer state only."""
         elements = param_bytes / self.param_bytes_per_element / param_shard
         fsdp = self.dp if self.fsdp else 1
+        opt = self.dp if self.dp_mode in ("fsdp", "zero1") else 1
         return {"params": elements * self.param_bytes_per_element / fsdp,
                 "grads": elements * self.param_bytes_per_element / fsdp,
-                "optimizer": elements * self.optimizer_bytes_per_element / fsdp}
+                "optimizer": elements * self.optimizer_bytes_per_element / opt}
+
+    def optimizer_elements(self, param_bytes: float, param_shard: int) -> float:
+        """Parameter elements this rank's optimizer updates (sharded by FSDP and ZeRO-1)."""
+        elements = param_bytes / self.param_bytes_per_element / param_shard
+        return elements / (self.dp if self.dp_mode in ("fsdp", "zero1") else 1)
+
+    def exposed_dp(self, dp_comm: float, compute: float) -> float:
+        """Data-parallel seconds compute cannot hide, for this context's dp mode."""
+        return dp_overlap(self.dp_mode).exposed(dp_comm, compute)
 
     def fsdp_collectives(self, param_bytes: float, param_shard: int) -> list[Collective]:
         """FSDP over the dp dimension for one wrapped unit: all-gather in forward and again in
@@ -157,6 +215,12 @@ class CostContext:
                 Collective("reduce_scatter", "backward", b, dim=self.dp_dim)]
 
     def ddp_collectives(self, param_bytes: float, param_shard: int) -> list[Collective]:
+        """Replicated dp: one all-reduce of the gradients; ZeRO-1: reduce-scatter of the
+        gradients, all-gather of the updated parameters (same bytes on the wire)."""
         if self.fsdp or self.dp <= 1 or param_bytes <= 0:
             return []
-        return [Collective("all_reduce", "backward", int(param_bytes / param_shard), dim=self.dp_dim)]
+        b = int(param_bytes / param_shard)
+        if self.dp_mode == "zero1":
+            return [Collective("reduce_scatter", "backward", b, dim=self.dp_dim),
+                    Collective("all_gather", "backward", b, dim=self.dp_dim)]
+        return [Collective("all_reduce", "backward", b, dim=self.dp_dim)]

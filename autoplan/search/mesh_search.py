@@ -28,11 +28,31 @@ from autoplan.search.pipeline_search import (
     SCHEDULES, PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates, time_choice,
 )
 from autoplan.search.tp_search import exposed_dp
+from cost_models.overlap import DP_MODES
 
 log = logging.getLogger(__name__)
 MESH_NAMES = ("dp", "pp", "tp")
 # bubble over busy time, per (p-1)/m, of uniform stages (formulas.md); orders the search only
 BUBBLE = {"GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 0.5, "ZeroBubble": 1 / 3, "ZBV": 1 / 6}
+RECOMPUTE = ("none", "selective", "full")
+
+
+def dp_mode_of(fsdp) -> str:
+    """A dp mode name from a mode name or the older bool (True: FSDP, False: replicated)."""
+    if isinstance(fsdp, str):
+        if fsdp not in DP_MODES:
+            raise PlanningError(f"dp_mode={fsdp!r} is not one of {DP_MODES}")
+        return fsdp
+    return "fsdp" if fsdp else "replicate"
+
+
+def recompute_of(ac) -> str:
+    """A recompute name from a name or the older bool (True: full checkpointing, False: none)."""
+    if isinstance(ac, str):
+        if ac not in RECOMPUTE:
+            raise PlanningError(f"recompute={ac!r} is not one of {RECOMPUTE}")
+        return ac
+    return "full" if ac else "none"
 
 
 @dataclass
@@ -43,10 +63,14 @@ class Candidate:
     dp: int
     pp: int
     tp: int
-    fsdp: bool
-    ac: bool
+    fsdp: bool | str            # dp mode; a bool is read as FSDP / replicated
+    ac: bool | str              # recompute; a bool is read as full / none
     b: int
     choice: PipelineChoice
+
+    def __post_init__(self) -> None:
+        self.dp_mode, self.recompute = dp_mode_of(self.fsdp), recompute_of(self.ac)
+        self.fsdp, self.ac = self.dp_mode == "fsdp", self.recompute == "full"
 
     @property
     def step_s(self) -> float:
@@ -55,14 +79,15 @@ class Candidate:
     @property
     def key(self) -> tuple:
         c = self.choice
-        return (self.step_s, self.dp, self.pp, self.tp, not self.fsdp, self.ac, self.b, c.schedule, c.v, c.starts)
+        return (self.step_s, self.dp, self.pp, self.tp, DP_MODES.index(self.dp_mode), RECOMPUTE.index(self.recompute),
+                self.b, c.schedule, c.v, c.starts)
 
     def summary(self, units: Sequence[str]) -> dict[str, Any]:
         c = self.choice
         return {"name": f"dp{self.dp}-pp{self.pp}-tp{self.tp}-{c.schedule}-m{c.m}", "step_s": c.step_s,
                 "mesh": {"dp": self.dp, "pp": self.pp, "tp": self.tp}, "schedule": c.schedule,
                 "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": self.b, "fsdp": self.fsdp,
-                "activation_checkpointing": self.ac, "bubble_fraction": c.bubble_fraction,
+                "activation_checkpointing": self.ac, "dp_mode": self.dp_mode, "recompute": self.recompute, "bubble_fraction": c.bubble_fraction,
                 "memory_bytes": max(c.rank_memory), "cuts": [units[s] for s in c.starts[1:]],
                 "cut_method": c.cut_method}
 
@@ -96,18 +121,21 @@ class ClusterSearch:
                  dtype: torch.dtype | None = None, constraints: dict | None = None,
                  schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
-                 sequence_parallel: bool | None = None, graphs: dict | None = None):
+                 sequence_parallel: bool | None = None, graphs: dict | None = None,
+                 dp_modes: Sequence[str] = ("fsdp", "replicate"), recompute_modes: Sequence[str] = ("none", "full")):
         from cost_models.hardware import load_hardware
 
+        self.dp_modes = [dp_mode_of(x) for x in dp_modes]
+        self.recompute_modes = [recompute_of(x) for x in recompute_modes]
         self.model, self.devices, self.hardware = model, int(devices), hardware
         self.hw = load_hardware(hardware)
         self.dpn = int(devices_per_node or self.hw.devices_per_node)
         self.gb, self.seq = int(batch[0]), int(batch[1])
-        self.limit = float(memory_limit if memory_limit is not None else self.hw.memory_capacity)
+        self.limit = float(memory_limit if memory_limit is not None else self.hw.usable_memory())
         self.dtype = dtype or (torch.float32 if self.hw.device_type == "cpu" else torch.bfloat16)
         self.cons = dict(constraints or {})
         unknown = set(self.cons) - {"dp", "pp", "tp", "schedule", "microbatches", "microbatch_size", "fsdp",
-                                    "activation_checkpointing", "virtual_stages"}
+                                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute"}
         if unknown:
             raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
         self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)
@@ -151,23 +179,26 @@ class ClusterSearch:
                 names += [f"{g.prefix}.{i}" for i in g.indices]
             return names + list(st.final_norms) + ([st.head.fqn] if st.head else [])
 
-    def ctx(self, dp: int, pp: int, tp: int, fsdp: bool, ac: bool):
-        key = (dp, pp, tp, fsdp, ac)
+    def ctx(self, dp: int, pp: int, tp: int, fsdp, ac):
+        key = (dp, pp, tp, dp_mode_of(fsdp), recompute_of(ac))
         if key not in self._ctx:
             self._ctx[key] = self._make_ctx(*key)
         return self._ctx[key]
 
-    def _make_ctx(self, dp: int, pp: int, tp: int, fsdp: bool, ac: bool):
+    def _make_ctx(self, dp: int, pp: int, tp: int, mode: str, recompute: str):
         from autoplan.search.costing import CostContext
 
         spec = MeshSpec((dp, pp, tp), MESH_NAMES, self.hardware, self.dpn)
         pbytes = self.structure(self.mb_sizes[0]).dtype_bytes
+        mode = mode if dp > 1 else "replicate"
         return CostContext(hardware=self.hw, topology=spec.topology(), dtype=str(self.dtype), tp_dim="tp",
-                           dp_dim="dp", dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
-                           optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), checkpoint_blocks=ac)
+                           dp_dim="dp", dp=dp, fsdp=mode == "fsdp", param_bytes_per_element=pbytes,
+                           optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), dp_mode=mode,
+                           recompute=recompute)
 
-    def tp_solution(self, tp: int, b: int, ac: bool):
+    def tp_solution(self, tp: int, b: int, ac):
         """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` (cached)."""
+        ac = recompute_of(ac)
         key = (tp, b, ac)
         if key not in self._tp:
             from autoplan.search.tp_search import TPSearch
@@ -188,8 +219,14 @@ class ClusterSearch:
                 self._tp[key] = (ev.options, layout)
         return self._tp[key]
 
-    def unit_costs(self, dp: int, pp: int, tp: int, fsdp: bool, ac: bool, b: int):
-        """(per-unit costs, P2P seconds per micro-batch hop) of the TP solution on this mesh."""
+    def unit_costs(self, dp: int, pp: int, tp: int, fsdp, ac, b: int):
+        """(per-unit costs, P2P seconds per micro-batch hop) of the TP solution on this mesh.
+
+        Every cost comes from the one CostContext: compute per op class (recomputation included),
+        TP collectives with their latency, dp traffic with FSDP's per-call latency charged once
+        per wrapped unit (each block, and the root on the embedding's unit) exactly as
+        ``TPSearch.evaluate`` charges it, and each unit's share of the optimizer step."""
+        fsdp, ac = dp_mode_of(fsdp), recompute_of(ac)
         key = (dp, pp, tp, fsdp, ac, b)
         if key in self._units:
             return self._units[key]
@@ -201,7 +238,7 @@ class ClusterSearch:
         ctx = self.ctx(dp, pp, tp, fsdp, ac)
         names = self.unit_names
         index = {n: i for i, n in enumerate(names)}
-        acc = [[0.0] * 7 for _ in names]  # F, I, W, state, act, dp_comm, one dp all-gather
+        acc = [[0.0] * 8 for _ in names]  # F, I, W, state, act, dp_comm, one dp all-gather, optimizer
         st = self.structure(b)
         head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
         emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
@@ -212,19 +249,28 @@ class ClusterSearch:
                 continue
             share = 1.0 / len(targets)
             c = o.compute_s(ctx)
-            base = c * 0.75 if (ac and o.in_block) else c
+            extra = o.count * ctx.recompute_time(o.work, o.strategy.compute_shard) if o.in_block else 0.0
+            base = c - extra   # forward + backward without the recomputation (which runs in backward)
             tp_c = [x for x in o.collectives(ctx) if x.dim == "tp"]
             f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])
             b_comm = ctx.comm_time([x for x in tp_c if x.phase != "forward"])
             mem = o.memory(ctx)
             gather = ctx.comm_time([x for x in o.collectives(ctx) if x.dim == "dp" and x.kind == "all_gather"
-                                    and x.phase == "forward"]) if (fsdp and o.in_block) else 0.0
+                                    and x.phase == "forward"], latency=False) if (ctx.fsdp and o.in_block) else 0.0
             vals = (base / 3 + f_comm, c - 2 * base / 3 + b_comm, base / 3,
                     sum(v for k, v in mem.items() if k != "activations"), mem.get("activations", 0.0),
-                    o.dp_comm_s(ctx), gather)
+                    o.dp_comm_s(ctx), gather, o.optimizer_s(ctx))
             for t in targets:
-                for k in range(7):
+                for k in range(8):
                     acc[t][k] += vals[k] * share
+        if ctx.fsdp:  # per-call latency: one set of FSDP collectives per wrapped unit
+            unit_lat = ctx.fsdp_latency_time(1)
+            gather_lat = ctx.fsdp_latency_time(1) / 3.0   # one all-gather of the three calls
+            blocks = {i for o in options if o.in_block for i in self._targets(o, names, index, emb_i, norm_i, head_i)}
+            for i in blocks:
+                acc[i][5] += unit_lat
+                acc[i][6] += gather_lat
+            acc[emb_i][5] += unit_lat   # the root unit (embedding, norm, head)
         units = [UnitCost(n, *a) for n, a in zip(names, acc)]
         hidden = st.blocks[0].hidden_bytes if st.blocks else 0
         p2p_bytes = hidden / (tp if layout == "S" else 1)
@@ -250,9 +296,21 @@ class ClusterSearch:
         return [head_i]  # head, rest (loss, rotary tables): the last stage
 
     # ---------------------------------------------------------------- search
-    def modes(self, dp: int) -> list[tuple[bool, bool]]:
-        fs = [self.cons["fsdp"]] if "fsdp" in self.cons else ([True, False] if dp > 1 else [True])
-        acs = [self.cons["activation_checkpointing"]] if "activation_checkpointing" in self.cons else [False, True]
+    def modes(self, dp: int) -> list[tuple[str, str]]:
+        """(dp mode, recompute) pairs to search; constraints ``dp_mode`` / ``recompute`` (or the
+        older bools ``fsdp`` / ``activation_checkpointing``) fix them."""
+        if "dp_mode" in self.cons:
+            fs = [dp_mode_of(self.cons["dp_mode"])]
+        elif "fsdp" in self.cons:
+            fs = [dp_mode_of(bool(self.cons["fsdp"]))]
+        else:
+            fs = list(self.dp_modes) if dp > 1 else ["fsdp"]
+        if "recompute" in self.cons:
+            acs = [recompute_of(self.cons["recompute"])]
+        elif "activation_checkpointing" in self.cons:
+            acs = [recompute_of(bool(self.cons["activation_checkpointing"]))]
+        else:
+            acs = list(self.recompute_modes)
         return [(f, a) for f in fs for a in acs]
 
     def microbatch_options(self, dp: int) -> list[tuple[int, int]]:
@@ -265,10 +323,10 @@ class ClusterSearch:
             out = [(b, m) for b, m in out if m == self.cons["microbatches"]]
         return out
 
-    def exposed(self):
-        from autoplan.search.tp_search import exposed_dp
-
-        return exposed_dp
+    def exposed(self, mode: str = "fsdp"):
+        """The exposed-dp function for ``mode`` (cost_models.overlap)."""
+        mode = dp_mode_of(mode)
+        return lambda comm, compute: exposed_dp(comm, compute, mode)
 
     def search(self, max_simulations: int = 400, time_budget_s: float | None = None) -> list[Candidate]:
         """All candidates that were simulated, best first (the first is the optimum: the rest of
@@ -292,7 +350,8 @@ class ClusterSearch:
                         continue
                     # exposed dp time is convex in (traffic, compute), so its max over ranks is at
                     # least its value at the rank average (Jensen): a valid bound before any cut
-                    dp_min = exposed_dp(sum(u.dp_comm_s for u in units) / pp, m * total_t / pp)
+                    dp_min = exposed_dp(sum(u.dp_comm_s for u in units) / pp, m * total_t / pp, fsdp) \
+                        + sum(u.optimizer_s for u in units) / pp
                     chain = sum(u.forward + u.backward_input for u in units)
                     lb = max(m * total_t / pp, chain) + dp_min
                     # visiting order only: the least bubble any schedule has on even stages
@@ -313,10 +372,11 @@ class ClusterSearch:
                                         extra=lb - max(m * sum(u.time for u in units) / pp,
                                                        sum(u.forward + u.backward_input for u in units)))
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
+            exposed = self.exposed(fsdp if dp > 1 else "fsdp")
             for c in cands:
-                if full_lower_bound(c, units, self.exposed()) >= best:
+                if full_lower_bound(c, units, exposed) >= best:
                     continue
-                time_choice(c, units, p2p, self.exposed())
+                time_choice(c, units, p2p, exposed)
                 self.simulations += 1
                 if max(c.rank_memory) > self.limit:
                     continue
@@ -334,8 +394,8 @@ class ClusterSearch:
                  self.simulations, time.perf_counter() - t0)
         return done
 
-    def evaluate(self, dp: int, pp: int, tp: int, schedule: str = "1F1B", b: int = 1, fsdp: bool = True,
-                 ac: bool | None = None, cuts: str = "even", v: int = 1) -> Candidate:
+    def evaluate(self, dp: int, pp: int, tp: int, schedule: str = "1F1B", b: int = 1, fsdp=True,
+                 ac=None, cuts: str = "even", v: int = 1) -> Candidate:
         """Price one fixed plan (e.g. an expert's) with the same costs: even or balanced cuts;
         ``ac=None`` takes the faster fitting of with/without activation checkpointing."""
         from autoplan.search.pipeline_search import balanced_cuts, schedule_virtual, uniform_inflight
@@ -358,7 +418,7 @@ class ClusterSearch:
             if starts is None:
                 continue
             c = time_choice(PipelineChoice(schedule, pp, vv, m, starts, cut_method=cuts), units, p2p,
-                            self.exposed())
+                            self.exposed(fsdp if dp > 1 else "fsdp"))
             fits = max(c.rank_memory) <= self.limit
             cand = Candidate(dp, pp, tp, fsdp, a, b, c)
             if best is None or (fits, -c.step_s) > (best[0], -best[1].step_s):
@@ -376,7 +436,7 @@ def ranked_alternatives(cands: Sequence[Candidate], units: Sequence[str], top: i
     """The best candidate of each distinct (mesh, schedule, dp mode), best first."""
     seen, out = set(), []
     for c in cands:
-        k = (c.dp, c.pp, c.tp, c.choice.schedule, c.fsdp)
+        k = (c.dp, c.pp, c.tp, c.choice.schedule, c.dp_mode)
         if k in seen:
             continue
         seen.add(k)

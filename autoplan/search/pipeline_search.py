@@ -49,6 +49,7 @@ class UnitCost:
     act_bytes: float = 0.0
     dp_comm_s: float = 0.0
     dp_gather_s: float = 0.0   # one FSDP all-gather of this unit if it is its own FSDP unit (a block)
+    optimizer_s: float = 0.0   # its share of the optimizer step, once per step after backward
 
     @property
     def time(self) -> float:
@@ -291,7 +292,8 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
         dp_rank[r] += row["dp_comm_s"]
     for r in range(choice.p):  # in-flight chunks x the mean activation of this rank's stages
         mem[r] += peaks[r] * act_rank[r] / max(n_on[r], 1)
-    exposed = [(exposed_dp(dp_rank[r], busy[r]) if exposed_dp else dp_rank[r]) for r in range(choice.p)]
+    opt = _rank_optimizer(choice, units)
+    exposed = [(exposed_dp(dp_rank[r], busy[r]) if exposed_dp else dp_rank[r]) + opt[r] for r in range(choice.p)]
     choice.sim_step_s, choice.bubble_fraction, choice.busy_s = step, bubble, busy
     choice.step_s = step + max(exposed)
     choice.rank_memory, choice.peak_inflight = mem, peaks
@@ -378,6 +380,15 @@ def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float
     return [state[r] + peaks[r] * act[r] / max(n_on[r], 1) for r in range(choice.p)]
 
 
+def _rank_optimizer(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float]:
+    """Optimizer step seconds per rank (its stages' units)."""
+    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank if choice.p > 1 else (0,)
+    out = [0.0] * choice.p
+    for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
+        out[s2r[s]] += sum(u.optimizer_s for u in units[a:b])
+    return out
+
+
 def full_lower_bound(choice: PipelineChoice, units: Sequence[UnitCost], exposed_dp=None) -> float:
     """``lower_bound`` plus the data-parallel time ``time_choice`` adds, which is exact before
     simulating (it depends only on each rank's compute and dp traffic)."""
@@ -390,7 +401,8 @@ def _exposed(choice: PipelineChoice, units: Sequence[UnitCost], exposed_dp=None)
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         busy[s2r[s]] += choice.m * sum(u.time for u in units[a:b])
         dp[s2r[s]] += _stage_dp(choice, units, s, a, b)
-    return [exposed_dp(d, c) if exposed_dp else d for d, c in zip(dp, busy)]
+    opt = _rank_optimizer(choice, units)
+    return [(exposed_dp(d, c) if exposed_dp else d) + o for d, c, o in zip(dp, busy, opt)]
 
 
 def estimate(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: float) -> float:

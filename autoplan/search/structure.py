@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
+from cost_models.compute import gemm_shape_dims
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
@@ -25,10 +26,19 @@ class Work:
     kernels: int = 0
     params: int = 0
     param_bytes: int = 0
+    # per op class, for cost_models' compute pricing: (flops fwd+bwd, M, N, K) of each GEMM or
+    # fused-attention op, and the bytes of every other non-view op (forward + backward)
+    gemms: tuple = ()
+    other_bytes: float = 0.0
+    # the attention core (ops of the attention module itself, not of its projections): what
+    # selective recomputation recomputes and stops saving
+    core: "Work | None" = None
 
     def __add__(self, o: "Work") -> "Work":
+        core = self.core if o.core is None else (o.core if self.core is None else self.core + o.core)
         return Work(self.flops + o.flops, self.bytes + o.bytes, self.saved + o.saved,
-                    self.kernels + o.kernels, self.params + o.params, self.param_bytes + o.param_bytes)
+                    self.kernels + o.kernels, self.params + o.params, self.param_bytes + o.param_bytes,
+                    self.gemms + o.gemms, self.other_bytes + o.other_bytes, core)
 
 
 @dataclass
@@ -121,9 +131,33 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
                     n *= s
                 pbytes += n * 4  # refined by the caller with the model dtype
     fwd_bytes = float(row["bytes_read"] + row["bytes_written"])
+    gemms, other = _op_classes(nodes)
+    core_nodes = [n for n in nodes if n.module == fqn]
+    core = None
+    if core_nodes and any(_op_classes([n])[0] for n in core_nodes):  # a module that runs its own matmuls
+        cg, co = _op_classes(core_nodes)
+        core = Work(flops=float(sum(n.flops_fwd + n.flops_bwd for n in core_nodes)), bytes=0.0,
+                    saved=float(sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs)
+                                                              if n.saved_for_backward else 0) for n in core_nodes)),
+                    kernels=3 * sum(1 for n in core_nodes if not _is_view(n.op)), gemms=cg, other_bytes=co)
     return Work(flops=float(row["flops_fwd"] + row["flops_bwd"]), bytes=3.0 * fwd_bytes,
                 saved=float(row["saved_bytes"]), kernels=3 * sum(1 for n in nodes if not _is_view(n.op)),
-                params=int(row["num_params"]), param_bytes=pbytes if info else 0)
+                params=int(row["num_params"]), param_bytes=pbytes if info else 0,
+                gemms=gemms, other_bytes=other, core=core)
+
+
+def _op_classes(nodes) -> tuple[tuple, float]:
+    """(GEMM entries (flops, M, N, K), bytes of the other non-view ops, backward counted as twice
+    the forward as for ``Work.bytes``)."""
+    gemms, other = [], 0.0
+    for n in nodes:
+        dims = gemm_shape_dims(n.op.split(".")[1] if n.op.count(".") >= 1 else n.op,
+                               [tuple(t.shape) for t in n.inputs])
+        if dims is not None and n.flops_fwd > 0:
+            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims))
+        elif not _is_view(n.op):
+            other += 3.0 * float(n.bytes_read + n.bytes_written)
+    return tuple(gemms), other
 
 
 def _is_view(op: str) -> bool:
@@ -184,7 +218,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         inner = norm_work + (att.work if att else Work()) + (mlp.work if mlp else Work())
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
-                     max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0))
+                     max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
+                     (), max(whole.other_bytes - inner.other_bytes, 0))
         out_shapes = rows[rep]["output_shapes"] if rep in rows else []
         shape = tuple(out_shapes[0]) if out_shapes else (1, 1, 1)
         hidden = 1

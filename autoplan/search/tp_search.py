@@ -33,15 +33,11 @@ from autoplan.search.strategies import (
 from autoplan.search.probe import Prober
 from autoplan.search.soundness import SoundnessReport, check_search
 from autoplan.search.structure import ModelStructure, Work
+from cost_models.overlap import dp_overlap
 
 log = logging.getLogger(__name__)
 TIE_EPS = 1e-9  # seconds per option rank: deterministic preference for simpler options on ties
-# Data-parallel traffic (FSDP all-gathers / reduce-scatters) overlaps with compute, but not all
-# of it: the first all-gather and the last reduce-scatter of a step are exposed, and the copy
-# engines contend with compute. We price exposed = DP_EXPOSED_MIN * dp + max(0, (1 - DP_EXPOSED_MIN)
-# * dp - DP_OVERLAP * compute).
-DP_OVERLAP = 0.8
-DP_EXPOSED_MIN = 0.1
+# How much data-parallel traffic compute hides is stated per dp mode in cost_models.overlap.
 
 
 @dataclass
@@ -80,9 +76,16 @@ class Option:
 
     def compute_s(self, ctx: CostContext) -> float:
         t = ctx.compute_time(self.work, self.strategy.compute_shard)
-        if ctx.checkpoint_blocks and self.in_block:
-            t *= 4.0 / 3.0  # forward recomputed in backward (forward ~ 1/3 of forward+backward)
+        if self.in_block:  # forward (full) or attention core (selective) recomputed in backward
+            t += ctx.recompute_time(self.work, self.strategy.compute_shard)
         return self.count * t
+
+    def optimizer_s(self, ctx: CostContext) -> float:
+        """This option's share of the AdamW step (its parameters after TP, FSDP and ZeRO-1)."""
+        if self.param_bytes <= 0:
+            return 0.0
+        return self.count * ctx.optimizer_time(0, ctx.optimizer_elements(self.param_bytes, self.strategy.param_shard),
+                                               ctx.dp_mode != "replicate")
 
     def comm_s(self, ctx: CostContext) -> float:
         return ctx.comm_time(self.collectives(ctx))
@@ -104,7 +107,10 @@ class Option:
             keep = self.strategy.extra.get("block_input_bytes", 0.0) if self.slot.endswith("/other") else 0.0
             st["activations"] = keep / (ctx_tp(ctx) if self.stream == "S" else 1)
         else:
-            st["activations"] = self.work.saved / self.strategy.activation_shard
+            saved = self.work.saved
+            if ctx.recompute == "selective" and self.in_block and self.work.core is not None:
+                saved = max(saved - self.work.core.saved, 0.0)  # the attention core is recomputed
+            st["activations"] = saved / self.strategy.activation_shard
         return {k: v * self.count for k, v in st.items()}
 
     def styles(self) -> dict[str, object]:
@@ -114,8 +120,9 @@ class Option:
         return {f"{owner}.{k}": v for owner in self.owner.split(",") for k, v in self.strategy.styles.items()}
 
 
-def exposed_dp(dp_comm: float, compute: float) -> float:
-    return DP_EXPOSED_MIN * dp_comm + max(0.0, (1 - DP_EXPOSED_MIN) * dp_comm - DP_OVERLAP * compute)
+def exposed_dp(dp_comm: float, compute: float, mode: str = "fsdp") -> float:
+    """Data-parallel seconds that compute cannot hide (cost_models.overlap, per dp mode)."""
+    return dp_overlap(mode).exposed(dp_comm, compute)
 
 
 def ctx_tp(ctx: CostContext) -> int:
@@ -290,7 +297,8 @@ class TPSearch:
         compute = sum(o.compute_s(self.ctx) for o in opts)
         tp_comm = sum(o.tp_comm_s(self.ctx) for o in opts)
         dp_comm = sum(o.dp_comm_s(self.ctx) for o in opts) + self.fsdp_latency()
-        comm = tp_comm + exposed_dp(dp_comm, compute)
+        comm = tp_comm + self.ctx.exposed_dp(dp_comm, compute)
+        compute += sum(o.optimizer_s(self.ctx) for o in opts)
         memory: dict[str, float] = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
         for o in opts:
             for k, v in o.memory(self.ctx).items():
@@ -394,14 +402,15 @@ class TPSearch:
                 "tied_embedding_head_same_layout"
         if memory_limit is not None and objective == "time":
             prob += pulp.lpSum(mem) <= memory_limit, "memory_limit"
-        if objective == "time":  # exposed data-parallel traffic: max(0, dp_comm - compute), linearised
+        if objective == "time":  # exposed data-parallel traffic (cost_models.overlap), linearised
+            ov = dp_overlap(self.ctx.dp_mode)
             exposed = pulp.LpVariable("exposed_dp_comm", lowBound=0)
             prob += exposed >= pulp.lpSum(
-                ((1 - DP_EXPOSED_MIN) * o.dp_comm_s(self.ctx) - DP_OVERLAP * o.compute_s(self.ctx)) * x[slot, o.rank]
-                for slot, opts in self.slots.items() for o in opts) + (1 - DP_EXPOSED_MIN) * self.fsdp_latency(), \
-                "exposed_dp_comm_def"
+                ((1 - ov.exposed_min) * o.dp_comm_s(self.ctx) - ov.hidden_by_compute * o.compute_s(self.ctx))
+                * x[slot, o.rank] for slot, opts in self.slots.items() for o in opts) \
+                + (1 - ov.exposed_min) * self.fsdp_latency(), "exposed_dp_comm_def"
             cost.append(exposed)
-            cost.extend(DP_EXPOSED_MIN * o.dp_comm_s(self.ctx) * x[slot, o.rank]
+            cost.extend((ov.exposed_min * o.dp_comm_s(self.ctx) + o.optimizer_s(self.ctx)) * x[slot, o.rank]
                         for slot, opts in self.slots.items() for o in opts)
         prob += pulp.lpSum(mem if objective == "memory" else cost)
         solver, name = _solver()

@@ -86,6 +86,14 @@ class HardwareProfile:
     efficiency: Efficiency = field(default_factory=Efficiency)
     sources: tuple[str, ...] = ()
     notes: str = ""
+    # memory the planner may not fill: a fixed reserve (CUDA/CANN context, NCCL/HCCL buffers,
+    # GEMM workspaces) and a fraction lost to caching-allocator fragmentation
+    memory_reserved: int = 0
+    memory_fragmentation: float = 0.0
+
+    def usable_memory(self) -> float:
+        """Bytes per device a plan may use: capacity x (1 - fragmentation) - reserved."""
+        return self.memory_capacity * (1.0 - self.memory_fragmentation) - self.memory_reserved
 
     def peak(self, dtype: Any) -> float:
         """Dense peak FLOP/s for ``dtype``; falls back to fp32 for dtypes the sheet does not list."""
@@ -120,6 +128,8 @@ class HardwareProfile:
                 intra_node=Link(**data["intra_node"]), inter_node=Link(**data["inter_node"]),
                 efficiency=Efficiency(**data.get("efficiency", {})),
                 sources=tuple(data.get("sources", ())), notes=data.get("notes", ""),
+                memory_reserved=int(data.get("memory_reserved", 0)),
+                memory_fragmentation=float(data.get("memory_fragmentation", 0.0)),
             )
         except (KeyError, TypeError) as exc:
             raise UnknownHardwareError(f"hardware data {data.get('name', '?')!r} is malformed: {exc!r}") from exc

@@ -1,0 +1,246 @@
+"""Published training runs priced by the planner's cost model: predicted / measured step time.
+
+For every case of shared/reference/published_runs.json the published layout (dp, pp, tp,
+data-parallel sharding, recomputation, micro-batch size, schedule where published) is fixed
+through ``ClusterSearch`` constraints; what the source does not state (micro-batch size,
+virtual stages, a schedule among ``schedule_candidates``) is left to the search, which picks
+the fastest -- so the prediction is the cost model's best case for that layout. The same model
+then plans freely (``plan_cluster``'s search) and its pick, claimed MFU and claimed speedup over
+the published layout are reported next to it. One set of hardware numbers per accelerator
+(cost_models/hardware/*.json, with sources); nothing is fitted per case.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/published_runs.py [--no-free] [--only NAME]
+
+Writes benchmarks/results/published_runs.{csv,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from autoplan.errors import InfeasiblePlanError
+from autoplan.models.gpt import build_gpt
+from autoplan.models.llama import build_llama
+from autoplan.search.mesh_search import ClusterSearch
+
+OUT = Path(__file__).parent / "results" / "published_runs"
+REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "published_runs.json"
+REFERENCE_FALLBACK = Path("/work/shared/reference/published_runs.json")
+MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+def load_cases() -> tuple[dict, list[dict]]:
+    path = REFERENCE if REFERENCE.is_file() else REFERENCE_FALLBACK
+    data = json.loads(path.read_text())
+    return data["_meta"], data["cases"]
+
+
+def build_model(case: dict):
+    """The case's model on meta: the repo's GPT for GeLU/LayerNorm runs, its Llama for SwiGLU."""
+    m, seq = case["model"], case["seq_len"]
+    if m["mlp"] == "gelu":
+        model = build_gpt(dim=m["hidden"], n_layers=m["layers"], n_heads=m["heads"], vocab_size=m["vocab"],
+                          ffn_hidden=m["ffn"], max_seq_len=seq, tie_embeddings=m["tied"])
+    else:
+        model = build_llama(device="meta", dim=m["hidden"], n_layers=m["layers"], n_heads=m["heads"],
+                            n_kv_heads=m["kv_heads"], vocab_size=m["vocab"], ffn_hidden=m["ffn"], max_seq_len=seq,
+                            rope_theta=500000.0, tie_embeddings=m["tied"])
+    built = sum(p.numel() for p in model.parameters())
+    if built != m["params"]:
+        raise ValueError(f"{case['name']}: built {built} parameters, the reference says {m['params']}")
+    return model
+
+
+def model_flops(case: dict, formula: str) -> float:
+    """FLOPs of one step under the reference's named formula."""
+    m = case["model"]
+    B, s, L, h, V = case["global_batch"], case["seq_len"], m["layers"], m["hidden"], m["vocab"]
+    if formula == "megatron_model_72":
+        return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    if formula == "megatron_hw_96":
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    if formula == "titan_6N_12Lhs":
+        return B * s * (6 * (m["params"] - V * h) + 12 * L * h * s)
+    raise ValueError(f"unknown flops formula {formula!r}")
+
+
+def constraints(case: dict) -> tuple[dict, dict]:
+    """(ClusterSearch constraints, search options) of the published layout."""
+    lay = case["layout"]
+    cons = {"dp": lay["dp"], "pp": lay["pp"], "tp": lay["tp"]}
+    sharding = lay.get("dp_sharding")
+    if sharding is not None and lay["dp"] > 1:
+        cons["dp_mode"] = {"ddp": "replicate", "zero1": "zero1", "fsdp": "fsdp"}[sharding]
+    if lay.get("recompute") is not None:
+        cons["recompute"] = lay["recompute"]
+    if lay.get("microbatch_size") is not None:
+        cons["microbatch_size"] = lay["microbatch_size"]
+    opts = {"microbatch_sizes": (1, 2, 4, 8), "virtual_stages": (2, 3, 4),
+            "dp_modes": ("replicate", "zero1", "fsdp"), "recompute_modes": ("none", "selective", "full")}
+    if lay.get("schedule"):
+        cons["schedule"] = lay["schedule"]
+    elif lay.get("schedule_candidates"):
+        opts["schedules"] = tuple(lay["schedule_candidates"])
+    else:
+        opts["schedules"] = MEGATRON_SCHEDULES
+    if lay.get("virtual_stages") is not None:
+        cons["virtual_stages"] = lay["virtual_stages"]
+    if lay.get("sequence_parallel") is not None and lay["tp"] > 1:
+        opts["sequence_parallel"] = bool(lay["sequence_parallel"])
+    return cons, opts
+
+
+def describe(c) -> str:
+    ch = c.choice
+    sched = f"{ch.schedule}(v{ch.v})" if c.pp > 1 else "-"
+    return (f"dp{c.dp}-pp{c.pp}-tp{c.tp} {c.dp_mode} {c.recompute} b{c.b} m{ch.m} {sched}")
+
+
+def run_case(case: dict, meta: dict, free: bool) -> dict:
+    model = build_model(case)
+    cons, opts = constraints(case)
+    gb, seq, n = case["global_batch"], case["seq_len"], case["devices"]
+    peak = meta["peak_bf16"][case["hardware"]]
+    mf = model_flops(case, case["achieved"]["model_flops_formula"])
+    t0 = time.perf_counter()
+    # the published run ran: price its layout whatever our memory model says, and report the memory
+    search = ClusterSearch(model, n, hardware=case["hardware"], batch=(gb, seq), constraints=cons,
+                           memory_limit=1e30, **opts)
+    pub = search.search()[0]
+    t_pub = time.perf_counter() - t0
+    measured = case["achieved"]["step_s"]
+    row = {"case": case["name"], "hardware": case["hardware"], "devices": n,
+           "published": f"dp{cons['dp']}-pp{cons['pp']}-tp{cons['tp']} {case['layout'].get('dp_sharding')} "
+                        f"{case['layout'].get('recompute')}",
+           "priced_as": describe(pub), "measured_s": measured, "predicted_s": pub.step_s,
+           "ratio": pub.step_s / measured, "measured_mfu": case["achieved"]["mfu"],
+           "predicted_mfu": mf / (pub.step_s * n * peak), "price_s": t_pub,
+           "predicted_mem_gib": max(pub.choice.rank_memory) / 2**30, **terms(pub)}
+    if free:
+        t1 = time.perf_counter()
+        fopts = dict(opts, microbatch_sizes=(1, 2, 4), virtual_stages=(2,))
+        fopts.pop("sequence_parallel", None)
+        fopts.pop("schedules", None)
+        try:
+            best = ClusterSearch(model, n, hardware=case["hardware"], batch=(gb, seq), graphs=dict(search.graphs),
+                                 **fopts).search(time_budget_s=20, max_simulations=60)[0]
+            row.update({"autoplan_pick": describe(best), "autoplan_s": best.step_s,
+                        "claimed_speedup": pub.step_s / best.step_s,
+                        "autoplan_mfu": mf / (best.step_s * n * peak), "plan_s": time.perf_counter() - t1,
+                        "why": reason(pub, best)})
+        except InfeasiblePlanError as e:
+            row.update({"autoplan_pick": f"infeasible: {e}"})
+    return row
+
+
+def reason(pub, auto) -> str:
+    """Which choices and which cost terms make the pick faster than the published layout."""
+    why = []
+    for attr, label in (("recompute", "recompute"), ("dp_mode", "dp"), ("b", "micro-batch")):
+        if getattr(pub, attr) != getattr(auto, attr):
+            why.append(f"{label} {getattr(pub, attr)}->{getattr(auto, attr)}")
+    if (pub.dp, pub.pp, pub.tp) != (auto.dp, auto.pp, auto.tp):
+        why.append(f"mesh dp{pub.dp}/pp{pub.pp}/tp{pub.tp}->dp{auto.dp}/pp{auto.pp}/tp{auto.tp}")
+    tp, ta = terms(pub), terms(auto)
+    deltas = {k: tp[k] - ta[k] for k in tp}
+    why.append("saves " + ", ".join(f"{k[:-2]} {v:+.2f}s" for k, v in deltas.items() if abs(v) > 1e-3))
+    return "; ".join(why)
+
+
+def terms(c) -> dict:
+    """Where the predicted step goes on the busiest rank (seconds)."""
+    ch = c.choice
+    busy = max(ch.busy_s)
+    return {"busy_s": busy, "bubble_s": max(ch.sim_step_s - busy, 0.0), "dp_and_optimizer_s": ch.step_s - ch.sim_step_s}
+
+
+def write(df: pd.DataFrame, meta: dict) -> None:
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(OUT.with_suffix(".csv"), index=False, float_format="%.6g")
+    err = (df.ratio - 1).abs()
+    inside = int(((df.ratio >= 0.85) & (df.ratio <= 1.15)).sum())
+    cols = ["case", "hardware", "devices", "published", "priced_as", "measured_s", "predicted_s", "ratio",
+            "measured_mfu", "predicted_mfu", "busy_s", "bubble_s", "dp_and_optimizer_s", "predicted_mem_gib"]
+    lines = ["# Published training runs: predicted vs measured step time", "",
+             "Published layout fixed (unpublished micro-batch size / virtual stages / schedule chosen by the "
+             "search among the framework's own), priced by the planner's cost model with one hardware profile "
+             "per accelerator (cost_models/hardware/*.json, sources inside). Regenerate with "
+             "`PYTHONPATH=$PWD .venv/bin/python benchmarks/published_runs.py`.", "",
+             f"**{inside} of {len(df)}** runs within [0.85, 1.15]; ratio range {df.ratio.min():.3f}-"
+             f"{df.ratio.max():.3f}; median absolute error **{statistics.median(err) * 100:.1f} %**; "
+             f"mean absolute error {err.mean() * 100:.1f} %.", "",
+             df[cols].to_markdown(index=False, floatfmt=".4g"), ""]
+    if "autoplan_pick" in df:
+        best_pub = df.groupby("hardware").measured_mfu.max().to_dict()
+        lines += ["## What autoplan picks on the same cases (same cost model)", "",
+                  "Best published MFU per accelerator in the reference: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in best_pub.items())
+                  + ". A claim above 1.1x that is flagged.", ""]
+        fc = ["case", "published", "autoplan_pick", "predicted_s", "autoplan_s", "claimed_speedup", "autoplan_mfu",
+              "why"]
+        df2 = df[[c for c in fc if c in df]].copy()
+        df2["mfu_over_best_published"] = df.autoplan_mfu / df.hardware.map(best_pub)
+        lines += [df2.to_markdown(index=False, floatfmt=".4g"), ""]
+    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for hw, g in df.groupby("hardware"):
+        ax.scatter(g.measured_s, g.predicted_s, label=hw)
+    lo, hi = df[["measured_s", "predicted_s"]].min().min() * 0.8, df[["measured_s", "predicted_s"]].max().max() * 1.2
+    xs = [lo, hi]
+    ax.plot(xs, xs, "k-", lw=0.8)
+    ax.plot(xs, [x * 0.85 for x in xs], "k:", lw=0.8)
+    ax.plot(xs, [x * 1.15 for x in xs], "k:", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title("Published runs: predicted vs measured (dotted: +-15 %)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(OUT.with_suffix(".png"), dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-free", action="store_true", help="price the published layouts only")
+    ap.add_argument("--only", default=None, help="substring of case names to run")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    meta, cases = load_cases()
+    rows = []
+    for case in cases:
+        if args.only and args.only not in case["name"]:
+            continue
+        row = run_case(case, meta, not args.no_free)
+        rows.append(row)
+        if not args.no_write and not args.only:
+            write(pd.DataFrame(rows), meta)   # after every case: a long run leaves its table so far
+        print(f"{row['case']:20s} {row['priced_as']:48s} measured {row['measured_s']:8.3f} predicted "
+              f"{row['predicted_s']:8.3f} ratio {row['ratio']:.3f}  busy {row['busy_s']:.3f} bubble "
+              f"{row['bubble_s']:.3f} dp+opt {row['dp_and_optimizer_s']:.3f}"
+              + (f" | auto {row.get('autoplan_pick')} x{row.get('claimed_speedup', float('nan')):.2f} "
+                 f"mfu {row.get('autoplan_mfu', float('nan')):.3f}" if not args.no_free else ""), flush=True)
+    df = pd.DataFrame(rows)
+    if not args.no_write and not args.only:
+        write(df, meta)
+    err = (df.ratio - 1).abs()
+    print(f"median |error| {statistics.median(err) * 100:.1f} %, inside [0.85,1.15]: "
+          f"{int(((df.ratio >= 0.85) & (df.ratio <= 1.15)).sum())}/{len(df)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

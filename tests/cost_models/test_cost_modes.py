@@ -1,0 +1,84 @@
+"""The one cost model's pieces the search asks for: op-class compute, overlap per dp mode,
+ZeRO-1 / FSDP state, recomputation, optimizer step, memory headroom."""
+import pytest
+
+from autoplan.search.costing import CostContext
+from autoplan.search.structure import Work
+from cost_models import load_hardware, mesh_links
+from cost_models.compute import gemm_efficiency
+from cost_models.overlap import DP_OVERLAP, dp_overlap
+
+
+def _ctx(**kw):
+    hw = load_hardware("h100_sxm")
+    topo = mesh_links((8, 8), ("dp", "tp"), hw)
+    base = dict(hardware=hw, topology=topo, dtype="bf16", tp_dim="tp", dp_dim="dp", dp=8, fsdp=False,
+                param_bytes_per_element=2, optimizer_bytes_per_element=12, runtime=None)
+    base.update(kw)
+    return CostContext(**base)
+
+
+def test_gemm_efficiency_is_the_published_large_gemm_efficiency_times_shape():
+    hw = load_hardware("h100_sxm")
+    assert hw.efficiency.compute == pytest.approx(0.801)   # MAMF 792.1 / 989
+    big = gemm_efficiency(hw, 16384, 16384, 16384)
+    assert 0.77 < big < 0.801   # MAMF is the best shape found; the curve stays at or below it
+    # a 128-token GEMM runs at half the efficiency on that axis (dim_half = 128)
+    assert gemm_efficiency(hw, 128, 4096, 4096) == pytest.approx(0.801 * 0.5 * (4096 / 4224) ** 2)
+
+
+def test_non_gemm_time_adds_to_gemm_time():
+    ctx = _ctx()
+    hw = ctx.hardware
+    gemm = Work(flops=2e12, gemms=((2e12, 8192, 8192, 8192),), kernels=0)
+    other = Work(other_bytes=3e10, kernels=0)
+    both = Work(flops=2e12, gemms=((2e12, 8192, 8192, 8192),), other_bytes=3e10, kernels=0)
+    t_g, t_o = ctx.compute_time(gemm, 1), ctx.compute_time(other, 1)
+    assert t_g == pytest.approx(2e12 / (hw.peak("bf16") * gemm_efficiency(hw, 8192, 8192, 8192)))
+    assert t_o == pytest.approx(3e10 / (hw.memory_bandwidth * hw.efficiency.memory))
+    assert ctx.compute_time(both, 1) == pytest.approx(t_g + t_o)   # a sum, not a max
+    assert ctx.compute_time(both, 4) == pytest.approx((t_g + t_o) / 4)
+
+
+def test_overlap_per_dp_mode():
+    assert dp_overlap("replicate").exposed(1.0, 100.0) == 1.0   # all-reduce after backward
+    assert dp_overlap("zero1").exposed(1.0, 100.0) == 1.0
+    assert dp_overlap("fsdp").exposed(1.0, 100.0) == pytest.approx(0.1)
+    assert dp_overlap("fsdp").exposed(1.0, 0.0) == pytest.approx(1.0)
+    assert set(DP_OVERLAP) == {"replicate", "zero1", "fsdp"}
+    with pytest.raises(ValueError, match="dp_mode"):
+        dp_overlap("ddp2")
+
+
+def test_state_bytes_and_collectives_per_dp_mode():
+    rep, z1, fs = _ctx(dp_mode="replicate"), _ctx(dp_mode="zero1"), _ctx(dp_mode="fsdp", fsdp=True)
+    b = 8e9
+    assert rep.state_bytes(b, 1) == {"params": 8e9, "grads": 8e9, "optimizer": 4.8e10}
+    assert z1.state_bytes(b, 1) == {"params": 8e9, "grads": 8e9, "optimizer": 6e9}
+    assert fs.state_bytes(b, 1) == {"params": 1e9, "grads": 1e9, "optimizer": 6e9}
+    assert [c.kind for c in rep.ddp_collectives(b, 1)] == ["all_reduce"]
+    assert [c.kind for c in z1.ddp_collectives(b, 1)] == ["reduce_scatter", "all_gather"]
+    # same bytes on the wire: reduce-scatter + all-gather == all-reduce (ring)
+    assert z1.comm_time(z1.ddp_collectives(b, 1)) == pytest.approx(rep.comm_time(rep.ddp_collectives(b, 1)))
+    assert z1.optimizer_elements(b, 1) == rep.optimizer_elements(b, 1) / 8
+
+
+def test_recompute_and_optimizer():
+    core = Work(flops=1e11, gemms=((1e11, 4096, 4096, 128),), other_bytes=1e9, kernels=3)
+    w = Work(flops=1e12, gemms=((9e11, 4096, 4096, 4096), (1e11, 4096, 4096, 128)), other_bytes=2e9, kernels=9,
+             core=core)
+    full, sel, none = _ctx(recompute="full"), _ctx(recompute="selective"), _ctx(recompute="none")
+    assert full.checkpoint_blocks and not sel.checkpoint_blocks
+    assert full.recompute_time(w, 1) == pytest.approx(full.compute_time(w, 1) / 3)
+    assert sel.recompute_time(w, 1) == pytest.approx(sel.compute_time(core, 1) / 3)
+    assert none.recompute_time(w, 1) == 0.0
+    hw = none.hardware
+    assert none.optimizer_time(0, 1e9, False) == pytest.approx(28e9 / (hw.memory_bandwidth * hw.efficiency.memory))
+    with pytest.raises(ValueError, match="recompute"):
+        _ctx(recompute="some")
+
+
+def test_memory_headroom_is_stated_in_the_profile():
+    hw = load_hardware("a100_80gb")
+    assert hw.memory_reserved == 2 * 2**30 and hw.memory_fragmentation == 0.05
+    assert hw.usable_memory() == pytest.approx(hw.memory_capacity * 0.95 - 2 * 2**30)
