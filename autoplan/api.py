@@ -200,7 +200,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     prober = Prober(model, graph.blocks, tp, (1, seq), dtype) if tp > 1 and graph.blocks else None
     ac_modes = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
     for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
-        ctx_ac = dataclasses.replace(ctx, checkpoint_blocks=ac)
+        ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
                         sequence_parallel=sequence_parallel, prober=prober)
         if styles is not None:
@@ -221,7 +221,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         if best is None or ev.step_s < best.step_s:
             search, best, chosen, layout, info, ctx = s_ac, ev, chosen_ac, layout_ac, info_ac, ctx_ac
     if best is None:
-        ctx_min = dataclasses.replace(ctx, checkpoint_blocks=ac_modes[-1])
+        ctx_min = dataclasses.replace(ctx, recompute="full" if ac_modes[-1] else "none")
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
                          sequence_parallel=sequence_parallel, prober=prober)
         least, lay2, _ = s_min.solve(objective="memory")
@@ -242,7 +242,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         alternatives.append(_summary(name, ev))
     alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
 
-    notes = list(search.soundness.notes())
+    notes = list(search.soundness.notes(structure))
     for o in chosen.values():
         if o.strategy.extra.get("tp_excluded"):
             notes.append(f"{o.slot}: kept replicated: {o.strategy.extra['tp_excluded']}")

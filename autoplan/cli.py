@@ -173,11 +173,17 @@ def _cmd_verify(args) -> int:
     if not source:
         raise ValueError("verify: the plan does not record its model; pass --model PRESET")
     model = _load_model(source, args.layers or plan.model.get("layers_override"))
-    result = verify(plan, model)
-    print(result.collectives.to_string(index=False))
-    print(f"parameter bytes per rank: predicted {result.param_bytes['predicted']:,} issued "
-          f"{result.param_bytes['issued']:,}")
-    print("PASS: predicted == issued" if result.passed else "FAIL: predictions differ from the runtime")
+    result = verify(plan, model, numerics=args.numerics)
+    if result.error:
+        print(f"the plan does not run in the dry run: {result.error}")
+    else:
+        print(result.collectives.to_string(index=False))
+        print(f"parameter bytes per rank: predicted {result.param_bytes['predicted']:,} issued "
+              f"{result.param_bytes['issued']:,}")
+    if result.numerics is not None:
+        print(f"numerics on a small copy: {result.numerics.summary()}")
+    print("PASS: predicted == issued" + (" and numerics equal one device" if args.numerics else "")
+          if result.passed else "FAIL: see above")
     return 0 if result.passed else 1
 
 
@@ -300,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     ve.add_argument("plan")
     ve.add_argument("--model", default=None, help="preset/config (default: the one recorded in the plan)")
     ve.add_argument("--layers", type=int, default=None)
+    ve.add_argument("--numerics", action="store_true",
+                    help="also train one step of the plan on a small copy on local gloo ranks vs one device")
     ve.set_defaults(func=_cmd_verify)
     di = sub.add_parser("diff", help="differences between two plan files")
     di.add_argument("a")

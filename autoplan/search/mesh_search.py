@@ -146,6 +146,7 @@ class ClusterSearch:
         self._tp: dict[tuple, tuple] = {}
         self._structures: dict[int, Any] = {}
         self._ctx: dict[tuple, Any] = {}
+        self._probers: dict[int, Any] = {}
         self._units: dict[tuple, tuple] = {}
         self.simulations = 0
         self.unit_names = self._unit_names()
@@ -196,6 +197,19 @@ class ClusterSearch:
                            optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), dp_mode=mode,
                            recompute=recompute)
 
+    def prober(self, tp: int, b: int):
+        """One strategy prober per tensor-parallel degree: its verdicts hold for every
+        micro-batch size and checkpointing choice (see autoplan/search/soundness.py)."""
+        from autoplan.search.probe import Prober
+
+        if tp <= 1:
+            return None
+        if tp not in self._probers:
+            graph = self.graph(b)
+            self._probers[tp] = Prober(self.model, graph.blocks, tp, (1, self.seq), self.dtype) \
+                if graph.blocks else None
+        return self._probers[tp]
+
     def tp_solution(self, tp: int, b: int, ac):
         """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` (cached)."""
         ac = recompute_of(ac)
@@ -206,7 +220,7 @@ class ClusterSearch:
             ctx = self.ctx(1, 1, tp, False, ac)
             try:
                 search = TPSearch(self.structure(b), self.graph(b), ctx, tp, allow_replicated=self.allow_replicated,
-                                  sequence_parallel=self.sp)
+                                  sequence_parallel=self.sp, prober=self.prober(tp, b))
             except InfeasiblePlanError as e:  # e.g. allow_replicated_units=False at a degree that cannot shard
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self._tp[key] = None
@@ -235,6 +249,9 @@ class ClusterSearch:
             self._units[key] = None
             return None
         options, layout = sol
+        if fsdp == "fsdp" and dp > 1 and any(o.strategy.extra.get("no_fsdp") for o in options):
+            self._units[key] = None  # e.g. packed projections: see strategies.mlp_strategies
+            return None
         ctx = self.ctx(dp, pp, tp, fsdp, ac)
         names = self.unit_names
         index = {n: i for i, n in enumerate(names)}

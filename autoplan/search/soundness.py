@@ -29,8 +29,9 @@ class SoundnessReport:
     runs: int = 0
     skipped: str | None = None
 
-    def notes(self) -> list[str]:
-        out = [f"{slot}: {name} on a {stream} stream rejected: {why}" for slot, name, stream, why in self.rejected]
+    def notes(self, structure=None) -> list[str]:
+        out = [f"{fqn}: kept replicated: {why}" for fqn, why in (structure.not_units if structure else [])]
+        out += [f"{slot}: {name} on a {stream} stream rejected: {why}" for slot, name, stream, why in self.rejected]
         out += [f"sequence-sharded stream ({lay}) not used: {why}" for lay, why in self.dropped_layouts.items()]
         if self.skipped:
             out.append(f"strategies not checked on the model: {self.skipped}")
@@ -94,12 +95,16 @@ class SlotChecker:
         if p.reference.error:
             self._reject_all(f"the model does not run replicated on fake tensors ({p.reference.error})")
             return
+        if "S" in self.search.layouts and self.search.structure.not_units:
+            where, why = self.search.structure.not_units[0]
+            self._drop_layout("S", f"{where} is not planned as a unit ({why}) and would see a sequence shard")
         for layout in list(self.search.layouts):
             base, bad = None, ""
             for prefer in BASE_PREFERENCES[layout]:
                 base = self.search.assignment(layout, prefer)
-                run = p.run(self.with_entry(base, layout), mesh)
-                self.report.runs += 1
+                styles = self.with_entry(base, layout)
+                run = p.run(styles, mesh) if styles else p.reference  # no styles: the reference run
+                self.report.runs += bool(styles)
                 bad = run.error or "; ".join(f.detail for f in p.findings(run))
                 if not bad:
                     break

@@ -125,7 +125,8 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     return out
 
 
-def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:
+def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int],
+                   fsdp: bool = False) -> list[Strategy]:
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
     if not m.rel:
@@ -143,11 +144,20 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
                                 reason="per-token MLP on the sequence shard, weights replicated"))
     if t > 1 and m.linear and m.hidden and m.hidden % t == 0:
         styles = {m.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,))}
-        styles.update({u: ColwiseParallel() for u in m.up})
+        styles.update({u: ColwiseParallel(packed=m.packed) for u in m.up})
         styles[m.down] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
         comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
-        out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
-                            activation_shard=t, reason="up/gate column-wise, down row-wise (Megatron)"))
+        # packed [gate|up] rows are a strided tensor-parallel shard; FSDP2 sharding the same rows
+        # again gives wrong gradients on torch 2.13 (measured on Phi-3, dp=2 x tp=2)
+        packed = {"no_fsdp": "packed gate/up projection under FSDP"} if m.packed > 1 else {}
+        if not (packed and fsdp):
+            out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
+                                activation_shard=t, extra=dict(packed),
+                                reason="up/gate column-wise, down row-wise (Megatron)" +
+                                       (" with the fused [gate|up] rows sharded per projection" if packed else "")))
+        elif layout == out[0].stream:
+            out[0].extra["tp_excluded"] = "a packed [gate|up] projection is not sharded under FSDP (wrong gradients " \
+                                          "when FSDP2 re-shards strided rows, torch 2.13)"
     return out
 
 

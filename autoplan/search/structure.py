@@ -62,6 +62,7 @@ class MlpUnit:
     hidden: int
     linear: bool
     work: Work = field(default_factory=Work)
+    packed: int = 1             # projections fused in each ``up`` Linear ([gate|up]: 2)
 
 
 @dataclass
@@ -114,6 +115,9 @@ class ModelStructure:
     rest: Work                  # modules outside every unit (replicated, never sharded)
     dtype_bytes: int
     num_parameters: int
+    # attention/MLP modules the planner found but cannot plan as units: (FQN, why); they stay
+    # replicated (and keep the stream replicated where they would see a sequence shard)
+    not_units: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
@@ -185,20 +189,35 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
 
     claimed: set[str] = set()
     blocks = []
+    not_units: list[tuple[str, str]] = []
     for b in graph.blocks:
         rep = b.representative
         roles = b.roles or {}
         att = None
-        for a in roles.get("attention", [])[:1]:
+        for a in roles.get("attention", []):
             p = a["projections"]
+            where = f"{rep}.{a['module']}" if a["module"] else rep
+            if att is not None:
+                not_units.append((where, "a second attention in the block (cross-attention) is not planned yet"))
+                continue
             if not all(k in p for k in "qkvo"):
+                fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
+                not_units.append((where, f"its projections ({fused}) are fused or incomplete; fused projections "
+                                         f"are not sharded yet"))
                 continue
             lin = all(_type(graph, f"{rep}.{p[k]}") == _LINEAR for k in "qkvo")
             att = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]),
                                 int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"))
+        for e in roles.get("moe", []):
+            where = f"{rep}.{e['module']}" if e.get("module") else rep
+            not_units.append((where, "a mixture-of-experts layer: router and experts are not sharded yet "
+                                     "(no expert parallelism)"))
         mlp = None
+        for m in roles.get("mlp", [])[1:]:
+            not_units.append((f"{rep}.{m['module']}" if m["module"] else rep, "a second MLP in the block"))
         for m in roles.get("mlp", [])[:1]:
-            ups = [m[k] for k in ("gate", "up") if m.get(k)]
+            packed = 2 if m.get("gate_up") else 1   # [gate|up] in one Linear (Phi-3)
+            ups = [m[k] for k in ("gate_up", "gate", "up") if m.get(k)]
             lin = all(_type(graph, f"{rep}.{x}") == _LINEAR for x in ups + [m["down"]])
             if m["module"]:
                 mw = work(f"{rep}.{m['module']}")
@@ -206,7 +225,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 mw = Work()
                 for x in ups + [m["down"]]:
                     mw = mw + work(f"{rep}.{x}")
-            mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw)
+            mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw, packed=packed)
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
         inner = [u.rel for u in (att, mlp) if u is not None and u.rel]
@@ -261,4 +280,4 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     if head is not None and head.tied and emb is not None:
         rest.params = max(rest.params, 0)
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
-                          graph.num_parameters)
+                          graph.num_parameters, not_units)

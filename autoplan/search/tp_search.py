@@ -201,7 +201,7 @@ class TPSearch:
                         self._add(f"{b.id}/attention", s, owner, b.count, b.attention.work, b.attention.work.param_bytes)
                 if b.mlp is not None:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)
-                    for s in mlp_strategies(b.mlp, b, t, layout, pt):
+                    for s in mlp_strategies(b.mlp, b, t, layout, pt, fsdp=self.ctx.fsdp):
                         self._add(f"{b.id}/mlp", s, owner, b.count, b.mlp.work, b.mlp.work.param_bytes)
                 pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
                 for s in norm_strategies(b.norms, t, layout, pt):
@@ -257,6 +257,10 @@ class TPSearch:
                                 if (o.strategy.extra.get("fallback_for"), o.stream) not in names]
 
     def _drop_replicated(self) -> None:
+        if self.structure.not_units:
+            where, why = self.structure.not_units[0]
+            raise InfeasiblePlanError(f"{where}: cannot be tensor-parallel at tp={self.tp}: {why}; "
+                                      f"allow replicated units")
         for slot in list(self.slots):
             if slot.endswith(("/attention", "/mlp")) or slot in ("embedding", "head"):
                 sharded = [o for o in self.slots[slot] if o.strategy.name != "replicate"]

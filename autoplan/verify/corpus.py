@@ -98,13 +98,22 @@ class CaseResult:
         return self.outcome in ("EQUAL", "REFUSED")
 
 
+_CAPTURED: dict[str, tuple] = {}   # family -> (model, graph): every case plans (4 sequences, SEQ) per dp rank
+
+
 def plan_case(family: str, mesh: str, variant: str):
     from autoplan import MeshSpec, autoplan
+    from autoplan.capture import capture
 
     shape, names = MESHES[mesh]
     dp = dict(zip(names, shape)).get("dp", 1)
-    model = real_model(family)
-    plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=(4 * dp, SEQ), **VARIANTS[variant])
+    if family not in _CAPTURED:
+        model = real_model(family)
+        _CAPTURED.clear()
+        _CAPTURED[family] = (model, capture(model, batch=(4, SEQ), dtype=torch.bfloat16))
+    model, graph = _CAPTURED[family]
+    plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=(4 * dp, SEQ), graph=graph,
+                    **VARIANTS[variant])
     return model, plan
 
 

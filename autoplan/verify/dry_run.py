@@ -29,6 +29,8 @@ class VerifyResult:
     collectives: pd.DataFrame     # KEY + predicted, issued, match
     param_bytes: dict[str, int]   # predicted / issued per rank (rank 0)
     passed: bool
+    numerics: object | None = None  # NumericsResult when verify(numerics=True)
+    error: str | None = None        # the plan failed to apply or run in the dry run
 
     def mismatches(self) -> pd.DataFrame:
         return self.collectives[~self.collectives["match"]]
@@ -117,9 +119,39 @@ def _local(p):
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def verify(plan: Plan, model: torch.nn.Module, inputs=None) -> VerifyResult:
+def verify(plan: Plan, model: torch.nn.Module, inputs=None, *, numerics: bool = False, factory: str | None = None,
+           factory_kwargs: dict | None = None, pool=None) -> VerifyResult:
     """Dry-run ``plan`` at its world size; compare issued collectives and parameter bytes with
-    the plan's predictions. ``passed`` is True only when everything agrees exactly."""
+    the plan's predictions. ``passed`` is True only when everything agrees exactly.
+
+    With ``numerics=True`` the plan's styles also train one step on a small copy of ``model`` on
+    local gloo ranks (``pool``: a RankPool of the plan's world size, else one is started) and must
+    equal one device: loss, every gradient, every parameter after the step. The small copy comes
+    from the model's Hugging Face config, or from ``factory`` ("package.module:function", called
+    with ``factory_kwargs``). A plan that fails to run is ``passed=False`` with the error in
+    ``result.numerics.error``; nothing escapes."""
+    try:
+        result = _verify_collectives(plan, model, inputs)
+    except AutoplanError:
+        raise  # the arguments are wrong: say so
+    except Exception as exc:  # noqa: BLE001 - a plan that does not run is a failed verification
+        import traceback
+
+        why = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        result = VerifyResult(pd.DataFrame(columns=KEY + ["predicted", "issued", "match"]), {}, False, error=why)
+    if numerics:
+        from autoplan.verify.numerics import check_numerics
+        from autoplan.verify.shrink import ModelRecipe, recipe_for
+
+        degrees = [d for d in plan.mesh["shape"] if d > 1]
+        recipe = ModelRecipe(factory=factory, kwargs=dict(factory_kwargs or {})) if factory else \
+            recipe_for(model, degrees)
+        result.numerics = check_numerics(plan, recipe, pool=pool)
+        result.passed = bool(result.passed and result.numerics.passed)
+    return result
+
+
+def _verify_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> VerifyResult:
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
         from autoplan.verify.pipeline_dry_run import verify_pipeline
 

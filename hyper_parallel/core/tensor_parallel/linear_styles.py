@@ -12,6 +12,7 @@ from functools import partial
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.core.tensor_parallel.base import (
     ApplyRecord,
@@ -72,22 +73,42 @@ class _LinearStyle(ParallelStyle):
 
         record.add_hook(module.register_forward_pre_hook(pre_hook))
         record.add_hook(module.register_forward_hook(
-            lambda mod, inputs, out: finish_output(out, mesh, self.output_layouts, self.use_local_output, where)
+            lambda mod, inputs, out: finish_output(out, mesh, self._output_layout(), self.use_local_output, where)
         ))
         return module
 
+    def _output_layout(self) -> Placement | None:
+        return self.output_layouts
+
 
 class ColwiseParallel(_LinearStyle):
-    """Shard output features. Input defaults (None) to Replicate; output to Shard(-1), local by default."""
+    """Shard output features. Input defaults (None) to Replicate; output to Shard(-1), local by default.
 
-    _args = {"input_layouts": None, "output_layouts": Shard(-1), "use_local_output": True}
+    ``packed=k``: the Linear's output is k projections concatenated ([gate|up], [q|k|v] of equal
+    widths); each rank holds its slice of every one of them (DTensor's strided sharding), so
+    its local output is [gate_r|up_r] and code that splits the output in k parts locally (Phi-3's
+    ``chunk(2)``) gets its own slice of each. The output keeps that layout (no redistribution)."""
+
+    _args = {"input_layouts": None, "output_layouts": Shard(-1), "use_local_output": True, "packed": 1}
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = True, packed: int = 1):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        if not isinstance(packed, int) or isinstance(packed, bool) or packed < 1:
+            raise LayoutError(f"ColwiseParallel: packed must be an int >= 1, got {packed!r}")
+        self.packed = packed
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         kind = self._kind(module, fqn)
         where = f"ColwiseParallel on {fqn or '<root>'}"
         if kind == "linear":
-            check_divides(module.out_features, mesh, where, "out_features")
+            if module.out_features % self.packed:
+                raise LayoutError(f"{where}: out_features {module.out_features} is not {self.packed} packed "
+                                  f"projections of equal width")
+            check_divides(module.out_features // self.packed, mesh, where, "out_features per packed projection")
         else:
+            if self.packed != 1:
+                raise UnsupportedModuleError(f"{where}: packed applies to nn.Linear only")
             check_divides(module.embedding_dim, mesh, where, "embedding_dim")
 
     def _desired_input(self, kind: str) -> Placement:
@@ -95,8 +116,12 @@ class ColwiseParallel(_LinearStyle):
 
     def _weight_placement(self, kind: str) -> dict[str, Placement]:
         if kind == "linear":
-            return {"weight": Shard(0), "bias": Shard(0)}
+            rows = Shard(0) if self.packed == 1 else _StridedShard(0, split_factor=self.packed)
+            return {"weight": rows, "bias": rows}
         return {"weight": Shard(1)}
+
+    def _output_layout(self) -> Placement | None:
+        return self.output_layouts if self.packed == 1 else None
 
 
 class RowwiseParallel(_LinearStyle):

@@ -1,0 +1,33 @@
+"""A representative slice of the model corpus (benchmarks/model_corpus.py runs all of it): each
+case, planned at the family's real shape and run on a small copy on 4 gloo ranks, ends EQUAL to
+one device or REFUSED at planning time with a typed error -- never WRONG, CRASH or UNTYPED.
+
+The slice covers one family per hazard: a norm over the full projection width on a column shard
+(OLMo-2, repaired), a fused attention the planner cannot shard yet on a sequence-sharded stream
+(GPT-NeoX, the stream refused), Conv1D layers (GPT-2), relative position bias and two stacks
+(T5), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
+biases on the sequence-sharded stream (Starcoder2)."""
+import pytest
+
+from autoplan.verify.corpus import run_case
+
+# (family, mesh, variant, units the plan must shard -- refusing to shard is not the answer there)
+SLICE = [
+    ("olmo2", "tp4", "default", ("attention:heads_sharded", "mlp:hidden_sharded")),
+    ("gpt_neox", "dp2_tp2", "forced_S", ()),
+    ("gpt2", "dp2_tp2", "default", ()),
+    ("t5", "tp4", "default", ()),
+    ("mixtral", "tp4", "forced_R", ()),
+    ("bert", "dp2_tp2", "default", ()),
+    ("starcoder2", "tp4", "forced_S", ()),
+]
+
+
+@pytest.mark.parametrize("family,mesh,variant,must_shard", SLICE)
+def test_corpus_case_is_equal_or_refused(family, mesh, variant, must_shard, pool4):
+    result = run_case(family, mesh, variant, pool=pool4)
+    assert result.outcome in ("EQUAL", "REFUSED"), result
+    if result.outcome == "REFUSED":
+        assert result.detail.split(":")[0].endswith("Error"), result
+    for unit in must_shard:
+        assert unit in result.sharded, result

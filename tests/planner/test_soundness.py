@@ -1,0 +1,134 @@
+"""Every plan trains correctly or is refused: the probe's repairs and rejections, and verify's
+numerics mode proving it can fail."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoplan import MeshSpec, autoplan
+from autoplan.capture.blocks import nn_base
+from autoplan.verify import verify
+from autoplan.verify.corpus import plan_case, real_model, small_recipe
+from autoplan.verify.numerics import check_numerics
+
+
+@pytest.fixture(scope="module")
+def qwen3_plan():
+    return plan_case("qwen3", "dp2_tp2", "default")
+
+
+def test_qwen3_default_plan_shards_and_repairs_qk_norms(qwen3_plan):
+    _, plan = qwen3_plan
+    styles = plan.styles
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert f"model.layers.*.self_attn.{proj}" in styles
+    for norm in ("q_norm", "k_norm"):
+        spec = styles[f"model.layers.*.self_attn.{norm}"]
+        assert spec["style"] == "SequenceParallel" and spec["args"]["sequence_dim"] == 2, spec
+    row = next(d for d in plan.decisions if d["unit"].endswith("/attention"))
+    assert "q_norm" in row["reason"] and "gradients all-reduced" in row["reason"]
+    # the repair's gradient reductions are predicted: one all-reduce per norm weight per block
+    head_dim_bytes = 128 * 2  # bf16 weight of size head_dim
+    ar = [c for c in plan.predictions["collectives"]
+          if c["kind"] == "all_reduce" and c["phase"] == "backward" and c["bytes"] == head_dim_bytes]
+    assert ar and ar[0]["count"] == 2 * 2  # q_norm + k_norm, 2 blocks
+
+
+def test_qwen3_default_plan_equals_one_device_and_verify_catches_the_missing_reduction(qwen3_plan, pool4):
+    model, plan = qwen3_plan
+    good = verify(plan, model, numerics=True, pool=pool4)
+    assert good.numerics.passed, good.numerics.summary()
+    assert good.passed, good.mismatches()
+    # the same plan with the q/k-norm gradient reduction removed by hand
+    broken = dataclasses.replace(plan, styles={k: v for k, v in plan.styles.items()
+                                               if not k.endswith(("q_norm", "k_norm"))})
+    bad = check_numerics(broken, small_recipe("qwen3", model, [2, 2]), pool=pool4)
+    assert not bad.passed and bad.error is None
+    assert any("q_norm" in n for n in bad.bad_grads) and any("k_norm" in n for n in bad.bad_grads)
+
+
+def test_a_plan_that_crashes_is_a_failed_verification_not_an_exception(qwen3_plan, pool4):
+    model, plan = qwen3_plan
+    # q_proj sharded but o_proj left whole: the attention output is a shard fed to a full Linear
+    broken = dataclasses.replace(plan, styles={k: v for k, v in plan.styles.items() if not k.endswith("o_proj")})
+    result = check_numerics(broken, small_recipe("qwen3", model, [2, 2]), pool=pool4)
+    assert not result.passed and result.error
+
+
+class GlobalHeadsAttention(nn.Module):
+    """Reshapes by the *global* head count (as StableLM does): wrong on a head shard."""
+
+    def __init__(self, dim=256, heads=8):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim=256):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = GlobalHeadsAttention(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=512, dim=256, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def test_global_reshape_attention_is_rejected_with_its_reason():
+    with torch.device("meta"):
+        model = TinyLM()
+    plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(8, 1024), dtype=torch.float32,
+                    sequence_parallel=False)
+    assert not any(k.startswith("layers.*.attn.") for k in plan.styles), plan.styles
+    assert any("attention" in n and "rejected" in n for n in plan.notes), plan.notes
+    with pytest.raises(Exception, match="attention"):
+        autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(8, 1024), dtype=torch.float32,
+                 allow_replicated_units=False, sequence_parallel=False)
+
+
+def test_layer_subclasses_count_as_their_torch_nn_base():
+    class MyLinear(nn.Linear):
+        pass
+
+    class ScaledEmbedding(nn.Embedding):
+        pass
+
+    assert nn_base(MyLinear(2, 2)) == "torch.nn.modules.linear.Linear"
+    assert nn_base(ScaledEmbedding(4, 2)) == "torch.nn.modules.sparse.Embedding"
+    assert nn_base(nn.LayerNorm(2)) == ""
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "gemma2", "starcoder2", "granite", "mistral"])
+def test_default_tp4_plans_shard_attention_and_mlp(family):
+    _, plan = plan_case(family, "tp4", "default")
+    units = {d["unit"].split("/")[-1]: d["strategy"] for d in plan.decisions}
+    assert units.get("attention") == "heads_sharded", (family, units, plan.notes)
+    assert units.get("mlp") == "hidden_sharded", (family, units, plan.notes)
+
+
+def test_corpus_real_models_are_meta():
+    assert all(p.device.type == "meta" for p in real_model("qwen3").parameters())
