@@ -245,7 +245,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     notes = list(search.soundness.notes(structure))
     for o in chosen.values():
         if o.strategy.extra.get("tp_excluded"):
-            notes.append(f"{o.slot}: kept replicated: {o.strategy.extra['tp_excluded']}")
+            notes.append(f"{search.unit_module(o.slot)}: kept replicated: {o.strategy.extra['tp_excluded']}")
     sharded = [o for o in chosen.values() if o.strategy.param_shard > 1 or o.strategy.compute_shard > 1]
     if tp > 1 and not sharded:
         others = [a for a in alternatives if a["name"] != "replicated"]
@@ -288,5 +288,6 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
                "seq_len": (batch[1] if isinstance(batch, (tuple, list)) else None) if batch else None,
                "dtype": str(dtype)},
         notes=notes,
-        timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start},
+        timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start,
+                "probe_s": search.soundness.seconds, "probe_runs": search.soundness.runs},
     )

@@ -12,8 +12,10 @@ options alone -- so a sound model costs a handful of runs. Rejections carry thei
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
+from autoplan.errors import InfeasiblePlanError
 from autoplan.search.probe import Finding, Prober, repaired
 
 log = logging.getLogger(__name__)
@@ -28,10 +30,11 @@ class SoundnessReport:
     dropped_layouts: dict[str, str] = field(default_factory=dict)
     runs: int = 0
     skipped: str | None = None
+    seconds: float = 0.0
 
     def notes(self, structure=None) -> list[str]:
         out = [f"{fqn}: kept replicated: {why}" for fqn, why in (structure.not_units if structure else [])]
-        out += [f"{slot}: {name} on a {stream} stream rejected: {why}" for slot, name, stream, why in self.rejected]
+        out += [f"{unit}: {name} on a {stream} stream rejected: {why}" for unit, name, stream, why in self.rejected]
         out += [f"sequence-sharded stream ({lay}) not used: {why}" for lay, why in self.dropped_layouts.items()]
         if self.skipped:
             out.append(f"strategies not checked on the model: {self.skipped}")
@@ -101,7 +104,11 @@ class SlotChecker:
         for layout in list(self.search.layouts):
             base, bad = None, ""
             for prefer in BASE_PREFERENCES[layout]:
-                base = self.search.assignment(layout, prefer)
+                try:
+                    base = self.search.assignment(layout, prefer)
+                except InfeasiblePlanError as exc:  # a unit with no option on this stream
+                    bad = str(exc)
+                    break
                 styles = self.with_entry(base, layout)
                 run = p.run(styles, mesh) if styles else p.reference  # no styles: the reference run
                 self.report.runs += bool(styles)
@@ -187,7 +194,7 @@ class SlotChecker:
         opts = self.search.slots.get(slot, [])
         if option in opts:
             opts.remove(option)
-            self.report.rejected.append((slot, option.strategy.name, layout, why))
+            self.report.rejected.append((self.search.unit_module(slot), option.strategy.name, layout, why))
             for o in opts:  # the replicated fallback says why it stays
                 if o.strategy.name == "replicate" and o.stream in (None, layout):
                     o.strategy.extra.setdefault("tp_excluded", f"{option.strategy.name} rejected: {why}")
@@ -235,6 +242,7 @@ def check_search(search, prober: Prober | None) -> SoundnessReport:
 
         from hyper_parallel.testing import fake_world
 
+        t0 = time.perf_counter()
         before = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
         if dist.is_initialized():
             checker._reject_all("a process group is already initialised in this process; plan before "
@@ -245,6 +253,7 @@ def check_search(search, prober: Prober | None) -> SoundnessReport:
         after = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
         prober.verdicts = {k: (checker.repairs.get(k, ()) if k in after else None) for k in before}
         prober.report = checker.report
+        checker.report.seconds = time.perf_counter() - t0
         if batch != 1:  # the runs were for one sequence: rescale the repairs
             for slot, opts in search.slots.items():
                 for o in opts:
@@ -263,7 +272,8 @@ def check_search(search, prober: Prober | None) -> SoundnessReport:
                 o.strategy = checker.apply_repair(slot, o.strategy, verdict, batch)
             kept.append(o)
         search.slots[slot] = kept
-    for slot, name, stream, why in prober.report.rejected:
+    for unit, name, stream, why in prober.report.rejected:
+        slot = next((x for x in search.slots if search.unit_module(x) == unit), unit)
         for o in search.slots.get(slot, []):
             if o.strategy.name == "replicate" and o.stream in (None, stream):
                 o.strategy.extra.setdefault("tp_excluded", f"{name} rejected: {why}")

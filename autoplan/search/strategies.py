@@ -177,6 +177,9 @@ def norm_strategies(norms: list[str], t: int, layout: str, param_bytes: list[int
 def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: int) -> list[Strategy]:
     """Strategies keyed by their output layout (``stream``)."""
     out = [Strategy("replicate", "R", {}, [], reason="replicated table")]
+    if e.shared_with:
+        out[0].extra["tp_excluded"] = f"its weight is also used by {', '.join(e.shared_with)}"
+        return out
     if t > 1 and e.linear and e.vocab % t == 0:
         out.append(Strategy("vocab_sharded", "R", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=R)},
                             [Collective("all_reduce", "forward", hidden_bytes)], param_shard=t,
@@ -198,6 +201,9 @@ def head_strategies(hd: HeadInfo, t: int, layout: str, hidden_bytes: int) -> lis
         out = [Strategy("replicate", "S", {hd.fqn: PrepareModuleInput(
             input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)},
             [Collective("all_gather", "forward", hidden_bytes)], reason="replicated on the gathered sequence")]
+    if hd.shared_with:
+        out[0].extra["tp_excluded"] = f"its weight is also used by {', '.join(hd.shared_with)}"
+        return out
     if t > 1 and hd.linear and hd.vocab % t == 0:
         enter = [Collective("all_gather", "forward", hidden_bytes),
                  Collective("reduce_scatter", "backward", hidden_bytes)] if layout == "S" else \

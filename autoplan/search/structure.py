@@ -91,6 +91,7 @@ class EmbeddingInfo:
     linear: bool                # an nn.Embedding
     work: Work
     shard_safe: bool            # may its output be sequence-sharded (no positions/masks derived outside blocks)
+    shared_with: list[str] = field(default_factory=list)   # other modules using its weight (not the head)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class HeadInfo:
     work: Work
     tokens: int                 # b * s
     logits_bytes: int
+    shared_with: list[str] = field(default_factory=list)   # other modules using its weight (not the embedding)
 
 
 @dataclass
@@ -173,6 +175,22 @@ def _type(graph: ModelGraph, fqn: str) -> str:
     """The shardable torch.nn layer a module is (by isinstance at capture), else its own type."""
     m = graph.modules.get(fqn)
     return (m.nn_base or m.type) if m else ""
+
+
+def _head_modules(graph: ModelGraph) -> list[str]:
+    return [h["module"] for h in graph.roles.get("lm_head", [])[:1]]
+
+
+def _weight_sharers(graph: ModelGraph, weight: str, exclude: list[str]) -> list[str]:
+    """Modules other than the owner of ``weight`` and ``exclude`` that hold the same tied
+    parameter (T5's encoder and decoder token embeddings share ``shared.weight``): sharding the
+    weight through one module's style would leave the others computing with it unsharded."""
+    owner = weight.rsplit(".", 1)[0]
+    for group in graph.tied_parameters:
+        if weight in group:
+            mods = {name.rsplit(".", 1)[0] for name in group}
+            return sorted(mods - {owner} - set(exclude))
+    return []
 
 
 def model_structure(graph: ModelGraph) -> ModelStructure:
@@ -255,6 +273,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     for e in graph.roles.get("embedding", [])[:1]:
         emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
                             work(e["module"]), shard_safe=not outside_positions)
+        emb.shared_with = _weight_sharers(graph, f"{e['module']}.weight", exclude=_head_modules(graph))
     head = None
     for h in graph.roles.get("lm_head", [])[:1]:
         row = rows.get(h["module"], {})
@@ -264,6 +283,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
             tokens *= s
         head = HeadInfo(h["module"], int(h["vocab"]), _type(graph, h["module"]) == _LINEAR, bool(h.get("tied")),
                         work(h["module"]), tokens, tokens * int(h["vocab"]) * dtype_bytes)
+        emb_mods = [e["module"] for e in graph.roles.get("embedding", [])[:1]]
+        head.shared_with = _weight_sharers(graph, f"{h['module']}.weight", exclude=emb_mods)
     final_norms = list(graph.roles.get("norms", []))
     fn_work = Work()
     for n in final_norms:

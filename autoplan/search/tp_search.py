@@ -248,6 +248,17 @@ class TPSearch:
         opts = self.slots.setdefault(slot, [])
         opts.append(Option(slot, s, owner, count, work, param_bytes, rank=len(opts)))
 
+    def unit_module(self, slot: str) -> str:
+        """The module (pattern) a slot plans: ``model.layers.*.self_attn`` for a block unit."""
+        st = self.structure
+        for b in st.blocks:
+            if slot.startswith(b.id + "/"):
+                unit = {"attention": b.attention, "mlp": b.mlp}.get(slot.split("/")[-1])
+                owner = self._owner(b)
+                return f"{owner}.{unit.rel}" if unit is not None and unit.rel else owner
+        fixed = {"embedding": st.embedding.fqn if st.embedding else None, "head": st.head.fqn if st.head else None}
+        return fixed.get(slot) or slot
+
     def _drop_unneeded_fallbacks(self) -> None:
         """A strategy marked ``fallback_for`` another stays a candidate only if that one was
         rejected: equal in cost, the two would otherwise tie."""
@@ -268,7 +279,7 @@ class TPSearch:
                     why = next((o.strategy.extra.get("tp_excluded") for o in self.slots[slot]
                                 if o.strategy.extra.get("tp_excluded")), "no sharded strategy applies")
                     raise InfeasiblePlanError(
-                        f"{slot}: cannot be tensor-parallel at tp={self.tp}: {why}; "
+                        f"{self.unit_module(slot)}: cannot be tensor-parallel at tp={self.tp}: {why}; "
                         f"allow replicated units or choose another tp degree")
                 self.slots[slot] = sharded
 
@@ -323,7 +334,7 @@ class TPSearch:
             if not pick:
                 pick = sorted(cands, key=lambda o: o.rank)
             if not pick:
-                raise InfeasiblePlanError(f"{slot}: no strategy for a {layout} stream")
+                raise InfeasiblePlanError(f"{self.unit_module(slot)}: no strategy for a {layout} stream")
             chosen[slot] = pick[0]
         return chosen
 

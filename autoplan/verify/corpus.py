@@ -76,6 +76,13 @@ def real_model(family: str) -> torch.nn.Module:
         return getattr(transformers, model_name)(config)
 
 
+def seq_len(model: torch.nn.Module) -> int:
+    """SEQ, or the model's position limit when shorter (BERT: 512)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or SEQ
+    return min(SEQ, int(limit))
+
+
 def small_recipe(family: str, model: torch.nn.Module, degrees: list[int]) -> ModelRecipe:
     if family == "llama":
         return ModelRecipe(factory="autoplan.models:build_llama", kwargs=dict(LLAMA_SMALL, seed=3), seed=3)
@@ -110,9 +117,9 @@ def plan_case(family: str, mesh: str, variant: str):
     if family not in _CAPTURED:
         model = real_model(family)
         _CAPTURED.clear()
-        _CAPTURED[family] = (model, capture(model, batch=(4, SEQ), dtype=torch.bfloat16))
+        _CAPTURED[family] = (model, capture(model, batch=(4, seq_len(model)), dtype=torch.bfloat16))
     model, graph = _CAPTURED[family]
-    plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=(4 * dp, SEQ), graph=graph,
+    plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=(4 * dp, seq_len(model)), graph=graph,
                     **VARIANTS[variant])
     return model, plan
 
