@@ -158,7 +158,7 @@ def explain(plan, fqn_or_unit: str) -> Explanation:
     notes = []
     if not rows:
         notes.append("the planner had no alternative for this unit (a fixed layout change)")
-    notes += [n for n in plan.notes if n.startswith(d["unit"] + ":")]
+    notes += [n for n in plan.notes if n.startswith((d["unit"] + ":", f"{d.get('module', d['unit'])}:"))]
     excluded = {o["excluded"] for o in d.get("options", []) if o.get("excluded") and o["strategy"] == "replicate"}
     notes += [f"sharded strategies were not candidates: {why}" for why in sorted(excluded)
               if not any(why in n for n in notes)]

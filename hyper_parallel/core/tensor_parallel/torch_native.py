@@ -27,6 +27,9 @@ from hyper_parallel.errors import StyleSpecError
 
 def to_torch_style(style: ParallelStyle, module: nn.Module | None = None) -> tp.ParallelStyle:
     """The torch style equivalent to ``style`` (``module`` resolves module-dependent defaults)."""
+    if isinstance(style, ColwiseParallel) and style.packed > 1:
+        raise StyleSpecError(f"no torch equivalent for {style!r}: torch's ColwiseParallel shards packed "
+                             f"projections as one contiguous block")
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         cls = tp.ColwiseParallel if isinstance(style, ColwiseParallel) else tp.RowwiseParallel
         inp = style.input_layouts
