@@ -184,6 +184,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
                         "plan_cluster's options (constraints, schedules, ...) apply only with a device count")
     who = "autoplan"
     A.check_model(model, who)
+    A.check_batch(batch, who, required=False)
     spec = _mesh_spec(mesh, A.check_hardware(hardware, who))
     for role in ("pp", "cp", "ep"):
         name = spec.dim(role)
@@ -212,20 +213,9 @@ def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dty
         if gb % dp:
             raise InfeasiblePlanError(f"autoplan: global batch {gb} is not divisible by dp={dp}; "
                                       f"give a multiple of {dp}")
-        if inputs is None and not A.takes_token_ids(model):
-            raise MissingInputsError(
-                f"autoplan: batch= builds token ids, but {type(model).__name__} has no embedding table (not a "
-                "language model?); pass example inputs= of one rank instead, e.g. inputs=(torch.empty(8, 3, 224, 224),)")
-        limit = A.max_positions(model)
+        if inputs is None:
+            A.check_batch_fits_model(model, seq, "autoplan")
         cap_batch = (gb // dp, seq)
-        if inputs is None and limit is not None and seq > limit:
-            try:
-                return capture(model, None, batch=cap_batch, dtype=dtype)
-            except Exception as e:  # noqa: BLE001 - positions too short is the cause a user can act on
-                raise InvalidArgumentError(
-                    f"autoplan: batch seq_len={seq} is longer than {type(model).__name__}'s {limit} positions "
-                    f"(config max positions) and the model does not run at that length; use seq_len <= {limit}"
-                ) from e
     return capture(model, inputs, batch=cap_batch, dtype=dtype)
 
 

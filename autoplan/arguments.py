@@ -111,6 +111,23 @@ def max_positions(model: nn.Module) -> int | None:
     return v if isinstance(v, int) and v > 0 else None
 
 
+def check_batch_fits_model(model: nn.Module, seq: int, who: str) -> None:
+    """A batch spec becomes token ids of length ``seq``: the model must take token ids and hold
+    that many positions (a learned position table indexed past its end fails only at run time)."""
+    from autoplan.errors import MissingInputsError
+
+    if not takes_token_ids(model):
+        raise MissingInputsError(
+            f"{who}: batch= builds token ids, but {type(model).__name__} has no embedding table (not a language "
+            "model?); pass example inputs= of one rank instead, e.g. inputs=(torch.empty(8, 3, 224, 224),)")
+    limit = max_positions(model)
+    if limit is not None and seq > limit:
+        raise InvalidArgumentError(
+            f"{who}: batch seq_len={seq} is longer than the {limit} positions {type(model).__name__}'s config allows "
+            f"(max_position_embeddings / n_positions / max_seq_len); use seq_len <= {limit}, or raise that config "
+            "value if the model's position encoding supports longer sequences")
+
+
 def takes_token_ids(model: nn.Module) -> bool:
     """Whether a batch spec (token ids) can feed this model: it has an embedding table, or is a
     vision model whose inputs capture builds from the batch as images."""

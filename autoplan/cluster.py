@@ -17,7 +17,7 @@ import torch
 
 from autoplan.api import plan_mesh
 from autoplan.arguments import (
-    UNBOUNDED, check_batch, check_choices, check_constraints, check_dtype, check_hardware, check_memory_limit,
+    UNBOUNDED, check_batch, check_batch_fits_model, check_choices, check_constraints, check_dtype, check_hardware, check_memory_limit,
     check_model, check_pipeline_depth, check_sequence, optional_bool, positive_int, strict_bool,
 )
 from autoplan.errors import InvalidArgumentError
@@ -184,6 +184,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                 f"{'; price a hand-written plan on a mesh: autoplan(model, MeshSpec(...), styles=...)' if name == 'styles' else ''}"
                 f"{'; give batch=(global_batch, seq_len)' if name == 'inputs' else ''}")
     batch = check_batch(batch, who)
+    check_batch_fits_model(model, batch[1], who)
     hardware = check_hardware(hardware, who) or "h100_sxm"
     memory_limit = check_memory_limit(memory_limit, who)
     dtype = check_dtype(dtype, who)
