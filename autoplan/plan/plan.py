@@ -15,6 +15,7 @@ digits: a 2,861,912,064-byte prediction came back as 2,861,912,060.)
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,13 @@ def _plain(value: Any) -> Any:
 
 def _reject_constant(name: str):
     raise PlanSchemaError(f"plan JSON contains {name}: every number in a plan must be finite")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 reads as inf
+        _reject_constant(text)
+    return value
 
 
 @dataclass
@@ -106,7 +114,7 @@ class Plan:
             except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
                 raise PlanSchemaError(f"plan file {source}: {e}") from None
         try:
-            data = json.loads(text, parse_constant=_reject_constant)
+            data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
         except json.JSONDecodeError as e:
             raise PlanSchemaError(f"plan JSON is corrupted or truncated: {e}") from None
         except RecursionError:

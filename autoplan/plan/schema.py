@@ -61,6 +61,9 @@ def _check_consistency(data: dict) -> None:
         if data[key] is not None and data[key] != roles.get(role):
             raise PlanSchemaError(f"plan field {key}: {data[key]!r} is not the mesh's {role} dimension "
                                   f"(mesh names {names}; expected {roles.get(role)!r} or null)")
+    if data["tp_dim"] is None and (data["styles"] or data["stream_layout"] == "S" or data["loss_parallel"]):
+        raise PlanSchemaError("plan field tp_dim: null, but the plan has tensor-parallel styles, a sequence-parallel "
+                              "stream or loss parallel; they would be silently skipped when applied")
     fsdp = data["fsdp"]
     if fsdp.get("dim") is not None and fsdp["dim"] != data["dp_dim"]:
         raise PlanSchemaError(f"plan field fsdp/dim: {fsdp['dim']!r} is not dp_dim {data['dp_dim']!r}")
@@ -84,6 +87,11 @@ def _check_consistency(data: dict) -> None:
         s2r = pipe.get("stage_to_rank")
         if s2r is not None and (len(s2r) != n or any(r >= pp for r in s2r)):
             raise PlanSchemaError(f"plan field pipeline/stage_to_rank: {s2r} is not {n} ranks below pp={pp}")
+        if pp > 1:
+            for key in ("stages", "per_stage", "stage_to_rank"):
+                if len(pipe.get(key) or []) != n:
+                    raise PlanSchemaError(f"plan field pipeline/{key}: a {pipe['schedule']} plan on pp={pp} has "
+                                          f"{n} stages; expected one entry per stage")
         gb = data["batch"].get("global_batch")
         dp = degree.get(roles.get("dp"), 1) if roles.get("dp") else 1
         if gb is not None and (gb % dp or (gb // dp) % pipe["microbatches"]):
