@@ -213,7 +213,7 @@ def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Pl
     """Annotate a local tensor with ``layout`` (or take a DTensor as is), then move it to ``desired``."""
     for what, p in (("layout", layout), ("desired layout", desired)):
         if isinstance(p, Shard) and not -x.ndim <= p.dim < x.ndim:
-            raise LayoutError(f"{where}: {what} {p} names a dimension the {x.ndim}-D input of shape "
+            raise LayoutError(f"{where}: {what} Shard({p.dim}) names a dimension the {x.ndim}-D input of shape "
                               f"{tuple(x.shape)} does not have (valid: Shard(d) with {-x.ndim} <= d < {x.ndim})")
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, (layout,), run_check=False)
