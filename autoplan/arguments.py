@@ -15,7 +15,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoplan.errors import InvalidArgumentError
+from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
+from autoplan.search.pipeline_search import SCHEDULES
+from cost_models.hardware import list_hardware
 
 UNBOUNDED = 1e30  # "no memory limit": large enough for any model, still a finite ILP coefficient
 
@@ -26,12 +28,12 @@ _DTYPE_NAMES = {
 }
 
 
-def positive_int(value: Any, name: str, who: str) -> int:
+def positive_int(value: Any, name: str, who: str, exc: type[Exception] = InvalidArgumentError) -> int:
     """``value`` as an int >= 1 (bools and floats refused: 2.5 sequences mean nothing)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"{who}: {name}={value!r} must be a positive integer")
+        raise exc(f"{who}: {name}={value!r} must be a positive integer")
     if value < 1:
-        raise InvalidArgumentError(f"{who}: {name}={value!r} must be >= 1")
+        raise exc(f"{who}: {name}={value!r} must be >= 1")
     return int(value)
 
 
@@ -89,8 +91,6 @@ def check_hardware(value: Any, who: str) -> str | None:
     """A hardware profile name that exists (None: the caller's default)."""
     if value is None:
         return None
-    from cost_models.hardware import list_hardware
-
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgumentError(f"{who}: hardware={value!r} must be a profile name, one of {list_hardware()}")
     key = value.strip().lower().replace("-", "_").replace(" ", "_")
@@ -114,8 +114,6 @@ def max_positions(model: nn.Module) -> int | None:
 def check_batch_fits_model(model: nn.Module, seq: int, who: str) -> None:
     """A batch spec becomes token ids of length ``seq``: the model must take token ids and hold
     that many positions (a learned position table indexed past its end fails only at run time)."""
-    from autoplan.errors import MissingInputsError
-
     if not takes_token_ids(model):
         raise MissingInputsError(
             f"{who}: batch= builds token ids, but {type(model).__name__} has no embedding table (not a language "
@@ -136,9 +134,9 @@ def takes_token_ids(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Embedding) for m in model.modules())
 
 
-def strict_bool(value: Any, name: str, who: str) -> bool:
+def strict_bool(value: Any, name: str, who: str, exc: type[Exception] = InvalidArgumentError) -> bool:
     if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{who}: {name}={value!r} must be True or False")
+        raise exc(f"{who}: {name}={value!r} must be True or False")
     return value
 
 
@@ -174,51 +172,49 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
                       fsdp: bool | None = None, activation_checkpointing: bool | None = None) -> dict:
     """plan_cluster's ``constraints`` checked against the device count and the batch, with the
     ``fsdp`` / ``activation_checkpointing`` keywords folded in (a contradiction is an error)."""
-    from autoplan.search.pipeline_search import SCHEDULES
-
     if constraints is None:
         constraints = {}
     if not isinstance(constraints, dict):
-        raise InvalidArgumentError(f"{who}: constraints={constraints!r} must be a dict such as {{'pp': 2}}")
+        raise InvalidConstraintError(f"{who}: constraints={constraints!r} must be a dict such as {{'pp': 2}}")
     cons = dict(constraints)
     unknown = sorted(set(cons) - set(CONSTRAINT_KEYS), key=str)
     if unknown:
-        raise InvalidArgumentError(f"{who}: unknown constraints {unknown}; valid keys: {list(CONSTRAINT_KEYS)}")
+        raise InvalidConstraintError(f"{who}: unknown constraints {unknown}; valid keys: {list(CONSTRAINT_KEYS)}")
     gb = batch[0]
     for key in ("dp", "pp", "tp"):
         if key in cons:
-            v = positive_int(cons[key], f"constraints[{key!r}]", who)
+            v = positive_int(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)
             if devices % v:
-                raise InvalidArgumentError(f"{who}: constraints[{key!r}]={v} does not divide devices={devices}; "
+                raise InvalidConstraintError(f"{who}: constraints[{key!r}]={v} does not divide devices={devices}; "
                                            f"valid: one of {[d for d in range(1, devices + 1) if devices % d == 0]}")
     fixed = [cons[k] for k in ("dp", "pp", "tp") if k in cons]
     product = 1
     for v in fixed:
         product *= v
     if devices % product or (len(fixed) == 3 and product != devices):
-        raise InvalidArgumentError(f"{who}: constraints dp x pp x tp = {product} cannot make devices={devices}")
+        raise InvalidConstraintError(f"{who}: constraints dp x pp x tp = {product} cannot make devices={devices}")
     if "dp" in cons and gb % cons["dp"]:
-        raise InvalidArgumentError(f"{who}: global batch {gb} is not divisible by constraints['dp']={cons['dp']}")
+        raise InvalidConstraintError(f"{who}: global batch {gb} is not divisible by constraints['dp']={cons['dp']}")
     if "schedule" in cons and cons["schedule"] not in SCHEDULES:
-        raise InvalidArgumentError(f"{who}: constraints['schedule']={cons['schedule']!r} is not a schedule; "
+        raise InvalidConstraintError(f"{who}: constraints['schedule']={cons['schedule']!r} is not a schedule; "
                                    f"valid: {list(SCHEDULES)}")
     for key in ("microbatches", "microbatch_size"):
         if key in cons:
-            v = positive_int(cons[key], f"constraints[{key!r}]", who)
+            v = positive_int(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)
             if gb % v:
-                raise InvalidArgumentError(f"{who}: constraints[{key!r}]={v} does not divide the global batch {gb}; "
+                raise InvalidConstraintError(f"{who}: constraints[{key!r}]={v} does not divide the global batch {gb}; "
                                            f"valid: a divisor of {gb}")
     if "microbatches" in cons and "microbatch_size" in cons and gb % (cons["microbatches"] * cons["microbatch_size"]):
-        raise InvalidArgumentError(f"{who}: microbatches x microbatch_size = "
+        raise InvalidConstraintError(f"{who}: microbatches x microbatch_size = "
                                    f"{cons['microbatches'] * cons['microbatch_size']} does not divide the global batch {gb}")
     if "virtual_stages" in cons:
-        positive_int(cons["virtual_stages"], "constraints['virtual_stages']", who)
+        positive_int(cons["virtual_stages"], "constraints['virtual_stages']", who, InvalidConstraintError)
     for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):
         if key in cons:
-            strict_bool(cons[key], f"constraints[{key!r}]", who)
+            strict_bool(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)
         if given is not None:
             if key in cons and cons[key] != given:
-                raise InvalidArgumentError(f"{who}: {key}={given} contradicts constraints[{key!r}]={cons[key]}")
+                raise InvalidConstraintError(f"{who}: {key}={given} contradicts constraints[{key!r}]={cons[key]}")
             cons[key] = given
     return cons
 
@@ -227,5 +223,5 @@ def check_pipeline_depth(constraints: dict, n_units: int, who: str) -> None:
     """A fixed pp needs at least one pipeline unit (embedding, block, norm, head) per stage."""
     pp = constraints.get("pp")
     if pp is not None and pp > n_units:
-        raise InvalidArgumentError(f"{who}: constraints['pp']={pp} exceeds the model's {n_units} pipeline units "
+        raise InvalidConstraintError(f"{who}: constraints['pp']={pp} exceeds the model's {n_units} pipeline units "
                                    f"(embedding, blocks, norm, head); valid: pp <= {n_units}")

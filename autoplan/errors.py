@@ -37,3 +37,8 @@ class InvalidArgumentError(AutoplanError, ValueError):
 class MeshNameError(PlanningError, ValueError):
     """A mesh whose dimension names do not say which parallelism each dimension carries, or that
     names one parallelism twice."""
+
+
+class InvalidConstraintError(InvalidArgumentError, InfeasiblePlanError):
+    """A plan_cluster constraint that is malformed or that no plan can meet (a pp that does not
+    divide the devices, micro-batches that do not divide the batch), refused before the search."""
