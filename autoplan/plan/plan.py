@@ -131,8 +131,17 @@ class Plan:
     def apply(self, model, mesh, **runner_kwargs):
         """Parallelize ``model`` on ``mesh`` (a DeviceMesh with this plan's dim names) and return
         a :class:`~autoplan.plan.runner.Runner` whose ``step(batch)`` trains."""
+        import torch.nn as nn
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from autoplan.errors import InvalidArgumentError
         from autoplan.plan.runner import apply_plan
 
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"plan.apply: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(mesh, DeviceMesh):
+            raise InvalidArgumentError(f"plan.apply: mesh must be a DeviceMesh named {tuple(self.mesh['names'])} of "
+                                       f"shape {tuple(self.mesh['shape'])}, got {type(mesh).__name__}")
         return apply_plan(self, model, mesh, **runner_kwargs)
 
     @property

@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from hyper_parallel.core.pipeline_parallel import StageCost, build_schedule, simulate
+from hyper_parallel.core.pipeline_parallel import (
+    Schedule1F1B, ScheduleInterleaved1F1B, StageCost, build_schedule, simulate,
+)
+from hyper_parallel.core.pipeline_parallel.microbatch import split_microbatches
 from hyper_parallel.core.pipeline_parallel.split import even_cuts
-from hyper_parallel.errors import ScheduleError, StageSplitError
+from hyper_parallel.errors import MicrobatchError, ScheduleError, StageSplitError
 from tests.inputs import pipeline_workers
 from tests.inputs.helpers import tiny_llama
 
@@ -54,3 +58,16 @@ def test_ranks_disagreeing_on_schedule_shape_fail_fast(pool2):
         msg, secs = got["schedule"]
         assert "disagree on schedule" in msg and ("GPipe" if rank == 0 else "1F1B") in msg, msg
         assert got["agree"][0] == "ok", got["agree"]
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: Schedule1F1B.ir(2, 0), ScheduleError, "n_microbatches must be a positive int, got 0"),
+    (lambda: Schedule1F1B.ir(0, 2), ScheduleError, "n_ranks must be a positive int"),
+    (lambda: build_schedule("Zigzag", 2, 2), ScheduleError, "unknown schedule 'Zigzag'"),
+    (lambda: ScheduleInterleaved1F1B.ir(2, 3, n_virtual=2), ScheduleError, "not a multiple of the 2 pipeline ranks"),
+    (lambda: split_microbatches((torch.zeros(4, 2),), {}, 3, None, None), MicrobatchError, "3 micro-batches do not divide"),
+    (lambda: split_microbatches((torch.zeros(4, 2),), {}, 0, None, None), MicrobatchError, "positive int, got 0"),
+])
+def test_schedule_shape_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()

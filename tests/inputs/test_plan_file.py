@@ -183,3 +183,24 @@ def test_bad_json_text(text, match):
 def test_source_of_wrong_type():
     with pytest.raises(PlanSchemaError, match="expected a path or a JSON string"):
         Plan.from_json(42)
+
+
+def test_apply_checks_its_arguments(plan):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoplan.errors import InvalidArgumentError
+    from hyper_parallel.errors import MeshError
+    from hyper_parallel.testing import fake_world
+    from tests.inputs.helpers import snapshot
+
+    model = tiny_llama()
+    before = snapshot(model)
+    with pytest.raises(InvalidArgumentError, match="mesh must be a DeviceMesh named \\('dp', 'tp'\\) of shape \\(2, 2\\)"):
+        plan.apply(model, {"shape": [2, 2]})
+    with pytest.raises(InvalidArgumentError, match="model must be a torch.nn.Module"):
+        plan.apply("llama", None)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with pytest.raises(MeshError, match=r"shape \(2, 2\) named \('dp', 'tp'\), got shape \(4,\) named \('tp',\)"):
+            plan.apply(model, mesh)
+    assert snapshot(model) == before
