@@ -202,6 +202,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                                                                                    "virtual_stages", who)]
     positive_int(alternatives, "alternatives", who)
     positive_int(max_simulations, "max_simulations", who)
+    if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
+                                      or not time_budget_s > 0):
+        raise InvalidArgumentError(f"{who}: time_budget_s={time_budget_s!r} must be a positive number of seconds "
+                                   "or None")
     search = ClusterSearch(model, devices, hardware=hardware, batch=tuple(batch), devices_per_node=devices_per_node,
                            memory_limit=memory_limit, dtype=dtype, constraints=constraints, schedules=schedules,
                            microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,

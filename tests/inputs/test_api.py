@@ -211,6 +211,7 @@ def test_pp_larger_than_the_model(model):
     (dict(schedules=["1F1B", "Zigzag"]), "not known"), (dict(schedules="1F1B"), "non-empty list"),
     (dict(microbatch_sizes=(0,)), "microbatch_sizes"), (dict(virtual_stages=()), "non-empty list"),
     (dict(devices_per_node=0), "devices_per_node"), (dict(alternatives=0), "alternatives"),
+    (dict(time_budget_s=-1), "time_budget_s"), (dict(time_budget_s=float("nan")), "time_budget_s"),
 ])
 def test_bad_cluster_options(model, kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
