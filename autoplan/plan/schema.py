@@ -30,9 +30,23 @@ def plan_schema() -> dict:
     return json.loads(resources.files("autoplan.plan").joinpath("plan_schema.json").read_text())
 
 
+def _inline(node: Any, defs: dict) -> Any:
+    """The schema with every local ``$ref`` replaced by its definition: the file stays readable,
+    and validation skips reference lookups (they were most of the time to load a plan)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
 @lru_cache(maxsize=1)
 def _validator():
-    return _Validator(plan_schema())
+    schema = plan_schema()
+    return _Validator(_inline(schema, schema.get("$defs", {})))
 
 
 def _stages(schedule: str, pp: int, v: int) -> int:
