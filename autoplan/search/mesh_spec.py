@@ -11,6 +11,7 @@ vocabulary ("x", "dim0") is an error naming the valid ones.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from autoplan.errors import MeshNameError, PlanningError
@@ -62,7 +63,7 @@ class MeshSpec:
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.names):
             raise PlanningError(f"MeshSpec: shape {self.shape} and names {self.names} differ in length")
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.shape):
+        if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in self.shape):
             raise PlanningError(f"MeshSpec: shape {self.shape} must be positive integers")
         if len(set(self.names)) != len(self.names):
             raise PlanningError(f"MeshSpec: names {self.names} repeat a dimension")
