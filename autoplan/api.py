@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 from collections import defaultdict
 from typing import Any
 
 import torch
 
-from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan import arguments as A
+from autoplan.errors import InfeasiblePlanError, InvalidArgumentError, MissingInputsError, PlanningError
 from autoplan.plan.plan import Plan
 from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
@@ -24,9 +26,6 @@ from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
 
 log = logging.getLogger(__name__)
-
-TP_NAMES = ("tp", "tensor")
-DP_NAMES = ("dp", "fsdp", "dp_shard", "data")
 
 # named reference assignments, priced beside the solver's answer
 REFERENCE_PLANS = {
@@ -44,6 +43,8 @@ def _mesh_spec(mesh, hardware: str | None) -> MeshSpec:
     if isinstance(mesh, MeshSpec):
         return mesh if hardware is None else MeshSpec(mesh.shape, mesh.names, hardware, mesh.devices_per_node)
     if isinstance(mesh, dict):
+        if "shape" not in mesh or "names" not in mesh:
+            raise InvalidArgumentError(f"autoplan: mesh dict {mesh!r} needs 'shape' and 'names'")
         spec = MeshSpec(tuple(mesh["shape"]), tuple(mesh["names"]), mesh.get("hardware", hardware or "h100_sxm"),
                         mesh.get("devices_per_node"))
         return spec if hardware is None else MeshSpec(spec.shape, spec.names, hardware, spec.devices_per_node)
@@ -51,16 +52,8 @@ def _mesh_spec(mesh, hardware: str | None) -> MeshSpec:
 
     if isinstance(mesh, DeviceMesh):
         return MeshSpec.from_device_mesh(mesh, hardware)
-    raise PlanningError(f"autoplan: mesh must be a DeviceMesh, a MeshSpec or a dict, got {type(mesh).__name__}")
-
-
-def _dim(spec: MeshSpec, candidates: tuple[str, ...], default_if_1d: bool) -> str | None:
-    for n in candidates:
-        if n in spec.names:
-            return n
-    if default_if_1d and len(spec.names) == 1:
-        return spec.names[0]
-    return None
+    raise InvalidArgumentError(f"autoplan: mesh must be a device count (int), a DeviceMesh, a MeshSpec or a dict, "
+                               f"got {type(mesh).__name__}")
 
 
 def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None, extra: list[dict]) -> list[dict]:
@@ -74,6 +67,11 @@ def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None, extra: 
         agg[(r["kind"], r["mesh_dim"], r["phase"], int(r["bytes"]))] += r["count"]
     return [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n}
             for (k, d, p, b), n in sorted(agg.items())]
+
+
+def _bytes(value: float) -> int:
+    """A byte figure as the exact integer a plan file stores (costs are computed in floats)."""
+    return int(round(value))
 
 
 def _block_prefix(owner: str) -> str | None:
@@ -97,12 +95,12 @@ def _decision_rows(ev: Evaluation, ctx: CostContext, search: TPSearch | None = N
             "block_prefix": _block_prefix(o.owner),
             "count": o.count, "strategy": o.strategy.name, "stream": o.stream or "-",
             "reason": o.strategy.reason, "modules": sorted(o.styles()),
-            "compute_s": o.compute_s(ctx), "comm_s": o.comm_s(ctx), "memory_bytes": sum(mem.values()),
+            "compute_s": o.compute_s(ctx), "comm_s": o.comm_s(ctx), "memory_bytes": _bytes(sum(mem.values())),
         }
         if search is not None and o.slot in search.slots:
             row["options"] = [
                 {"strategy": c.strategy.name, "stream": c.stream or "-", "compute_s": c.compute_s(ctx),
-                 "comm_s": c.comm_s(ctx), "memory_bytes": sum(c.memory(ctx).values()), "reason": c.strategy.reason,
+                 "comm_s": c.comm_s(ctx), "memory_bytes": _bytes(sum(c.memory(ctx).values())), "reason": c.strategy.reason,
                  "excluded": c.strategy.extra.get("tp_excluded")}
                 for c in search.slots[o.slot]]
         rows.append(row)
@@ -136,24 +134,25 @@ def _pad_to_signature(styles: dict[str, dict], model: torch.nn.Module) -> dict[s
 
 def _summary(name: str, ev: Evaluation) -> dict:
     return {"name": name, "step_s": ev.step_s, "compute_s": ev.compute_s, "comm_s": ev.comm_s,
-            "memory_bytes": ev.memory_total,
+            "memory_bytes": _bytes(ev.memory_total),
             "strategies": {o.slot: o.strategy.name for o in ev.options if o.slot != "rest" and not o.slot.endswith("/other")}}
 
 
 def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = None, hardware: str | None = None,
-             memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
+             memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool | None = None,
              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
              sequence_parallel: bool | None = None,
-             graph=None, styles: dict | None = None) -> Plan:
+             graph=None, styles: dict | None = None, **cluster_options: Any) -> Plan:
     """Choose every module's tensor-parallel style for ``model`` on ``mesh``.
 
     Args:
         batch: ``(global_batch, seq_len)``; each dp rank gets ``global_batch / dp`` sequences.
         inputs: instead of ``batch``, example inputs of one rank (local batch).
         hardware: hardware profile name (default: the mesh's, h100_sxm offline, cpu for CPU meshes).
-        memory_limit: bytes per rank (default: the hardware's memory capacity).
-        dtype: training dtype (default bf16 on accelerators, fp32 on cpu).
-        fsdp: shard parameters/gradients/optimizer over the dp dimension (FSDP2) when dp > 1.
+        memory_limit: bytes per rank (default: the hardware's memory capacity; ``float('inf')``: none).
+        dtype: training dtype (default bf16 on accelerators, fp32 on cpu; "bf16"-style names accepted).
+        fsdp: shard parameters/gradients/optimizer over the dp dimension (FSDP2) when dp > 1
+            (None: yes on a mesh; the search's choice for a device count).
         allow_replicated_units: if False, every attention/MLP/embedding/head must be sharded
             (raises InfeasiblePlanError naming the violated divisibility when impossible).
         activation_checkpointing: full checkpointing of every repeated block; None lets the
@@ -164,30 +163,78 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         styles: instead of solving, price this hand-written plan ({pattern: ParallelStyle or
             style dict}, e.g. the torchtitan plan): the Plan then carries its predicted cost,
             collectives and memory, comparable with the planner's own.
+        cluster_options: with a device count instead of a mesh, ``autoplan`` is
+            :func:`autoplan.cluster.plan_cluster` and takes its keywords too (``constraints``,
+            ``schedules``, ...); with a mesh they are a TypeError, as is any unknown keyword.
+
+    Every argument is checked before anything is captured; a bad one raises
+    :class:`~autoplan.errors.InvalidArgumentError` (or MeshNameError for mesh names).
     """
-    if isinstance(mesh, int): from autoplan.cluster import plan_cluster; return plan_cluster(model, mesh, hardware=hardware or "h100_sxm", batch=batch, memory_limit=memory_limit, dtype=dtype, allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel)  # noqa: E501,E702
+    if isinstance(mesh, numbers.Integral) and not isinstance(mesh, bool):
+        from autoplan.cluster import CLUSTER_ONLY, plan_cluster
+
+        unknown = set(cluster_options) - CLUSTER_ONLY
+        if unknown:
+            raise TypeError(f"autoplan() got unexpected keyword argument(s) {sorted(unknown)}; "
+                            f"with a device count it also takes {sorted(CLUSTER_ONLY)}")
+        return plan_cluster(model, int(mesh), inputs=inputs, batch=batch, hardware=hardware, memory_limit=memory_limit,
+                            dtype=dtype, fsdp=fsdp, allow_replicated_units=allow_replicated_units,
+                            activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
+                            graph=graph, styles=styles, **cluster_options)
+    if cluster_options:
+        raise TypeError(f"autoplan() got unexpected keyword argument(s) {sorted(cluster_options)} for a mesh; "
+                        "plan_cluster's options (constraints, schedules, ...) apply only with a device count")
+    who = "autoplan"
+    A.check_model(model, who)
+    A.check_batch(batch, who, required=False)
+    spec = _mesh_spec(mesh, A.check_hardware(hardware, who))
+    for role in ("pp", "cp", "ep"):
+        name = spec.dim(role)
+        if name is not None and spec.degree(name) > 1:
+            raise InvalidArgumentError(
+                f"autoplan: mesh {dict(zip(spec.names, spec.shape))} has {name}={spec.degree(name)}; a mesh plan "
+                "covers tensor and data parallelism only; for pipeline parallelism give a device count "
+                "(autoplan(model, N, batch=..., constraints={'pp': ...})); context/expert parallelism is not planned")
+    return plan_mesh(model, spec, inputs=inputs, batch=batch, memory_limit=A.check_memory_limit(memory_limit, who),
+                     dtype=A.check_dtype(dtype, who), fsdp=True if fsdp is None else A.optional_bool(fsdp, "fsdp", who),
+                     allow_replicated_units=A.strict_bool(allow_replicated_units, "allow_replicated_units", who),
+                     activation_checkpointing=A.optional_bool(activation_checkpointing, "activation_checkpointing", who),
+                     sequence_parallel=A.optional_bool(sequence_parallel, "sequence_parallel", who),
+                     graph=graph, styles=A.check_styles(styles, who))
+
+
+def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dtype: torch.dtype):
+    """The ModelGraph of one dp rank's share; argument errors are said in the user's terms."""
+    from autoplan.capture import capture
+
+    if inputs is None and batch is None:
+        raise MissingInputsError("autoplan: give batch=(global_batch, seq_len) or example inputs=")
+    cap_batch = None
+    if batch is not None:
+        gb, seq = A.check_batch(batch, "autoplan")
+        if gb % dp:
+            raise InfeasiblePlanError(f"autoplan: global batch {gb} is not divisible by dp={dp}; "
+                                      f"give a multiple of {dp}")
+        if inputs is None:
+            A.check_batch_fits_model(model, seq, "autoplan")
+        cap_batch = (gb // dp, seq)
+    return capture(model, inputs, batch=cap_batch, dtype=dtype)
+
+
+def plan_mesh(model: torch.nn.Module, spec: MeshSpec, *, inputs: Any = None, batch: Any = None,
+              memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
+              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
+              sequence_parallel: bool | None = None, graph=None, styles: dict | None = None) -> Plan:
+    """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
+    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled)."""
     t_start = time.perf_counter()
-    spec = _mesh_spec(mesh, hardware)
     hw = spec.hardware_profile()
-    tp_dim = _dim(spec, TP_NAMES, default_if_1d=True)
-    dp_dim = _dim(spec, DP_NAMES, default_if_1d=False)
+    tp_dim, dp_dim = spec.dim("tp"), spec.dim("dp")
     tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
     if dtype is None:
         dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
     if graph is None:
-        if inputs is None and batch is None:
-            from autoplan.errors import MissingInputsError
-
-            raise MissingInputsError("autoplan: give batch=(global_batch, seq_len) or example inputs=")
-        cap_batch = None
-        if batch is not None:
-            gb, seq = (batch if isinstance(batch, (tuple, list)) else (batch, 1))
-            if gb % dp:
-                raise InfeasiblePlanError(f"autoplan: global batch {gb} is not divisible by dp={dp}")
-            cap_batch = (gb // dp, seq)
-        from autoplan.capture import capture
-
-        graph = capture(model, inputs, batch=cap_batch, dtype=dtype)
+        graph = _capture_graph(model, inputs, batch, dp, dtype)
     t_captured = time.perf_counter()
     structure = model_structure(graph)
     pbytes = structure.dtype_bytes
@@ -267,9 +314,10 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         fsdp_rows = [{"kind": "all_reduce", "mesh_dim": dp_dim, "phase": "backward",
                       "bytes": int(rank_param_bytes(shards, dp, False)), "count": 1}]
     memory = dict(best.memory)
-    elements = rank_param_bytes(shards, dp, use_fsdp) / pbytes
-    memory.update(params=elements * pbytes, grads=elements * pbytes,
-                  optimizer=elements * ctx.optimizer_bytes_per_element)
+    param_bytes = int(rank_param_bytes(shards, dp, use_fsdp))
+    memory = {k: _bytes(v) for k, v in memory.items()}  # byte figures are exact integers in a plan
+    memory.update(params=param_bytes, grads=param_bytes,
+                  optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
     t_end = time.perf_counter()
     return Plan(
@@ -285,8 +333,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
                 "constraints": info.constraints},
         model={"type": graph.model_type, "num_parameters": int(graph.num_parameters),
                "blocks": [{"prefix": b.prefix, "count": b.count} for b in structure.blocks]},
-        batch={"global_batch": (batch[0] if isinstance(batch, (tuple, list)) else batch) if batch else None,
-               "seq_len": (batch[1] if isinstance(batch, (tuple, list)) else None) if batch else None,
+        batch={"global_batch": int(batch[0]) if batch else None, "seq_len": int(batch[1]) if batch else None,
                "dtype": str(dtype)},
         notes=notes,
         timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start,

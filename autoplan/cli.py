@@ -29,15 +29,33 @@ def _cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1 (a batch, sequence, layer or device count of 0 plans nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def _parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """"dp=64,tp=8" -> ((64, 8), ("dp", "tp"))."""
+    """"dp=64,tp=8" -> ((64, 8), ("dp", "tp")); names from the mesh-name vocabulary."""
+    from autoplan.errors import InvalidArgumentError
+    from autoplan.search.mesh_spec import mesh_roles
+
     names, shape = [], []
     for part in text.split(","):
         name, _, size = part.partition("=")
-        if not name or not size.isdigit():
-            raise ValueError(f"--mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...], e.g. dp=64,tp=8")
+        if not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise InvalidArgumentError(f"--mesh {text!r}: expected NAME=SIZE[,NAME=SIZE...] with sizes >= 1, "
+                                       "e.g. dp=64,tp=8")
         names.append(name.strip())
         shape.append(int(size))
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"--mesh {text!r}: a dimension name is given twice")
+    mesh_roles(names)  # MeshNameError for a name that does not say which parallelism it is
     return tuple(shape), tuple(names)
 
 
@@ -46,16 +64,32 @@ def _load_model(spec: str, layers: int | None):
     import json
     from pathlib import Path
 
+    from autoplan.errors import InvalidArgumentError
     from autoplan.presets import build_preset
 
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise InvalidArgumentError(f"--layers {layers!r}: must be an integer >= 1")
     path = Path(spec)
     if path.suffix == ".json" and path.exists():
         import torch
         import transformers
 
-        cfg = transformers.AutoConfig.for_model(**json.loads(path.read_text()))
-        if layers:
-            cfg.num_hidden_layers = layers
+        try:
+            config = json.loads(path.read_text())
+        except (ValueError, OSError) as e:
+            raise InvalidArgumentError(f"{spec}: not a readable JSON config: {e}") from None
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            raise InvalidArgumentError(f"{spec}: an HF config.json needs a \"model_type\" (e.g. \"llama\"); "
+                                       "this file has none")
+        try:
+            cfg = transformers.AutoConfig.for_model(**config)
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgumentError(f"{spec}: transformers cannot build model_type "
+                                       f"{config['model_type']!r}: {e}") from None
+        if layers is not None:
+            for key in ("num_hidden_layers", "n_layer", "num_layers"):
+                if hasattr(cfg, key):
+                    setattr(cfg, key, layers)
         with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(cfg)
     return build_preset(spec, num_layers=layers)
@@ -92,7 +126,7 @@ def _mesh_candidates(args) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """--mesh as given, or for --devices N every dp x tp with tp in 1, 2, 4, 8 dividing N."""
     if args.mesh:
         return [_parse_mesh(args.mesh)]
-    if not args.devices or args.devices < 1:
+    if not args.devices:
         raise ValueError("plan: give --mesh dp=D,tp=T or --devices N")
     return [((args.devices // tp, tp), ("dp", "tp")) for tp in (1, 2, 4, 8) if args.devices % tp == 0]
 
@@ -102,6 +136,7 @@ def _cmd_plan(args) -> int:
 
     from autoplan import MeshSpec, autoplan
     from autoplan.errors import AutoplanError
+    from autoplan.search.mesh_spec import mesh_roles
 
     meshes = _mesh_candidates(args)
     model = _load_model(args.model, args.layers)
@@ -110,7 +145,8 @@ def _cmd_plan(args) -> int:
         batch = args.batch
     elif args.mesh:  # one sequence per data-parallel rank
         shape, names = meshes[0]
-        batch = next((n for n, name in zip(shape, names) if name in ("dp", "fsdp", "dp_shard", "data")), 1)
+        dp_name = mesh_roles(names).get("dp")
+        batch = dict(zip(names, shape)).get(dp_name, 1)
     else:
         batch = args.devices
     plans, failures = [], []
@@ -135,7 +171,7 @@ def _cmd_plan(args) -> int:
     plan.model["source"] = args.model
     if styles is not None:
         plan.model["plan_name"] = args.styles
-    if args.layers:
+    if args.layers is not None:  # recorded, so verify rebuilds the same depth
         plan.model["layers_override"] = args.layers
     if args.output:
         plan.to_json(args.output)
@@ -172,7 +208,12 @@ def _cmd_verify(args) -> int:
     source = args.model or plan.model.get("source")
     if not source:
         raise ValueError("verify: the plan does not record its model; pass --model PRESET")
-    model = _load_model(source, args.layers or plan.model.get("layers_override"))
+    model = _load_model(source, args.layers if args.layers is not None else plan.model.get("layers_override"))
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        from autoplan.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"verify: {type(model).__name__} is an encoder-decoder model; the dry run feeds "
+                                   "decoder-only token inputs and cannot run it (plan, show, explain and export work)")
     result = verify(plan, model, numerics=args.numerics)
     if result.error:
         print(f"the plan does not run in the dry run: {result.error}")
@@ -281,22 +322,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="plan, apply and train a small Llama on 4 CPU ranks")
-    d.add_argument("--world", type=int, default=4)
+    d.add_argument("--world", type=_positive, default=4)
     d.add_argument("--plan", default="auto",
                    help="'auto' (autoplan) or an expert plan name (torchtitan, megatron, ...)")
-    d.add_argument("--steps", type=int, default=5)
+    d.add_argument("--steps", type=_positive, default=5)
     d.set_defaults(func=_cmd_demo)
     pl = sub.add_parser("plan", help="plan a preset or an HF config.json for a mesh")
     pl.add_argument("model", help="preset name (see autoplan.presets.list_presets) or path to an HF config.json")
     pl.add_argument("--mesh", default=None, help="e.g. dp=64,tp=8")
-    pl.add_argument("--devices", type=int, default=None, help="instead of --mesh: try dp x tp (tp 1..8), keep the best")
+    pl.add_argument("--devices", type=_positive, default=None, help="instead of --mesh: try dp x tp (tp 1..8), keep the best")
     pl.add_argument("--hardware", default="h100_sxm")
-    pl.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per dp rank)")
-    pl.add_argument("--seq", type=int, default=4096, help="sequence length")
+    pl.add_argument("--batch", type=_positive, default=None, help="global batch in sequences (default: one per dp rank)")
+    pl.add_argument("--seq", type=_positive, default=4096, help="sequence length")
     pl.add_argument("--styles", default=None,
                     help="price a hand-written plan instead of solving: "
                          f"{', '.join(EXPERT_STYLE_NAMES)} or a JSON file")
-    pl.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    pl.add_argument("--layers", type=_positive, default=None, help="override the number of layers")
     pl.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     pl.set_defaults(func=_cmd_plan)
     sh = sub.add_parser("show", help="print a plan file")
@@ -305,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     ve = sub.add_parser("verify", help="dry-run a plan at its world size and compare collectives")
     ve.add_argument("plan")
     ve.add_argument("--model", default=None, help="preset/config (default: the one recorded in the plan)")
-    ve.add_argument("--layers", type=int, default=None)
+    ve.add_argument("--layers", type=_positive, default=None)
     ve.add_argument("--numerics", action="store_true",
                     help="also train one step of the plan on a small copy on local gloo ranks vs one device")
     ve.set_defaults(func=_cmd_verify)
@@ -313,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("a")
     di.add_argument("b")
     di.add_argument("--exit-code", action="store_true", help="exit 1 when the plans differ (like git diff)")
-    di.add_argument("--width", type=int, default=60, help="column width")
+    di.add_argument("--width", type=_positive, default=60, help="column width")
     di.set_defaults(func=_cmd_diff)
     co = sub.add_parser("compare", help="plan files side by side (step time, throughput, memory)")
     co.add_argument("plans", nargs="+")

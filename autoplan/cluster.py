@@ -15,13 +15,22 @@ from typing import Any, Sequence
 
 import torch
 
+from autoplan.api import plan_mesh
+from autoplan.arguments import (
+    UNBOUNDED, check_batch, check_batch_fits_model, check_choices, check_constraints, check_dtype, check_hardware, check_memory_limit,
+    check_model, check_pipeline_depth, check_sequence, optional_bool, positive_int, strict_bool,
+)
+from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import SCHEDULES, fsdp_gathers, schedule_ir, stage_bounds
+from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 
 log = logging.getLogger(__name__)
-UNBOUNDED = 1e30  # the TP solve of a pipelined plan: memory is checked per stage by the pipeline search
+# the keywords plan_cluster takes beyond autoplan's: autoplan(model, N, ...) forwards exactly these
+CLUSTER_ONLY = frozenset({"devices_per_node", "constraints", "schedules", "microbatch_sizes", "virtual_stages",
+                          "graphs", "alternatives", "max_simulations", "time_budget_s"})
 
 
 def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
@@ -124,8 +133,9 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
             if s > 0 and s2r[s - 1] != rank:
                 agg[("send_recv", "pp", "forward", nbytes)] += c.m
                 agg[("send_recv", "pp", "backward", nbytes)] += c.m
-        # the runtime agrees on the input signature once per step (one int64 all-reduce on pp)
-        agg[("all_reduce", "pp", "forward", 8)] += 1
+        # the runtime agrees on the input signature and the schedule's shape once per step
+        # (one small int64 all-reduce on pp)
+        agg[("all_reduce", "pp", "forward", AGREEMENT_BYTES)] += 1
         if best.fsdp and best.dp > 1:
             for row in _fsdp_rows(search, best, rank, styles):
                 agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
@@ -135,42 +145,79 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     return rows, dict(mem)
 
 
-def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_sxm", batch: tuple[int, int],
-                 devices_per_node: int | None = None, memory_limit: float | None = None,
-                 dtype: torch.dtype | None = None, constraints: dict | None = None,
+def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int], hardware: str | None = None,
+                 inputs: Any = None, memory_limit: float | None = None, dtype: torch.dtype | None = None,
+                 fsdp: bool | None = None, allow_replicated_units: bool = True,
+                 activation_checkpointing: bool | None = None, sequence_parallel: bool | None = None,
+                 graph=None, styles: dict | None = None,
+                 devices_per_node: int | None = None, constraints: dict | None = None,
                  schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
-                 virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
-                 sequence_parallel: bool | None = None, graphs: dict | None = None, alternatives: int = 10,
-                 max_simulations: int = 400, time_budget_s: float | None = None, **_ignored: Any) -> Plan:
+                 virtual_stages: Sequence[int] = (2,), graphs: dict | None = None, alternatives: int = 10,
+                 max_simulations: int = 400, time_budget_s: float | None = None) -> Plan:
     """The best whole plan for ``devices`` devices.
+
+    Takes :func:`autoplan.autoplan`'s keywords (``autoplan(model, N, ...)`` is this function) and
+    its own; an unknown keyword is a TypeError. ``fsdp`` and ``activation_checkpointing`` (None:
+    searched) restrict the search like the constraints of the same name; ``inputs``, ``graph``
+    and ``styles`` cannot drive a search over micro-batch shapes and meshes and are refused
+    (InvalidArgumentError) rather than ignored.
 
     Args:
         batch: ``(global_batch, seq_len)`` in sequences.
+        hardware: hardware profile (default h100_sxm).
         constraints: fix any of ``dp, pp, tp, schedule, microbatches, microbatch_size, fsdp,
             activation_checkpointing, virtual_stages`` (e.g. ``{"pp": 2}``).
         microbatch_sizes: sequences per micro-batch to consider (one capture each).
         graphs: ``{micro-batch size: ModelGraph}`` already captured at ``(b, seq_len)``.
     Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
-    hardware's memory) per device.
+    hardware's memory) per device; InvalidArgumentError for a bad argument, before any capture.
     """
-    from autoplan.api import autoplan
-
     t0 = time.perf_counter()
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        from autoplan.errors import PlanningError
-
-        raise PlanningError(f"plan_cluster: batch must be (global_batch, seq_len), got {batch!r}")
+    who = "plan_cluster"
+    check_model(model, who)
+    devices = positive_int(devices, "devices", who)
+    for name, value in (("inputs", inputs), ("graph", graph), ("styles", styles)):
+        if value is not None:
+            raise InvalidArgumentError(
+                f"{who}: {name}= is not supported with a device count: the search captures the model at each "
+                f"micro-batch size itself{' (pass graphs={size: graph})' if name == 'graph' else ''}"
+                f"{'; price a hand-written plan on a mesh: autoplan(model, MeshSpec(...), styles=...)' if name == 'styles' else ''}"
+                f"{'; give batch=(global_batch, seq_len)' if name == 'inputs' else ''}")
+    batch = check_batch(batch, who)
+    check_batch_fits_model(model, batch[1], who)
+    hardware = check_hardware(hardware, who) or "h100_sxm"
+    memory_limit = check_memory_limit(memory_limit, who)
+    dtype = check_dtype(dtype, who)
+    strict_bool(allow_replicated_units, "allow_replicated_units", who)
+    optional_bool(sequence_parallel, "sequence_parallel", who)
+    if devices_per_node is not None:
+        positive_int(devices_per_node, "devices_per_node", who)
+    constraints = check_constraints(constraints, devices, batch, who, fsdp=optional_bool(fsdp, "fsdp", who),
+                                    activation_checkpointing=optional_bool(
+                                        activation_checkpointing, "activation_checkpointing", who))
+    schedules = check_choices(schedules, "schedules", SCHEDULES, who)
+    microbatch_sizes = [positive_int(b, "microbatch_sizes[]", who) for b in check_sequence(microbatch_sizes,
+                                                                                       "microbatch_sizes", who)]
+    virtual_stages = [positive_int(v, "virtual_stages[]", who) for v in check_sequence(virtual_stages,
+                                                                                   "virtual_stages", who)]
+    positive_int(alternatives, "alternatives", who)
+    positive_int(max_simulations, "max_simulations", who)
+    if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
+                                      or not time_budget_s > 0):
+        raise InvalidArgumentError(f"{who}: time_budget_s={time_budget_s!r} must be a positive number of seconds "
+                                   "or None")
     search = ClusterSearch(model, devices, hardware=hardware, batch=tuple(batch), devices_per_node=devices_per_node,
                            memory_limit=memory_limit, dtype=dtype, constraints=constraints, schedules=schedules,
                            microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
                            allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
                            graphs=graphs)
+    check_pipeline_depth(constraints, len(search.unit_names), who)
     cands = search.search(max_simulations=max_simulations, time_budget_s=time_budget_s)
     t_search = time.perf_counter()
     best = cands[0]
     c = best.choice
     spec = MeshSpec((best.dp, best.pp, best.tp), MESH_NAMES, hardware, search.dpn)
-    tp_plan = autoplan(model, spec, batch=tuple(batch), graph=search.graph(best.b), memory_limit=UNBOUNDED,
+    tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b), memory_limit=UNBOUNDED,
                        dtype=search.dtype, fsdp=best.fsdp, activation_checkpointing=best.ac,
                        allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel)
     names = search.unit_names
@@ -186,7 +233,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
         "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
         "stages": stages, "cuts": [names[s] for s in c.starts[1:]], "stage_to_rank": s2r,
         "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": list(c.peak_inflight),
-        "per_stage": [{k: row[k] for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
+        "per_stage": [{k: int(round(row[k])) if k == "memory_bytes" else row[k]
+                       for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
                       for row in c.per_stage],
         "collectives_rank": 0,
         "rank0_param_bytes": _rank_param_bytes(search, best, 0, tp_plan.styles),
@@ -194,11 +242,12 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
     tp_plan.predictions = {
         "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
         "bubble_s": max(0.0, c.sim_step_s - busy),
-        "memory_bytes": dict({k: float(v) for k, v in sorted(worst_mem.items())},
-                             total=float(sum(worst_mem.values()))),
+        "memory_bytes": dict({k: int(round(v)) for k, v in sorted(worst_mem.items())},
+                             total=sum(int(round(v)) for v in worst_mem.values())),
         "collectives": collectives,
     }
-    tp_plan.alternatives = ranked_alternatives(cands, names, alternatives)
+    tp_plan.alternatives = [dict(a, memory_bytes=int(round(a["memory_bytes"])))  # exact bytes in a plan
+                            for a in ranked_alternatives(cands, names, alternatives)]
     tp_plan.solver = dict(tp_plan.solver, simulations=search.simulations, candidates=len(cands))
     tp_plan.notes = list(tp_plan.notes) + [
         f"mesh dp={best.dp} x pp={best.pp} x tp={best.tp} ({'FSDP' if best.fsdp else 'replicated'} data parallel"

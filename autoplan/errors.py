@@ -27,3 +27,18 @@ class InfeasiblePlanError(PlanningError, ValueError):
 
 class PlanSchemaError(AutoplanError, ValueError):
     """A plan file that is corrupted, truncated, of another schema version or names unknown styles."""
+
+
+class InvalidArgumentError(AutoplanError, ValueError):
+    """An argument of a public entry point with a wrong type or value; the message names the
+    argument, the value given and what would be valid."""
+
+
+class MeshNameError(PlanningError, ValueError):
+    """A mesh whose dimension names do not say which parallelism each dimension carries, or that
+    names one parallelism twice."""
+
+
+class InvalidConstraintError(InvalidArgumentError, InfeasiblePlanError):
+    """A plan_cluster constraint that is malformed or that no plan can meet (a pp that does not
+    divide the devices, micro-batches that do not divide the batch), refused before the search."""

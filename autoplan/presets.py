@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, InvalidArgumentError
 
 
 class UnknownPresetError(AutoplanError, KeyError):
@@ -97,7 +97,7 @@ def list_presets() -> list[str]:
 def get_preset(name: str) -> Preset:
     try:
         return _PRESETS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise UnknownPresetError(f"unknown preset {name!r}; known: {', '.join(list_presets())}") from None
 
 
@@ -105,16 +105,29 @@ def preset_config(name: str, num_layers: int | None = None, **overrides):
     """The preset's config object (a transformers config, or the repo's LlamaConfig)."""
     p = get_preset(name)
     values = {**p.config, **overrides}
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        raise InvalidArgumentError(f"preset {name!r}: num_layers={num_layers!r} must be an integer >= 1 "
+                                   f"(the preset has {p.config[p.layers_key]})")
     if num_layers is not None:
         for key in (p.layers_key, *p.extra_layer_keys):
             values[key] = num_layers
     if p.family == "titan":
+        import dataclasses
+
         from autoplan.models.llama import LlamaConfig
 
+        known = {f.name for f in dataclasses.fields(LlamaConfig)} if dataclasses.is_dataclass(LlamaConfig) else None
+        if known is not None and set(overrides) - known:
+            raise InvalidArgumentError(f"preset {name!r}: unknown config field(s) {sorted(set(overrides) - known)}; "
+                                       f"known: {sorted(known)}")
         return LlamaConfig(**values)
     import transformers
 
-    return getattr(transformers, p.config_class)(**values)
+    cls = getattr(transformers, p.config_class)
+    unknown = sorted(k for k in overrides if not hasattr(cls(), k))
+    if unknown:  # transformers keeps unknown keys as attributes nobody reads: refuse instead
+        raise InvalidArgumentError(f"preset {name!r}: unknown config field(s) {unknown} for {p.config_class}")
+    return cls(**values)
 
 
 def build_preset(

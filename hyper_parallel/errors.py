@@ -52,3 +52,8 @@ class DistributedRunError(HyperParallelError, RuntimeError):
 
 class StageSplitError(PipelineError, ValueError):
     """Cut points that do not name a stage boundary of the model, or a model the split cannot read."""
+
+
+class AlreadyParallelizedError(HyperParallelError, ValueError):
+    """A module that a parallelize call (ours or torch's) has already sharded or hooked; applying a
+    second style on top would compose layouts nobody asked for and fail later in forward."""

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autoplan.plan.data_parallel import fsdp_kwargs
+from autoplan.search.mesh_spec import mesh_roles
 from hyper_parallel.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -94,11 +95,12 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
 
     pipe_cfg = plan.pipeline
     names = tuple(mesh.mesh_dim_names or ())
-    if "pp" not in names:
-        raise MeshError(f"plan.apply: a pipelined plan needs a 'pp' mesh dimension, got {names}")
+    pp_name = mesh_roles(names).get("pp")  # "pp", "pipe" or "pipeline": the mesh-name vocabulary
+    if pp_name is None:
+        raise MeshError(f"plan.apply: a pipelined plan needs a pipeline mesh dimension ('pp'), got {names}")
     p, m, sched_name = int(pipe_cfg["pp"]), int(pipe_cfg["microbatches"]), pipe_cfg["schedule"]
-    if mesh["pp"].size() != p:
-        raise MeshError(f"plan.apply: plan has pp={p}, mesh has pp={mesh['pp'].size()}")
+    if mesh[pp_name].size() != p:
+        raise MeshError(f"plan.apply: plan has pp={p}, mesh has {pp_name}={mesh[pp_name].size()}")
     tp_mesh = mesh[plan.tp_dim] if plan.tp_dim and plan.tp_dim in names else None
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
     if plan.styles and tp_mesh is not None and tp_mesh.size() > 1:
@@ -106,7 +108,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     cls = getattr(pipe, _CLASSES[sched_name])
     kwargs = {"n_virtual": int(pipe_cfg["virtual_stages"])} if sched_name == "Interleaved1F1B" else {}
     ir = cls.ir(p, m, **kwargs)
-    pp_group = mesh["pp"].get_group()
+    pp_group = mesh[pp_name].get_group()
     stages = pipe.build_stages(model, ir, group=pp_group, cuts=list(pipe_cfg["cuts"]),
                                activation_mesh=tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None)
     blocks = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})

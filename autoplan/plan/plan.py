@@ -4,29 +4,45 @@ A Plan holds the mesh it was made for, the hyper_parallel styles per module patt
 per-unit decisions with their costs and reasons, predictions (step time split into compute and
 communication, per-rank memory by kind, the collectives with kind, mesh dim, phase, count and
 bytes), ranked alternatives and the solver's report. ``to_json`` is deterministic (sorted keys,
-rounded floats, no wall-clock times unless asked), so identical inputs give identical files;
-``from_json`` validates against the schema and only looks style names up in a fixed registry.
+no wall-clock times unless asked), so identical inputs give identical files; ``from_json``
+validates against the schema and only looks style names up in a fixed registry.
+
+Schema 2: counts and byte figures are exact integers and floats are written in full (shortest
+repr that reads back to the same double), so a plan read back from its file equals the plan
+written, field by field, and verifies the same. (Schema 1 rounded every number to 9 significant
+digits: a 2,861,912,064-byte prediction came back as 2,861,912,060.)
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from autoplan.errors import PlanSchemaError
 
-SCHEMA_VERSION = 1
-_ROUND = 9  # significant digits kept for floats in JSON
+SCHEMA_VERSION = 2
 
 
-def _round(value: Any) -> Any:
-    if isinstance(value, float):
-        return float(f"{value:.{_ROUND}g}")
+def _plain(value: Any) -> Any:
+    """JSON's own types (tuples become lists, dicts are copied), so ``to_dict`` equals what
+    ``from_json(to_json())`` gives back and never aliases the plan's fields."""
     if isinstance(value, dict):
-        return {k: _round(v) for k, v in value.items()}
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_round(v) for v in value]
+        return [_plain(v) for v in value]
+    return value
+
+
+def _reject_constant(name: str):
+    raise PlanSchemaError(f"plan JSON contains {name}: every number in a plan must be finite")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 reads as inf
+        _reject_constant(text)
     return value
 
 
@@ -63,10 +79,10 @@ class Plan:
         }
         if timing:
             data["timing"] = self.timing
-        return _round(data)
+        return _plain(data)
 
     def to_json(self, path: str | Path | None = None, *, timing: bool = False) -> str:
-        text = json.dumps(self.to_dict(timing), indent=1, sort_keys=True) + "\n"
+        text = json.dumps(self.to_dict(timing), indent=1, sort_keys=True, allow_nan=False) + "\n"
         if path is not None:
             Path(path).write_text(text)
         return text
@@ -76,27 +92,33 @@ class Plan:
         from autoplan.plan.schema import validate_plan_data
 
         validate_plan_data(data)
+        data = _plain(data)  # the plan owns its data: later edits of ``data`` do not reach it
         kw = {k: data[k] for k in ("mesh", "tp_dim", "dp_dim", "styles", "stream_layout", "loss_parallel", "fsdp",
                                    "decisions", "predictions", "alternatives", "solver", "model", "batch")}
-        return cls(**kw, notes=list(data.get("notes", [])), pipeline=data.get("pipeline"),
-                   activation_checkpointing=bool(data.get("activation_checkpointing", False)),
+        return cls(**kw, notes=data.get("notes", []), pipeline=data.get("pipeline"),
+                   activation_checkpointing=data.get("activation_checkpointing", False),
                    timing=dict(data.get("timing", {})), schema_version=data["schema_version"])
 
     @classmethod
     def from_json(cls, source: str | Path) -> "Plan":
-        """Load from a path or a JSON string; never executes anything in it."""
+        """Load from a path or a JSON string; never executes anything in it. Anything that is not
+        a valid plan raises PlanSchemaError naming the field."""
+        if not isinstance(source, (str, Path)):
+            raise PlanSchemaError(f"Plan.from_json: expected a path or a JSON string, got {type(source).__name__}")
         text = str(source)
         if not text.lstrip().startswith("{"):
             try:
                 text = Path(source).read_text(encoding="utf-8")
-            except OSError as e:
-                raise PlanSchemaError(f"plan file {source}: {e}") from None
             except UnicodeDecodeError as e:
                 raise PlanSchemaError(f"plan file {source} is not UTF-8 JSON (corrupted?): {e}") from None
+            except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+                raise PlanSchemaError(f"plan file {source}: {e}") from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
         except json.JSONDecodeError as e:
             raise PlanSchemaError(f"plan JSON is corrupted or truncated: {e}") from None
+        except RecursionError:
+            raise PlanSchemaError("plan JSON is nested too deeply to be a plan") from None
         return cls.from_dict(data)
 
     # ------------------------------------------------------------------ use
@@ -109,8 +131,17 @@ class Plan:
     def apply(self, model, mesh, **runner_kwargs):
         """Parallelize ``model`` on ``mesh`` (a DeviceMesh with this plan's dim names) and return
         a :class:`~autoplan.plan.runner.Runner` whose ``step(batch)`` trains."""
+        import torch.nn as nn
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from autoplan.errors import InvalidArgumentError
         from autoplan.plan.runner import apply_plan
 
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(f"plan.apply: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(mesh, DeviceMesh):
+            raise InvalidArgumentError(f"plan.apply: mesh must be a DeviceMesh named {tuple(self.mesh['names'])} of "
+                                       f"shape {tuple(self.mesh['shape'])}, got {type(mesh).__name__}")
         return apply_plan(self, model, mesh, **runner_kwargs)
 
     @property

@@ -90,8 +90,8 @@ def _check_mesh(plan, mesh) -> None:
     names = tuple(mesh.mesh_dim_names or ())
     want = tuple(plan.mesh["names"])
     if names != want or tuple(mesh.shape) != tuple(plan.mesh["shape"]):
-        raise MeshError(f"plan.apply: the plan is for mesh {dict(zip(want, plan.mesh['shape']))}, "
-                        f"got {dict(zip(names, mesh.shape))}")
+        raise MeshError(f"plan.apply: the plan is for a mesh of shape {tuple(plan.mesh['shape'])} named {want}, "
+                        f"got shape {tuple(mesh.shape)} named {names}")
 
 
 def _fsdp_units(model: nn.Module, plan) -> list[nn.Module]:

@@ -15,6 +15,7 @@ from hyper_parallel.errors import StyleSpecError
 _SHARD = re.compile(r"^Shard\((-?\d+)\)$")
 _PARTIAL = re.compile(r"^Partial\((sum|avg|max|min)?\)$")
 _REDUCE_OPS = {"sum", "avg", "max", "min"}
+MAX_TENSOR_DIMS = 8  # Shard(d) in a plan: -8 <= d < 8 (weights and activations have far fewer dims)
 
 
 def placement_to_str(p: Placement | None) -> str | None:
@@ -41,7 +42,11 @@ def placement_from_str(text: str | None, *, where: str = "placement") -> Placeme
         return Replicate()
     m = _SHARD.match(s)
     if m:
-        return Shard(int(m.group(1)))
+        dim = int(m.group(1))
+        if not -MAX_TENSOR_DIMS <= dim < MAX_TENSOR_DIMS:
+            raise StyleSpecError(f"{where}: {text!r} shards a dimension no tensor of a plan has "
+                                 f"(valid: Shard(d) with {-MAX_TENSOR_DIMS} <= d < {MAX_TENSOR_DIMS})")
+        return Shard(dim)
     m = _PARTIAL.match(s)
     if m:
         return Partial(m.group(1) or "sum")

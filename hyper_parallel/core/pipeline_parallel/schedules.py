@@ -11,6 +11,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from hyper_parallel.core.pipeline_parallel import generators
 from hyper_parallel.core.pipeline_parallel.executor import StepState, run_program
@@ -24,6 +25,9 @@ from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
 from hyper_parallel.errors import MicrobatchError, PipelineError, ScheduleError
 
 log = logging.getLogger(__name__)
+# bytes of the per-step agreement all-reduce: the input signature, then (value, -value) for the
+# micro-batch count, the stage count and the schedule hash (int64 each); the planner predicts it
+AGREEMENT_BYTES = 8 * 7
 
 
 class PipelineScheduleRuntime:
@@ -135,19 +139,41 @@ class PipelineScheduleRuntime:
 
 
     def _agreed_signature(self, args0, kwargs0) -> int:
-        """The input signature every pipeline rank uses as its cache key.
+        """The input signature every pipeline rank uses as its cache key, after checking that
+        every rank runs the same schedule shape.
 
         Only the first stage's rank needs real inputs, so it decides: its signature hash reaches
         the others through one small all-reduce, and all ranks rerun shape inference together
-        when it changes (rather than some waiting for descriptions that never come).
+        when it changes (rather than some waiting for descriptions that never come). The same
+        all-reduce (MAX over each value and its negation, so every rank learns the range) checks
+        that all ranks agree on the micro-batch count, the stage count and the schedule; ranks
+        that disagree would otherwise wait on each other's P2P until the group times out.
         """
         mine = zlib.crc32(repr(signature(args0, kwargs0)).encode()) if 0 in self.stages else 0
         if not dist.is_initialized():
             return mine
+        shape = self._shape()
         device = next(iter(self.stages.values())).device
-        t = torch.tensor([mine], dtype=torch.int64, device=device)
-        dist.all_reduce(t, group=self.group)
-        return int(t.item())
+        t = torch.tensor([mine] + [x for v in shape.values() for x in (v, -v)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if is_fake(t):  # a dry run (FakeTensorMode on a fake group): no data moved, every rank is this one
+            return mine
+        got = t.tolist()
+        for i, (what, v) in enumerate(shape.items()):
+            hi, lo = got[1 + 2 * i], -got[2 + 2 * i]
+            if hi != lo:
+                shown = {"schedule": f"{self.ir.name} with stage_to_rank {self.ir.stage_to_rank}"}.get(what, v)
+                raise ScheduleError(
+                    f"{type(self).__name__}: pipeline ranks disagree on {what}: pipeline rank {self.pp_rank} has "
+                    f"{shown}, values across ranks range from {lo} to {hi}; every rank must build the schedule "
+                    "with the same arguments")
+        return int(got[0])
+
+    def _shape(self) -> dict[str, int]:
+        """What every rank must agree on before the first P2P (checked by _agreed_signature)."""
+        sched = repr((self.ir.name, self.ir.stage_to_rank, self.ir.uses_split_backward)).encode()
+        return {"the number of micro-batches": self.n_microbatches, "the number of stages": self.ir.n_stages,
+                "schedule": zlib.crc32(sched)}
 
 
 class ScheduleGPipe(PipelineScheduleRuntime):

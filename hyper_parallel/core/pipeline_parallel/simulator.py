@@ -13,6 +13,8 @@ whose last backward piece (B, or W when split) has not: the activations the rank
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,6 +36,12 @@ class StageCost:
     forward: float
     backward_input: float
     backward_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward_input", "backward_weight"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0:
+                raise ScheduleError(f"StageCost: {name}={v!r} must be a finite number >= 0 (a time)")
 
     @property
     def backward(self) -> float:
@@ -65,9 +73,13 @@ def _costs(stage_costs, n_stages: int) -> list[StageCost]:
         raise ScheduleError(f"simulate: got {len(costs)} stage costs for {n_stages} stages")
     for i, c in enumerate(costs):
         if not isinstance(c, StageCost):
-            costs[i] = StageCost(*c)
-        if min(costs[i].forward, costs[i].backward_input, costs[i].backward_weight) < 0:
-            raise ScheduleError(f"simulate: stage {i} has a negative cost {costs[i]}")
+            try:
+                costs[i] = StageCost(*c)
+            except ScheduleError as e:
+                raise ScheduleError(f"simulate: stage {i}: {e}") from None
+            except TypeError:
+                raise ScheduleError(f"simulate: stage {i} cost {c!r} must be a StageCost or "
+                                    "(forward, backward_input[, backward_weight])") from None
     return costs
 
 
@@ -78,6 +90,9 @@ def simulate(schedule: PipelineSchedule, stage_costs: StageCost | Sequence[Stage
 
     lowered = validate_schedule(schedule)
     costs = _costs(stage_costs, lowered.n_stages)
+    if isinstance(p2p_time, bool) or not isinstance(p2p_time, numbers.Real) or not math.isfinite(p2p_time) \
+            or p2p_time < 0:
+        raise ScheduleError(f"simulate: p2p_time={p2p_time!r} must be a finite number >= 0")
 
     def duration(a) -> float:
         c = costs[a.stage]

@@ -187,6 +187,8 @@ def stage_units(model: nn.Module, cuts: Sequence[str]) -> list[list[str]]:
 def even_cuts(model: nn.Module, n_stages: int) -> list[str]:
     """Cut points that spread the blocks evenly (embedding with the first stage, norm and head
     with the last); with more stages than blocks, the embedding, norm and head get stages too."""
+    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
+        raise StageSplitError(f"even_cuts: n_stages={n_stages!r} must be an integer >= 1")
     units = spine_for(model).units(model)
     blocks = units[1:-2]
     pool, offset = (blocks, 1) if n_stages <= len(blocks) else (units, 0)

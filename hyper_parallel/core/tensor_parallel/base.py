@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle as _TorchParallelStyle
 
-from hyper_parallel.core.dtensor.placements import layouts_from_data, layouts_to_data
-from hyper_parallel.errors import DivisibilityError, MeshError, StyleSpecError
+from hyper_parallel.core.dtensor.placements import MAX_TENSOR_DIMS, layouts_from_data, layouts_to_data
+from hyper_parallel.errors import DivisibilityError, LayoutError, MeshError, StyleSpecError
 
 
 class ApplyRecord:
@@ -39,8 +39,8 @@ class ApplyRecord:
     def add_hook(self, handle) -> None:
         self._undo.append(("hook", handle))
 
-    def add_flag(self, obj, name: str) -> None:
-        setattr(obj, name, True)
+    def add_flag(self, obj, name: str, value=True) -> None:
+        setattr(obj, name, value)
         self._undo.append(("flag", (obj, name)))
 
     def sharded(self, param: nn.Parameter, placements, mesh: DeviceMesh, where: str):
@@ -121,6 +121,16 @@ class ParallelStyle(_TorchParallelStyle):
             raise StyleSpecError(
                 f"{cls.__name__}: unknown argument(s) {sorted(unknown)}; known: {sorted(cls._args)}"
             )
+        for k, v in data.items():  # a plan file is data: "false" is not False, 1.0 is not 1
+            default = cls._args[k]
+            if k in cls._layout_args or default is None:
+                continue
+            if type(v) is not type(default):
+                raise StyleSpecError(f"{cls.__name__}.{k}: {v!r} must be of type {type(default).__name__} "
+                                     f"(like the default {default!r})")
+            if type(v) is int and not -MAX_TENSOR_DIMS <= v < MAX_TENSOR_DIMS:
+                raise StyleSpecError(f"{cls.__name__}.{k}: {v} is not a tensor dimension "
+                                     f"(valid: {-MAX_TENSOR_DIMS} <= dim < {MAX_TENSOR_DIMS})")
         kwargs = {
             k: layouts_from_data(v, where=f"{cls.__name__}.{k}") if k in cls._layout_args else v
             for k, v in data.items()
@@ -201,6 +211,10 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, place
 def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Placement | None,
                where: str) -> DTensor:
     """Annotate a local tensor with ``layout`` (or take a DTensor as is), then move it to ``desired``."""
+    for what, p in (("layout", layout), ("desired layout", desired)):
+        if isinstance(p, Shard) and not -x.ndim <= p.dim < x.ndim:
+            raise LayoutError(f"{where}: {what} Shard({p.dim}) names a dimension the {x.ndim}-D input of shape "
+                              f"{tuple(x.shape)} does not have (valid: Shard(d) with {-x.ndim} <= d < {x.ndim})")
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, (layout,), run_check=False)
     if desired is not None and x.placements != (desired,):

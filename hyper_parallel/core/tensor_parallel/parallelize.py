@@ -6,6 +6,11 @@ are joined with dots. Every pattern must match a module; a module matched by sev
 takes the most specific one (fewest wildcard atoms: ``layers.0.attention`` overrides
 ``layers.*.attention``), and equally specific rivals are an error. Every style checks its module before anything changes; if applying still fails, all changes
 are rolled back, so the model is left exactly as it was.
+
+A module that is already parallelized -- styled by an earlier call of ours, holding DTensor
+parameters, or carrying torch's tensor-parallel hooks -- is refused before anything changes:
+two styles on one module (Colwise then Rowwise, or the same plan twice) compose layouts nobody
+asked for and only fail later, in forward, with an unrelated message.
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ from typing import Mapping
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_mesh_1d
-from hyper_parallel.errors import MeshError, PlanPatternError
+from hyper_parallel.errors import AlreadyParallelizedError, MeshError, PlanPatternError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,31 @@ def match_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]
 def _wildcards(pattern: str) -> int:
     """How unspecific a pattern is: the number of its atoms that contain a wildcard."""
     return sum(any(c in atom for c in "*?[") for atom in pattern.split("."))
+
+
+_MARK = "_hp_parallelized"  # set on every module a parallelize_module call styled (rolled back on failure)
+
+
+def _hook_owner(hook) -> str:
+    fn = getattr(hook, "func", hook)  # functools.partial
+    return f"{getattr(fn, '__module__', '') or ''}.{getattr(fn, '__qualname__', '')}"
+
+
+def already_parallelized(module: nn.Module) -> str | None:
+    """Why ``module`` counts as parallelized already (None if it does not): our mark, a DTensor
+    parameter of its own, or a forward hook installed by torch.distributed.tensor."""
+    style = getattr(module, _MARK, None)
+    if style:
+        return f"an earlier parallelize_module call applied {style}"
+    for name, p in module.named_parameters(recurse=False):
+        if isinstance(p, DTensor):
+            return f"its parameter {name!r} is already a DTensor with placements {tuple(p.placements)}"
+    hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+    for h in hooks:
+        owner = _hook_owner(h)
+        if owner.startswith("torch.distributed.tensor"):
+            return f"it carries a hook from torch's tensor parallelism ({owner})"
+    return None
 
 
 def resolve_mesh(device_mesh: DeviceMesh, mesh_dim: str | None) -> DeviceMesh:
@@ -120,12 +151,18 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
     assignments = [(fqn, sub, style) for fqn, (_, sub, style) in chosen.items()]
 
     for fqn, sub, style in assignments:  # phase 1: check everything, change nothing
+        why = already_parallelized(sub)
+        if why:
+            raise AlreadyParallelizedError(
+                f"module {fqn or '<root>'!r} ({type(sub).__name__}) is already parallelized: {why}; refusing to apply "
+                f"{style!r} on top. Parallelize a fresh model once (one style per module, before fully_shard)")
         style.check_module(sub, mesh, fqn)
 
     record = ApplyRecord(src_data_rank)
     try:
         for fqn, sub, style in assignments:  # phase 2: apply, recording every change
             style.apply(sub, mesh, record, fqn)
+            record.add_flag(sub, _MARK, repr(style))
     except BaseException:
         record.rollback()
         raise

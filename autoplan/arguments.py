@@ -1,0 +1,227 @@
+"""Argument checks shared by the public entry points (``autoplan``, ``plan_cluster``, the CLI).
+
+Why one place: the same ``batch``, ``memory_limit`` or ``dtype`` reaches the planner through
+several doors, and each door used to fail (or not) in its own way deep inside capture or the ILP
+(a PuLP error for ``inf``, a RecursionError for ``"80GB"``, an untyped torch error for a zero
+batch). Every check here runs before anything is captured or changed and raises
+:class:`~autoplan.errors.InvalidArgumentError` naming the argument, the value and what is valid.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
+from autoplan.search.pipeline_search import SCHEDULES
+from cost_models.hardware import list_hardware
+
+UNBOUNDED = 1e30  # "no memory limit": large enough for any model, still a finite ILP coefficient
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def positive_int(value: Any, name: str, who: str, exc: type[Exception] = InvalidArgumentError) -> int:
+    """``value`` as an int >= 1 (bools and floats refused: 2.5 sequences mean nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise exc(f"{who}: {name}={value!r} must be a positive integer")
+    if value < 1:
+        raise exc(f"{who}: {name}={value!r} must be >= 1")
+    return int(value)
+
+
+def optional_bool(value: Any, name: str, who: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgumentError(f"{who}: {name}={value!r} must be True, False or None")
+    return value
+
+
+def check_model(model: Any, who: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def check_batch(batch: Any, who: str, *, required: bool = True) -> tuple[int, int] | None:
+    """``(global_batch, seq_len)`` as two positive ints (None when not required and not given)."""
+    if batch is None and not required:
+        return None
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise InvalidArgumentError(f"{who}: batch={batch!r} must be (global_batch, seq_len), "
+                                   "e.g. batch=(512, 8192)")
+    return positive_int(batch[0], "batch[0] (global batch)", who), positive_int(batch[1], "batch[1] (seq_len)", who)
+
+
+def check_memory_limit(value: Any, who: str) -> float | None:
+    """Bytes per rank as a positive number; ``float('inf')`` means no limit; None: the hardware's."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{who}: memory_limit={value!r} must be bytes per rank as a number "
+                                   "(e.g. 80 * 2**30), float('inf') for no limit, or None for the hardware's")
+    if math.isnan(value) or value <= 0:
+        raise InvalidArgumentError(f"{who}: memory_limit={value!r} must be a positive number of bytes")
+    return UNBOUNDED if math.isinf(value) else float(value)
+
+
+def check_dtype(value: Any, who: str) -> torch.dtype | None:
+    """A floating torch dtype; a name such as "bf16" or "float32" is read as that dtype."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key not in _DTYPE_NAMES:
+            raise InvalidArgumentError(f"{who}: dtype={value!r} is not a training dtype; "
+                                       f"use torch.bfloat16, torch.float16, torch.float32 or one of {sorted(_DTYPE_NAMES)}")
+        return _DTYPE_NAMES[key]
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise InvalidArgumentError(f"{who}: dtype={value!r} must be a floating-point torch.dtype "
+                                   "(torch.bfloat16, torch.float16 or torch.float32)")
+    return value
+
+
+def check_hardware(value: Any, who: str) -> str | None:
+    """A hardware profile name that exists (None: the caller's default)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgumentError(f"{who}: hardware={value!r} must be a profile name, one of {list_hardware()}")
+    key = value.strip().lower().replace("-", "_").replace(" ", "_")
+    if key != "cpu" and key not in list_hardware():
+        raise InvalidArgumentError(f"{who}: hardware={value!r} is not a known profile; known: {list_hardware()}")
+    return value
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's position table holds (HF ``max_position_embeddings`` /
+    ``n_positions``, the repo Llama's ``max_seq_len``), or None when it does not say."""
+    config = getattr(model, "config", None)
+    for key in ("n_positions", "max_position_embeddings", "max_seq_len"):
+        v = getattr(config, key, None) if config is not None else None
+        if isinstance(v, int) and v > 0:
+            return v
+    v = getattr(model, "max_seq_len", None)
+    return v if isinstance(v, int) and v > 0 else None
+
+
+def check_batch_fits_model(model: nn.Module, seq: int, who: str) -> None:
+    """A batch spec becomes token ids of length ``seq``: the model must take token ids and hold
+    that many positions (a learned position table indexed past its end fails only at run time)."""
+    if not takes_token_ids(model):
+        raise MissingInputsError(
+            f"{who}: batch= builds token ids, but {type(model).__name__} has no embedding table (not a language "
+            "model?); pass example inputs= of one rank instead, e.g. inputs=(torch.empty(8, 3, 224, 224),)")
+    limit = max_positions(model)
+    if limit is not None and seq > limit:
+        raise InvalidArgumentError(
+            f"{who}: batch seq_len={seq} is longer than the {limit} positions {type(model).__name__}'s config allows "
+            f"(max_position_embeddings / n_positions / max_seq_len); use seq_len <= {limit}, or raise that config "
+            "value if the model's position encoding supports longer sequences")
+
+
+def takes_token_ids(model: nn.Module) -> bool:
+    """Whether a batch spec (token ids) can feed this model: it has an embedding table, or is a
+    vision model whose inputs capture builds from the batch as images."""
+    if getattr(model, "main_input_name", None) == "pixel_values":
+        return True
+    return any(isinstance(m, nn.Embedding) for m in model.modules())
+
+
+def strict_bool(value: Any, name: str, who: str, exc: type[Exception] = InvalidArgumentError) -> bool:
+    if not isinstance(value, bool):
+        raise exc(f"{who}: {name}={value!r} must be True or False")
+    return value
+
+
+def check_styles(styles: Any, who: str) -> dict | None:
+    """A hand-written plan to price: a non-empty {pattern: ParallelStyle or style dict}."""
+    if styles is not None and (not isinstance(styles, dict) or not styles):
+        raise InvalidArgumentError(f"{who}: styles={styles!r} must be a non-empty dict {{pattern: ParallelStyle or "
+                                   "style dict}}")
+    return styles
+
+
+# ------------------------------------------------------------------ plan_cluster's own arguments
+CONSTRAINT_KEYS = ("dp", "pp", "tp", "schedule", "microbatches", "microbatch_size", "fsdp",
+                   "activation_checkpointing", "virtual_stages")
+
+
+def check_sequence(value: Any, name: str, who: str) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+        raise InvalidArgumentError(f"{who}: {name}={value!r} must be a non-empty list")
+    return list(value)
+
+
+def check_choices(value: Any, name: str, valid: tuple[str, ...] | list[str], who: str) -> list[str]:
+    """A non-empty list drawn from ``valid`` (e.g. schedule names)."""
+    items = check_sequence(value, name, who)
+    bad = [v for v in items if v not in valid]
+    if bad:
+        raise InvalidArgumentError(f"{who}: {name} {bad} not known; valid: {list(valid)}")
+    return items
+
+
+def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], who: str, *,
+                      fsdp: bool | None = None, activation_checkpointing: bool | None = None) -> dict:
+    """plan_cluster's ``constraints`` checked against the device count and the batch, with the
+    ``fsdp`` / ``activation_checkpointing`` keywords folded in (a contradiction is an error)."""
+    if constraints is None:
+        constraints = {}
+    if not isinstance(constraints, dict):
+        raise InvalidConstraintError(f"{who}: constraints={constraints!r} must be a dict such as {{'pp': 2}}")
+    cons = dict(constraints)
+    unknown = sorted(set(cons) - set(CONSTRAINT_KEYS), key=str)
+    if unknown:
+        raise InvalidConstraintError(f"{who}: unknown constraints {unknown}; valid keys: {list(CONSTRAINT_KEYS)}")
+    gb = batch[0]
+    for key in ("dp", "pp", "tp"):
+        if key in cons:
+            v = positive_int(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)
+            if devices % v:
+                raise InvalidConstraintError(f"{who}: constraints[{key!r}]={v} does not divide devices={devices}; "
+                                           f"valid: one of {[d for d in range(1, devices + 1) if devices % d == 0]}")
+    fixed = [cons[k] for k in ("dp", "pp", "tp") if k in cons]
+    product = 1
+    for v in fixed:
+        product *= v
+    if devices % product or (len(fixed) == 3 and product != devices):
+        raise InvalidConstraintError(f"{who}: constraints dp x pp x tp = {product} cannot make devices={devices}")
+    if "dp" in cons and gb % cons["dp"]:
+        raise InvalidConstraintError(f"{who}: global batch {gb} is not divisible by constraints['dp']={cons['dp']}")
+    if "schedule" in cons and cons["schedule"] not in SCHEDULES:
+        raise InvalidConstraintError(f"{who}: constraints['schedule']={cons['schedule']!r} is not a schedule; "
+                                   f"valid: {list(SCHEDULES)}")
+    for key in ("microbatches", "microbatch_size"):
+        if key in cons:
+            v = positive_int(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)
+            if gb % v:
+                raise InvalidConstraintError(f"{who}: constraints[{key!r}]={v} does not divide the global batch {gb}; "
+                                           f"valid: a divisor of {gb}")
+    if "microbatches" in cons and "microbatch_size" in cons and gb % (cons["microbatches"] * cons["microbatch_size"]):
+        raise InvalidConstraintError(f"{who}: microbatches x microbatch_size = "
+                                   f"{cons['microbatches'] * cons['microbatch_size']} does not divide the global batch {gb}")
+    if "virtual_stages" in cons:
+        positive_int(cons["virtual_stages"], "constraints['virtual_stages']", who, InvalidConstraintError)
+    for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):
+        if key in cons:
+            strict_bool(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)
+        if given is not None:
+            if key in cons and cons[key] != given:
+                raise InvalidConstraintError(f"{who}: {key}={given} contradicts constraints[{key!r}]={cons[key]}")
+            cons[key] = given
+    return cons
+
+
+def check_pipeline_depth(constraints: dict, n_units: int, who: str) -> None:
+    """A fixed pp needs at least one pipeline unit (embedding, block, norm, head) per stage."""
+    pp = constraints.get("pp")
+    if pp is not None and pp > n_units:
+        raise InvalidConstraintError(f"{who}: constraints['pp']={pp} exceeds the model's {n_units} pipeline units "
+                                   f"(embedding, blocks, norm, head); valid: pp <= {n_units}")

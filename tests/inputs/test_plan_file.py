@@ -1,0 +1,206 @@
+"""Plan files: exact integers (schema 2), a field-by-field round trip that verifies the same, and
+the catalogue of bad files -- each refused with PlanSchemaError naming the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autoplan import MeshSpec, Plan, autoplan
+from autoplan.errors import PlanSchemaError
+from autoplan.plan.plan import SCHEMA_VERSION
+from tests.inputs.helpers import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return autoplan(tiny_llama(), MeshSpec((2, 2), ("dp", "tp"), "h100_sxm"), batch=(4, 16), sequence_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def cluster_plan():
+    return autoplan(tiny_llama(), 4, batch=(8, 16), constraints={"pp": 2, "dp": 1, "tp": 2}, microbatch_sizes=(2,))
+
+
+def _walk(node, path=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, f"{path}/{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{path}/{i}")
+    else:
+        yield path, node
+
+
+def test_counts_and_bytes_are_exact_integers(plan, cluster_plan):
+    for p in (plan, cluster_plan):
+        data = p.to_dict()
+        assert data["schema_version"] == SCHEMA_VERSION == 2
+        for path, v in _walk(data):
+            leaf = path.rsplit("/", 1)[-1]
+            if "bytes" in path.split("/")[-2:][0] or leaf in ("bytes", "count", "memory_bytes", "num_parameters",
+                                                             "microbatches", "pp", "global_batch", "seq_len"):
+                assert type(v) is int, (path, v)
+            if isinstance(v, float):  # floats are times and fractions only
+                assert leaf.endswith("_s") or leaf in ("bubble_fraction",), (path, v)
+
+
+@pytest.mark.parametrize("which", ["plan", "cluster_plan"])
+def test_round_trip_field_by_field(which, request, tmp_path):
+    p = request.getfixturevalue(which)
+    path = tmp_path / "plan.json"
+    p.to_json(path)
+    q = Plan.from_json(path)
+    for f in ("mesh", "tp_dim", "dp_dim", "styles", "stream_layout", "loss_parallel", "fsdp", "decisions",
+              "predictions", "alternatives", "solver", "model", "batch", "notes", "activation_checkpointing",
+              "pipeline", "schema_version"):
+        assert json.dumps(getattr(q, f), sort_keys=True) == json.dumps(getattr(p, f), sort_keys=True), f
+    assert q.to_dict() == p.to_dict()
+    assert q.to_json() == p.to_json()
+
+
+def test_exact_bytes_survive_the_file(plan):
+    """Issue item 3: Mixtral's 2,861,912,064 parameter bytes came back as 2,861,912,060."""
+    data = plan.to_dict()
+    data["predictions"]["memory_bytes"]["params"] = 2_861_912_064
+    data["predictions"]["collectives"][0]["bytes"] = 2**53 + 1  # beyond a double's exact range
+    data["predictions"]["step_s"] = 0.1 + 0.2
+    q = Plan.from_json(json.dumps(data))
+    assert q.predictions["memory_bytes"]["params"] == 2_861_912_064
+    assert q.predictions["collectives"][0]["bytes"] == 2**53 + 1
+    assert q.predictions["step_s"] == 0.1 + 0.2
+
+
+def test_read_back_plan_verifies_the_same(tmp_path):
+    from autoplan.verify import verify
+
+    model = tiny_llama()
+    p = autoplan(model, MeshSpec((2, 2), ("dp", "tp"), "h100_sxm"), batch=(4, 16), allow_replicated_units=False)
+    p.to_json(tmp_path / "p.json")
+    q = Plan.from_json(tmp_path / "p.json")
+    a, b = verify(p, tiny_llama()), verify(q, tiny_llama())
+    assert a.passed and b.passed
+    assert a.param_bytes == b.param_bytes
+    assert a.collectives.equals(b.collectives)
+
+
+_INTS = st.integers(min_value=0, max_value=2**70)
+_TIMES = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(params=_INTS, total=_INTS, coll=_INTS, step=_TIMES, comm=_TIMES, note=st.text(max_size=20),
+       count=st.integers(min_value=1, max_value=2**40))
+def test_round_trip_property(plan, params, total, coll, step, comm, note, count):
+    """Any exact integer and any finite time survives the file unchanged (hypothesis)."""
+    data = plan.to_dict()
+    data["predictions"]["memory_bytes"].update(params=params, total=total)
+    data["predictions"]["collectives"][0].update(bytes=coll, count=count)
+    data["predictions"].update(step_s=step, comm_s=comm)
+    data["notes"] = [note]
+    p = Plan.from_dict(data)
+    q = Plan.from_json(p.to_json())
+    assert q.to_dict() == p.to_dict() == data
+
+
+# ---------------------------------------------------------------- the catalogue of bad files
+def _edit(data, fn):
+    fn(data)
+    return json.dumps(data)
+
+
+def _style_key(data, style):
+    return next(k for k, v in data["styles"].items() if v["style"] == style)
+
+
+CASES = [
+    ("use_local_output string", lambda d: d["styles"][_style_key(d, "PrepareModuleInput")]["args"].update(
+        use_local_output="false"), "use_local_output: 'false' must be of type bool"),
+    ("sequence_dim float", lambda d: d["styles"][_style_key(d, "SequenceParallel")]["args"].update(sequence_dim=1.0),
+     "sequence_dim: 1.0 must be of type int"),
+    ("Shard(99)", lambda d: d["styles"][_style_key(d, "PrepareModuleInput")]["args"].update(
+        desired_input_layouts=["Shard(99)", None]),
+     "Shard\\(99\\).*valid: Shard\\(d\\) with -8 <= d < 8"),
+    ("mesh lengths", lambda d: d["mesh"].update(names=["dp"]), "shape \\[2, 2\\] and names \\['dp'\\] differ in length"),
+    ("mesh names x,y", lambda d: d["mesh"].update(names=["x", "y"]), "does not say which parallelism"),
+    ("tp_dim not in mesh", lambda d: d.update(tp_dim="tensor"), "tp_dim: 'tensor' is not the mesh's tp dimension"),
+    ("tp_dim == dp_dim", lambda d: d.update(tp_dim="dp"), "tp_dim: 'dp'"),
+    ("styles without tp_dim", lambda d: d.update(tp_dim=None), "tp_dim: null, but the plan has tensor-parallel"),
+    ("fsdp dim", lambda d: d["fsdp"].update(dim="tp"), "fsdp/dim"),
+    ("bytes as float", lambda d: d["predictions"]["memory_bytes"].update(params=2861912060.0),
+     "memory_bytes/params: 2861912060.0 is not of type 'integer'"),
+    ("count as bool", lambda d: d["predictions"]["collectives"][0].update(count=True), "count: True"),
+    ("negative bytes", lambda d: d["predictions"]["collectives"][0].update(bytes=-1), "bytes: -1"),
+    ("collective dim", lambda d: d["predictions"]["collectives"][0].update(mesh_dim="pp"), "mesh_dim: 'pp'"),
+    ("unknown field", lambda d: d.update(stream="R"), "Additional properties are not allowed"),
+    ("unknown style", lambda d: d["styles"].update(x={"style": "eval", "args": {}}), "unknown style 'eval'"),
+    ("schema 1", lambda d: d.update(schema_version=1), "schema_version 1 is not supported.*plan again"),
+    ("hardware", lambda d: d["mesh"].update(hardware="h900"), "mesh/hardware: 'h900'"),
+    ("batch zero", lambda d: d["batch"].update(global_batch=0), "global_batch"),
+    ("dtype", lambda d: d["batch"].update(dtype="torch.int64"), "dtype"),
+    ("bad pattern", lambda d: d["styles"].update({"layers..wq": {"style": "NoParallel", "args": {}}}),
+     "not a module pattern"),
+    ("negative time", lambda d: d["predictions"].update(step_s=-1.0), "step_s"),
+]
+
+
+@pytest.mark.parametrize("name, fn, match", CASES, ids=[c[0] for c in CASES])
+def test_bad_plan_files(plan, name, fn, match):
+    with pytest.raises(PlanSchemaError, match=match):
+        Plan.from_json(_edit(plan.to_dict(), fn))
+
+
+PIPE_CASES = [
+    ("pp vs mesh", lambda d: d["pipeline"].update(pp=4), "pipeline/pp: 4 but the mesh's pipeline dimension has 2"),
+    ("cuts", lambda d: d["pipeline"].update(cuts=[]), "pipeline/cuts"),
+    ("microbatches 0", lambda d: d["pipeline"].update(microbatches=0), "microbatches"),
+    ("microbatches not dividing", lambda d: d["pipeline"].update(microbatches=3), "does not divide"),
+    ("schedule", lambda d: d["pipeline"].update(schedule="Zigzag"), "pipeline/schedule"),
+    ("no pipeline on a pp mesh", lambda d: d.update(pipeline=None), "pipeline: null, but the mesh has pp=2"),
+    ("per_stage missing", lambda d: d["pipeline"].update(per_stage=[]), "pipeline/per_stage"),
+]
+
+
+@pytest.mark.parametrize("name, fn, match", PIPE_CASES, ids=[c[0] for c in PIPE_CASES])
+def test_bad_pipeline_fields(cluster_plan, name, fn, match):
+    with pytest.raises(PlanSchemaError, match=match):
+        Plan.from_json(_edit(cluster_plan.to_dict(), fn))
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"schema_version": 2, "x": NaN}', "NaN"), ('{"schema_version": 2, "x": 1e999}', "finite"),
+    ("{" * 100000, "corrupted|nested"), ('{"schema_version": 2', "corrupted or truncated"),
+    ("[1, 2]", "plan file"), ("no/such/file.json", "No such file"), ("a\0b", "plan file"),
+])
+def test_bad_json_text(text, match):
+    with pytest.raises(PlanSchemaError, match=match):
+        Plan.from_json(text)
+
+
+def test_source_of_wrong_type():
+    with pytest.raises(PlanSchemaError, match="expected a path or a JSON string"):
+        Plan.from_json(42)
+
+
+def test_apply_checks_its_arguments(plan):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoplan.errors import InvalidArgumentError
+    from hyper_parallel.errors import MeshError
+    from hyper_parallel.testing import fake_world
+    from tests.inputs.helpers import snapshot
+
+    model = tiny_llama()
+    before = snapshot(model)
+    with pytest.raises(InvalidArgumentError, match="mesh must be a DeviceMesh named \\('dp', 'tp'\\) of shape \\(2, 2\\)"):
+        plan.apply(model, {"shape": [2, 2]})
+    with pytest.raises(InvalidArgumentError, match="model must be a torch.nn.Module"):
+        plan.apply("llama", None)
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with pytest.raises(MeshError, match=r"shape \(2, 2\) named \('dp', 'tp'\), got shape \(4,\) named \('tp',\)"):
+            plan.apply(model, mesh)
+    assert snapshot(model) == before
