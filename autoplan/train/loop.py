@@ -84,7 +84,8 @@ class Trainer:
         if not hasattr(self.runner, "stages"):  # FSDP/TP replaced the parameters: optimizer over the new ones
             self.runner.optimizer = self._optimizer(self.model.parameters())
         self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type != "cpu")
-        self.peak = peak_flops(self.plan.mesh.get("hardware"), torch.bfloat16 if self.bf16 else torch.float32)
+        self.peak = peak_flops(self.plan.mesh.get("hardware"), torch.bfloat16 if self.bf16 else torch.float32) \
+            if self.rank == 0 else None  # rank 0 reports
         self.data = token_stream(cfg.data, batch=cfg.batch, seq=cfg.seq, vocab=_vocab(self.model), seed=cfg.seed,
                                  tokenizer=cfg.tokenizer, token_dtype=cfg.token_dtype)
         self.step = 0

@@ -21,12 +21,20 @@ log = logging.getLogger(__name__)
 
 
 def peak_flops(hardware: str | None, dtype: torch.dtype) -> float | None:
-    """Peak dense FLOP/s of one device of ``hardware`` for ``dtype``; None when unknown."""
+    """Peak dense FLOP/s of one device of ``hardware`` for ``dtype``; None when unknown.
+
+    The ``cpu`` profile is used only when this host's measurement is already cached (``autoplan
+    hardware``/``calibrate`` write it): measuring inside a job would time GEMMs on every busy rank."""
     if not hardware:
         return None
     try:
         from cost_models.hardware import load_hardware
+        from cost_models.hardware.host import cache_dir, host_key
 
+        if hardware == "cpu" and not (cache_dir() / "hardware" / f"cpu-{host_key()}.json").is_file():
+            log.info("train: this host's cpu profile is not measured yet (threads=%d); MFU not reported",
+                     torch.get_num_threads())
+            return None
         return float(load_hardware(hardware).peak(dtype))
     except Exception as e:  # noqa: BLE001 - MFU is a convenience; training goes on without it
         log.warning("train: no peak FLOP/s for hardware %r (%s); MFU not reported", hardware, e)
