@@ -189,3 +189,19 @@ def gathered_state(runner) -> dict[str, Any]:
         for k, v in part.items():
             out.setdefault(k, v)
     return dict(sorted(out.items()))
+
+
+def consolidated(path: str | Path) -> dict[str, Any]:
+    """A checkpoint read back whole in this process (no process group): ``{"model.<fqn>": tensor,
+    "optim.state.<fqn>.exp_avg": tensor, ...}`` exactly as saved, keyed like :func:`gathered_state`.
+    For exporting a one-file copy and for checking what a resharded load produced."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(path), str(out))
+        nested = torch.load(out, weights_only=False)
+    flat = {f"{top}.{k}": v for top, sd in nested.items() for k, v in sd.items()}
+    return dict(sorted(flat.items()))
