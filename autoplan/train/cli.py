@@ -66,15 +66,24 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _launch_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--nnodes", type=int, default=None)
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: the plan's devices per node")
+    p.add_argument("--rdzv-endpoint", default="$MASTER_ADDR:29500")
+    p.add_argument("--job-id", default="autoplan")
+    return p
+
+
 def _cmd_launch(args) -> int:
+    """Options may come before or after the plan; everything after ``--`` goes to ``autoplan train``."""
     from autoplan.plan import Plan
 
+    rest = list(args.rest)
+    cut = rest.index("--") if "--" in rest else len(rest)
+    args = _launch_options(argparse.ArgumentParser(prog="autoplan launch")).parse_args(rest[:cut], namespace=args)
     plan = Plan.from_json(args.plan)
-    rest = list(args.train_args)
-    if rest and rest[0] == "--":
-        rest = rest[1:]
     argv = torchrun_command(plan, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                            rdzv_endpoint=args.rdzv_endpoint, job_id=args.job_id, train_args=rest,
+                            rdzv_endpoint=args.rdzv_endpoint, job_id=args.job_id, train_args=rest[cut + 1:],
                             plan_path=args.plan)
     print(format_command(argv))
     nodes = argv[argv.index("--nnodes") + 1]
@@ -115,11 +124,7 @@ def register(sub) -> None:
     t.add_argument("--log-every", type=int, default=1)
     t.add_argument("--progress", default="auto", choices=("auto", "rich", "log", "none"))
     t.set_defaults(func=_cmd_train)
-    la = sub.add_parser("launch", help="print the torchrun command line a plan needs")
+    la = _launch_options(sub.add_parser("launch", help="print the torchrun command line a plan needs"))
     la.add_argument("plan")
-    la.add_argument("--nnodes", type=int, default=None)
-    la.add_argument("--nproc-per-node", type=int, default=None, help="default: the plan's devices per node")
-    la.add_argument("--rdzv-endpoint", default="$MASTER_ADDR:29500")
-    la.add_argument("--job-id", default="autoplan")
-    la.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then flags for `autoplan train`")
+    la.add_argument("rest", nargs=argparse.REMAINDER, help="launch options, then -- and flags for `autoplan train`")
     la.set_defaults(func=_cmd_launch)
