@@ -38,7 +38,8 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
             from rich.progress import TextColumn, TimeRemainingColumn
 
-            self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            self._bar = RichProgress(TextColumn("train"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                                     TimeRemainingColumn(),
                                      TextColumn("{task.fields[info]}"), console=Console(file=stream))
             self._task = self._bar.add_task("train", total=total, completed=start, info="")
             self._bar.start()
