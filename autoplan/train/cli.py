@@ -100,7 +100,8 @@ def register(sub) -> None:
     t.add_argument("--hardware", default=None, help="planning profile (default: cpu on CPU, h100_sxm otherwise)")
     t.add_argument("--shard-all", action="store_true", help="when planning here: shard every unit (tiny models)")
     t.add_argument("--model", default=None,
-                   help="preset (autoplan.presets), hf:<model_type> or a local config.json (default: the plan's)")
+                   help="preset (autoplan.presets), hf:<model_type> or a local config.json "
+                        "(default: the plan's, else titan-llama-debug)")
     t.add_argument("--layers", type=int, default=None)
     t.add_argument("--model-arg", default=None, help="config overrides, e.g. dim=256,n_heads=8")
     t.add_argument("--seed", type=int, default=0)

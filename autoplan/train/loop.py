@@ -77,6 +77,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.plan = plan if plan is not None else plan_for(cfg, self.world, self.device)
         self.mesh = plan_mesh(self.plan, self.device)
+        self._check_batch()
         self.model = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device=self.device,
                                  seed=cfg.seed)
         self.flops_per_token = flops_per_token(self.model, cfg.seq)
@@ -92,6 +93,16 @@ class Trainer:
         if cfg.resume:
             self.resume(checkpoint.resolve(cfg.resume, cfg.checkpoint_dir))
 
+    def _check_batch(self) -> None:
+        """The global batch must split over dp and, on a pipeline, into the plan's micro-batches."""
+        names, shape = self.plan.mesh["names"], self.plan.mesh["shape"]
+        dp = shape[names.index(self.plan.dp_dim)] if self.plan.dp_dim in names else 1
+        m = int(self.plan.pipeline["microbatches"]) if self._pipelined else 1
+        if self.cfg.batch % (dp * m):
+            raise TrainConfigError(
+                f"train: --batch {self.cfg.batch} must be a multiple of dp={dp} x micro-batches={m} = {dp * m} "
+                f"for this plan (it was made for a global batch of {self.plan.batch.get('global_batch')})")
+
     def _optimizer(self, params) -> torch.optim.Optimizer:
         return torch.optim.AdamW(list(params), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
                                  weight_decay=self.cfg.weight_decay)
@@ -99,6 +110,12 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def resume(self, path) -> None:
         state = checkpoint.load(self.runner, self.model, path)
+        saved = state.get("config", {})
+        changed = [k for k in ("data", "batch", "seq", "seed") if k in saved and saved[k] != getattr(self.cfg, k)]
+        if changed:
+            log.warning("resume: %s differ from the checkpoint's (%s); the data position %s no longer "
+                        "continues the same stream", ", ".join(changed),
+                        ", ".join(f"{k}={saved[k]!r}" for k in changed), state["data"])
         self.step = int(state["step"])
         self.data.restore(state["data"])
 
