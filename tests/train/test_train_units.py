@@ -162,3 +162,21 @@ def test_metrics_files(tmp_path):
     w.write(_row(3))
     w.close()
     assert len((tmp_path / "m.csv").read_text().splitlines()) == 4
+
+
+def test_check_compatible_names_the_first_mismatch(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from autoplan.train.checkpoint import check_compatible
+    from autoplan.train.errors import CheckpointMismatchError
+
+    saved = build_model("titan-llama-debug", layers=2)
+    dcp.save({"model": saved.state_dict()}, checkpoint_id=str(tmp_path / "c"))
+    check_compatible(build_model("titan-llama-debug", layers=2, seed=3), tmp_path / "c")  # same shapes: fine
+    cases = [(dict(layers=3), "layers.2.attention_norm.weight", "not in the checkpoint"),
+             (dict(layers=1), "layers.1.attention_norm.weight", "of the checkpoint is not in the model"),
+             (dict(layers=2, overrides={"vocab_size": 300}), "tok_embeddings.weight", "(256, 128) in the checkpoint")]
+    for kwargs, name, text in cases:
+        with pytest.raises(CheckpointMismatchError, match=text) as err:
+            check_compatible(build_model("titan-llama-debug", **kwargs), tmp_path / "c")
+        assert err.value.name == name
