@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=f"cost_models {name} (see: autoplan {name} -h)", add_help=False)
         c.add_argument("rest", nargs=argparse.REMAINDER)
         c.set_defaults(func=_cmd_cost_models)
+    from autoplan.train.cli import register as register_train
+
+    register_train(sub)
     return p
 
 

@@ -85,6 +85,8 @@ _PRESETS: dict[str, Preset] = {
         Preset("titan-llama3-8b", "titan", "LlamaConfig", _titan(4096, 14336, 32, 32, 8), layers_key="n_layers"),
         Preset("titan-llama3-70b", "titan", "LlamaConfig", _titan(8192, 28672, 80, 64, 8), layers_key="n_layers"),
         Preset("titan-llama3-405b", "titan", "LlamaConfig", _titan(16384, 53248, 126, 128, 8), layers_key="n_layers"),
+        # a few MB: what `autoplan train` and its tests run on a CPU
+        Preset("titan-llama-debug", "titan", "LlamaConfig", _titan(128, 384, 4, 8, 4, vocab=256), layers_key="n_layers"),
     ]
 }
 

@@ -54,7 +54,9 @@ def _titan_units(m: nn.Module) -> list[str]:
 
 def _titan_call(stage, fqn, module, h, ctx):
     if fqn.startswith("layers."):
-        return module(h, stage.rope[: h.shape[1]])
+        # the whole table: h may be a local sequence shard (sequence parallel); attention slices
+        # the table to the length it sees after gathering
+        return module(h, stage.rope)
     return module(h)
 
 

@@ -1,0 +1,131 @@
+"""``autoplan train`` and ``autoplan launch``: registered on the main CLI's subcommands.
+
+    torchrun --standalone --nproc-per-node 4 -m autoplan.cli train --plan plan.json --steps 20
+    autoplan launch plan.json --nnodes 64 --rdzv-endpoint node0:29500 -- --steps 1000
+
+``train`` is :func:`autoplan.train.train` with a TrainConfig from the flags; ``launch`` prints the
+torchrun line a plan needs (:func:`autoplan.train.launch.torchrun_command`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from autoplan.train.config import TrainConfig
+from autoplan.train.errors import TrainConfigError
+from autoplan.train.launch import format_command, torchrun_command
+
+
+def _pairs(text: str | None, flag: str) -> dict:
+    """"dp=2,tp=2" -> {"dp": 2, "tp": 2}; values parsed as JSON where they can be (numbers, true)."""
+    out = {}
+    for part in filter(None, (text or "").split(",")):
+        key, eq, value = part.partition("=")
+        if not key or not eq:
+            raise TrainConfigError(f"train: {flag} {text!r}: expected KEY=VALUE[,KEY=VALUE...]")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def config_from_args(args) -> TrainConfig:
+    model, layers = args.model, args.layers
+    if args.plan and (model is None or layers is None):
+        from autoplan.plan import Plan
+
+        recorded = Plan.from_json(args.plan).model
+        model = model or recorded.get("source")
+        layers = layers or recorded.get("layers_override")
+    betas = tuple(float(b) for b in args.betas.split(","))
+    if len(betas) != 2:
+        raise TrainConfigError(f"train: --betas {args.betas!r}: expected two numbers, e.g. 0.9,0.95")
+    return TrainConfig(
+        model=model or TrainConfig.model, layers=layers, model_args=_pairs(args.model_arg, "--model-arg"),
+        seed=args.seed, plan=args.plan, constraints=_pairs(args.constraints, "--constraints"),
+        hardware=args.hardware, shard_all=args.shard_all, data=args.data, tokenizer=args.tokenizer,
+        token_dtype=args.token_dtype, batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
+        min_lr=args.min_lr, warmup=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
+        betas=betas, mixed_precision=args.mixed_precision, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, metrics=args.metrics,
+        log_every=args.log_every, progress=args.progress)
+
+
+def _cmd_train(args) -> int:
+    from autoplan.train.loop import train
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("autoplan.train").setLevel(logging.INFO)
+    result = train(config_from_args(args))
+    if int(os.environ.get("RANK", "0")) == 0 and result.rows:
+        first, last = result.rows[0]["loss"], result.rows[-1]["loss"]
+        print(f"trained steps {result.start_step}..{result.step}: loss {first:.5f} -> {last:.5f}")
+    return 0
+
+
+def _launch_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--nnodes", type=int, default=None)
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: the plan's devices per node")
+    p.add_argument("--rdzv-endpoint", default="$MASTER_ADDR:29500")
+    p.add_argument("--job-id", default="autoplan")
+    return p
+
+
+def _cmd_launch(args) -> int:
+    """Options may come before or after the plan; everything after ``--`` goes to ``autoplan train``."""
+    from autoplan.plan import Plan
+
+    rest = list(args.rest)
+    cut = rest.index("--") if "--" in rest else len(rest)
+    args = _launch_options(argparse.ArgumentParser(prog="autoplan launch")).parse_args(rest[:cut], namespace=args)
+    plan = Plan.from_json(args.plan)
+    argv = torchrun_command(plan, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                            rdzv_endpoint=args.rdzv_endpoint, job_id=args.job_id, train_args=rest[cut + 1:],
+                            plan_path=args.plan)
+    print(format_command(argv))
+    nodes = argv[argv.index("--nnodes") + 1]
+    if nodes != "1":
+        print(f"# run the same line on each of the {nodes} nodes; --rdzv-endpoint is the first node's address")
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``train`` and ``launch`` to the main parser's subparsers."""
+    t = sub.add_parser("train", help="train a model with a plan (run under torchrun; see `autoplan launch`)")
+    t.add_argument("--plan", default=None, help="plan JSON (default: plan here with plan_cluster for this world)")
+    t.add_argument("--constraints", default=None, help="when planning here: e.g. dp=2,tp=2 or pp=2,tp=2,fsdp=true")
+    t.add_argument("--hardware", default=None, help="planning profile (default: cpu on CPU, h100_sxm otherwise)")
+    t.add_argument("--shard-all", action="store_true", help="when planning here: shard every unit (tiny models)")
+    t.add_argument("--model", default=None,
+                   help="preset (autoplan.presets), hf:<model_type> or a local config.json "
+                        "(default: the plan's, else titan-llama-debug)")
+    t.add_argument("--layers", type=int, default=None)
+    t.add_argument("--model-arg", default=None, help="config overrides, e.g. dim=256,n_heads=8")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--data", default="synthetic", help="synthetic, a token file (.npy/.bin/.pt) or a text file")
+    t.add_argument("--tokenizer", default="bytes", help="for text: bytes, a tokenizer.json or a local HF directory")
+    t.add_argument("--token-dtype", default="uint16", help="element type of a .bin token file")
+    t.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    t.add_argument("--seq", type=int, default=32)
+    t.add_argument("--steps", type=int, default=20, help="train until this step")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--warmup", type=int, default=0)
+    t.add_argument("--schedule", default="constant", choices=("constant", "cosine", "linear"))
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--betas", default="0.9,0.95")
+    t.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "fp32"))
+    t.add_argument("--checkpoint-dir", default=None)
+    t.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    t.add_argument("--resume", default=None, help="'latest' (in --checkpoint-dir) or a step-N directory")
+    t.add_argument("--metrics", default=None, help="metrics file on rank 0: .csv, .jsonl or .json")
+    t.add_argument("--log-every", type=int, default=1)
+    t.add_argument("--progress", default="auto", choices=("auto", "rich", "log", "none"))
+    t.set_defaults(func=_cmd_train)
+    la = _launch_options(sub.add_parser("launch", help="print the torchrun command line a plan needs"))
+    la.add_argument("plan")
+    la.add_argument("rest", nargs=argparse.REMAINDER, help="launch options, then -- and flags for `autoplan train`")
+    la.set_defaults(func=_cmd_launch)

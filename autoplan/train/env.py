@@ -1,0 +1,47 @@
+"""The process group, device and mesh of a run, from torchrun's environment.
+
+Under ``torchrun`` the rank, world size and rendezvous come from the environment it sets
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). A plain ``python`` call becomes a
+world of one (a local TCP store), so the same program runs on a laptop. The backend follows the
+device (nccl / hccl / gloo: ``hyper_parallel.platform``).
+"""
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from autoplan.train.errors import TrainConfigError
+from hyper_parallel.platform import backend_for, device_type
+from hyper_parallel.testing.multirank import free_port
+
+
+def init_distributed(timeout_s: float = 600.0) -> torch.device:
+    """Start the default process group if needed; returns this rank's device."""
+    dev = device_type()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
+        dist.init_process_group(backend_for(dev), timeout=timedelta(seconds=timeout_s))
+    if dev == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    getattr(torch, dev).set_device(local)
+    return torch.device(dev, local)
+
+
+def plan_mesh(plan, device: torch.device):
+    """The DeviceMesh a plan was made for, on this world; a typed error when the world differs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = tuple(plan.mesh["shape"]), tuple(plan.mesh["names"])
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise TrainConfigError(
+            f"train: the plan is for {math.prod(shape)} ranks (mesh {dict(zip(names, shape))}), this run has "
+            f"{world}; start it with `autoplan launch PLAN` (it prints the torchrun command) or plan for {world}")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)

@@ -1,0 +1,194 @@
+"""The training loop: model, plan, optimizer, data, checkpoints, progress — one Trainer.
+
+``Trainer(cfg)`` builds the model with random init on every rank, applies the plan with
+hyper_parallel (TP styles, pipeline stages, FSDP or replicated data parallel), makes AdamW over
+this rank's parameters and, with ``cfg.resume``, loads a checkpoint resharded to this plan.
+``fit()`` runs the steps: the learning rate is a pure function of the step (so nothing about the
+schedule needs saving), every rank reads the same global batch and keeps its dp share, the loss
+reported is the global mean. bf16 autocast on accelerators (``mixed_precision="auto"``), fp32 on
+the CPU so CPU runs are exactly comparable across plans.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoplan.train import checkpoint
+from autoplan.train.config import TrainConfig
+from autoplan.train.data import token_stream
+from autoplan.train.env import init_distributed, plan_mesh
+from autoplan.train.errors import TrainConfigError
+from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
+from autoplan.train.model import build_model, flops_per_token
+from autoplan.train.plan_source import plan_for
+from autoplan.train.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate of step ``step`` (0-based): linear warmup, then constant, cosine or linear decay."""
+    if cfg.warmup and step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.steps - cfg.warmup)
+    frac = min(1.0, (step - cfg.warmup) / span)
+    if cfg.schedule == "cosine":
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * frac))
+    if cfg.schedule == "linear":
+        return cfg.lr + (cfg.min_lr - cfg.lr) * frac
+    raise TrainConfigError(f"train: --schedule {cfg.schedule!r}: use constant, cosine or linear")
+
+
+def _vocab(model) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "vocab_size"))
+
+
+@dataclass
+class TrainResult:
+    start_step: int
+    step: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.rows]
+
+
+class Trainer:
+    """One training run on this rank; every rank of the job constructs one with the same config."""
+
+    def __init__(self, cfg: TrainConfig, plan=None):
+        if cfg.mixed_precision not in ("auto", "bf16", "fp32"):
+            raise TrainConfigError(f"train: --mixed-precision {cfg.mixed_precision!r}: use auto, bf16 or fp32")
+        lr_at(cfg, 0)  # a bad schedule name fails before any work
+        self.cfg = cfg
+        self.device = init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.plan = plan if plan is not None else plan_for(cfg, self.world, self.device)
+        self.mesh = plan_mesh(self.plan, self.device)
+        self._check_batch()
+        self.model = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device=self.device,
+                                 seed=cfg.seed)
+        self.flops_per_token = flops_per_token(self.model, cfg.seq)
+        self.runner = self.plan.apply(self.model, self.mesh, optimizer=self._optimizer)
+        if not hasattr(self.runner, "stages"):  # FSDP/TP replaced the parameters: optimizer over the new ones
+            self.runner.optimizer = self._optimizer(self.model.parameters())
+        self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type != "cpu")
+        self.peak = peak_flops(self.plan.mesh.get("hardware"), torch.bfloat16 if self.bf16 else torch.float32) \
+            if self.rank == 0 else None  # rank 0 reports
+        self.data = token_stream(cfg.data, batch=cfg.batch, seq=cfg.seq, vocab=_vocab(self.model), seed=cfg.seed,
+                                 tokenizer=cfg.tokenizer, token_dtype=cfg.token_dtype)
+        self.step = 0
+        if cfg.resume:
+            self.resume(checkpoint.resolve(cfg.resume, cfg.checkpoint_dir))
+
+    def _check_batch(self) -> None:
+        """The global batch must split over dp and, on a pipeline, into the plan's micro-batches."""
+        names, shape = self.plan.mesh["names"], self.plan.mesh["shape"]
+        dp = shape[names.index(self.plan.dp_dim)] if self.plan.dp_dim in names else 1
+        m = int(self.plan.pipeline["microbatches"]) if self._pipelined else 1
+        if self.cfg.batch % (dp * m):
+            raise TrainConfigError(
+                f"train: --batch {self.cfg.batch} must be a multiple of dp={dp} x micro-batches={m} = {dp * m} "
+                f"for this plan (it was made for a global batch of {self.plan.batch.get('global_batch')})")
+
+    def _optimizer(self, params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(list(params), lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                                 weight_decay=self.cfg.weight_decay)
+
+    # ------------------------------------------------------------------ checkpoints
+    def resume(self, path) -> None:
+        state = checkpoint.load(self.runner, self.model, path)
+        saved = state.get("config", {})
+        changed = [k for k in ("data", "batch", "seq", "seed") if k in saved and saved[k] != getattr(self.cfg, k)]
+        if changed:
+            log.warning("resume: %s differ from the checkpoint's (%s); the data position %s no longer "
+                        "continues the same stream", ", ".join(changed),
+                        ", ".join(f"{k}={saved[k]!r}" for k in changed), state["data"])
+        self.step = int(state["step"])
+        self.data.restore(state["data"])
+
+    def save(self) -> str:
+        state = {"data": self.data.state(), "config": self.cfg.to_dict(), "plan_mesh": self.plan.mesh,
+                 "world": self.world}
+        return str(checkpoint.save(self.runner, self.cfg.checkpoint_dir, self.step, state))
+
+    def gathered_state(self) -> dict[str, Any]:
+        """Full parameters and optimizer state by FQN (collective); for checks on small models."""
+        return checkpoint.gathered_state(self.runner)
+
+    # ------------------------------------------------------------------ steps
+    def _global_loss(self, loss: float) -> float:
+        dp = getattr(self.runner, "dp_mesh", None)
+        if hasattr(self.runner, "stages") or dp is None or dp.size() == 1:
+            return loss  # the pipeline runner already returns the mean over dp
+        t = torch.tensor(loss, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=dp.get_group())
+        return float(t) / dp.size()
+
+    def train_step(self) -> dict[str, Any]:
+        lr = lr_at(self.cfg, self.step)
+        for group in self.runner.optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = self.data.next()
+        inputs, targets = self.runner.local_batch(inputs.to(self.device), targets.to(self.device))
+        amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        with amp:
+            loss = self.runner.step((inputs, targets))
+        step_s = time.perf_counter() - t0
+        self.step += 1
+        tps = self.cfg.batch * self.cfg.seq / step_s
+        mem, kind = memory_gib(self.device)
+        return {"step": self.step, "loss": self._global_loss(loss), "lr": lr, "step_s": step_s,
+                "tokens_per_s": tps,
+                "mfu": tps * self.flops_per_token / (self.world * self.peak) if self.peak else None,
+                "memory_gib": mem, "memory_kind": kind}
+
+    def fit(self, until: int | None = None) -> TrainResult:
+        """Train up to step ``until`` (default ``cfg.steps``), saving every ``checkpoint_every``."""
+        cfg = self.cfg
+        until = cfg.steps if until is None else until
+        result = TrainResult(start_step=self.step, step=self.step)
+        writer = MetricsWriter(cfg.metrics if self.rank == 0 else None, append=self.step > 0)
+        progress = Progress(cfg.progress, until, self.step, self.rank, cfg.log_every)
+        progress.note(f"training {cfg.model} steps {self.step}..{until} on mesh "
+                      f"{dict(zip(self.plan.mesh['names'], self.plan.mesh['shape']))}"
+                      f"{' (pipeline ' + self.plan.pipeline['schedule'] + ')' if self._pipelined else ''}")
+        try:
+            while self.step < until:
+                row = self.train_step()
+                row["last"] = self.step == until
+                progress.update(row)
+                row.pop("last")
+                writer.write(row)
+                result.rows.append(row)
+                due = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
+                if cfg.checkpoint_dir and (due or self.step == until):
+                    result.checkpoints.append(self.save())
+                    progress.note(f"checkpoint step {self.step} -> {result.checkpoints[-1]}")
+        finally:
+            progress.close()
+            writer.close()
+        result.step = self.step
+        return result
+
+    @property
+    def _pipelined(self) -> bool:
+        return bool(self.plan.pipeline and int(self.plan.pipeline.get("pp", 1)) > 1)
+
+
+def train(cfg: TrainConfig, plan=None) -> TrainResult:
+    """Build a Trainer and run it to ``cfg.steps``: the Python form of ``autoplan train``."""
+    return Trainer(cfg, plan).fit()

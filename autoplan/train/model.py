@@ -1,0 +1,79 @@
+"""The model of a training run: a preset, an HF model type or a local config.json, random init.
+
+No downloads: HF models come from ``transformers.AutoConfig.for_model`` (the installed package's
+config classes) or a local ``config.json``. Every rank builds the same weights from the same seed,
+so a plan's sharding starts from identical copies (what ``Plan.apply`` expects). ``device="meta"``
+gives the shapes only, for planning.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autoplan.train.errors import TrainConfigError
+
+
+def _hf_config(spec: str, layers: int | None, overrides: dict[str, Any]):
+    import transformers
+
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_dir():
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise TrainConfigError(f"train: --model {spec!r}: no such config.json")
+        data = json.loads(file.read_text())
+        if "model_type" not in data:
+            raise TrainConfigError(f"train: --model {spec!r}: config.json has no 'model_type'")
+        cfg = transformers.AutoConfig.for_model(**{**data, **overrides})
+    else:
+        kind = spec.split(":", 1)[1]
+        try:
+            cfg = transformers.AutoConfig.for_model(kind, **overrides)
+        except ValueError as e:
+            raise TrainConfigError(f"train: --model {spec!r}: {str(e).splitlines()[0]}") from None
+    if layers:
+        cfg.num_hidden_layers = layers
+    return cfg
+
+
+def build_model(spec: str, *, layers: int | None = None, overrides: dict[str, Any] | None = None,
+                device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
+    """``spec``: a preset name (``autoplan.presets.list_presets``), ``hf:<model_type>`` or a path
+    to a local ``config.json`` (or a directory holding one). Random init from ``seed``."""
+    from autoplan.presets import UnknownPresetError, build_preset, get_preset, preset_config
+
+    overrides = dict(overrides or {})
+    if spec.startswith("hf:") or spec.endswith(".json") or Path(spec).is_dir():
+        import transformers
+
+        cfg = _hf_config(spec, layers, overrides)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return transformers.AutoModelForCausalLM.from_config(cfg)
+    try:
+        preset = get_preset(spec)
+    except UnknownPresetError as e:
+        raise TrainConfigError(f"train: --model {spec!r}: {e.args[0]}; or use hf:<model_type> or a "
+                               "config.json path") from None
+    if preset.family == "titan":
+        from autoplan.models.llama import build_llama
+
+        return build_llama(seed=seed, device=device, **preset_config(spec, layers, **overrides).to_dict())
+    torch.manual_seed(seed)
+    return build_preset(spec, device=device, num_layers=layers, **overrides)
+
+
+def flops_per_token(model: nn.Module, seq: int) -> float:
+    """Training FLOPs per token, PaLM's formula: 6 N + 12 L H Q T (N without the embedding table,
+    L layers, H heads, Q head dim, T sequence length); what MFU is measured against."""
+    cfg = getattr(model, "config", None)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "tok_embeddings", None)
+    n = sum(p.numel() for p in model.parameters()) - (emb.weight.numel() if emb is not None else 0)
+    layers = getattr(cfg, "n_layers", None) or getattr(cfg, "num_hidden_layers", 0)
+    heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", 0)
+    head_dim = getattr(cfg, "head_dim", None) or ((getattr(cfg, "hidden_size", 0) // heads) if heads else 0)
+    return 6.0 * n + 12.0 * layers * heads * head_dim * seq
