@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from autoplan.train import checkpoint
 from autoplan.train.config import TrainConfig
 from autoplan.train.data import token_stream
-from autoplan.train.env import init_distributed, plan_mesh
+from autoplan.train.env import device_type, init_distributed, plan_mesh
 from autoplan.train.errors import TrainConfigError
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from autoplan.train.model import build_model, flops_per_token
@@ -73,6 +74,8 @@ class Trainer:
             raise TrainConfigError(f"train: --mixed-precision {cfg.mixed_precision!r}: use auto, bf16 or fp32")
         lr_at(cfg, 0)  # a bad schedule name fails before any work
         self.cfg = cfg
+        if plan is None and not dist.is_initialized():  # plan before the process group: see plan_source
+            plan = plan_for(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.device(device_type()))
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.plan = plan if plan is not None else plan_for(cfg, self.world, self.device)
