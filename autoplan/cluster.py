@@ -18,7 +18,7 @@ import torch
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
-from autoplan.search.pipeline_search import SCHEDULES, fsdp_gathers, schedule_ir, stage_bounds
+from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, schedule_ir, stage_bounds
 
 log = logging.getLogger(__name__)
 UNBOUNDED = 1e30  # the TP solve of a pipelined plan: memory is checked per stage by the pipeline search
@@ -86,10 +86,16 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
     norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
     s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
-    mine = set()
+    mine, stage_of = set(), {}
     for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))):
+        stage_of.update({i: s for i in range(a, b)})
         if s2r[s] == rank:
             mine.update(range(a, b))
+    # split-backward schedules on FSDP stages run the input-gradient pass (I) with autograd.grad
+    # and the weight pass (W) as a whole backward again (FSDP's own hooks must reduce the weight
+    # gradients), so a stage whose inputs need gradients (every stage but the first) issues its
+    # backward TP collectives twice
+    twice = c.schedule in SPLIT_BACKWARD and best.fsdp and best.dp > 1
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
     for o in options:
@@ -105,7 +111,9 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
                 continue
             if dim == "dp" and best.fsdp:
                 continue  # exact FSDP rows per wrapped unit: _fsdp_rows
-            per = col.count * k // len(targets)
+            w = sum(2 if twice and col.phase == "backward" and stage_of[t] > 0 else 1
+                    for t in targets if t in mine)
+            per = col.count * w // len(targets)
             agg[(col.kind, dim, col.phase, int(col.nbytes))] += per * (c.m if dim == "tp" else 1)
         for key, v in o.memory(ctx).items():
             mem[key] += v * k / len(targets)
@@ -189,7 +197,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
         "per_stage": [{k: row[k] for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
                       for row in c.per_stage],
         "collectives_rank": 0,
-        "rank0_param_bytes": _rank_param_bytes(search, best, 0, tp_plan.styles),
+        # every pipeline rank's exact collectives and parameter bytes: verify dry-runs each rank
+        "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles)[0]
+                             for r in range(c.p)] if c.p > 1 else [],
+        "rank_param_bytes": [_rank_param_bytes(search, best, r, tp_plan.styles) for r in range(c.p)],
     }
     tp_plan.predictions = {
         "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
