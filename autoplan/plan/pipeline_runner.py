@@ -121,6 +121,9 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     if "pp" not in names:
         raise MeshError(f"plan.apply: a pipelined plan needs a 'pp' mesh dimension, got {names}")
     p, m, sched_name = int(pipe_cfg["pp"]), int(pipe_cfg["microbatches"]), pipe_cfg["schedule"]
+    if (plan.fsdp or {}).get("replicate_dim"):
+        raise MeshError("plan.apply: HSDP (fsdp.replicate_dim) with pp > 1 is not supported; plan the "
+                        "pipeline with FSDP or replicated data parallel")
     if mesh["pp"].size() != p:
         raise MeshError(f"plan.apply: plan has pp={p}, mesh has pp={mesh['pp'].size()}")
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
+from autoplan.plan.data_parallel import dp_degree
 from autoplan.plan.pipeline_runner import apply_tp
 from autoplan.verify.dry_run import VerifyResult, _dtype, _local, _meta_copy, dry_batch
 from hyper_parallel.core.pipeline_parallel import split_microbatches
@@ -71,7 +72,7 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             for st in runner.stages:
                 st.module.to_empty(device="cpu")
             shapes_model.to_empty(device="cpu")
-        dp = mesh[plan.dp_dim].size() if plan.dp_dim else 1
+        dp = dp_degree(plan)
         with fake:
             inputs, targets = dry_batch(plan, dp, inputs)
             mb_args, mb_kwargs = split_microbatches((inputs,), {}, int(plan.pipeline["microbatches"]))
