@@ -419,8 +419,16 @@ def hsdp_replicate_rows(fsdp_rows: Sequence[dict], shard: int, replicate: int) -
             for r in fsdp_rows if r["kind"] == "reduce_scatter" and r["mesh_dim"] == DP_SHARD]
 
 
-def hsdp_replicate_time(rows: Sequence[dict], spec: MeshSpec) -> float:
-    """Seconds of the dp_replicate all-reduces on ``spec``'s links (alpha-beta per collective,
-    not overlapped with compute: an upper bound on what they add to a step)."""
+def hsdp_replicate_time(fsdp_rows: Sequence[dict], replicate_rows: Sequence[dict], spec: MeshSpec,
+                        compute_s: float) -> float:
+    """Seconds the dp_replicate all-reduces add to a step: their alpha-beta time on ``spec``'s
+    links, exposed by the same overlap rule the TP planner applies to FSDP traffic
+    (``exposed_dp``): what the FSDP rows over dp_shard plus these expose, minus what the FSDP
+    rows alone expose."""
     topo = spec.topology()
-    return sum(r["count"] * topo.collective_time(DP_REPLICATE, "all_reduce", r["bytes"]) for r in rows)
+
+    def seconds(rows):
+        return sum(r["count"] * topo.collective_time(r["mesh_dim"], r["kind"], r["bytes"]) for r in rows)
+
+    shard_s = seconds([r for r in fsdp_rows if r["mesh_dim"] == DP_SHARD])
+    return exposed_dp(shard_s + seconds(replicate_rows), compute_s) - exposed_dp(shard_s, compute_s)

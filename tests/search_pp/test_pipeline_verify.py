@@ -68,6 +68,6 @@ def test_without_loss_parallel_the_gather_is_predicted_and_issued():
 
 
 def test_pipeline_verify_names_a_rank_that_does_not_exist():
-    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "GPipe", "microbatches": 2})
+    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "GPipe", "microbatches": 4})
     with pytest.raises(AutoplanError, match="valid pipeline ranks are 0..1"):
         verify_pipeline(plan, build("llama_v4k", device="meta"), ranks=[2])
