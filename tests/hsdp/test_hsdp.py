@@ -83,4 +83,6 @@ def test_hsdp_222_matches_one_device_on_8_gloo_ranks(pool8):
         assert r["n_grads"] > 0
         assert r["par"] == pytest.approx(r["ref"], rel=1e-5), r
         assert not r["bad_grads"] and not r["bad_params"], r
-        assert r["mesh"][:2] == ["dp_replicate", "dp_shard"] and r["placements"][0] == "Replicate()", r
+        # w1 lives on (dp_replicate, dp_shard, tp): replicated across replicas, sharded within one
+        assert r["mesh"] == ["dp_replicate", "dp_shard", "tp"], r
+        assert r["placements"][0] == "Replicate" and r["placements"][1].endswith("Shard"), r  # _StridedShard with TP
