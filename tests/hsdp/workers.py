@@ -36,4 +36,5 @@ def run_hsdp_case(plan_json: str, model_name: str, batch: int, seq: int, lr: flo
     # HSDP really is 2-D: this rank's block holds 1/dp_shard of the weight, replicated across dp_replicate
     w = next(p for n, p in par.named_parameters() if n.endswith("feed_forward.w1.weight"))
     return {"ref": float(ref_loss.detach()), "par": float(loss), "bad_grads": bad[:5], "bad_params": bad_params[:5],
-            "n_grads": len(g_ref), "placements": [type(p).__name__ for p in w.placements], "mesh": list(w.device_mesh.mesh_dim_names)}
+            "n_grads": len(g_ref), "placements": [type(p).__name__ for p in w.placements],
+            "mesh": list(w.device_mesh.mesh_dim_names)}
