@@ -216,7 +216,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
         f"{', activation checkpointing' if best.ac else ''}), {c.schedule} with {c.m} micro-batches of "
         f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
         "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
-        "per step, P2P send+recv per boundary and micro-batch); memory_bytes is the fullest rank's"]
+        "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
+        "(verify checks each); memory_bytes is the fullest rank's"]
     if c.p == 1 and c.m > 1:
         tp_plan.notes.append(f"pp=1 with {c.m} micro-batches is gradient accumulation; the runner (runner.py) "
                              "runs the local batch in one pass, so apply with microbatches=1 or accumulate yourself")
