@@ -55,8 +55,9 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
     return [{"kind": k, "mesh_dim": "dp", "phase": p, "bytes": b, "count": n} for k, p, b, n in rows]
 
 
-def _rank_param_bytes(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> int:
-    """Parameter bytes pipeline rank ``rank`` holds after TP and FSDP (tied parameters once)."""
+def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
+    """Parameter bytes each pipeline rank holds after TP and FSDP (tied parameters once), one
+    pass over the parameter shards for all ranks."""
     from autoplan.search.sharding import param_shards
 
     c = best.choice
@@ -64,10 +65,14 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, rank: int, styles:
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
     names = search.unit_names
     s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
-    mine = [u for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) if s2r[s] == rank for u in names[a:b]]
+    rank_of = {u: s2r[s] for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) for u in names[a:b]}
     d = best.dp if best.fsdp else 1
-    return sum(sh.fsdp_local_numel(d) * sh.dtype_bytes for sh in shards
-               if any(sh.fqn.startswith(u + ".") for u in mine))
+    out = [0] * c.p
+    for sh in shards:
+        owners = {r for u, r in rank_of.items() if sh.fqn.startswith(u + ".")}
+        for r in owners:
+            out[r] += sh.fsdp_local_numel(d) * sh.dtype_bytes
+    return out
 
 
 def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict | None = None
@@ -200,7 +205,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, hardware: str = "h100_
         # every pipeline rank's exact collectives and parameter bytes: verify dry-runs each rank
         "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles)[0]
                              for r in range(c.p)] if c.p > 1 else [],
-        "rank_param_bytes": [_rank_param_bytes(search, best, r, tp_plan.styles) for r in range(c.p)],
+        "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles),
     }
     tp_plan.predictions = {
         "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
