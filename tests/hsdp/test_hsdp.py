@@ -5,6 +5,7 @@ import pytest
 
 from autoplan.errors import PlanningError
 from autoplan.hsdp import plan_hsdp
+from autoplan.models import build_llama
 from autoplan.plan import Plan
 from autoplan.search.mesh_search import hsdp_replicate_rows, hsdp_splits
 from autoplan.verify.dry_run import verify
@@ -67,9 +68,9 @@ def test_plan_hsdp_rejects_a_split_that_does_not_multiply():
 
 
 def test_512_gpu_hsdp_plan_verifies_in_the_dry_run():
-    from autoplan.presets import build_preset
-
-    model = build_preset("llama3-8b")
+    # Llama-3-8B widths, 2 layers (the 80-layer 70B run is benchmarks/hsdp_scale.py)
+    model = build_llama(device="meta", dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                        ffn_hidden=14336, max_seq_len=2048)
     plan = plan_hsdp(model, 512, tp=8, batch=(256, 2048), split=(8, 8))
     assert dict(zip(plan.mesh["names"], plan.mesh["shape"])) == {"dp_replicate": 8, "dp_shard": 8, "tp": 8}
     res = verify(plan, model)
