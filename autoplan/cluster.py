@@ -24,7 +24,7 @@ from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
-from autoplan.search.pipeline_search import SCHEDULES, fsdp_gathers, schedule_ir, stage_bounds
+from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, schedule_ir, stage_bounds
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,9 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
     return [{"kind": k, "mesh_dim": "dp", "phase": p, "bytes": b, "count": n} for k, p, b, n in rows]
 
 
-def _rank_param_bytes(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> int:
-    """Parameter bytes pipeline rank ``rank`` holds after TP and FSDP (tied parameters once)."""
+def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
+    """Parameter bytes each pipeline rank holds after TP and FSDP (tied parameters once), one
+    pass over the parameter shards for all ranks."""
     from autoplan.search.sharding import param_shards
 
     c = best.choice
@@ -73,10 +74,14 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, rank: int, styles:
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
     names = search.unit_names
     s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
-    mine = [u for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) if s2r[s] == rank for u in names[a:b]]
+    rank_of = {u: s2r[s] for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) for u in names[a:b]}
     d = best.dp if best.fsdp else 1
-    return sum(sh.fsdp_local_numel(d) * sh.dtype_bytes for sh in shards
-               if any(sh.fqn.startswith(u + ".") for u in mine))
+    out = [0] * c.p
+    for sh in shards:
+        owners = {r for u, r in rank_of.items() if sh.fqn.startswith(u + ".")}
+        for r in owners:
+            out[r] += sh.fsdp_local_numel(d) * sh.dtype_bytes
+    return out
 
 
 def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict | None = None
@@ -95,10 +100,16 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
     norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
     s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
-    mine = set()
+    mine, stage_of = set(), {}
     for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))):
+        stage_of.update({i: s for i in range(a, b)})
         if s2r[s] == rank:
             mine.update(range(a, b))
+    # split-backward schedules on FSDP stages run the input-gradient pass (I) with autograd.grad
+    # and the weight pass (W) as a whole backward again (FSDP's own hooks must reduce the weight
+    # gradients), so a stage whose inputs need gradients (every stage but the first) issues its
+    # backward TP collectives twice
+    twice = c.schedule in SPLIT_BACKWARD and best.fsdp and best.dp > 1
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
     for o in options:
@@ -114,7 +125,9 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
                 continue
             if dim == "dp" and best.fsdp:
                 continue  # exact FSDP rows per wrapped unit: _fsdp_rows
-            per = col.count * k // len(targets)
+            w = sum(2 if twice and col.phase == "backward" and stage_of[t] > 0 else 1
+                    for t in targets if t in mine)
+            per = col.count * w // len(targets)
             agg[(col.kind, dim, col.phase, int(col.nbytes))] += per * (c.m if dim == "tp" else 1)
         for key, v in o.memory(ctx).items():
             mem[key] += v * k / len(targets)
@@ -237,7 +250,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                        for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
                       for row in c.per_stage],
         "collectives_rank": 0,
-        "rank0_param_bytes": _rank_param_bytes(search, best, 0, tp_plan.styles),
+        # every pipeline rank's exact collectives and parameter bytes: verify dry-runs each rank
+        "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles)[0]
+                             for r in range(c.p)] if c.p > 1 else [],
+        "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles),
     }
     tp_plan.predictions = {
         "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
@@ -254,7 +270,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         f"{', activation checkpointing' if best.ac else ''}), {c.schedule} with {c.m} micro-batches of "
         f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
         "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
-        "per step, P2P send+recv per boundary and micro-batch); memory_bytes is the fullest rank's"]
+        "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
+        "(verify checks each); memory_bytes is the fullest rank's"]
     if c.p == 1 and c.m > 1:
         tp_plan.notes.append(f"pp=1 with {c.m} micro-batches is gradient accumulation; the runner (runner.py) "
                              "runs the local batch in one pass, so apply with microbatches=1 or accumulate yourself")

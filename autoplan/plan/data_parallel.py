@@ -1,12 +1,17 @@
-"""Replicated data parallelism for plans that choose it over FSDP: one all-reduce per step.
+"""Data parallelism of a plan: which mesh it runs on, and replicated DP's one all-reduce per step.
 
-Each rank keeps whole (TP-sharded) parameters; after backward the local gradients are flattened
-into one buffer, summed over the dp group and divided by its size. One collective of a known
-size per step keeps the plan's prediction exact and the cost low on any backend (gloo has no
-average reduction, hence sum then divide).
+Three forms: FSDP over ``plan.dp_dim``; HSDP (``plan.fsdp["replicate_dim"]`` set): ``fully_shard``
+on the 2-D mesh (dp_replicate, dp_shard) -- parameters sharded within a dp_shard group, every
+shard group a replica, gradients reduce-scattered over dp_shard then all-reduced over
+dp_replicate (torch FSDP2's HSDP); and replicated DP for plans that choose it over FSDP: each
+rank keeps whole (TP-sharded) parameters; after backward the local gradients are flattened into
+one buffer, summed over the dp group and divided by its size. One collective of a known size
+per step keeps the plan's prediction exact and the cost low on any backend (gloo has no average
+reduction, hence sum then divide).
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -14,6 +19,37 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanSchemaError
+
+
+def dp_dims(plan) -> tuple[str, ...]:
+    """The plan's data-parallel mesh dimensions, outermost first: (dp_replicate, dp_shard) for
+    HSDP, (dp_dim,) otherwise, () without data parallelism."""
+    rep = (plan.fsdp or {}).get("replicate_dim")
+    dims = ((rep,) if rep else ()) + ((plan.dp_dim,) if plan.dp_dim else ())
+    return tuple(d for d in dims if d in tuple(plan.mesh["names"]))
+
+
+def dp_degree(plan) -> int:
+    """Data-parallel ranks of the plan (product of its dp dimensions): the batch is split this many ways."""
+    sizes = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+    return math.prod(int(sizes[d]) for d in dp_dims(plan))
+
+
+def dp_mesh(plan, mesh):
+    """The (sub-)mesh data parallelism runs on: 2-D (dp_replicate, dp_shard) for HSDP, 1-D for
+    FSDP / replicated DP, None when the plan has no dp dimension on ``mesh``."""
+    dims = dp_dims(plan)
+    if not dims or any(d not in tuple(mesh.mesh_dim_names or ()) for d in dims):
+        return None
+    return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+
+
+def dp_rank(dp_mesh) -> int:
+    """This rank's index among the dp ranks (row-major over a 2-D HSDP mesh)."""
+    rank = 0
+    for size, c in zip(dp_mesh.shape, dp_mesh.get_coordinate()):
+        rank = rank * size + c
+    return rank
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

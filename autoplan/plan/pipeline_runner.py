@@ -17,8 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+import hyper_parallel.core.pipeline_parallel as pipe
 from autoplan.plan.data_parallel import fsdp_kwargs
 from autoplan.search.mesh_spec import mesh_roles
+from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -28,14 +30,40 @@ _CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B":
 
 
 def _full_logits_loss(loss_fn: Callable) -> Callable:
-    """Loss on plain logits: a vocabulary-sharded DTensor head output is gathered first (same
-    numbers as loss parallel; the schedule runs backward outside any loss_parallel context)."""
+    """Loss on plain logits: a DTensor head output is gathered first. Only for plans without
+    loss parallel; with it, ``_sharded_logits_loss`` keeps the vocabulary sharded."""
     def fn(logits, targets):
         logits = logits.logits if hasattr(logits, "logits") else logits
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         return loss_fn(logits, targets)
     return fn
+
+
+def _sharded_logits_loss(loss_fn: Callable) -> Callable:
+    """Loss parallel on the last stage: ``loss_fn`` gets the vocabulary-sharded DTensor logits as
+    they are; the schedule runs it and the last stage's backward inside ``loss_parallel()``
+    (``loss_context``), so no rank ever holds full-vocabulary logits."""
+    def fn(logits, targets):
+        return loss_fn(logits.logits if hasattr(logits, "logits") else logits, targets)
+    return fn
+
+
+def apply_tp(plan, model: nn.Module, mesh):
+    """The plan's TP styles on the whole model (before the split, so every stage's layouts agree);
+    returns the tp sub-mesh activations live on, or None without TP."""
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_mesh = mesh[plan.tp_dim] if plan.tp_dim and plan.tp_dim in names else None
+    if tp_mesh is None or tp_mesh.size() == 1:
+        return None
+    if plan.styles:
+        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
+    return tp_mesh
+
+
+def schedule_class(name: str):
+    """The runtime schedule class for a plan's schedule name."""
+    return getattr(pipe, _CLASSES[name])
 
 
 class PipelineRunner:
@@ -88,9 +116,6 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     ``optimizer``: None (AdamW over this rank's parameters) or a factory ``params -> Optimizer``
     (parameters change identity under FSDP, so an optimizer made beforehand would miss them).
     """
-    import hyper_parallel.core.pipeline_parallel as pipe
-    from hyper_parallel import fully_shard, parallelize_module
-
     from autoplan.plan.runner import lm_loss
 
     pipe_cfg = plan.pipeline
@@ -99,18 +124,19 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     if pp_name is None:
         raise MeshError(f"plan.apply: a pipelined plan needs a pipeline mesh dimension ('pp'), got {names}")
     p, m, sched_name = int(pipe_cfg["pp"]), int(pipe_cfg["microbatches"]), pipe_cfg["schedule"]
+    if (plan.fsdp or {}).get("replicate_dim"):
+        raise MeshError("plan.apply: HSDP (fsdp.replicate_dim) with pp > 1 is not supported; plan the "
+                        "pipeline with FSDP or replicated data parallel")
     if mesh[pp_name].size() != p:
         raise MeshError(f"plan.apply: plan has pp={p}, mesh has {pp_name}={mesh[pp_name].size()}")
-    tp_mesh = mesh[plan.tp_dim] if plan.tp_dim and plan.tp_dim in names else None
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
-    if plan.styles and tp_mesh is not None and tp_mesh.size() > 1:
-        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
-    cls = getattr(pipe, _CLASSES[sched_name])
+    tp_mesh = apply_tp(plan, model, mesh)
+    cls = schedule_class(sched_name)
     kwargs = {"n_virtual": int(pipe_cfg["virtual_stages"])} if sched_name == "Interleaved1F1B" else {}
     ir = cls.ir(p, m, **kwargs)
     pp_group = mesh[pp_name].get_group()
     stages = pipe.build_stages(model, ir, group=pp_group, cuts=list(pipe_cfg["cuts"]),
-                               activation_mesh=tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None)
+                               activation_mesh=tp_mesh)
     blocks = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})
 
     def is_block(unit: str) -> bool:
@@ -138,8 +164,10 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
                     fully_shard(st.module.get_submodule(u), mesh=dp_mesh, ignored_params=ignored,
                                 **fsdp_kwargs(plan.fsdp))
             fully_shard(st.module, mesh=dp_mesh, ignored_params=ignored, **fsdp_kwargs(plan.fsdp))
-    schedule = cls(stages, m, _full_logits_loss(loss_fn or lm_loss),
-                   dp_group=dp_mesh.get_group() if use_dp else None, **kwargs)
+    sharded_loss = bool(plan.loss_parallel) and tp_mesh is not None
+    loss = (_sharded_logits_loss if sharded_loss else _full_logits_loss)(loss_fn or lm_loss)
+    schedule = cls(stages, m, loss, dp_group=dp_mesh.get_group() if use_dp else None,
+                   loss_context=loss_parallel if sharded_loss else None, **kwargs)
     params = [prm for st in stages for prm in st.module.parameters()]
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=lr)

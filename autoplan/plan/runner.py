@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.data_parallel import fsdp_kwargs
+from autoplan.plan.data_parallel import dp_mesh as plan_dp_mesh
+from autoplan.plan.data_parallel import dp_rank, fsdp_kwargs
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.errors import MeshError
 
@@ -44,7 +45,7 @@ def dp_share(inputs: torch.Tensor, targets: torch.Tensor, dp_mesh, who: str):
     """Rows of a global batch that belong to this rank's data-parallel coordinate."""
     if dp_mesh is None or dp_mesh.size() == 1:
         return inputs, targets
-    n, r = dp_mesh.size(), dp_mesh.get_local_rank()
+    n, r = dp_mesh.size(), dp_rank(dp_mesh)
     if inputs.shape[0] % n:
         raise MeshError(f"{who}.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
     k = inputs.shape[0] // n
@@ -111,7 +112,6 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
         from autoplan.plan.pipeline_runner import apply_pipeline_plan
 
         return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
-    names = tuple(mesh.mesh_dim_names)
     if plan.styles and plan.tp_dim:
         parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
     if plan.activation_checkpointing:
@@ -119,7 +119,7 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
 
         for unit in _fsdp_units(model, plan):  # the repeated blocks
             checkpoint(unit)
-    dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
+    dp_mesh = plan_dp_mesh(plan, mesh)  # 2-D (dp_replicate, dp_shard) for HSDP: fully_shard's HSDP
     if plan.fsdp.get("enabled") and dp_mesh is not None and dp_mesh.size() > 1:
         kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
         for unit in _fsdp_units(model, plan):

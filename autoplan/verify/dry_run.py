@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 
 from autoplan.errors import AutoplanError
+from autoplan.plan.data_parallel import dp_degree
 from autoplan.plan.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
         # FakeTensorMode, so no FLOPs, no parameter or activation memory
         runner = plan.apply(meta, mesh)
         pbytes = sum(_local(p).numel() * _local(p).element_size() for p in meta.parameters())
-        dp = mesh[plan.dp_dim].size() if plan.dp_dim else 1
+        dp = dp_degree(plan)  # dp_replicate x dp_shard for HSDP
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             meta.to_empty(device="cpu")

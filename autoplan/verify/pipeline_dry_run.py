@@ -1,20 +1,24 @@
-"""verify for pipelined plans (pp > 1): pipeline rank 0's issued collectives vs the plan's.
+"""verify for pipelined plans (pp > 1): every pipeline rank's issued collectives vs the plan's.
 
-Same method as dry_run.py (fake process group at the plan's world size, rank 0, meta model,
-FakeTensorMode, CollectiveRecorder), but the step is the pipeline schedule's: the plan is
-applied with apply_pipeline_plan, rank 0's stages get fake storage, one warm-up step runs
-unrecorded (the runtime's first step infers boundary shapes: an extra forward and a shape
-hand-shake), then one recorded step. Compared exactly per (kind, mesh dim, bytes) with counts:
-TP collectives of rank 0's stages, FSDP per unit, the P2P sends and receives of its stage
-boundaries and the runtime's per-step signature all-reduce.
+Same method as dry_run.py (fake process group at the plan's world size, meta model,
+FakeTensorMode, CollectiveRecorder), once per pipeline rank r: the fake group is initialised as
+the global rank at mesh coordinate (pp=r, every other dim 0), the plan is applied with
+apply_pipeline_plan, r's stages get fake storage, one warm-up step runs unrecorded, then one
+recorded step. Compared exactly per (kind, mesh dim, bytes) with counts against
+``plan.pipeline["rank_collectives"][r]``: TP collectives of r's stages (on the last stage with
+loss parallel: the vocabulary-parallel loss's, never a full-vocabulary gather), FSDP per unit,
+the P2P sends and receives of its stage boundaries and the runtime's signature all-reduce.
+
+Boundary shapes: the runtime learns them at its first step by an exchange between pipeline ranks
+that a fake group cannot carry (a later stage would receive nothing). The dry run computes them
+in-process instead (``local_boundaries``: a second meta copy with the plan's TP layouts, every
+stage run in order under FakeTensorMode) and hands them to the schedule as ``boundary_metas``,
+so every schedule -- GPipe, 1F1B, Interleaved1F1B, ZeroBubble, ZBV -- is dry-run on every rank.
 
 What is not compared: the phase (forward/backward interleave in a pipeline step and the
 recorder's phase marker only follows autograd), and which group a P2P op ran on (the recorder
 does not name the group of send/recv or of the signature all-reduce; they are attributed to
-pp, the only group the schedule talks on). Parameter bytes on rank 0 are compared exactly.
-Only schedules that place a single stage on rank 0 (GPipe, 1F1B, ZeroBubble) can be dry-run:
-a later stage on rank 0 receives boundary shapes from another rank at the first step, which a
-fake group cannot deliver; Interleaved1F1B and ZBV raise AutoplanError saying so.
+pp, the only group the schedule talks on). Parameter bytes per rank are compared exactly.
 """
 from __future__ import annotations
 
@@ -22,42 +26,67 @@ import logging
 
 import pandas as pd
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
+from autoplan.plan.data_parallel import dp_degree
+from autoplan.plan.pipeline_runner import apply_tp
 from autoplan.verify.dry_run import VerifyResult, _dtype, _local, _meta_copy, dry_batch
+from hyper_parallel.core.pipeline_parallel import split_microbatches
+from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
+from hyper_parallel.testing import fake_world
+from hyper_parallel.testing.comm_counts import CollectiveRecorder
 
 log = logging.getLogger(__name__)
 KEY = ["kind", "mesh_dim", "bytes"]
 
 
-def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None) -> tuple[pd.DataFrame, int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
+def _global_rank(plan, pp_rank: int) -> int:
+    """Global rank at mesh coordinate pp=pp_rank, 0 on every other dimension (row-major mesh)."""
+    shape, names = tuple(plan.mesh["shape"]), tuple(plan.mesh["names"])
+    rank = 0
+    for size, name in zip(shape, names):
+        rank = rank * size + (pp_rank if name == "pp" else 0)
+    return rank
 
-    from hyper_parallel.testing import fake_world
-    from hyper_parallel.testing.comm_counts import CollectiveRecorder
 
+def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_rank: int = 0,
+                                boundaries: dict | None = None) -> tuple[pd.DataFrame, int]:
+    """(issued collectives by KEY with counts, parameter bytes) of pipeline rank ``pp_rank``.
+
+    ``boundaries``: a dict shared across calls; the boundary descriptions are computed on the
+    first call and reused (they are the same for every pipeline rank)."""
+    boundaries = {} if boundaries is None else boundaries
     shape, names = tuple(plan.mesh["shape"]), tuple(plan.mesh["names"])
     world = 1
     for s in shape:
         world *= s
     meta = _meta_copy(model, _dtype(plan))
-    with fake_world(world):
+    shapes_model = None if "metas" in boundaries else _meta_copy(model, _dtype(plan))
+    with fake_world(world, rank=_global_rank(plan, pp_rank)):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         groups = {mesh.get_group(n).group_name: n for n in names}
         runner = plan.apply(meta, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
         pbytes = sum(_local(p).numel() * _local(p).element_size() for st in runner.stages
                      for p in st.module.parameters())
+        tp_mesh = apply_tp(plan, shapes_model, mesh) if shapes_model is not None else None
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             for st in runner.stages:
                 st.module.to_empty(device="cpu")
-        dp = mesh[plan.dp_dim].size() if plan.dp_dim else 1
+            if shapes_model is not None:
+                shapes_model.to_empty(device="cpu")
         with fake:
-            inputs, targets = dry_batch(plan, dp, inputs)
+            inputs, targets = dry_batch(plan, dp_degree(plan), inputs)
+            if shapes_model is not None:
+                mb_args, mb_kwargs = split_microbatches((inputs,), {}, int(plan.pipeline["microbatches"]))
+                boundaries["metas"] = local_boundaries(shapes_model, list(plan.pipeline["cuts"]), tp_mesh,
+                                                       mb_args[0], mb_kwargs[0], device="cpu")
+            runner.schedule.boundary_metas = boundaries["metas"]
             args = (inputs,) if runner.first else ()
             tgt = targets if runner.last else None
-            runner.schedule.step(*args, target=tgt)   # warm-up: shape inference
+            runner.schedule.step(*args, target=tgt)   # warm-up: FSDP lazy init, caches
             with CollectiveRecorder() as rec:
                 runner.schedule.step(*args, target=tgt)
     rows = [dict(e, mesh_dim=groups.get(e["group"], "pp")) for e in rec.events]
@@ -66,18 +95,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None) -> tu
     return issued, int(pbytes)
 
 
-def verify_pipeline(plan, model: torch.nn.Module, inputs=None) -> VerifyResult:
-    """Dry-run pipeline rank 0 of ``plan``; ``passed`` only when every (kind, dim, bytes) count
-    and the parameter bytes agree exactly."""
-    s2r = plan.pipeline.get("stage_to_rank") or []
-    if [s for s, r in enumerate(s2r) if r == 0] != [0]:
-        raise AutoplanError(
-            f"verify: pipeline rank 0 of this {plan.pipeline['schedule']} plan holds stages "
-            f"{[s for s, r in enumerate(s2r) if r == 0]}; the fake process group cannot carry the "
-            "runtime's boundary-shape exchange to a later stage, so only schedules with one stage per "
-            "rank (GPipe, 1F1B, ZeroBubble) are dry-run verified")
-    issued, pbytes = issued_pipeline_collectives(plan, model, inputs)
-    pred = pd.DataFrame(plan.predictions["collectives"])
+def _compare(pred_rows: list[dict], issued: pd.DataFrame) -> pd.DataFrame:
+    pred = pd.DataFrame(pred_rows)
     if pred.empty:
         pred = pd.DataFrame(columns=KEY + ["count"])
     pred = pred.groupby(KEY)["count"].sum().reset_index(name="predicted")
@@ -85,8 +104,34 @@ def verify_pipeline(plan, model: torch.nn.Module, inputs=None) -> VerifyResult:
     df["predicted"] = df["predicted"].astype(int)
     df["issued"] = df["issued"].astype(int)
     df["match"] = df["predicted"] == df["issued"]
-    df = df.sort_values(KEY).reset_index(drop=True)
-    want = plan.pipeline.get("rank0_param_bytes")
-    want = int(want) if want is not None else pbytes
-    passed = bool(df["match"].all()) and want == pbytes
-    return VerifyResult(df, {"predicted": want, "issued": pbytes}, passed)
+    return df.sort_values(KEY).reset_index(drop=True)
+
+
+def verify_pipeline(plan, model: torch.nn.Module, inputs=None, ranks=None) -> VerifyResult:
+    """Dry-run every pipeline rank of ``plan`` (or only ``ranks``); ``passed`` only when every
+    rank's (kind, dim, bytes) counts and parameter bytes agree exactly. The collectives table
+    has a ``pp_rank`` column; ``param_bytes`` holds {predicted, issued} of the rank with the most
+    predicted bytes (the fullest rank, as ``predictions.memory_bytes``) and ``per_rank`` for each."""
+    pipe = plan.pipeline
+    p = int(pipe["pp"])
+    per_rank = pipe.get("rank_collectives")
+    if not per_rank or len(per_rank) != p:
+        raise AutoplanError(
+            f"verify: plan.pipeline has no rank_collectives for its {p} pipeline ranks (got "
+            f"{0 if not per_rank else len(per_rank)}); re-plan with this autoplan (plan_cluster writes them)")
+    want_bytes = pipe.get("rank_param_bytes") or [None] * p
+    ranks = range(p) if ranks is None else list(ranks)
+    tables, pbytes, passed, boundaries = [], {}, True, {}
+    for r in ranks:
+        if not 0 <= r < p:
+            raise AutoplanError(f"verify: ranks= holds {r}; valid pipeline ranks are 0..{p - 1}")
+        issued, got = issued_pipeline_collectives(plan, model, inputs, r, boundaries)
+        df = _compare(per_rank[r], issued)
+        want = int(want_bytes[r]) if want_bytes[r] is not None else got
+        passed = passed and bool(df["match"].all()) and want == got
+        tables.append(df.assign(pp_rank=r))
+        pbytes[r] = {"predicted": want, "issued": got}
+        log.info("verify pipeline rank %d/%d: %d rows, match=%s", r, p, len(df), bool(df["match"].all()))
+    table = pd.concat(tables, ignore_index=True)[["pp_rank"] + KEY + ["predicted", "issued", "match"]]
+    fullest = max(pbytes, key=lambda r: (pbytes[r]["predicted"], -r))
+    return VerifyResult(table, dict(pbytes[fullest], per_rank=pbytes), passed)

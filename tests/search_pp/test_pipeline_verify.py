@@ -1,34 +1,73 @@
-"""Dry run of pipelined plans on a fake process group (rank 0): issued collectives == predicted
-per (kind, mesh dim, bytes) with counts -- TP of rank 0's stages x micro-batches, FSDP per unit
-(blocks re-gathered whenever the schedule finds them resharded), P2P send+recv per boundary and
-micro-batch, the runtime's signature all-reduce -- and parameter bytes on rank 0."""
+"""Dry run of pipelined plans on a fake process group, EVERY pipeline rank: issued collectives ==
+predicted per (kind, mesh dim, bytes) with counts -- TP of the rank's stages x micro-batches (the
+last stage's vocabulary-parallel loss when the plan chose loss parallel), FSDP per unit (blocks
+re-gathered whenever the schedule finds them resharded), P2P send+recv per boundary and
+micro-batch, the runtime's signature all-reduce -- and parameter bytes per rank. Every schedule,
+including those with two stages on a rank (Interleaved1F1B, ZBV)."""
 import pytest
 
 from autoplan import plan_cluster
 from autoplan.errors import AutoplanError
 from autoplan.verify.dry_run import verify
-from tests.planner.e2e_workers import build
+from autoplan.verify.pipeline_dry_run import verify_pipeline
+from tests.search_pp.workers import build
 
 
-def _plan(world, cons, **kw):
-    return plan_cluster(build("llama", device="meta"), world, hardware="cpu", batch=(16, 16),
-                        devices_per_node=world, constraints=dict(cons, fsdp=True), **kw)
+def _plan(world, cons, model="llama_v4k", **kw):
+    return plan_cluster(build(model, device="meta"), world, hardware="cpu", batch=(16, 16),
+                        devices_per_node=world, constraints=dict(cons, fsdp=True), allow_replicated_units=False,
+                        **kw)
+
+
+def _logits_bytes(plan, vocab=4096):
+    """Bytes of one micro-batch's full-vocabulary logits (fp32)."""
+    return plan.pipeline["microbatch_size"] * plan.batch["seq_len"] * vocab * 4
 
 
 @pytest.mark.parametrize("world,cons", [
-    (8, {"pp": 2, "tp": 2, "dp": 2, "schedule": "1F1B", "microbatches": 4}),
     (4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "GPipe", "microbatches": 4}),
+    (4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "1F1B", "microbatches": 4}),
+    (4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "Interleaved1F1B", "microbatches": 4}),
+    (4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "ZeroBubble", "microbatches": 4}),
+    (4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "ZBV", "microbatches": 4}),
     (8, {"pp": 2, "tp": 2, "dp": 2, "schedule": "ZeroBubble", "microbatches": 2}),
+    (8, {"pp": 2, "tp": 2, "dp": 2, "schedule": "ZBV", "microbatches": 2}),
 ])
-def test_pipeline_dry_run_matches_predictions_exactly(world, cons):
-    plan = _plan(world, cons, allow_replicated_units=False)
-    res = verify(plan, build("llama", device="meta"))
+def test_every_rank_of_every_schedule_matches_predictions_exactly(world, cons):
+    plan = _plan(world, cons)
+    assert plan.pipeline["schedule"] == cons["schedule"]
+    res = verify(plan, build("llama_v4k", device="meta"))
     assert res.passed, res.mismatches()
-    want = {"send_recv", "all_reduce"} | ({"all_gather", "reduce_scatter"} if cons["dp"] > 1 else set())
-    assert want <= set(res.collectives["kind"])
+    df = res.collectives
+    assert sorted(df["pp_rank"].unique()) == [0, 1]
+    assert set(res.param_bytes["per_rank"]) == {0, 1}
+    for r in (0, 1):
+        kinds = set(df[(df["pp_rank"] == r) & (df["issued"] > 0)]["kind"])
+        want = {"send_recv", "all_reduce"} | ({"all_gather", "reduce_scatter"} if cons["dp"] > 1 else set())
+        assert want <= kinds, (r, kinds)
 
 
-def test_pipeline_dry_run_says_what_it_cannot_check():
-    plan = _plan(4, {"pp": 2, "tp": 1, "dp": 2, "schedule": "ZBV"})
-    with pytest.raises(AutoplanError, match="one stage per rank"):
-        verify(plan, build("llama", device="meta"))
+def test_last_rank_of_a_loss_parallel_plan_never_gathers_the_vocabulary():
+    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "1F1B", "microbatches": 4})
+    assert plan.loss_parallel and plan.pipeline["stage_to_rank"][-1] == 1
+    res = verify_pipeline(plan, build("llama_v4k", device="meta"), ranks=[1])
+    assert res.passed, res.mismatches()
+    last = res.collectives
+    assert not ((last["kind"] == "all_gather") & (last["bytes"] >= _logits_bytes(plan)) & (last["issued"] > 0)).any()
+    # the vocabulary-parallel loss's small fp32 reductions are what the last rank issues instead
+    assert ((last["kind"] == "all_reduce") & (last["mesh_dim"] == "tp") & (last["bytes"] < 4096)).any()
+
+
+def test_without_loss_parallel_the_gather_is_predicted_and_issued():
+    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "1F1B", "microbatches": 4}, model="llama")
+    assert not plan.loss_parallel
+    res = verify_pipeline(plan, build("llama", device="meta"), ranks=[1])
+    assert res.passed, res.mismatches()
+    gathers = res.collectives[res.collectives["kind"] == "all_gather"]
+    assert (gathers["bytes"] == _logits_bytes(plan, vocab=128)).any()
+
+
+def test_pipeline_verify_names_a_rank_that_does_not_exist():
+    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "GPipe", "microbatches": 4})
+    with pytest.raises(AutoplanError, match="valid pipeline ranks are 0..1"):
+        verify_pipeline(plan, build("llama_v4k", device="meta"), ranks=[2])

@@ -5,8 +5,19 @@ import torch
 
 from autoplan.plan import Plan
 from autoplan.plan.runner import _logits, lm_loss
+from autoplan.models import build_llama
 from hyper_parallel.testing import cached_mesh
-from tests.planner.e2e_workers import build
+from tests.planner.e2e_workers import SMALL_LLAMA
+from tests.planner.e2e_workers import build as _build
+
+# a vocabulary large enough that the planner prefers loss parallel to gathering the logits
+BIG_VOCAB = dict(SMALL_LLAMA, vocab_size=4096)
+
+
+def build(name: str, device: str = "cpu"):
+    if name == "llama_v4k":
+        return build_llama(seed=5, device=device, **BIG_VOCAB)
+    return _build(name, device)
 
 
 def _full(t):

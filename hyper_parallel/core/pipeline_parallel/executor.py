@@ -9,8 +9,9 @@ are posted before the compute in between runs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,10 @@ class StepState:
     """Everything one step passes between the actions of one rank."""
 
     def __init__(self, stages: dict[int, PipelineStage], mb_args, mb_kwargs, targets, loss_fn,
-                 scale: float, in_meta: dict[int, list[TensorMeta]], n_mb: int):
+                 scale: float, in_meta: dict[int, list[TensorMeta]], n_mb: int,
+                 loss_context: Callable[[], ContextManager] | None = None):
         self.stages, self.mb_args, self.mb_kwargs = stages, mb_args, mb_kwargs
+        self.loss_context = loss_context or contextlib.nullcontext
         self.targets, self.loss_fn, self.scale = targets, loss_fn, scale
         self.in_meta, self.n_mb = in_meta, n_mb
         self.recv: dict[Action, tuple[list[torch.Tensor], list]] = {}  # recv action -> buffers, works
@@ -134,7 +137,8 @@ class Executor:
         out = stage.forward(mb, args, st.mb_kwargs[mb])
         if stage.is_last and st.loss_fn is not None:
             value = out[0] if len(out) == 1 else tuple(out)
-            loss = st.loss_fn(value, st.targets[mb])
+            with st.loss_context():
+                loss = st.loss_fn(value, st.targets[mb])
             st.losses[mb] = loss.detach()
             stage.set_loss(mb, loss * st.scale)
 
@@ -149,7 +153,8 @@ class Executor:
                 grads = self._take(Action(K.RECV_B, s, mb), st)
         if stage.is_last and st.loss_fn is None:
             raise PipelineError(f"stage {s}: the last stage needs a loss_fn to run backward")
-        stage.backward(mb, grads, mode)
+        with st.loss_context() if stage.is_last else contextlib.nullcontext():
+            stage.backward(mb, grads, mode)
 
     # ---- the program -----------------------------------------------------------------------
     def run(self, st: StepState, fsdp_hooks: dict[str, Callable[[int], None]] | None = None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from typing import Callable, Mapping, Sequence
+from typing import Callable, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,11 @@ class PipelineScheduleRuntime:
     ``fifo``: also check that each peer receives in send order (default: on every backend but
     gloo, whose tags match messages in any order). ``dp_group``: with data parallel, shared parameters must be left out of FSDP
     (``ignored_params``); their gradients are then averaged over this group after the step.
+    ``loss_context``: a context-manager factory entered around the loss and around the last
+    stage's backward (e.g. ``loss_parallel`` for vocabulary-sharded DTensor logits: torch's
+    vocabulary-parallel cross entropy needs its context in forward and backward alike).
+    ``boundary_metas``: the boundary descriptions ({stage: [TensorMeta]}, see
+    ``shape_inference.local_boundaries``) to use instead of the first step's exchange.
     """
 
     generator: Callable[..., PipelineSchedule] | None = None
@@ -51,7 +56,9 @@ class PipelineScheduleRuntime:
                  target_spec: BatchDimSpec | int = BatchDimSpec(0), scale_grads: bool = True,
                  overlap: bool = False, shared_parameters: Sequence[dict[int, str]] | None = None,
                  schedule: PipelineSchedule | None = None, fifo: bool | None = None,
-                 dp_group: dist.ProcessGroup | None = None, **gen_kwargs):
+                 dp_group: dist.ProcessGroup | None = None,
+                 loss_context: Callable[[], ContextManager] | None = None,
+                 boundary_metas: dict[int, list] | None = None, **gen_kwargs):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
             raise PipelineError(f"{type(self).__name__}: no stages given")
@@ -77,13 +84,16 @@ class PipelineScheduleRuntime:
         self.fsdp = has_fsdp(self.stages)
         lowered = lower(schedule.compute_only(), fsdp=self.fsdp) if not schedule.is_lowered else schedule
         if fifo is None:  # only gloo honours message tags; elsewhere sends must be received in order
-            fifo = dist.is_initialized() and dist.get_backend(self.group) != "gloo"
+            # (a fake group, used by dry runs, carries no messages: order cannot matter there)
+            fifo = dist.is_initialized() and dist.get_backend(self.group) not in ("gloo", "fake")
         self.ir = validate_schedule(lowered, n_microbatches, fifo=fifo)
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.arg_specs, self.kwarg_specs, self.target_spec = arg_specs, kwarg_specs, target_spec
         self.scale_grads, self.overlap = scale_grads, overlap
         self._metas: dict[tuple, dict] = {}
+        self.loss_context = loss_context
+        self.boundary_metas = boundary_metas
         if shared_parameters is None:
             shared_parameters = next((getattr(s.module, "tied_groups", None) for s in stages
                                       if getattr(s.module, "tied_groups", None) is not None), [])
@@ -118,14 +128,14 @@ class PipelineScheduleRuntime:
                 targets = [t[0] for t in split]
         key = self._agreed_signature(mb_args[0], mb_kwargs[0])
         if key not in self._metas:
-            self._metas[key] = infer_boundaries(self.stages, self.ir.stage_to_rank, self.group,
-                                                mb_args[0], mb_kwargs[0])
+            self._metas[key] = self.boundary_metas if self.boundary_metas is not None else \
+                infer_boundaries(self.stages, self.ir.stage_to_rank, self.group, mb_args[0], mb_kwargs[0])
         for s in self.stages.values():
             s.clear()
         if self.fsdp:
             prepare_fsdp_backward(self.stages)
         st = StepState(self.stages, mb_args, mb_kwargs, targets, self.loss_fn,
-                       1.0 / m if self.scale_grads else 1.0, self._metas[key], m)
+                       1.0 / m if self.scale_grads else 1.0, self._metas[key], m, self.loss_context)
         out = run_program(self.ir, self.pp_rank, self.group, st, self.overlap,
                           fsdp_hooks(self.stages) if self.fsdp else None)
         if self.shared is not None:

@@ -5,6 +5,10 @@ order on micro-batch 0 without grad, receiving the input description from the pr
 rank and sending its output description on. The chain only ever waits on lower stages, so it
 cannot deadlock. The result is cached per input signature; a new signature (dynamic shapes)
 repeats it.
+
+``local_boundaries`` gives the same descriptions without any communication, by running every
+stage of the model in one process: a dry run on a fake process group (which cannot carry the
+exchange to a later stage) hands them to the schedule as ``boundary_metas``.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.pipeline_parallel.split import split_model
 from hyper_parallel.core.pipeline_parallel.stage import (
     PipelineStage, TensorMeta, dtensor_from_meta, flatten, meta_of,
 )
@@ -70,3 +75,15 @@ def infer_boundaries(stages: dict[int, PipelineStage], stage_to_rank: Sequence[i
             dist.send_object_list([[meta_of(t) for t in out]], dst=dst, group=group,
                                   device=torch.device("cpu"))
     return metas
+
+
+def local_boundaries(model: torch.nn.Module, cuts: Sequence[str], activation_mesh, args0: Sequence[Any],
+                     kwargs0: dict | None = None, device=None) -> dict[int, list[TensorMeta]]:
+    """{stage s: descriptions of the tensors entering s} for every stage of ``model`` cut at
+    ``cuts``, computed in this process (no communication): every stage is built here and run in
+    order on micro-batch 0. ``model`` must carry the same TP layouts as the pipelined model."""
+    modules = split_model(model, cuts)
+    n = len(modules)
+    stages = {s: PipelineStage(m, s, n, group=None, device=device, activation_mesh=activation_mesh)
+              for s, m in enumerate(modules)}
+    return infer_boundaries(stages, tuple([0] * n), None, args0, kwargs0 or {})

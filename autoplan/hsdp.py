@@ -1,0 +1,117 @@
+"""plan_hsdp(model, devices, tp=...) -> Plan: data parallel as dp_replicate x dp_shard (HSDP).
+
+FSDP over all dp ranks all-gathers every layer across the whole data-parallel world; at 512
+GPUs that is inter-node traffic on every layer. HSDP shards parameters within a dp_shard group
+(one or a few nodes) and keeps dp_replicate copies of that sharded model, paying one
+all-reduce of the sharded gradients across replicas per step instead. Which split is best
+depends on the links and on memory (parameters, gradients and optimizer state are divided by
+dp_shard only), so the candidates are the splits whose shard groups respect node boundaries
+(``mesh_search.hsdp_splits``), each priced by the cost model:
+
+- the TP styles, TP collectives, FSDP traffic over dp_shard and per-rank memory come from
+  ``autoplan()`` on the mesh (dp_shard, tp) with the batch of one replica (global / replicate):
+  each rank sees exactly the shard group and the batch it will see in the HSDP mesh, and the
+  dp_shard group's links are the same (tp is innermost in both meshes);
+- the dp_replicate all-reduces (one per reduce-scatter, of the sharded gradient) are added as
+  exact collective rows, and their alpha-beta time on the HSDP mesh's links, exposed by the
+  overlap rule FSDP traffic gets (``tp_search.exposed_dp``), is added to the step.
+
+The winner is a plan on the mesh (dp_replicate, dp_shard, tp) with ``fsdp.replicate_dim``; the
+runner applies ``fully_shard`` on the 2-D (dp_replicate, dp_shard) mesh and verify checks it
+exactly. The other splits are listed in ``plan.alternatives``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from autoplan.api import autoplan
+from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.plan.plan import Plan
+from autoplan.search.mesh_search import (
+    DP_REPLICATE, DP_SHARD, hsdp_replicate_rows, hsdp_replicate_time, hsdp_splits,
+)
+from autoplan.search.mesh_spec import MeshSpec
+
+log = logging.getLogger(__name__)
+
+
+def to_hsdp(sub: Plan, replicate: int, global_batch: int) -> Plan:
+    """The HSDP plan on (dp_replicate=replicate, dp_shard, tp) from ``sub``, a plan for one replica
+    (mesh (dp_shard, tp), batch global_batch / replicate). ``sub`` is not modified."""
+    names, shape = list(sub.mesh["names"]), list(sub.mesh["shape"])
+    if sub.dp_dim != DP_SHARD or not sub.fsdp.get("enabled"):
+        raise PlanningError(f"to_hsdp: the replica plan must use FSDP over {DP_SHARD!r}; got dp_dim="
+                            f"{sub.dp_dim!r}, fsdp={sub.fsdp}")
+    shard = shape[names.index(DP_SHARD)]
+    data = sub.to_dict()
+    plan = Plan.from_dict(data)
+    plan.mesh = dict(sub.mesh, shape=[replicate] + shape, names=[DP_REPLICATE] + names)
+    spec = MeshSpec.from_dict(plan.mesh)
+    rows = hsdp_replicate_rows(sub.predictions["collectives"], shard, replicate)
+    extra_s = hsdp_replicate_time(sub.predictions["collectives"], rows, spec, float(sub.predictions["compute_s"]))
+    pred = dict(sub.predictions)
+    pred["collectives"] = sorted(list(pred["collectives"]) + rows,
+                                 key=lambda r: (r["kind"], r["mesh_dim"], r["phase"], r["bytes"]))
+    pred["step_s"] = float(pred["step_s"]) + extra_s
+    pred["comm_s"] = float(pred["comm_s"]) + extra_s
+    plan.predictions = pred
+    plan.fsdp = {"enabled": True, "dim": DP_SHARD, "replicate_dim": DP_REPLICATE,
+                 "replicate": int(replicate), "shard": int(shard)}
+    plan.batch = dict(sub.batch, global_batch=int(global_batch))
+    plan.notes = list(sub.notes) + [
+        f"HSDP: dp_replicate={replicate} x dp_shard={shard}: parameters, gradients and optimizer "
+        f"state sharded over dp_shard; one all-reduce per FSDP unit over dp_replicate "
+        f"({extra_s:.4g} s/step exposed)"]
+    plan.timing = dict(sub.timing)
+    return plan
+
+
+def plan_hsdp(model: torch.nn.Module, devices: int, *, tp: int, batch: tuple[int, int], hardware: str = "h100_sxm",
+              devices_per_node: int | None = None, split: tuple[int, int] | None = None,
+              memory_limit: float | None = None, dtype: torch.dtype | None = None,
+              **autoplan_kwargs: Any) -> Plan:
+    """The best HSDP plan for ``devices`` = dp_replicate x dp_shard x ``tp`` devices.
+
+    ``split``: force ``(replicate, shard)``; default: every node-aligned split, priced. Other
+    keywords go to ``autoplan()`` (e.g. ``allow_replicated_units``, ``sequence_parallel``).
+    Raises PlanningError for degrees that do not divide, InfeasiblePlanError when no split fits.
+    """
+    if tp < 1 or devices % tp:
+        raise PlanningError(f"plan_hsdp: tp={tp} must divide devices={devices}")
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise PlanningError(f"plan_hsdp: batch must be (global_batch, seq_len), got {batch!r}")
+    dp = devices // tp
+    dpn = devices_per_node or MeshSpec((1,), ("tp",), hardware).hardware_profile().devices_per_node
+    splits = [tuple(split)] if split is not None else hsdp_splits(dp, tp, dpn)
+    for r, s in splits:
+        if r * s != dp or s < 2:
+            raise PlanningError(f"plan_hsdp: split (replicate={r}, shard={s}) must multiply to dp={dp} "
+                                "with shard >= 2")
+    gb, seq = int(batch[0]), int(batch[1])
+    plans, failures = [], []
+    for r, s in splits:
+        if gb % (r * s):
+            failures.append(f"({r}, {s}): global batch {gb} not divisible by dp={r * s}")
+            continue
+        spec = MeshSpec((s, tp), (DP_SHARD, "tp"), hardware, dpn)
+        try:
+            sub = autoplan(model, spec, batch=(gb // r, seq), hardware=hardware, memory_limit=memory_limit,
+                           dtype=dtype, fsdp=True, **autoplan_kwargs)
+        except InfeasiblePlanError as e:
+            failures.append(f"({r}, {s}): {e}")
+            continue
+        plans.append(to_hsdp(sub, r, gb) if r > 1 else sub)
+    if not plans:
+        raise InfeasiblePlanError(f"plan_hsdp: no (replicate, shard) split of dp={dp} works: {failures}")
+    plans.sort(key=lambda p: p.predictions["step_s"])
+    best = plans[0]
+    best.alternatives = list(best.alternatives) + [
+        {"name": f"hsdp {dict(zip(p.mesh['names'], p.mesh['shape']))}", "step_s": p.predictions["step_s"],
+         "comm_s": p.predictions["comm_s"], "memory_bytes": p.predictions["memory_bytes"].get("total")}
+        for p in plans[1:]]
+    log.info("plan_hsdp: %d splits priced, best %s at %.4g s/step", len(plans),
+             dict(zip(best.mesh["names"], best.mesh["shape"])), best.predictions["step_s"])
+    return best
