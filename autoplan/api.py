@@ -91,11 +91,11 @@ def _decision_rows(ev: Evaluation, ctx: CostContext, search: TPSearch | None = N
             continue
         mem = o.memory(ctx)
         row = {
-            "unit": o.slot, "module": search.unit_module(o.slot) if search is not None else o.slot,
-            "block_prefix": _block_prefix(o.owner),
+            "unit": o.slot, "block_prefix": _block_prefix(o.owner),
             "count": o.count, "strategy": o.strategy.name, "stream": o.stream or "-",
             "reason": o.strategy.reason, "modules": sorted(o.styles()),
             "compute_s": o.compute_s(ctx), "comm_s": o.comm_s(ctx), "memory_bytes": _bytes(sum(mem.values())),
+            "module": search.unit_module(o.slot) if search is not None else o.slot,
         }
         if search is not None and o.slot in search.slots:
             row["options"] = [

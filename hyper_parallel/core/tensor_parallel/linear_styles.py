@@ -105,7 +105,10 @@ class ColwiseParallel(_LinearStyle):
             if module.out_features % self.packed:
                 raise LayoutError(f"{where}: out_features {module.out_features} is not {self.packed} packed "
                                   f"projections of equal width")
-            check_divides(module.out_features // self.packed, mesh, where, "out_features per packed projection")
+            if self.packed == 1:
+                check_divides(module.out_features, mesh, where, "out_features")
+            else:
+                check_divides(module.out_features // self.packed, mesh, where, "out_features per packed projection")
         else:
             if self.packed != 1:
                 raise UnsupportedModuleError(f"{where}: packed applies to nn.Linear only")
