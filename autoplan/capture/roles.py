@@ -193,6 +193,31 @@ def _out_features(n: Node) -> int:
     return n.outputs[0].shape[-1] if n.outputs else 0
 
 
+def fixed_head_count(flow: _Flow, name: str, n_heads: int, limit: int = 40) -> bool:
+    """Whether a reshape between tensor ``name`` (q, k or v at the attention) and its projection
+    names the global head count while inferring another dimension (OPT:
+    ``view(bsz, -1, num_heads, head_dim)``): on a column shard that reshape does not fail, it
+    folds the missing heads into the sequence, a silently wrong attention the shape checks of a
+    probe run cannot see."""
+    stack, seen = [name], set()
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur in seen or cur not in flow.by_name:
+            continue
+        seen.add(cur)
+        n = flow.by_name[cur]
+        if flow.weight(n):
+            continue
+        if _base(n.op) in ("view", "reshape", "_unsafe_view") and len(n.args) > 1 and isinstance(n.args[1], list):
+            shape = n.args[1]
+            # (..., heads, head_dim) with an explicit head count and an inferred leading dimension
+            if len(shape) >= 3 and shape[-2] == n_heads and -1 in shape[:-2]:
+                return True
+        if _base(n.op).startswith(_PASS) or _base(n.op) == "getitem":
+            stack.extend(s for s in n.input_nodes if s in flow.by_name)
+    return False
+
+
 _SPLITS = ("split", "split_with_sizes", "chunk", "slice", "unbind", "narrow")
 
 
@@ -280,6 +305,7 @@ def recognise_roles(graph: ModelGraph) -> None:
                 "head_dim": head_dim,
                 "op": core.op,
                 **({"qkv_layout": layout, "qkv_groups": groups} if fused else {}),
+                "fixed_head_count": any(fixed_head_count(flow, x, h) for x, h in ((q, n_heads), (k, n_kv), (v, n_kv))),
             }
         )
 

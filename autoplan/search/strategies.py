@@ -139,6 +139,9 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         why = "tp degree 1"
     elif not a.linear:
         why = "projections are not nn.Linear or Conv1D"
+    elif a.fixed_head_count:
+        why = "q/k/v are reshaped by the global head count with another dimension inferred (a column shard " \
+              "would fold heads into the sequence, silently)"
     elif a.n_heads % t or a.n_kv_heads % t:
         why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
     column = _column_styles(a, t) if why is None else why

@@ -59,6 +59,7 @@ class AttentionUnit:
     qkv: str = ""
     qkv_layout: str = ""
     qkv_groups: int = 0
+    fixed_head_count: bool = False   # reshapes by the global head count (roles.fixed_head_count)
 
     @property
     def projections(self) -> list[str]:
@@ -234,7 +235,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
                 att = AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                                     work(f"{rep}.{a['module']}"), qkv=p["qkv"],
-                                    qkv_layout=a.get("qkv_layout", "unknown"), qkv_groups=int(a.get("qkv_groups", 0)))
+                                    qkv_layout=a.get("qkv_layout", "unknown"), qkv_groups=int(a.get("qkv_groups", 0)),
+                                    fixed_head_count=bool(a.get("fixed_head_count")))
                 continue
             if not all(k in p for k in "qkvo"):
                 fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
@@ -242,7 +244,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 continue
             lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in "qkvo")
             att = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]),
-                                int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"))
+                                int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"),
+                                fixed_head_count=bool(a.get("fixed_head_count")))
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
             not_units.append((where, "a mixture-of-experts layer: router and experts are not sharded yet "

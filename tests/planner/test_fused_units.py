@@ -94,3 +94,13 @@ def test_mlp_without_container_is_sharded_on_a_replicated_stream(structures):
     assert len(sharded) == 1 and set(sharded[0].styles) == {"fc1", "fc2"}
     assert [c.kind for c in sharded[0].collectives] == ["all_reduce", "all_reduce"]
     assert mlp_strategies(m, blk, 4, "S", []) == []
+
+
+def test_reshape_by_the_global_head_count_is_not_head_sharded(structures):
+    """OPT views q as (bsz, -1, num_heads, head_dim): on a column shard it would run and fold the
+    missing heads into the sequence; the unit says so and only the replicated form is offered."""
+    blk = structures["opt"].blocks[0]
+    assert blk.attention.fixed_head_count
+    out = attention_strategies(blk.attention, blk, 4, "R")
+    assert [s.name for s in out] == ["replicate"] and "global head count" in out[0].extra["tp_excluded"]
+    assert not structures["gpt_neox"].blocks[0].attention.fixed_head_count
