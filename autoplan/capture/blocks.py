@@ -16,6 +16,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from autoplan.capture.ir import BlockGroup, ModuleInfo
+from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D, is_conv1d
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _SCALARS = (int, float, bool, str)
@@ -26,12 +27,16 @@ def type_name(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-# torch.nn layers whose parameters our styles know how to shard, matched by isinstance
+# torch.nn layers whose parameters our styles know how to shard, matched by isinstance (Conv1D,
+# not a torch.nn layer, by hyper_parallel's is_conv1d)
 SHARDABLE_BASES = (nn.Linear, nn.Embedding)
 
 
 def nn_base(module: nn.Module) -> str:
-    """Type name of the shardable torch.nn layer ``module`` is an instance of, else ""."""
+    """Type name of the shardable layer ``module`` is an instance of (a torch.nn base, or
+    transformers' Conv1D: a linear layer with a transposed weight), else ""."""
+    if is_conv1d(module):
+        return CONV1D
     for base in SHARDABLE_BASES:
         if isinstance(module, base):
             return f"{base.__module__}.{base.__qualname__}"

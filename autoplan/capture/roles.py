@@ -193,6 +193,68 @@ def _out_features(n: Node) -> int:
     return n.outputs[0].shape[-1] if n.outputs else 0
 
 
+def fixed_head_count(flow: _Flow, name: str, n_heads: int, limit: int = 40) -> bool:
+    """Whether a reshape between tensor ``name`` (q, k or v at the attention) and its projection
+    names the global head count while inferring another dimension (OPT:
+    ``view(bsz, -1, num_heads, head_dim)``): on a column shard that reshape does not fail, it
+    folds the missing heads into the sequence, a silently wrong attention the shape checks of a
+    probe run cannot see."""
+    stack, seen = [name], set()
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if cur in seen or cur not in flow.by_name:
+            continue
+        seen.add(cur)
+        n = flow.by_name[cur]
+        if flow.weight(n):
+            continue
+        if _base(n.op) in ("view", "reshape", "_unsafe_view") and len(n.args) > 1 and isinstance(n.args[1], list):
+            shape = n.args[1]
+            # (..., heads, head_dim) with an explicit head count and an inferred leading dimension
+            if len(shape) >= 3 and shape[-2] == n_heads and -1 in shape[:-2]:
+                return True
+        if _base(n.op).startswith(_PASS) or _base(n.op) == "getitem":
+            stack.extend(s for s in n.input_nodes if s in flow.by_name)
+    return False
+
+
+_SPLITS = ("split", "split_with_sizes", "chunk", "slice", "unbind", "narrow")
+
+
+def fused_qkv_layout(flow: _Flow, proj: Node, limit: int = 6) -> tuple[str, int]:
+    """How a fused q/k/v projection's output is cut into q, k and v: ``("interleaved", G)`` when
+    the output width is first reshaped into G groups (GPT-NeoX and Bloom: q, k, v of one head
+    side by side; Falcon: one KV group's q heads, k and v), so a contiguous row block of the
+    weight holds whole groups; ``("concat", 0)`` when it is split along the full width
+    ([q|k|v], GPT-2), so each rank needs its slice of every part; ``("unknown", 0)`` otherwise.
+    Views keeping the last dimension whole (addmm's 2-D result viewed back to 3-D) are followed."""
+    width = _out_features(proj)
+    cur = proj
+    for _ in range(limit):
+        users = flow.users.get(cur.name, [])
+        if not users:
+            break
+        u = users[0]
+        base = _base(u.op)
+        shape = tuple(u.outputs[0].shape) if u.outputs else ()
+        if base in _SPLITS:
+            return "concat", 0
+        if base in ("view", "reshape", "_unsafe_view", "unflatten") and shape:
+            if shape[-1] == width:
+                cur = u
+                continue
+            for i in range(len(shape) - 1, 0, -1):   # trailing dims that multiply to the width
+                prod = 1
+                for d in shape[i:]:
+                    prod *= d
+                if prod == width:
+                    return "interleaved", int(shape[i])
+                if prod > width:
+                    break
+        break
+    return "unknown", 0
+
+
 def recognise_roles(graph: ModelGraph) -> None:
     """Fill ``graph.roles``, each ``BlockGroup.roles`` and ``ModuleInfo.role`` in place."""
     flow = _Flow(graph)
@@ -220,6 +282,7 @@ def recognise_roles(graph: ModelGraph) -> None:
             n_kv = max((total - n_heads) // 2, 1)
             names = {"qkv": qn.module}
             role[qn.module] = "attention.qkv"
+            layout, groups = fused_qkv_layout(flow, qn)
         else:
             n_kv = _out_features(kn) // max(head_dim, 1)
             names = {"q": qn.module, "k": kn.module, "v": vn.module}
@@ -241,6 +304,8 @@ def recognise_roles(graph: ModelGraph) -> None:
                 "n_kv_heads": n_kv,
                 "head_dim": head_dim,
                 "op": core.op,
+                **({"qkv_layout": layout, "qkv_groups": groups} if fused else {}),
+                "fixed_head_count": any(fixed_head_count(flow, x, h) for x, h in ((q, n_heads), (k, n_kv), (v, n_kv))),
             }
         )
 

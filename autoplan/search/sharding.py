@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from autoplan.capture.ir import ModelGraph
+from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
@@ -31,6 +32,9 @@ def _layer(info) -> str:
 
 
 def _shard_dim(style: str, module_type: str, param: str) -> int | None:
+    if module_type == CONV1D:   # weight [in, out]: the Linear's dims swapped; bias as Linear's
+        dim = _shard_dim(style, _LINEAR, param)
+        return dim if param != "weight" or dim is None else 1 - dim
     if style == "ColwiseParallel":
         if module_type == _LINEAR:
             return 0

@@ -96,7 +96,35 @@ def _grad_all_reduces(param_bytes: list[int]) -> list[Collective]:
     return [Collective("all_reduce", "backward", b) for b in param_bytes]
 
 
-def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
+def _column_styles(a: AttentionUnit, t: int) -> tuple[dict[str, ParallelStyle], str, dict] | str:
+    """The column-parallel styles that give each rank whole heads of q, k and v, the reason and
+    extra, or why there are none. Separate q/k/v: each column-wise. A fused projection whose
+    output is cut into groups (GPT-NeoX, Bloom: per head; Falcon: per KV group): plain
+    column-wise, a contiguous row block holds whole groups. A fused [q|k|v] of equal widths
+    (GPT-2): each rank's slice of every part (packed=3). The module's own code must then cut its
+    local output by the local head count; the probe rejects a candidate whose code uses the
+    global count (a crash), and the layout read from the graph keeps a candidate from being
+    offered where it would run and be silently wrong (packed rows on an interleaved layout)."""
+    if not a.qkv:
+        return ({a.q: ColwiseParallel(), a.k: ColwiseParallel(), a.v: ColwiseParallel()},
+                "q/k/v column-wise, o row-wise (Megatron)", {})
+    if a.qkv_layout == "interleaved":
+        if a.qkv_groups % t:
+            return f"fused q/k/v in {a.qkv_groups} groups not divisible by tp={t}"
+        return ({a.qkv: ColwiseParallel()},
+                f"fused q/k/v column-wise in whole groups ({a.qkv_groups} groups of interleaved q, k, v), "
+                f"o row-wise", {})
+    if a.qkv_layout == "concat":
+        if a.n_heads != a.n_kv_heads:
+            return "a fused [q|k|v] with fewer KV heads than query heads (unequal widths) is not sharded"
+        return ({a.qkv: ColwiseParallel(packed=3)},
+                "fused [q|k|v] column-wise, each rank its slice of q, k and v (strided), o row-wise",
+                {"no_fsdp": "packed q/k/v projection under FSDP"})
+    return "the fused q/k/v projection's output layout was not recognised"
+
+
+def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str,
+                         fsdp: bool = False) -> list[Strategy]:
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
     if not a.rel:
@@ -110,16 +138,26 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     if t == 1:
         why = "tp degree 1"
     elif not a.linear:
-        why = "projections are not nn.Linear"
+        why = "projections are not nn.Linear or Conv1D"
+    elif a.fixed_head_count:
+        why = "q/k/v are reshaped by the global head count with another dimension inferred (a column shard " \
+              "would fold heads into the sequence, silently)"
     elif a.n_heads % t or a.n_kv_heads % t:
         why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
+    column = _column_styles(a, t) if why is None else why
+    if isinstance(column, str):
+        why = column
+    elif column[2].get("no_fsdp") and fsdp:
+        # strided rows re-sharded by FSDP2 give wrong gradients on torch 2.13 (as packed MLPs)
+        why = "a packed [q|k|v] projection is not sharded under FSDP (wrong gradients when FSDP2 re-shards " \
+              "strided rows, torch 2.13)"
     if why is None:
-        styles = {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)),
-                  a.q: ColwiseParallel(), a.k: ColwiseParallel(), a.v: ColwiseParallel(),
+        cols, reason, extra = column
+        styles = {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)), **cols,
                   a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])}
         comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
         out.append(Strategy("heads_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
-                            activation_shard=t, reason="q/k/v column-wise, o row-wise (Megatron)"))
+                            activation_shard=t, reason=reason, extra=dict(extra)))
     else:
         out[0].extra["tp_excluded"] = why
     return out
@@ -130,9 +168,19 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
     if not m.rel:
-        # no container module to change layouts at: only the replicated form on a replicated stream
-        return [Strategy("replicate", "R", {}, [], reason="replicated (MLP linears sit directly in the block)")] \
-            if layout == "R" else []
+        # the linears sit directly in the block (OPT's fc1/fc2): no container to change layouts
+        # at, and the block may flatten tokens before them (OPT does), so only a replicated
+        # stream: the first linear takes it as is, the last all-reduces its partial sums back
+        if layout != "R":
+            return []
+        out = [Strategy("replicate", "R", {}, [], reason="replicated (MLP linears sit directly in the block)")]
+        if t > 1 and m.linear and m.hidden and m.hidden % t == 0 and m.packed == 1:
+            styles = {u: ColwiseParallel() for u in m.up}
+            styles[m.down] = RowwiseParallel(output_layouts=R)
+            out.append(Strategy("hidden_sharded", "R", styles, _ar_pair(h), compute_shard=t, param_shard=t,
+                                activation_shard=t, reason="up/gate column-wise, down row-wise (Megatron), "
+                                                           "on the linears in the block"))
+        return out
     if layout == "R":
         out = [Strategy("replicate", "R", {}, [], reason="replicated")]
     else:

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from cost_models.compute import gemm_shape_dims
+from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
+_SHARDABLE_LINEARS = (_LINEAR, CONV1D)     # what Colwise/RowwiseParallel shard as a linear layer
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
 
 
@@ -50,8 +52,19 @@ class AttentionUnit:
     o: str
     n_heads: int
     n_kv_heads: int
-    linear: bool                # all projections are nn.Linear (our styles can shard them)
+    linear: bool                # all projections are layers our styles can shard (nn.Linear, Conv1D)
     work: Work = field(default_factory=Work)
+    # a fused q/k/v projection (q, k, v are then ""): its module and how its output is cut
+    # (roles.fused_qkv_layout): "interleaved" in ``qkv_groups`` groups, "concat" ([q|k|v]) or "unknown"
+    qkv: str = ""
+    qkv_layout: str = ""
+    qkv_groups: int = 0
+    fixed_head_count: bool = False   # reshapes by the global head count (roles.fixed_head_count)
+
+    @property
+    def projections(self) -> list[str]:
+        """The column-parallel candidates (q, k, v or the fused one)."""
+        return [self.qkv] if self.qkv else [self.q, self.k, self.v]
 
 
 @dataclass
@@ -218,14 +231,21 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
             if att is not None:
                 not_units.append((where, "a second attention in the block (cross-attention) is not planned yet"))
                 continue
+            if "qkv" in p and "o" in p:
+                lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
+                att = AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
+                                    work(f"{rep}.{a['module']}"), qkv=p["qkv"],
+                                    qkv_layout=a.get("qkv_layout", "unknown"), qkv_groups=int(a.get("qkv_groups", 0)),
+                                    fixed_head_count=bool(a.get("fixed_head_count")))
+                continue
             if not all(k in p for k in "qkvo"):
                 fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
-                not_units.append((where, f"its projections ({fused}) are fused or incomplete; fused projections "
-                                         f"are not sharded yet"))
+                not_units.append((where, f"its projections ({fused}) are incomplete (no output projection found)"))
                 continue
-            lin = all(_type(graph, f"{rep}.{p[k]}") == _LINEAR for k in "qkvo")
+            lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in "qkvo")
             att = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]),
-                                int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"))
+                                int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"),
+                                fixed_head_count=bool(a.get("fixed_head_count")))
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
             not_units.append((where, "a mixture-of-experts layer: router and experts are not sharded yet "
@@ -236,7 +256,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for m in roles.get("mlp", [])[:1]:
             packed = 2 if m.get("gate_up") else 1   # [gate|up] in one Linear (Phi-3)
             ups = [m[k] for k in ("gate_up", "gate", "up") if m.get(k)]
-            lin = all(_type(graph, f"{rep}.{x}") == _LINEAR for x in ups + [m["down"]])
+            lin = all(_type(graph, f"{rep}.{x}") in _SHARDABLE_LINEARS for x in ups + [m["down"]])
             if m["module"]:
                 mw = work(f"{rep}.{m['module']}")
             else:  # the MLP's linears sit directly in the block (OPT fc1/fc2): no container module

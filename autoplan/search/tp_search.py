@@ -197,7 +197,7 @@ class TPSearch:
             rep = b.representative
             for layout in self.layouts:
                 if b.attention is not None:
-                    for s in attention_strategies(b.attention, b, t, layout):
+                    for s in attention_strategies(b.attention, b, t, layout, fsdp=self.ctx.fsdp):
                         self._add(f"{b.id}/attention", s, owner, b.count, b.attention.work, b.attention.work.param_bytes)
                 if b.mlp is not None:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)

@@ -45,6 +45,9 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
                                                "intermediate_size": 4096}),
     "t5": ("T5Config", "T5ForConditionalGeneration", {"d_model": 1024, "num_heads": 16, "d_ff": 4096}),
     "bart": ("BartConfig", "BartForConditionalGeneration", {}),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 4096, "n_head": 32}),            # bloom-7b1
+    "opt": ("OPTConfig", "OPTForCausalLM", {"hidden_size": 4096, "num_attention_heads": 32,      # opt-6.7b
+                                            "ffn_dim": 16384, "word_embed_proj_dim": 4096}),
 }
 FAMILIES = ("llama",) + tuple(HF_FAMILIES)
 MESHES = {"tp4": ((4,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp"))}
@@ -70,7 +73,8 @@ def real_model(family: str) -> torch.nn.Module:
     cfg_name, model_name, overrides = HF_FAMILIES[family]
     cfg_cls = getattr(transformers, cfg_name)
     layers = {"GPT2Config": {"n_layer": 2}, "T5Config": {"num_layers": 2, "num_decoder_layers": 2},
-              "BartConfig": {"encoder_layers": 2, "decoder_layers": 2}}.get(cfg_name, {"num_hidden_layers": 2})
+              "BartConfig": {"encoder_layers": 2, "decoder_layers": 2},
+              "BloomConfig": {"n_layer": 2}}.get(cfg_name, {"num_hidden_layers": 2})
     config = cfg_cls(**{**layers, **overrides})
     with torch.device("meta"):
         return getattr(transformers, model_name)(config)

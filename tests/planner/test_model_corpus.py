@@ -3,8 +3,8 @@ case, planned at the family's real shape and run on a small copy on 4 gloo ranks
 one device or REFUSED at planning time with a typed error -- never WRONG, CRASH or UNTYPED.
 
 The slice covers one family per hazard: a norm over the full projection width on a column shard
-(OLMo-2, repaired), a fused attention the planner cannot shard yet on a sequence-sharded stream
-(GPT-NeoX, the stream refused), Conv1D layers (GPT-2), relative position bias and two stacks
+(OLMo-2, repaired), a fused q/k/v attention sharded in whole heads on a sequence-sharded stream
+(GPT-NeoX), Conv1D layers (GPT-2), relative position bias and two stacks
 (T5), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
 biases on the sequence-sharded stream (Starcoder2)."""
 import pytest

@@ -1,12 +1,19 @@
-"""Column-wise and row-wise sharding of nn.Linear and nn.Embedding (Megatron's f/g pair).
+"""Column-wise and row-wise sharding of nn.Linear, GPT-2's Conv1D and nn.Embedding (Megatron's f/g pair).
 
-Colwise shards the output features (Linear weight dim 0, Embedding dim 1) so its output is
-sharded on the last dim; Rowwise shards the input features (Linear weight dim 1) or the
-vocabulary (Embedding dim 0), producing a partial sum that is reduced into ``output_layouts``
-(all-reduce for Replicate, reduce-scatter for Shard(seq), the sequence-parallel form).
+Colwise shards the output features (Linear weight dim 0, Conv1D weight dim 1, Embedding dim 1)
+so its output is sharded on the last dim; Rowwise shards the input features (Linear weight
+dim 1, Conv1D weight dim 0) or the vocabulary (Embedding dim 0), producing a partial sum that
+is reduced into ``output_layouts`` (all-reduce for Replicate, reduce-scatter for Shard(seq), the
+sequence-parallel form).
+
+Conv1D (``transformers.pytorch_utils.Conv1D``) is a linear layer with its weight stored
+transposed ([in, out]) that computes ``addmm(bias, x, weight)``; DTensor runs that addmm on the
+sharded weight as it runs Linear's matmul. It is recognised without importing transformers: a
+model holding a Conv1D has already imported its module.
 """
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch.nn as nn
@@ -23,6 +30,23 @@ from hyper_parallel.core.tensor_parallel.base import (
     to_dtensor,
 )
 from hyper_parallel.errors import LayoutError, UnsupportedModuleError
+
+
+CONV1D = "transformers.pytorch_utils.Conv1D"
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is (a subclass of) transformers' Conv1D, without importing transformers."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(mod, "Conv1D", None) if mod is not None else None
+    return cls is not None and isinstance(module, cls)
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of an nn.Linear or a Conv1D (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
 
 
 def _single_input(inputs: tuple, where: str):
@@ -47,10 +71,12 @@ class _LinearStyle(ParallelStyle):
     def _kind(self, module: nn.Module, fqn: str) -> str:
         if isinstance(module, nn.Linear):
             return "linear"
+        if is_conv1d(module):
+            return "conv1d"
         if isinstance(module, nn.Embedding):
             return "embedding"
         raise UnsupportedModuleError(
-            f"{type(self).__name__} on {fqn or '<root>'}: supports nn.Linear and nn.Embedding, "
+            f"{type(self).__name__} on {fqn or '<root>'}: supports nn.Linear, transformers' Conv1D and nn.Embedding, "
             f"got {type(module).__name__}"
         )
 
@@ -101,26 +127,29 @@ class ColwiseParallel(_LinearStyle):
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         kind = self._kind(module, fqn)
         where = f"ColwiseParallel on {fqn or '<root>'}"
-        if kind == "linear":
-            if module.out_features % self.packed:
-                raise LayoutError(f"{where}: out_features {module.out_features} is not {self.packed} packed "
+        if kind != "embedding":
+            out_features = linear_features(module)[1]
+            if out_features % self.packed:
+                raise LayoutError(f"{where}: out_features {out_features} is not {self.packed} packed "
                                   f"projections of equal width")
             if self.packed == 1:
-                check_divides(module.out_features, mesh, where, "out_features")
+                check_divides(out_features, mesh, where, "out_features")
             else:
-                check_divides(module.out_features // self.packed, mesh, where, "out_features per packed projection")
+                check_divides(out_features // self.packed, mesh, where, "out_features per packed projection")
         else:
             if self.packed != 1:
-                raise UnsupportedModuleError(f"{where}: packed applies to nn.Linear only")
+                raise UnsupportedModuleError(f"{where}: packed applies to nn.Linear and Conv1D only")
             check_divides(module.embedding_dim, mesh, where, "embedding_dim")
 
     def _desired_input(self, kind: str) -> Placement:
         return Replicate()
 
     def _weight_placement(self, kind: str) -> dict[str, Placement]:
-        if kind == "linear":
-            rows = Shard(0) if self.packed == 1 else _StridedShard(0, split_factor=self.packed)
-            return {"weight": rows, "bias": rows}
+        if kind in ("linear", "conv1d"):
+            out_dim = 0 if kind == "linear" else 1      # Conv1D stores the weight as [in, out]
+            rows = Shard(out_dim) if self.packed == 1 else _StridedShard(out_dim, split_factor=self.packed)
+            bias = Shard(0) if self.packed == 1 else _StridedShard(0, split_factor=self.packed)
+            return {"weight": rows, "bias": bias}
         return {"weight": Shard(1)}
 
     def _output_layout(self) -> Placement | None:
@@ -139,15 +168,15 @@ class RowwiseParallel(_LinearStyle):
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         kind = self._kind(module, fqn)
         where = f"RowwiseParallel on {fqn or '<root>'}"
-        if kind == "linear":
-            check_divides(module.in_features, mesh, where, "in_features")
+        if kind != "embedding":
+            check_divides(linear_features(module)[0], mesh, where, "in_features")
         else:
             check_divides(module.num_embeddings, mesh, where, "num_embeddings")
 
     def _desired_input(self, kind: str) -> Placement:
-        return Shard(-1) if kind == "linear" else Replicate()
+        return Shard(-1) if kind != "embedding" else Replicate()
 
     def _weight_placement(self, kind: str) -> dict[str, Placement]:
-        if kind == "linear":
-            return {"weight": Shard(1), "bias": Replicate()}
+        if kind in ("linear", "conv1d"):
+            return {"weight": Shard(1 if kind == "linear" else 0), "bias": Replicate()}
         return {"weight": Shard(0)}

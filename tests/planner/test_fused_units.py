@@ -1,0 +1,106 @@
+"""Fused q/k/v attention, Conv1D and in-block MLPs as planner units: the capture reads how a
+fused projection's output is cut, the structure makes it an attention unit, and the strategies
+offer the column styles that give each rank whole heads (or none where they would be wrong)."""
+import pytest
+import torch
+import transformers
+
+from autoplan.capture import capture
+from autoplan.search.sharding import _shard_dim
+from autoplan.search.strategies import attention_strategies, mlp_strategies
+from autoplan.search.structure import model_structure
+from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
+
+MODELS = {
+    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        hidden_size=64, num_attention_heads=8, intermediate_size=128, num_hidden_layers=2, vocab_size=128)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_head=8, n_layer=2, vocab_size=128, n_positions=64)),
+    "bloom": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        hidden_size=64, n_head=8, n_layer=2, vocab_size=128)),
+    "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        hidden_size=64, num_attention_heads=8, ffn_dim=128, num_hidden_layers=2, vocab_size=128,
+        word_embed_proj_dim=64, max_position_embeddings=64)),
+}
+
+
+@pytest.fixture(scope="module")
+def structures():
+    out = {}
+    for name, build in MODELS.items():
+        with torch.device("meta"):
+            model = build()
+        out[name] = model_structure(capture(model, batch=(2, 16), dtype=torch.float32))
+    return out
+
+
+@pytest.mark.parametrize("name,layout,groups,packed", [
+    ("gpt_neox", "interleaved", 8, 1),    # view(b, s, -1, 3 * head_dim): q, k, v of one head side by side
+    ("bloom", "interleaved", 8, 1),       # view(b, s, heads, 3, head_dim)
+    ("gpt2", "concat", 0, 3),             # Conv1D output split into [q|k|v]
+])
+def test_fused_attention_is_a_unit_with_its_layout(structures, name, layout, groups, packed):
+    st = structures[name]
+    assert not [w for w, why in st.not_units if "attn" in w or "attention" in w], st.not_units
+    a = st.blocks[0].attention
+    assert (a.qkv_layout, a.qkv_groups, a.linear) == (layout, groups, True)
+    assert a.projections == [a.qkv] and a.q == ""
+    sharded = [s for s in attention_strategies(a, st.blocks[0], 4, "R") if s.name == "heads_sharded"]
+    assert len(sharded) == 1
+    assert sharded[0].styles[a.qkv].packed == packed
+    assert set(sharded[0].styles) == {a.rel, a.qkv, a.o}
+
+
+def test_packed_qkv_is_not_offered_under_fsdp_and_groups_must_divide(structures):
+    st = structures["gpt2"]
+    a = st.blocks[0].attention
+    under_fsdp = attention_strategies(a, st.blocks[0], 4, "R", fsdp=True)
+    assert [s.name for s in under_fsdp] == ["replicate"] and "FSDP" in under_fsdp[0].extra["tp_excluded"]
+    st = structures["gpt_neox"]
+    a = st.blocks[0].attention
+    a.qkv_groups = 6    # e.g. GQA groups not divisible by tp
+    try:
+        out = attention_strategies(a, st.blocks[0], 4, "R")
+    finally:
+        a.qkv_groups = 8
+    assert [s.name for s in out] == ["replicate"] and "groups" in out[0].extra["tp_excluded"]
+
+
+def test_unknown_fused_layout_is_not_guessed(structures):
+    a = structures["gpt_neox"].blocks[0].attention
+    a.qkv_layout = "unknown"
+    try:
+        out = attention_strategies(a, structures["gpt_neox"].blocks[0], 4, "R")
+    finally:
+        a.qkv_layout = "interleaved"
+    assert [s.name for s in out] == ["replicate"]
+
+
+def test_conv1d_layers_are_shardable_linears(structures):
+    m = structures["gpt2"].blocks[0].mlp
+    assert m.linear and m.hidden == 256
+    assert _shard_dim("ColwiseParallel", CONV1D, "weight") == 1
+    assert _shard_dim("ColwiseParallel", CONV1D, "bias") == 0
+    assert _shard_dim("RowwiseParallel", CONV1D, "weight") == 0
+    assert _shard_dim("RowwiseParallel", CONV1D, "bias") is None
+
+
+def test_mlp_without_container_is_sharded_on_a_replicated_stream(structures):
+    blk = structures["opt"].blocks[0]
+    m = blk.mlp
+    assert m.rel == "" and m.up == ["fc1"] and m.down == "fc2"
+    on_r = mlp_strategies(m, blk, 4, "R", [])
+    sharded = [s for s in on_r if s.name == "hidden_sharded"]
+    assert len(sharded) == 1 and set(sharded[0].styles) == {"fc1", "fc2"}
+    assert [c.kind for c in sharded[0].collectives] == ["all_reduce", "all_reduce"]
+    assert mlp_strategies(m, blk, 4, "S", []) == []
+
+
+def test_reshape_by_the_global_head_count_is_not_head_sharded(structures):
+    """OPT views q as (bsz, -1, num_heads, head_dim): on a column shard it would run and fold the
+    missing heads into the sequence; the unit says so and only the replicated form is offered."""
+    blk = structures["opt"].blocks[0]
+    assert blk.attention.fixed_head_count
+    out = attention_strategies(blk.attention, blk, 4, "R")
+    assert [s.name for s in out] == ["replicate"] and "global head count" in out[0].extra["tp_excluded"]
+    assert not structures["gpt_neox"].blocks[0].attention.fixed_head_count

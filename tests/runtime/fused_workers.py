@@ -1,0 +1,85 @@
+"""Rank functions for tests/runtime/test_fused_styles.py: transformers' Conv1D and fused q/k/v
+projections sharded column/row-wise, one step compared with one device."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.pytorch_utils import Conv1D
+
+from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hyper_parallel.testing import cached_mesh
+from hyper_parallel.testing.compare import compare_steps
+
+DIM, HEADS, VOCAB = 32, 8, 64
+
+
+class Attention(nn.Module):
+    """One fused q/k/v projection cut by the *local* head count: ``interleaved`` views the
+    output as (heads, 3 * head_dim) (GPT-NeoX), ``concat`` chunks [q|k|v] in three (GPT-2-like)."""
+
+    def __init__(self, layout: str, conv: bool):
+        super().__init__()
+        self.layout, self.hd = layout, DIM // HEADS
+        self.qkv = Conv1D(3 * DIM, DIM) if conv else nn.Linear(DIM, 3 * DIM)
+        self.o = Conv1D(DIM, DIM) if conv else nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        y = self.qkv(x)
+        if self.layout == "interleaved":
+            q, k, v = y.view(b, s, -1, 3 * self.hd).transpose(1, 2).chunk(3, dim=-1)
+        else:
+            q, k, v = (t.view(b, s, -1, self.hd).transpose(1, 2) for t in y.chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Model(nn.Module):
+    def __init__(self, layout: str, conv: bool, seed: int = 3):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.attn = Attention(layout, conv)
+        self.up = Conv1D(4 * DIM, DIM) if conv else nn.Linear(DIM, 4 * DIM)
+        self.down = Conv1D(DIM, 4 * DIM) if conv else nn.Linear(4 * DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(torch.randn_like(p) * 0.1)   # Conv1D biases start at zero
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = h + self.attn(h)
+        h = h + self.down(F.gelu(self.up(h)))
+        return self.head(h)
+
+
+def ce(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def par_loss(model, tokens, target):
+    loss = ce(model(tokens), target)
+    loss.backward()
+    return loss
+
+
+def check_fused(cases: list[tuple[str, bool]]) -> dict:
+    """Per (layout, conv): (ok, ref losses, par losses, grad mismatches, missing grads)."""
+    mesh = cached_mesh((dist.get_world_size(),), ("tp",))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g))
+            for _ in range(2)]
+    out = {}
+    for layout, conv in cases:
+        ref, par = Model(layout, conv), Model(layout, conv)
+        parallelize_module(par, mesh, {
+            "attn.qkv": ColwiseParallel(packed=3 if layout == "concat" else 1),
+            "attn.o": RowwiseParallel(),
+            "up": ColwiseParallel(), "down": RowwiseParallel()})
+        res = compare_steps(ref, par, data, ce, par_loss)
+        out[f"{layout}/conv={conv}"] = (res.ok, res.ref_losses, res.par_losses, res.grad_mismatches[:5],
+                                        res.missing_grads[:5])
+    return out
