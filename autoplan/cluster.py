@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from autoplan.api import plan_mesh
+from autoplan.mesh_plan import plan_mesh
 from autoplan.arguments import (
     UNBOUNDED, check_batch, check_batch_fits_model, check_choices, check_constraints, check_dtype, check_hardware, check_memory_limit,
     check_model, check_pipeline_depth, check_sequence, optional_bool, positive_int, strict_bool,
@@ -24,7 +24,8 @@ from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
-from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, schedule_ir, stage_bounds
+from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, stage_bounds
+from autoplan.search.schedule_timing import schedule_ir
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 
 log = logging.getLogger(__name__)

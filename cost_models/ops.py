@@ -265,8 +265,10 @@ def specs_from_graph(graph) -> list[OpSpec]:
     dtypes, devices and enums as one-key dicts; they become TensorSpecs, dtype strings and the
     replay-device marker here.
     """
+    from autoplan.capture.views import distinct_ops  # lazy: cost_models sits below autoplan; only this adapter reads its IR
+
     specs = []
-    for d in graph.distinct_ops():
+    for d in distinct_ops(graph):
         metas = [TensorSpec(tuple(m.shape), m.dtype if m.dtype.startswith("torch.") else f"torch.{m.dtype}",
                             tuple(m.stride) if m.stride is not None and len(m.stride) == len(m.shape) else None)
                  for m in d.inputs]

@@ -95,7 +95,7 @@ class Prober:
 
     @staticmethod
     def _backward(logits, tokens) -> None:
-        from autoplan.plan.runner import lm_loss
+        from autoplan.plan.forward import lm_loss
 
         if _is_dtensor(logits):
             with loss_parallel():
@@ -108,7 +108,7 @@ class Prober:
         forward collectives to the innermost module issuing them."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from autoplan.plan.runner import _logits, forward_tokens
+        from autoplan.plan.forward import forward_tokens, output_logits
         from hyper_parallel.testing.comm_counts import CollectiveRecorder
 
         model = copy.deepcopy(self.small)
@@ -142,7 +142,7 @@ class Prober:
                 model.to_empty(device="cpu")
                 tokens = torch.zeros(self.batch, dtype=torch.long)
                 if not record:
-                    logits = _logits(forward_tokens(model, tokens))
+                    logits = output_logits(forward_tokens(model, tokens))
                     if backward:
                         self._backward(logits, tokens)
                     return out
@@ -159,7 +159,7 @@ class Prober:
 
                     for name, mod in model.named_modules():  # attribute forward collectives on exit
                         hooks.append(mod.register_forward_hook(lambda *_: attribute()))
-                    logits = _logits(forward_tokens(model, tokens))
+                    logits = output_logits(forward_tokens(model, tokens))
                     attribute()
                     rec.phase = "backward"
                     if backward:

@@ -120,14 +120,14 @@ def _accelerator_peak(device: str) -> int | None:
 def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, rtol_grad, atol_grad) -> dict:
     import torch.distributed as dist
 
-    from autoplan.plan.runner import _logits, lm_loss
+    from autoplan.plan.forward import lm_loss, output_logits
     from hyper_parallel.testing.compare import grads_by_name
 
     ref = make(**kwargs).to(device)
     par = make(**kwargs).to(device)
     vocab = vocab or _vocab(ref)
     tokens, targets = (t.to(device) for t in _batch(global_batch, seq, vocab, seed))
-    ref_loss = lm_loss(_logits(ref(tokens)), targets)
+    ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     g_ref = grads_by_name(ref)
     runner = plan.apply(par, mesh)

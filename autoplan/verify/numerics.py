@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoplan.plan.plan import Plan
-from autoplan.plan.runner import _logits, forward_tokens, lm_loss
+from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.verify.shrink import ModelRecipe
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def numerics_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: i
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
     targets = torch.randint(0, vocab, (global_batch, seq), generator=g)
-    ref_loss = lm_loss(_logits(forward_tokens(ref, tokens)), targets)
+    ref_loss = lm_loss(output_logits(forward_tokens(ref, tokens)), targets)
     ref_loss.backward()
     g_ref = grads_by_name(ref)
     torch.optim.SGD(ref.parameters(), lr=lr).step()
