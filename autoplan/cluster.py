@@ -27,6 +27,7 @@ from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, stage_bounds
 from autoplan.search.schedule_timing import schedule_ir
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
+from autoplan.search.sharding import param_shards
 
 log = logging.getLogger(__name__)
 # the keywords plan_cluster takes beyond autoplan's: autoplan(model, N, ...) forwards exactly these
@@ -37,8 +38,6 @@ CLUSTER_ONLY = frozenset({"devices_per_node", "constraints", "schedules", "micro
 def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
     """FSDP2 traffic of pipeline rank ``rank``, exactly as the pipeline runner wraps it: every
     block of its stages is a unit, each stage root holds the rest (embedding, norm, head)."""
-    from autoplan.search.sharding import param_shards
-
     c = best.choice
     st = search.structure(best.b)
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
@@ -68,8 +67,6 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
 def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
     """Parameter bytes each pipeline rank holds after TP and FSDP (tied parameters once), one
     pass over the parameter shards for all ranks."""
-    from autoplan.search.sharding import param_shards
-
     c = best.choice
     st = search.structure(best.b)
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])

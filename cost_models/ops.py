@@ -209,7 +209,7 @@ def llama_block_ops(batch: int, seq: int, dtype: str = "float32", count: int = 1
     """
     import torch
 
-    from autoplan.models.llama import LlamaConfig, TransformerBlock, rope_tables
+    from autoplan.models.llama import LlamaConfig, TransformerBlock, rope_tables  # lazy: cost_models sits below autoplan (the model zoo)
 
     cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
     dt = getattr(torch, dtype.split(".")[-1])
@@ -231,7 +231,7 @@ def llama_model_ops(batch: int, seq: int, dtype: str = "float32", backward: bool
     import torch
     import torch.nn.functional as F
 
-    from autoplan.models.llama import LlamaConfig, RMSNorm
+    from autoplan.models.llama import LlamaConfig, RMSNorm  # lazy: cost_models sits below autoplan (the model zoo)
 
     cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
     block = llama_block_ops(batch, seq, dtype, count=cfg.n_layers, backward=backward, **config)

@@ -23,6 +23,7 @@ from autoplan.capture.opcost import register_flop_formulas
 from autoplan.capture.roles import recognise_roles
 from autoplan.capture.trace import export, to_nodes
 from autoplan.errors import CaptureError
+from autoplan.capture.fallback import capture_with_hooks
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,6 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
         return graph
     if not fallback:
         raise CaptureError("; ".join(errors))
-    from autoplan.capture.fallback import capture_with_hooks
-
     try:
         graph = capture_with_hooks(mm, args, kwargs, infos, groups, tied, nparams, errors)
     except CaptureError as exc:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.data_parallel import dp_mesh as plan_dp_mesh
+from autoplan.plan.data_parallel import allreduce_gradients, dp_mesh as plan_dp_mesh, unique_params
 from autoplan.plan.data_parallel import dp_share, fsdp_kwargs
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
@@ -51,8 +51,6 @@ class Runner:
             loss = self.loss_fn(logits, targets)
             loss.backward()
         if self.replicate_dp:
-            from autoplan.plan.data_parallel import allreduce_gradients, unique_params
-
             allreduce_gradients(unique_params(self.model), self.dp_mesh.get_group(), self.dp_mesh.size())
         self.optimizer.step()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from autoplan.capture.ir import ModelGraph
+from autoplan.capture.ir import dtype_size, ModelGraph
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
@@ -99,8 +99,6 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
 
 
 def _param_dtype_bytes(graph: ModelGraph) -> int:
-    from autoplan.capture.ir import dtype_size
-
     for n in graph.nodes:
         for t in n.inputs:
             if "float" in t.dtype or "bfloat" in t.dtype:
