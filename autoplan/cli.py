@@ -4,15 +4,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+
 from autoplan.api import autoplan
 from autoplan.demo import run_demo
 from autoplan.errors import AutoplanError, InvalidArgumentError
 from autoplan.models.llama_plans import EXPERT_PLANS
 from autoplan.plan.plan import Plan
 from autoplan.presets import build_preset
-from autoplan.review import diff, importers, plot_communication, plot_memory, plot_timeline, save_figure, to_hf_tp_plan, to_python, to_torch
+from autoplan.review import (
+    diff, importers, plot_communication, plot_memory, plot_timeline, save_figure, to_hf_tp_plan, to_python, to_torch,
+)
 from autoplan.review.compare import compare_plans
-from autoplan.search.mesh_spec import mesh_roles, MeshSpec
+from autoplan.search.mesh_spec import MeshSpec, mesh_roles
 from autoplan.train.cli import register as register_train
 from autoplan.verify import verify
 from cost_models.cli import main as cost_main

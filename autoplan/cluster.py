@@ -26,8 +26,8 @@ from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ra
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, stage_bounds
 from autoplan.search.schedule_timing import schedule_ir
-from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 from autoplan.search.sharding import param_shards
+from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 
 log = logging.getLogger(__name__)
 # the keywords plan_cluster takes beyond autoplan's: autoplan(model, N, ...) forwards exactly these

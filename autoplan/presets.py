@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import AutoplanError, InvalidArgumentError
-from autoplan.models.llama import build_llama, LlamaConfig
+from autoplan.models.llama import LlamaConfig, build_llama
 
 
 class UnknownPresetError(AutoplanError, KeyError):

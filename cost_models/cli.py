@@ -24,8 +24,8 @@ from cost_models.calibrate import calibrate_collectives
 from cost_models.hardware import list_hardware, load_hardware
 from cost_models.hardware.host import save_host_profile
 from cost_models.ops import llama_model_ops
-from cost_models.profile_table import device_key, ProfileTable
-from cost_models.profiler import profile_ops, TimingConfig
+from cost_models.profile_table import ProfileTable, device_key
+from cost_models.profiler import TimingConfig, profile_ops
 from cost_models.runtime import _path, calibrate_runtime
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models.errors import CalibrationError
-from cost_models.ops import OpSpec
 from cost_models.hardware.host import cache_dir, host_key
+from cost_models.ops import OpSpec
 
 log = logging.getLogger(__name__)
 

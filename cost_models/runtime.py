@@ -43,12 +43,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cost_models.hardware.profile import Link
 from cost_models.calibrate import bench_collectives, fit_alpha_beta
 from cost_models.collectives import collective_terms
 from cost_models.errors import CalibrationError
 from cost_models.hardware import load_hardware
 from cost_models.hardware.host import cache_dir, host_key, save_host_profile
+from cost_models.hardware.profile import Link
 from hyper_parallel.testing import RankPool
 
 log = logging.getLogger(__name__)

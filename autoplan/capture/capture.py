@@ -17,13 +17,13 @@ import torch.nn as nn
 
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device
+from autoplan.capture.fallback import capture_with_hooks
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_model, resolve_inputs
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.opcost import register_flop_formulas
 from autoplan.capture.roles import recognise_roles
 from autoplan.capture.trace import export, to_nodes
 from autoplan.errors import CaptureError
-from autoplan.capture.fallback import capture_with_hooks
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.data_parallel import allreduce_gradients, dp_mesh as plan_dp_mesh, unique_params
 from autoplan.plan.data_parallel import dp_share, fsdp_kwargs
+from autoplan.plan.data_parallel import allreduce_gradients, dp_mesh as plan_dp_mesh, unique_params
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
+
 from autoplan.errors import AutoplanError
 from hyper_parallel import style_from_dict
 from hyper_parallel.core.tensor_parallel import match_modules, to_torch_plan

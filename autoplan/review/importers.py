@@ -17,8 +17,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from autoplan.errors import AutoplanError
 from autoplan.api import autoplan
+from autoplan.errors import AutoplanError
 from hyper_parallel import style_from_dict
 from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.errors import StyleSpecError

@@ -6,6 +6,7 @@ functions so importing autoplan never touches it.
 from __future__ import annotations
 
 from pathlib import Path
+
 from autoplan.review.stages import simulate_pipeline
 
 _COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868", "BACKWARD_INPUT": "#DD8452",

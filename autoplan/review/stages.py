@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from autoplan.errors import AutoplanError
-from hyper_parallel import build_schedule, simulate, StageCost
+from hyper_parallel import StageCost, build_schedule, simulate
 
 STAGE_COLUMNS = ["stage", "rank", "units", "compute_s", "comm_s", "bubble_s", "busy_fraction", "memory_bytes",
                  "memory_gib"]

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from autoplan.search.strategies import Collective
 from autoplan.search.structure import Work
+from cost_models.collectives import collective_terms
 from cost_models.compute import gemm_efficiency
 from cost_models.overlap import DP_MODES, dp_overlap
-from cost_models.collectives import collective_terms
 from cost_models.runtime import load_runtime
 
 log = logging.getLogger(__name__)

@@ -22,19 +22,19 @@ from typing import Any, Sequence
 
 import torch
 
+from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import (
-    SCHEDULES, PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates, time_choice,
+    SCHEDULES, PipelineChoice, UnitCost, balanced_cuts, estimate, even_starts, full_lower_bound, pipeline_candidates,
+    schedule_virtual, time_choice, uniform_inflight,
 )
-from autoplan.search.tp_search import exposed_dp, TPSearch
-from cost_models.overlap import DP_MODES
-from autoplan.capture import capture
-from autoplan.search.costing import CostContext
-from autoplan.search.pipeline_search import balanced_cuts, schedule_virtual, uniform_inflight
 from autoplan.search.probe import Prober
 from autoplan.search.structure import model_structure
+from autoplan.search.tp_search import TPSearch, exposed_dp
 from cost_models.hardware import load_hardware
+from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel.split import spine_for
 
 log = logging.getLogger(__name__)

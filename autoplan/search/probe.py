@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from autoplan.search.strategies import Collective, Strategy
-from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
 from autoplan.capture.blocks import only_representatives
 from autoplan.capture.inputs import meta_model
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
+from autoplan.search.strategies import Collective, Strategy
+from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
 from hyper_parallel.testing.comm_counts import CollectiveRecorder
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from autoplan.capture.ir import dtype_size, ModelGraph
+from autoplan.capture.ir import ModelGraph, dtype_size
+
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"

@@ -13,10 +13,10 @@ import json
 import logging
 import os
 
+from autoplan.plan import Plan
 from autoplan.train.config import TrainConfig
 from autoplan.train.errors import TrainConfigError
 from autoplan.train.launch import format_command, torchrun_command
-from autoplan.plan import Plan
 from autoplan.train.loop import train
 
 

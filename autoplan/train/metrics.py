@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from cost_models.hardware import load_hardware
 from cost_models.hardware.host import cache_dir, host_key
 

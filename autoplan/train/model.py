@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autoplan.train.errors import TrainConfigError
 from autoplan.models.llama import build_llama
-from autoplan.presets import build_preset, get_preset, preset_config, UnknownPresetError
+from autoplan.presets import UnknownPresetError, build_preset, get_preset, preset_config
+from autoplan.train.errors import TrainConfigError
 
 
 def _hf_config(spec: str, layers: int | None, overrides: dict[str, Any]):

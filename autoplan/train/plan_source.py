@@ -15,10 +15,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from autoplan.cluster import plan_cluster
 from autoplan.plan import Plan
 from autoplan.train.config import TrainConfig
 from autoplan.train.model import build_model
-from autoplan.cluster import plan_cluster
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from autoplan.errors import AutoplanError
-from autoplan.verify.numerics import check_numerics
-from autoplan.verify.shrink import ModelRecipe, recipe_for
 from autoplan.api import autoplan
 from autoplan.capture import capture
+from autoplan.errors import AutoplanError
 from autoplan.models import build_llama
 from autoplan.search.mesh_spec import MeshSpec
+from autoplan.verify.numerics import check_numerics
+from autoplan.verify.shrink import ModelRecipe, recipe_for
 
 log = logging.getLogger(__name__)
 

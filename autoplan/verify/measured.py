@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import pandas as pd
 import torch
+
 from autoplan.plan import Plan
 from autoplan.plan.forward import lm_loss, output_logits
 from hyper_parallel.platform import backend_for, device_module, device_type
