@@ -5,12 +5,25 @@ import argparse
 import logging
 import sys
 
+from autoplan.api import autoplan
+from autoplan.demo import run_demo
+from autoplan.errors import AutoplanError, InvalidArgumentError
+from autoplan.models.llama_plans import EXPERT_PLANS
+from autoplan.plan.plan import Plan
+from autoplan.presets import build_preset
+from autoplan.review import (
+    diff, importers, plot_communication, plot_memory, plot_timeline, save_figure, to_hf_tp_plan, to_python, to_torch,
+)
+from autoplan.review.compare import compare_plans
+from autoplan.search.mesh_spec import MeshSpec, mesh_roles
+from autoplan.train.cli import register as register_train
+from autoplan.verify import verify
+from cost_models.cli import main as cost_main
+
 log = logging.getLogger("autoplan")
 
 
 def _cmd_demo(args) -> int:
-    from autoplan.demo import run_demo
-
     print(f"autoplan demo: {args.world} gloo ranks on this CPU, plan '{args.plan}' on a small Llama")
     res = run_demo(world=args.world, plan_name=args.plan, steps=args.steps)
     print("\nPlan (one row per unit; cost predicted on this host's CPU profile):")
@@ -42,9 +55,6 @@ def _positive(text: str) -> int:
 
 def _parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """"dp=64,tp=8" -> ((64, 8), ("dp", "tp")); names from the mesh-name vocabulary."""
-    from autoplan.errors import InvalidArgumentError
-    from autoplan.search.mesh_spec import mesh_roles
-
     names, shape = [], []
     for part in text.split(","):
         name, _, size = part.partition("=")
@@ -63,9 +73,6 @@ def _load_model(spec: str, layers: int | None):
     """A preset name, or a path to an HF config.json (built on meta)."""
     import json
     from pathlib import Path
-
-    from autoplan.errors import InvalidArgumentError
-    from autoplan.presets import build_preset
 
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise InvalidArgumentError(f"--layers {layers!r}: must be an integer >= 1")
@@ -103,14 +110,10 @@ def _load_styles(spec: str, model):
     import json
     from pathlib import Path
 
-    from autoplan.review import importers
-
     if spec == "hf":
         return importers.styles_from_hf(importers.load_reference("hf/llama")["tp_plan"],
                                         prefix="model." if hasattr(model, "model") else "")
     if spec in EXPERT_STYLE_NAMES:
-        from autoplan.models.llama_plans import EXPERT_PLANS
-
         return {k: v.to_dict() for k, v in EXPERT_PLANS[spec]().items()}
     path = Path(spec)
     if not path.exists():
@@ -133,10 +136,6 @@ def _mesh_candidates(args) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
 
 def _cmd_plan(args) -> int:
     from tqdm import tqdm
-
-    from autoplan import MeshSpec, autoplan
-    from autoplan.errors import AutoplanError
-    from autoplan.search.mesh_spec import mesh_roles
 
     meshes = _mesh_candidates(args)
     model = _load_model(args.model, args.layers)
@@ -161,8 +160,6 @@ def _cmd_plan(args) -> int:
         raise ValueError("no mesh admits a plan: " + "; ".join(failures))
     plan = min(plans, key=lambda p: p.step_time)
     if len(plans) > 1:
-        from autoplan import compare_plans
-
         names = ["x".join(f"{n}{s}" for n, s in zip(p.mesh["names"], p.mesh["shape"])) for p in plans]
         table = compare_plans(plans, names)[["step_s", "vs_best", "comm_s", "mem_total_gib", "tokens_per_s"]]
         print(table.to_string(float_format=lambda v: f"{v:.4g}"))
@@ -194,24 +191,17 @@ def _print_plan(plan) -> None:
 
 
 def _cmd_show(args) -> int:
-    from autoplan import Plan
-
     _print_plan(Plan.from_json(args.plan))
     return 0
 
 
 def _cmd_verify(args) -> int:
-    from autoplan import Plan
-    from autoplan.verify import verify
-
     plan = Plan.from_json(args.plan)
     source = args.model or plan.model.get("source")
     if not source:
         raise ValueError("verify: the plan does not record its model; pass --model PRESET")
     model = _load_model(source, args.layers if args.layers is not None else plan.model.get("layers_override"))
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        from autoplan.errors import InvalidArgumentError
-
         raise InvalidArgumentError(f"verify: {type(model).__name__} is an encoder-decoder model; the dry run feeds "
                                    "decoder-only token inputs and cannot run it (plan, show, explain and export work)")
     result = verify(plan, model, numerics=args.numerics)
@@ -229,9 +219,6 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_diff(args) -> int:
-    from autoplan import Plan
-    from autoplan.review import diff
-
     frame = diff(Plan.from_json(args.a), Plan.from_json(args.b))
     if frame.empty:
         print("plans are identical")
@@ -243,8 +230,6 @@ def _cmd_diff(args) -> int:
 
 def _cmd_compare(args) -> int:
     from pathlib import Path
-
-    from autoplan import Plan, compare_plans
 
     if len(args.plans) < 1:
         raise ValueError("compare: give one or more plan files")
@@ -258,17 +243,12 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from autoplan import Plan
-
     print(Plan.from_json(args.plan).explain(args.module).text)
     return 0
 
 
 def _cmd_export(args) -> int:
     import json
-
-    from autoplan import Plan
-    from autoplan.review import to_hf_tp_plan, to_python, to_torch
 
     plan = Plan.from_json(args.plan)
     if args.format == "json":
@@ -294,9 +274,6 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from autoplan import Plan
-    from autoplan.review import plot_communication, plot_memory, plot_timeline, save_figure
-
     plan = Plan.from_json(args.plan)
     fig = {"memory": plot_memory, "communication": plot_communication, "timeline": plot_timeline}[args.kind](plan)
     print(f"wrote {save_figure(fig, args.output)}")
@@ -304,8 +281,6 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_cost_models(args) -> int:
-    from cost_models.cli import main as cost_main
-
     return cost_main([args.command, *args.rest])
 
 
@@ -381,8 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=f"cost_models {name} (see: autoplan {name} -h)", add_help=False)
         c.add_argument("rest", nargs=argparse.REMAINDER)
         c.set_defaults(func=_cmd_cost_models)
-    from autoplan.train.cli import register as register_train
-
     register_train(sub)
     return p
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from autoplan.api import plan_mesh
+from autoplan.mesh_plan import plan_mesh
 from autoplan.arguments import (
     UNBOUNDED, check_batch, check_batch_fits_model, check_choices, check_constraints, check_dtype, check_hardware, check_memory_limit,
     check_model, check_pipeline_depth, check_sequence, optional_bool, positive_int, strict_bool,
@@ -24,7 +24,9 @@ from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
-from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, schedule_ir, stage_bounds
+from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, stage_bounds
+from autoplan.search.schedule_timing import schedule_ir
+from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,6 @@ CLUSTER_ONLY = frozenset({"devices_per_node", "constraints", "schedules", "micro
 def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
     """FSDP2 traffic of pipeline rank ``rank``, exactly as the pipeline runner wraps it: every
     block of its stages is a unit, each stage root holds the rest (embedding, norm, head)."""
-    from autoplan.search.sharding import param_shards
-
     c = best.choice
     st = search.structure(best.b)
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
@@ -67,8 +67,6 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
 def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
     """Parameter bytes each pipeline rank holds after TP and FSDP (tied parameters once), one
     pass over the parameter shards for all ranks."""
-    from autoplan.search.sharding import param_shards
-
     c = best.choice
     st = search.structure(best.b)
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])

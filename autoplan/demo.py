@@ -17,8 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autoplan.api import autoplan
 from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
+from autoplan.search.mesh_spec import MeshSpec
+from cost_models.runtime import calibrate_runtime, load_runtime
 from hyper_parallel import loss_parallel, parallelize_module, style_from_dict
 from hyper_parallel.testing import RankPool, cached_mesh
 from hyper_parallel.testing.compare import full
@@ -86,8 +89,6 @@ def _rank_main(styles: dict, steps: int, batch: int, seq: int):
 def _ensure_runtime_calibration(world: int, pool) -> None:
     """The cpu profile's predictions need this host's eager-rank overheads (DTensor dispatch,
     gloo collectives); measure them once on the demo's own ranks (~15 s) if none are cached."""
-    from cost_models.runtime import calibrate_runtime, load_runtime
-
     if load_runtime(world) is None:
         log.warning("demo: calibrating this host's runtime overheads on %d ranks (once, cached)", world)
         calibrate_runtime(world, pool=pool)
@@ -99,8 +100,6 @@ def plan_demo_model(world: int, batch: int, seq: int):
     The demo model is far too small for tensor parallelism to pay (the planner says so), so the
     demo asks for every unit to be sharded to show a real plan being applied.
     """
-    from autoplan import MeshSpec, autoplan
-
     model = build_llama(device="meta", **DEMO_MODEL)
     return autoplan(model, MeshSpec((world,), ("tp",), "cpu"), batch=(batch, seq), dtype=torch.float32,
                     allow_replicated_units=False)

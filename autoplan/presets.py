@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import AutoplanError, InvalidArgumentError
+from autoplan.models.llama import LlamaConfig, build_llama
 
 
 class UnknownPresetError(AutoplanError, KeyError):
@@ -116,8 +117,6 @@ def preset_config(name: str, num_layers: int | None = None, **overrides):
     if p.family == "titan":
         import dataclasses
 
-        from autoplan.models.llama import LlamaConfig
-
         known = {f.name for f in dataclasses.fields(LlamaConfig)} if dataclasses.is_dataclass(LlamaConfig) else None
         if known is not None and set(overrides) - known:
             raise InvalidArgumentError(f"preset {name!r}: unknown config field(s) {sorted(set(overrides) - known)}; "
@@ -147,8 +146,6 @@ def build_preset(
     p = get_preset(name)
     cfg = preset_config(name, num_layers, **overrides)
     if p.family == "titan":
-        from autoplan.models.llama import build_llama
-
         model = build_llama(device=device, **cfg.to_dict())
     else:
         import transformers

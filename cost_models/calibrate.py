@@ -19,6 +19,7 @@ import pandas as pd
 from cost_models.collectives import collective_terms
 from cost_models.errors import CalibrationError
 from cost_models.hardware.profile import Link
+from hyper_parallel.testing import RankPool
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,6 @@ def calibrate_collectives(world: int = 2, kinds: Sequence[str] = DEFAULT_KINDS,
     Returns (fits, points, link): ``link`` is the all-reduce fit (alpha, bandwidth) as a Link to
     use for this host's intra-node level. Pass ``pool`` to reuse a running RankPool.
     """
-    from hyper_parallel.testing import RankPool
-
     own = pool is None
     pool = pool or RankPool(world)
     try:

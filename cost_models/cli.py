@@ -20,6 +20,13 @@ from pathlib import Path
 import pandas as pd
 
 from autoplan.models.llama import LlamaConfig
+from cost_models.calibrate import calibrate_collectives
+from cost_models.hardware import list_hardware, load_hardware
+from cost_models.hardware.host import save_host_profile
+from cost_models.ops import llama_model_ops
+from cost_models.profile_table import ProfileTable, device_key
+from cost_models.profiler import TimingConfig, profile_ops
+from cost_models.runtime import _path, calibrate_runtime
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +78,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hardware(args) -> int:
-    from cost_models.hardware import list_hardware, load_hardware
-
     if not args.name:
         rows = []
         for name in list_hardware():
@@ -94,10 +99,6 @@ def _hardware(args) -> int:
 def _profile(args) -> int:
     import torch
     from tqdm import tqdm
-
-    from cost_models.ops import llama_model_ops
-    from cost_models.profile_table import ProfileTable, device_key
-    from cost_models.profiler import TimingConfig, profile_ops
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -131,10 +132,6 @@ def _profile(args) -> int:
 def _calibrate(args) -> int:
     from tqdm import tqdm
 
-    from cost_models.calibrate import calibrate_collectives
-    from cost_models.hardware import load_hardware
-    from cost_models.hardware.host import save_host_profile
-
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     sizes = [2 ** k for k in range(10, args.max_bytes.bit_length())]
     with tqdm(total=len(kinds), desc=f"calibrate {args.world} ranks", unit="kind") as bar:
@@ -156,8 +153,6 @@ def _calibrate(args) -> int:
 
 def _runtime(args) -> int:
     import json
-
-    from cost_models.runtime import _path, calibrate_runtime
 
     rt = calibrate_runtime(args.world, reps=args.reps, save=not args.no_save)
     print(json.dumps(rt.to_dict(), indent=1))

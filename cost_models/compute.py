@@ -21,6 +21,7 @@ import pandas as pd
 from cost_models.hardware.profile import HardwareProfile
 from cost_models.ops import OpSpec, TensorSpec
 from cost_models.profile_table import ProfileTable
+from cost_models.profiler import _resolve_op
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,6 @@ _VIEW_LIKE = {"_unsafe_view", "_reshape_alias", "alias", "lift_fresh"}
 
 def is_view(spec: OpSpec) -> bool:
     """True for ops that return an alias of an input (no data moves)."""
-    from cost_models.profiler import _resolve_op
-
     if spec.short_name in _VIEW_LIKE:
         return True
     try:

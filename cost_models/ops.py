@@ -209,7 +209,7 @@ def llama_block_ops(batch: int, seq: int, dtype: str = "float32", count: int = 1
     """
     import torch
 
-    from autoplan.models.llama import LlamaConfig, TransformerBlock, rope_tables
+    from autoplan.models.llama import LlamaConfig, TransformerBlock, rope_tables  # lazy: cost_models is below autoplan
 
     cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
     dt = getattr(torch, dtype.split(".")[-1])
@@ -231,7 +231,7 @@ def llama_model_ops(batch: int, seq: int, dtype: str = "float32", backward: bool
     import torch
     import torch.nn.functional as F
 
-    from autoplan.models.llama import LlamaConfig, RMSNorm
+    from autoplan.models.llama import LlamaConfig, RMSNorm  # lazy: cost_models is below autoplan
 
     cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
     block = llama_block_ops(batch, seq, dtype, count=cfg.n_layers, backward=backward, **config)
@@ -265,8 +265,10 @@ def specs_from_graph(graph) -> list[OpSpec]:
     dtypes, devices and enums as one-key dicts; they become TensorSpecs, dtype strings and the
     replay-device marker here.
     """
+    from autoplan.capture.views import distinct_ops  # lazy: cost_models is below autoplan
+
     specs = []
-    for d in graph.distinct_ops():
+    for d in distinct_ops(graph):
         metas = [TensorSpec(tuple(m.shape), m.dtype if m.dtype.startswith("torch.") else f"torch.{m.dtype}",
                             tuple(m.stride) if m.stride is not None and len(m.stride) == len(m.shape) else None)
                  for m in d.inputs]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from cost_models.errors import CalibrationError
+from cost_models.hardware.host import cache_dir, host_key
 from cost_models.ops import OpSpec
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,6 @@ def device_key(device="cpu") -> str:
 
     dev = torch.device(device)
     if dev.type == "cpu":
-        from cost_models.hardware.host import host_key
-
         return f"cpu-{host_key()}"
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
@@ -37,8 +36,6 @@ def device_key(device="cpu") -> str:
 
 
 def default_path(device_name: str) -> Path:
-    from cost_models.hardware.host import cache_dir
-
     return cache_dir() / "profiles" / f"{device_name}.csv"
 
 

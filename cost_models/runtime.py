@@ -43,7 +43,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cost_models.calibrate import bench_collectives, fit_alpha_beta
+from cost_models.collectives import collective_terms
+from cost_models.errors import CalibrationError
+from cost_models.hardware import load_hardware
+from cost_models.hardware.host import cache_dir, host_key, save_host_profile
 from cost_models.hardware.profile import Link
+from hyper_parallel.testing import RankPool
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +82,6 @@ class RuntimeOverheads:
 
 
 def _path(world: int) -> Path:
-    from cost_models.hardware.host import cache_dir, host_key
-
     return cache_dir() / "hardware" / f"cpu-{host_key()}-runtime-w{int(world)}.json"
 
 
@@ -209,10 +213,6 @@ def bench_runtime(reps: int = 20, layers: int = 16, width: int = 32) -> dict:
 def _fit_link(frame) -> tuple[float, float]:
     """alpha/beta by least squares; when noise makes that fit unphysical, alpha from the smallest
     size and bandwidth from the largest (each with the ring step and byte counts)."""
-    from cost_models.calibrate import fit_alpha_beta
-    from cost_models.collectives import collective_terms
-    from cost_models.errors import CalibrationError
-
     try:
         return fit_alpha_beta(frame)
     except CalibrationError as exc:
@@ -236,11 +236,6 @@ def calibrate_runtime(world: int = 4, pool=None, hardware=None, reps: int = 20, 
     """
     import pandas as pd
 
-    from cost_models.calibrate import bench_collectives
-    from cost_models.hardware import load_hardware
-    from cost_models.hardware.host import host_key, save_host_profile
-    from hyper_parallel.testing import RankPool
-
     hw = hardware or load_hardware("cpu")
     own = pool is None
     pool = pool or RankPool(world)
@@ -261,8 +256,6 @@ def calibrate_runtime(world: int = 4, pool=None, hardware=None, reps: int = 20, 
         ratios.append(max(float(med[f"gemm{n}_s"]) / ideal, 1e-9))
     scale = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     alpha, bw = _fit_link(pd.DataFrame(coll))
-    from cost_models.collectives import collective_terms
-
     link = Link(f"gloo_w{world}_calibrated", bandwidth=float(bw), latency=float(alpha))
     ab = collective_terms("all_reduce", float(med["interleaved_bytes"]), world).time(link)
     extra = max(float(med["burst_reduce_s"] - med["burst_s"]) - ab, 0.0)

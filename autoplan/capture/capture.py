@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device
+from autoplan.capture.fallback import capture_with_hooks
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_model, resolve_inputs
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.opcost import register_flop_formulas
@@ -113,8 +114,6 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
         return graph
     if not fallback:
         raise CaptureError("; ".join(errors))
-    from autoplan.capture.fallback import capture_with_hooks
-
     try:
         graph = capture_with_hooks(mm, args, kwargs, infos, groups, tied, nparams, errors)
     except CaptureError as exc:

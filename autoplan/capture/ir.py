@@ -190,30 +190,6 @@ class ModelGraph:
         """Nodes owned by module ``fqn`` or any of its submodules."""
         return [n for n in self.nodes if fqn == "" or fqn in n.scope]
 
-    # ------------------------------------------------------------------ views
-    def distinct_ops(self):
-        """Distinct (op, input shapes/dtypes, non-tensor args) with occurrence counts.
-
-        Returns a list of :class:`autoplan.capture.views.DistinctOp`, most frequent first; each
-        can build its arguments on a device and run (``op.run(device)``) for profiling.
-        Occurrences count every block member, so they add up to one forward.
-        """
-        from autoplan.capture.views import distinct_ops
-
-        return distinct_ops(self)
-
-    def module_summary(self):
-        """pandas DataFrame, one row per module FQN: role, params, activations, FLOPs, saved bytes."""
-        from autoplan.capture.views import module_summary
-
-        return module_summary(self)
-
-    def block_dataflow(self, block: str | BlockGroup | None = None):
-        """Ordered steps (leaf-module calls and functional ops) of a block; see views.block_dataflow."""
-        from autoplan.capture.views import block_dataflow
-
-        return block_dataflow(self, block)
-
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

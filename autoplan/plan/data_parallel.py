@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanSchemaError
+from hyper_parallel.errors import MeshError
 
 
 def dp_dims(plan) -> tuple[str, ...]:
@@ -50,6 +51,17 @@ def dp_rank(dp_mesh) -> int:
     for size, c in zip(dp_mesh.shape, dp_mesh.get_coordinate()):
         rank = rank * size + c
     return rank
+
+
+def dp_share(inputs: torch.Tensor, targets: torch.Tensor, dp_mesh, who: str):
+    """Rows of a global batch that belong to this rank's data-parallel coordinate."""
+    if dp_mesh is None or dp_mesh.size() == 1:
+        return inputs, targets
+    n, r = dp_mesh.size(), dp_rank(dp_mesh)
+    if inputs.shape[0] % n:
+        raise MeshError(f"{who}.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
+    k = inputs.shape[0] // n
+    return inputs[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hyper_parallel.core.pipeline_parallel as pipe
-from autoplan.plan.data_parallel import fsdp_kwargs
+from autoplan.plan.data_parallel import allreduce_gradients, dp_share, fsdp_kwargs, unique_params
+from autoplan.plan.forward import lm_loss
 from autoplan.search.mesh_spec import mesh_roles
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.errors import MeshError
@@ -82,8 +83,6 @@ class PipelineRunner:
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's share of a global batch along dim 0 (its dp coordinate)."""
-        from autoplan.plan.runner import dp_share
-
         return dp_share(inputs, targets, self.dp_mesh, "PipelineRunner")
 
     def step(self, batch) -> float:
@@ -92,8 +91,6 @@ class PipelineRunner:
         args = (inputs,) if self.first else ()
         loss = self.schedule.step(*args, target=targets if self.last else None)
         if getattr(self, "replicate_dp", False):
-            from autoplan.plan.data_parallel import allreduce_gradients, unique_params
-
             params = [p for st in self.stages for p in unique_params(st.module)]
             allreduce_gradients(params, self.dp_mesh.get_group(), self.dp_mesh.size())
         self.optimizer.step()
@@ -116,8 +113,6 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     ``optimizer``: None (AdamW over this rank's parameters) or a factory ``params -> Optimizer``
     (parameters change identity under FSDP, so an optimizer made beforehand would miss them).
     """
-    from autoplan.plan.runner import lm_loss
-
     pipe_cfg = plan.pipeline
     names = tuple(mesh.mesh_dim_names or ())
     pp_name = mesh_roles(names).get("pp")  # "pp", "pipe" or "pipeline": the mesh-name vocabulary

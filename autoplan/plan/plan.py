@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoplan.errors import PlanSchemaError
-
-SCHEMA_VERSION = 2
+from autoplan.errors import InvalidArgumentError, PlanSchemaError
+from autoplan.plan.runner import apply_plan
+from autoplan.plan.schema import SCHEMA_VERSION, validate_plan_data
+from hyper_parallel import style_from_dict
 
 
 def _plain(value: Any) -> Any:
@@ -89,8 +90,6 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Plan":
-        from autoplan.plan.schema import validate_plan_data
-
         validate_plan_data(data)
         data = _plain(data)  # the plan owns its data: later edits of ``data`` do not reach it
         kw = {k: data[k] for k in ("mesh", "tp_dim", "dp_dim", "styles", "stream_layout", "loss_parallel", "fsdp",
@@ -124,8 +123,6 @@ class Plan:
     # ------------------------------------------------------------------ use
     def tp_plan(self):
         """{pattern: ParallelStyle} for hyper_parallel.parallelize_module."""
-        from hyper_parallel import style_from_dict
-
         return {k: style_from_dict(v) for k, v in self.styles.items()}
 
     def apply(self, model, mesh, **runner_kwargs):
@@ -133,9 +130,6 @@ class Plan:
         a :class:`~autoplan.plan.runner.Runner` whose ``step(batch)`` trains."""
         import torch.nn as nn
         from torch.distributed.device_mesh import DeviceMesh
-
-        from autoplan.errors import InvalidArgumentError
-        from autoplan.plan.runner import apply_plan
 
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(f"plan.apply: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -166,62 +160,64 @@ class Plan:
                 f"step≈{self.predictions.get('step_s', float('nan')):.4g}s)")
 
     # ---- review (issue 8): thin delegations to autoplan.review (exports, explain, diff, plots)
+    # review imports the planner (importers price plans through autoplan(), which builds Plans), so
+    # Plan reaches it only when one of these is called: a real cycle if imported at the top.
     def explain(self, fqn_or_unit: str):
         """Chosen style for a unit or module, each alternative's predicted cost and why it lost."""
-        from autoplan.review import explain
+        from autoplan.review import explain  # lazy: review is a layer above Plan
 
         return explain(self, fqn_or_unit)
 
     def diff(self, other: "Plan"):
         """DataFrame of what differs from ``other`` (styles, decisions, predictions, collectives)."""
-        from autoplan.review import diff
+        from autoplan.review import diff  # lazy: review is a layer above Plan
 
         return diff(self, other)
 
     def module_table(self):
         """DataFrame, one row per module pattern: style, layouts, and its unit's predicted costs."""
-        from autoplan.review import module_table
+        from autoplan.review import module_table  # lazy: review is a layer above Plan
 
         return module_table(self)
 
     def stage_table(self):
         """DataFrame, one row per pipeline stage (one row without pipeline parallelism)."""
-        from autoplan.review import stage_table
+        from autoplan.review import stage_table  # lazy: review is a layer above Plan
 
         return stage_table(self)
 
     def to_torch(self, model=None):
         """{pattern: torch.distributed.tensor.parallel style} for torch's parallelize_module."""
-        from autoplan.review import to_torch
+        from autoplan.review import to_torch  # lazy: review is a layer above Plan
 
         return to_torch(self, model)
 
     def to_hf_tp_plan(self, model=None, **kwargs):
         """HF tp_plan strings where expressible, and the entries that are not (with reasons)."""
-        from autoplan.review import to_hf_tp_plan
+        from autoplan.review import to_hf_tp_plan  # lazy: review is a layer above Plan
 
         return to_hf_tp_plan(self, model, **kwargs)
 
     def to_python(self) -> str:
         """A readable snippet reproducing this parallelization with hyper_parallel."""
-        from autoplan.review import to_python
+        from autoplan.review import to_python  # lazy: review is a layer above Plan
 
         return to_python(self)
 
     def plot_memory(self, **kwargs):
         """matplotlib Figure: memory per rank stacked by kind."""
-        from autoplan.review import plot_memory
+        from autoplan.review import plot_memory  # lazy: review is a layer above Plan
 
         return plot_memory(self, **kwargs)
 
     def plot_communication(self):
         """matplotlib Figure: bytes per collective kind and mesh dimension."""
-        from autoplan.review import plot_communication
+        from autoplan.review import plot_communication  # lazy: review is a layer above Plan
 
         return plot_communication(self)
 
     def plot_timeline(self, **kwargs):
         """matplotlib Figure: the pipeline schedule per rank from hyper_parallel's simulator."""
-        from autoplan.review import plot_timeline
+        from autoplan.review import plot_timeline  # lazy: review is a layer above Plan
 
         return plot_timeline(self, **kwargs)

@@ -12,44 +12,16 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.data_parallel import dp_mesh as plan_dp_mesh
-from autoplan.plan.data_parallel import dp_rank, fsdp_kwargs
+from autoplan.plan.data_parallel import dp_share, fsdp_kwargs
+from autoplan.plan.data_parallel import allreduce_gradients, dp_mesh as plan_dp_mesh, unique_params
+from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
+from autoplan.plan.pipeline_runner import apply_pipeline_plan
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.errors import MeshError
 
 log = logging.getLogger(__name__)
-
-
-def _logits(out):
-    return out.logits if hasattr(out, "logits") else out
-
-
-def forward_tokens(model: nn.Module, tokens: torch.Tensor):
-    """The model's output for token ids. Encoder-decoder models (T5, BART) get the tokens as
-    the decoder's input too: one call trains both stacks, as a denoising step would."""
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return model(input_ids=tokens, decoder_input_ids=tokens)
-    return model(tokens)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Token cross entropy over (..., vocab) logits."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-
-
-def dp_share(inputs: torch.Tensor, targets: torch.Tensor, dp_mesh, who: str):
-    """Rows of a global batch that belong to this rank's data-parallel coordinate."""
-    if dp_mesh is None or dp_mesh.size() == 1:
-        return inputs, targets
-    n, r = dp_mesh.size(), dp_rank(dp_mesh)
-    if inputs.shape[0] % n:
-        raise MeshError(f"{who}.local_batch: batch {inputs.shape[0]} not divisible by dp={n}")
-    k = inputs.shape[0] // n
-    return inputs[r * k:(r + 1) * k], targets[r * k:(r + 1) * k]
 
 
 class Runner:
@@ -70,7 +42,7 @@ class Runner:
         """One training step on this rank's ``(inputs, targets)``; returns the loss."""
         inputs, targets = batch
         self.optimizer.zero_grad()
-        logits = _logits(forward_tokens(self.model, inputs))
+        logits = output_logits(forward_tokens(self.model, inputs))
         if isinstance(logits, DTensor):
             with loss_parallel():
                 loss = self.loss_fn(logits, targets)
@@ -79,8 +51,6 @@ class Runner:
             loss = self.loss_fn(logits, targets)
             loss.backward()
         if self.replicate_dp:
-            from autoplan.plan.data_parallel import allreduce_gradients, unique_params
-
             allreduce_gradients(unique_params(self.model), self.dp_mesh.get_group(), self.dp_mesh.size())
         self.optimizer.step()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -109,8 +79,6 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
                loss_fn: Callable = lm_loss):
     _check_mesh(plan, mesh)
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
-        from autoplan.plan.pipeline_runner import apply_pipeline_plan
-
         return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
     if plan.styles and plan.tp_dim:
         parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)

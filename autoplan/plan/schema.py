@@ -18,6 +18,12 @@ import jsonschema
 
 from autoplan.errors import AutoplanError, PlanSchemaError
 from autoplan.search.mesh_spec import mesh_roles
+from cost_models.hardware import list_hardware
+from hyper_parallel.core.tensor_parallel.registry import STYLES, style_from_dict
+from hyper_parallel.errors import HyperParallelError
+
+# the plan-file format this autoplan writes and reads (see plan.py's docstring for what changed)
+SCHEMA_VERSION = 2
 
 # exact JSON integers only: jsonschema's "integer" also accepts 2.0 (and Python's True is an int)
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
@@ -65,8 +71,6 @@ def _check_consistency(data: dict) -> None:
         roles = mesh_roles(names)
     except AutoplanError as e:
         raise PlanSchemaError(f"plan field mesh/names: {e}") from None
-    from cost_models.hardware import list_hardware
-
     hw = mesh["hardware"].strip().lower().replace("-", "_").replace(" ", "_")
     if hw not in list_hardware():
         raise PlanSchemaError(f"plan field mesh/hardware: {mesh['hardware']!r} is not a known profile; "
@@ -124,9 +128,6 @@ def _check_consistency(data: dict) -> None:
 
 
 def _check_styles(styles: dict) -> None:
-    from hyper_parallel.core.tensor_parallel.registry import STYLES, style_from_dict
-    from hyper_parallel.errors import HyperParallelError
-
     for pattern, spec in styles.items():
         if spec.get("style") not in STYLES:
             raise PlanSchemaError(f"plan style for {pattern!r}: unknown style {spec.get('style')!r}; "
@@ -140,8 +141,6 @@ def _check_styles(styles: dict) -> None:
 def validate_plan_data(data: Any) -> None:
     """Raise PlanSchemaError for a wrong version, a missing/malformed field, fields that
     contradict each other, or an unknown style."""
-    from autoplan.plan.plan import SCHEMA_VERSION
-
     if not isinstance(data, dict):
         raise PlanSchemaError(f"a plan must be a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")

@@ -12,6 +12,10 @@ from typing import Any
 
 import torch.nn as nn
 
+from autoplan.errors import AutoplanError
+from hyper_parallel import style_from_dict
+from hyper_parallel.core.tensor_parallel import match_modules, to_torch_plan
+
 # HF ParallelInterface names (v5, and v4 where it differs), see shared/reference/expert_plans.json "hf/_styles"
 _HF_NAMES = {
     "v5": {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather": "colwise_gather_output",
@@ -35,9 +39,6 @@ def to_torch(plan, model: nn.Module | None = None) -> dict[str, Any]:
     Shard(-1) in torch), so pass it when you have it. The result applies with
     ``torch.distributed.tensor.parallel.parallelize_module(model, mesh[plan.tp_dim], result)``.
     """
-    from hyper_parallel import style_from_dict
-    from hyper_parallel.core.tensor_parallel import to_torch_plan
-
     return to_torch_plan({k: style_from_dict(v) for k, v in _styles(plan).items()}, model)
 
 
@@ -94,8 +95,6 @@ def _hf_kind(spec: dict[str, Any], is_embedding: bool) -> tuple[str | None, str]
 def to_hf_tp_plan(plan, model: nn.Module | None = None, *, version: str = "v5",
                   base_model_prefix: str | None = None) -> HFExport:
     """HF ``tp_plan`` strings for every style HF can express (``version`` "v5" or "v4" names)."""
-    from autoplan.errors import AutoplanError
-
     if version not in _HF_NAMES:
         raise AutoplanError(f"to_hf_tp_plan: version must be one of {sorted(_HF_NAMES)}, got {version!r}")
     names = _HF_NAMES[version]
@@ -110,8 +109,6 @@ def to_hf_tp_plan(plan, model: nn.Module | None = None, *, version: str = "v5",
             continue
         is_emb = False
         if model is not None:
-            from hyper_parallel.core.tensor_parallel import match_modules
-
             m = match_modules(model, pattern)
             is_emb = bool(m) and isinstance(m[0][1], nn.Embedding)
         else:

@@ -17,7 +17,11 @@ from typing import Any
 
 import torch.nn as nn
 
+from autoplan.api import autoplan
 from autoplan.errors import AutoplanError
+from hyper_parallel import style_from_dict
+from hyper_parallel.core.tensor_parallel import match_modules
+from hyper_parallel.errors import StyleSpecError
 
 # HF ParallelInterface names (v4 and v5) -> our style dicts
 _HF_TO_STYLE = {
@@ -58,8 +62,6 @@ def _arity(model: nn.Module | None, pattern: str) -> int | None:
     """Positional inputs of the first module ``pattern`` matches (None if unknown)."""
     if model is None:
         return None
-    from hyper_parallel.core.tensor_parallel import match_modules
-
     matches = match_modules(model, pattern)
     if not matches:
         return None
@@ -74,9 +76,6 @@ def styles_from_expert(tp_plan: dict[str, Any], *, model: nn.Module | None = Non
     Variants are resolved by ``loss_parallel``; PrepareModuleInput layouts are cut or padded to
     the module's forward (torchtitan's arity changed with its Attention signature over time).
     """
-    from hyper_parallel import style_from_dict
-    from hyper_parallel.errors import StyleSpecError
-
     out = {}
     for pattern, entry in tp_plan.items():
         if not isinstance(entry, dict) or "style" not in entry:
@@ -116,8 +115,6 @@ def styles_from_hf(tp_plan: dict[str, Any], *, prefix: str = "model.", version: 
 def import_plan(model: nn.Module, mesh, styles: dict, *, name: str | None = None, **autoplan_kwargs):
     """Price ``styles`` on ``model`` and ``mesh`` with the planner's cost model; returns a Plan
     whose ``model["plan_name"]`` records where it came from."""
-    from autoplan.api import autoplan
-
     plan = autoplan(model, mesh, styles=styles, **autoplan_kwargs)
     if name:
         plan.model["plan_name"] = name

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from autoplan.review.stages import simulate_pipeline
+
 _COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868", "BACKWARD_INPUT": "#DD8452",
            "BACKWARD_WEIGHT": "#55A868"}
 _MEM_KINDS = ("params", "grads", "optimizer", "activations")
@@ -29,8 +31,6 @@ def _name(plan) -> str:
 
 def plot_timeline(plan=None, *, sim=None, p2p_s: float | None = None, title: str | None = None):
     """Pipeline timeline: one row per rank, a box per compute action (F/B/W) per micro-batch."""
-    from autoplan.review.stages import simulate_pipeline
-
     Figure = _plt()
     if sim is None:
         sim = simulate_pipeline(plan, p2p_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from autoplan.errors import AutoplanError
+from hyper_parallel import StageCost, build_schedule, simulate
 
 STAGE_COLUMNS = ["stage", "rank", "units", "compute_s", "comm_s", "bubble_s", "busy_fraction", "memory_bytes",
                  "memory_gib"]
@@ -78,8 +79,6 @@ def stage_costs(plan) -> list:
     """One StageCost per stage, per micro-batch. Rows may carry ``forward_s`` /
     ``backward_input_s`` / ``backward_weight_s``; otherwise a stage's compute over m micro-batches
     is split 1:1:1 into forward, input-gradient and weight-gradient work (the FLOPs ratio)."""
-    from hyper_parallel import StageCost
-
     m = int((plan.pipeline or {}).get("microbatches", 1)) or 1
     out = []
     for r in _stages(plan):
@@ -93,8 +92,6 @@ def stage_costs(plan) -> list:
 
 def simulate_pipeline(plan, p2p_s: float | None = None):
     """hyper_parallel's SimResult for the plan's schedule (a one-rank, one-stage run without pp)."""
-    from hyper_parallel import build_schedule, simulate
-
     pipe = plan.pipeline if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1 else None
     if pipe is None:
         return simulate(build_schedule("GPipe", 1, 1), stage_costs(plan), 0.0)

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 from autoplan.search.strategies import Collective
 from autoplan.search.structure import Work
+from cost_models.collectives import collective_terms
 from cost_models.compute import gemm_efficiency
 from cost_models.overlap import DP_MODES, dp_overlap
+from cost_models.runtime import load_runtime
 
 log = logging.getLogger(__name__)
 _AUTO = "auto"
@@ -75,8 +77,6 @@ class CostContext:
         hw = self.hardware
         if getattr(hw, "device_type", None) != "cpu" or getattr(hw, "name", None) != "cpu":
             return None
-        from cost_models.runtime import load_runtime
-
         world = math.prod(d.size for d in self.topology.dims)
         rt = load_runtime(world)
         if rt is None:
@@ -152,8 +152,6 @@ class CostContext:
         dim = self.tp_dim if c.dim == "tp" else c.dim
         if dim not in self.topology.names or self.topology[dim].size == 1:
             return 0.0
-        from cost_models.collectives import collective_terms
-
         md = self.topology[dim]
         terms = collective_terms(c.kind, c.nbytes, md.size)
         rt = self.runtime
@@ -172,8 +170,6 @@ class CostContext:
         ``latency=False`` for the per-unit bytes it prices FSDP as the runner issues it."""
         if not self.fsdp or self.dp <= 1 or fsdp_units <= 0 or self.dp_dim not in self.topology.names:
             return 0.0
-        from cost_models.collectives import collective_terms
-
         md = self.topology[self.dp_dim]
         rt = self.runtime
         alpha = rt.link.latency if rt is not None else md.link.latency

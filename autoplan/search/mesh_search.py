@@ -22,13 +22,20 @@ from typing import Any, Sequence
 
 import torch
 
+from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import (
-    SCHEDULES, PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates, time_choice,
+    SCHEDULES, PipelineChoice, UnitCost, balanced_cuts, estimate, even_starts, full_lower_bound, pipeline_candidates,
+    schedule_virtual, time_choice, uniform_inflight,
 )
-from autoplan.search.tp_search import exposed_dp
+from autoplan.search.probe import Prober
+from autoplan.search.structure import model_structure
+from autoplan.search.tp_search import TPSearch, exposed_dp
+from cost_models.hardware import load_hardware
 from cost_models.overlap import DP_MODES
+from hyper_parallel.core.pipeline_parallel.split import spine_for
 
 log = logging.getLogger(__name__)
 MESH_NAMES = ("dp", "pp", "tp")
@@ -123,8 +130,6 @@ class ClusterSearch:
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
                  sequence_parallel: bool | None = None, graphs: dict | None = None,
                  dp_modes: Sequence[str] = ("fsdp", "replicate"), recompute_modes: Sequence[str] = ("none", "full")):
-        from cost_models.hardware import load_hardware
-
         self.dp_modes = [dp_mode_of(x) for x in dp_modes]
         self.recompute_modes = [recompute_of(x) for x in recompute_modes]
         self.model, self.devices, self.hardware = model, int(devices), hardware
@@ -154,15 +159,11 @@ class ClusterSearch:
     # ---------------------------------------------------------------- pricing
     def graph(self, b: int):
         if b not in self.graphs:
-            from autoplan.capture import capture
-
             self.graphs[b] = capture(self.model, None, batch=(b, self.seq), dtype=self.dtype)
         return self.graphs[b]
 
     def structure(self, b: int):
         if b not in self._structures:
-            from autoplan.search.structure import model_structure
-
             self._structures[b] = model_structure(self.graph(b))
         return self._structures[b]
 
@@ -170,8 +171,6 @@ class ClusterSearch:
         """Pipeline units in execution order: the runtime's spine when it knows the model, else
         embedding, every block, final norms, head from the captured structure."""
         try:
-            from hyper_parallel.core.pipeline_parallel.split import spine_for
-
             return list(spine_for(self.model).units(self.model))
         except Exception:  # noqa: BLE001 - any model the runtime cannot split is planned by structure
             st = self.structure(self.mb_sizes[0])
@@ -187,8 +186,6 @@ class ClusterSearch:
         return self._ctx[key]
 
     def _make_ctx(self, dp: int, pp: int, tp: int, mode: str, recompute: str):
-        from autoplan.search.costing import CostContext
-
         spec = MeshSpec((dp, pp, tp), MESH_NAMES, self.hardware, self.dpn)
         pbytes = self.structure(self.mb_sizes[0]).dtype_bytes
         mode = mode if dp > 1 else "replicate"
@@ -200,8 +197,6 @@ class ClusterSearch:
     def prober(self, tp: int, b: int):
         """One strategy prober per tensor-parallel degree: its verdicts hold for every
         micro-batch size and checkpointing choice (see autoplan/search/soundness.py)."""
-        from autoplan.search.probe import Prober
-
         if tp <= 1:
             return None
         if tp not in self._probers:
@@ -215,8 +210,6 @@ class ClusterSearch:
         ac = recompute_of(ac)
         key = (tp, b, ac)
         if key not in self._tp:
-            from autoplan.search.tp_search import TPSearch
-
             ctx = self.ctx(1, 1, tp, False, ac)
             try:
                 search = TPSearch(self.structure(b), self.graph(b), ctx, tp, allow_replicated=self.allow_replicated,
@@ -415,8 +408,6 @@ class ClusterSearch:
                  ac=None, cuts: str = "even", v: int = 1) -> Candidate:
         """Price one fixed plan (e.g. an expert's) with the same costs: even or balanced cuts;
         ``ac=None`` takes the faster fitting of with/without activation checkpointing."""
-        from autoplan.search.pipeline_search import balanced_cuts, schedule_virtual, uniform_inflight
-
         if self.gb % (dp * b):
             raise InfeasiblePlanError(f"evaluate: global batch {self.gb} not divisible by dp*b = {dp * b}")
         m = self.gb // (dp * b)

@@ -15,6 +15,8 @@ import numbers
 from dataclasses import dataclass
 
 from autoplan.errors import MeshNameError, PlanningError
+from cost_models.hardware import load_hardware
+from cost_models.topology import mesh_links
 
 # role -> the names that mean it (the first is the canonical one)
 MESH_ROLES: dict[str, tuple[str, ...]] = {
@@ -84,13 +86,9 @@ class MeshSpec:
         return self.shape[self.names.index(name)] if name in self.names else 1
 
     def hardware_profile(self):
-        from cost_models.hardware import load_hardware
-
         return load_hardware(self.hardware)
 
     def topology(self):
-        from cost_models.topology import mesh_links
-
         hw = self.hardware_profile()
         return mesh_links(self.shape, self.names, hw, devices_per_node=self.devices_per_node or hw.devices_per_node)
 

@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from autoplan.errors import InfeasiblePlanError
+from autoplan.search.schedule_timing import compile_schedule, schedule_ir, time_schedule
+from hyper_parallel.core.pipeline_parallel import StageCost
+from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+from hyper_parallel.errors import ScheduleError
 
 log = logging.getLogger(__name__)
 
@@ -80,28 +84,7 @@ class PipelineChoice:
         return len(self.starts)
 
 
-# ------------------------------------------------------------------ schedule IR (cached)
-
-@functools.lru_cache(maxsize=256)
-def schedule_ir(name: str, p: int, m: int, v: int = 1):
-    """The generator's compute orders (stage placement, in-flight counts come from these)."""
-    from hyper_parallel.core.pipeline_parallel import build_schedule
-
-    kwargs = {"n_virtual": v} if name == "Interleaved1F1B" else {}
-    return build_schedule(name, p, m, **kwargs)
-
-
-@functools.lru_cache(maxsize=64)
-def lowered_schedule(name: str, p: int, m: int, v: int = 1):
-    """The lowered IR of a schedule (compute plus send/recv actions, what the executor runs).
-
-    ``simulate`` runs the full validator on every call (quadratic membership checks: ~1.4 s at
-    p=16, m=128); the generators' output is validated by the runtime before it runs and by
-    tests/pipeline, and the timing itself raises on a deadlock, so the planner lowers only."""
-    from hyper_parallel.core.pipeline_parallel import lower
-
-    return lower(schedule_ir(name, p, m, v))
-
+# ------------------------------------------------------------------ schedule facts (IRs: schedule_timing)
 
 def schedule_virtual(name: str, v: int) -> int:
     return 2 if name == "ZBV" else (v if name == "Interleaved1F1B" else 1)
@@ -115,8 +98,6 @@ def uniform_inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
 
 
 def _peak(prog) -> int:
-    from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
-
     live = peak = 0
     for a in prog:
         if a.kind is K.FORWARD:
@@ -131,8 +112,6 @@ def play_costs(name: str, p: int, m: int, v: int, costs: Sequence, p2p_time: flo
     """(step_time, bubble_fraction, busy per rank, peak in-flight per rank): ``simulate``'s
     numbers for per-stage StageCosts, on the cached lowered IR (timed by its compiled form,
     ``schedule_timing``, which equals ``playback.play``)."""
-    from autoplan.search.schedule_timing import compile_schedule, time_schedule
-
     step, busy = time_schedule(compile_schedule(name, p, m, v), costs, p2p_time)
     top = max(busy) if busy else 0.0
     peaks = list(uniform_inflight(name, p, m, v))
@@ -263,8 +242,6 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
     """Simulate ``choice`` (its cuts fixed) and fill step time, bubble, memory per rank and the
     per-stage rows. ``exposed_dp(dp_comm_s, busy_s)`` prices the data-parallel communication a
     rank cannot hide (added once per step; default: all of it)."""
-    from hyper_parallel.core.pipeline_parallel import StageCost
-
     bounds = stage_bounds(choice.starts, len(units))
     stage_costs, stage_rows = [], []
     for a, b in bounds:
@@ -311,8 +288,6 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
 @functools.lru_cache(maxsize=256)
 def _rank_ends(name: str, p: int, m: int, v: int) -> tuple:
     """Per rank: (stage of its first compute, (kind, stage) of its last compute, its stages)."""
-    from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
-
     lowered = schedule_ir(name, p, m, v)
     out = []
     for r, prog in enumerate(lowered.actions):
@@ -328,8 +303,6 @@ def fsdp_gathers(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
     """All-gathers of a block's FSDP unit per stage in one step, as the runtime runs FSDP inside a
     pipeline (fsdp_actions.py): resharded after every forward, kept unsharded after backward
     until the step ends; so a forward or backward that finds it resharded gathers it."""
-    from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
-
     ir = schedule_ir(name, p, m, v)
     out = [0] * ir.n_stages
     for prog in ir.actions:
@@ -425,8 +398,6 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
     ``bound``: skip (without generating its IR, the costly part) a schedule that cannot beat it
     for any cut: ``ramp_floor`` + ``extra`` for one stage per rank, m x total / p + ``extra``
     otherwise."""
-    from hyper_parallel.errors import ScheduleError
-
     out = []
     n = len(units)
     times = [u.time for u in units]

@@ -33,8 +33,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autoplan.capture.blocks import only_representatives
+from autoplan.capture.inputs import meta_model
+from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.search.strategies import Collective, Strategy
 from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
+from hyper_parallel.testing.comm_counts import CollectiveRecorder
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +78,6 @@ class Prober:
     ``tp`` on a fake process group. Build once per search; :meth:`run` per candidate set."""
 
     def __init__(self, model: nn.Module, groups, tp: int, batch: tuple[int, int], dtype: torch.dtype | None):
-        from autoplan.capture.blocks import only_representatives
-        from autoplan.capture.inputs import meta_model
-
         self.tp = tp
         self.batch = batch
         mm = meta_model(model, dtype)
@@ -95,8 +96,6 @@ class Prober:
 
     @staticmethod
     def _backward(logits, tokens) -> None:
-        from autoplan.plan.runner import lm_loss
-
         if _is_dtensor(logits):
             with loss_parallel():
                 lm_loss(logits, tokens).backward()
@@ -107,9 +106,6 @@ class Prober:
         """Forward (and ``backward``) of a copy styled with ``styles``; ``record`` attributes the
         forward collectives to the innermost module issuing them."""
         from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from autoplan.plan.runner import _logits, forward_tokens
-        from hyper_parallel.testing.comm_counts import CollectiveRecorder
 
         model = copy.deepcopy(self.small)
         out = ProbeRun()
@@ -142,7 +138,7 @@ class Prober:
                 model.to_empty(device="cpu")
                 tokens = torch.zeros(self.batch, dtype=torch.long)
                 if not record:
-                    logits = _logits(forward_tokens(model, tokens))
+                    logits = output_logits(forward_tokens(model, tokens))
                     if backward:
                         self._backward(logits, tokens)
                     return out
@@ -159,7 +155,7 @@ class Prober:
 
                     for name, mod in model.named_modules():  # attribute forward collectives on exit
                         hooks.append(mod.register_forward_hook(lambda *_: attribute()))
-                    logits = _logits(forward_tokens(model, tokens))
+                    logits = output_logits(forward_tokens(model, tokens))
                     attribute()
                     rec.phase = "backward"
                     if backward:

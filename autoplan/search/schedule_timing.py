@@ -12,6 +12,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from hyper_parallel.core.pipeline_parallel import build_schedule, lower
+from hyper_parallel.core.pipeline_parallel.playback import _needs
+from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K, matching
 from hyper_parallel.errors import ScheduleError
 
 # duration slots per action: forward, full backward, backward-input, backward-weight, none
@@ -31,13 +34,27 @@ class CompiledSchedule:
     stage_to_rank: tuple[int, ...]
 
 
+# ------------------------------------------------------------------ schedule IR (cached)
+
+@functools.lru_cache(maxsize=256)
+def schedule_ir(name: str, p: int, m: int, v: int = 1):
+    """The generator's compute orders (stage placement, in-flight counts come from these)."""
+    kwargs = {"n_virtual": v} if name == "Interleaved1F1B" else {}
+    return build_schedule(name, p, m, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def lowered_schedule(name: str, p: int, m: int, v: int = 1):
+    """The lowered IR of a schedule (compute plus send/recv actions, what the executor runs).
+
+    ``simulate`` runs the full validator on every call (quadratic membership checks: ~1.4 s at
+    p=16, m=128); the generators' output is validated by the runtime before it runs and by
+    tests/pipeline, and the timing itself raises on a deadlock, so the planner lowers only."""
+    return lower(schedule_ir(name, p, m, v))
+
+
 @functools.lru_cache(maxsize=256)
 def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
-    from hyper_parallel.core.pipeline_parallel.playback import _needs
-    from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K, matching
-
-    from autoplan.search.pipeline_search import lowered_schedule
-
     lowered = lowered_schedule(name, p, m, v)
     s2r, last = lowered.stage_to_rank, lowered.n_stages - 1
     progs = lowered.actions

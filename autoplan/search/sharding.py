@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from autoplan.capture.ir import ModelGraph
+from autoplan.capture.ir import ModelGraph, dtype_size
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
@@ -103,8 +103,6 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
 
 
 def _param_dtype_bytes(graph: ModelGraph) -> int:
-    from autoplan.capture.ir import dtype_size
-
     for n in graph.nodes:
         for t in n.inputs:
             if "float" in t.dtype or "bfloat" in t.dtype:

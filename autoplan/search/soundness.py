@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.probe import Finding, Prober, repaired
+from hyper_parallel.testing import fake_world
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +240,6 @@ def check_search(search, prober: Prober | None) -> SoundnessReport:
     if prober.verdicts is None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-
-        from hyper_parallel.testing import fake_world
 
         t0 = time.perf_counter()
         before = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}

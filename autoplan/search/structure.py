@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
+from autoplan.capture.views import module_summary
 from cost_models.compute import gemm_shape_dims
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
@@ -208,7 +209,7 @@ def _weight_sharers(graph: ModelGraph, weight: str, exclude: list[str]) -> list[
 
 def model_structure(graph: ModelGraph) -> ModelStructure:
     """Extract the planner's units from a captured graph."""
-    summary = graph.module_summary()
+    summary = module_summary(graph)
     rows = {r["fqn"]: r for r in summary.to_dict("records")}
     float_dtypes = [o.dtype for n in graph.nodes for o in n.outputs if "float" in o.dtype or "bfloat" in o.dtype]
     dtype_bytes = dtype_size(float_dtypes[0]) if float_dtypes else 4

@@ -13,9 +13,11 @@ import json
 import logging
 import os
 
+from autoplan.plan import Plan
 from autoplan.train.config import TrainConfig
 from autoplan.train.errors import TrainConfigError
 from autoplan.train.launch import format_command, torchrun_command
+from autoplan.train.loop import train
 
 
 def _pairs(text: str | None, flag: str) -> dict:
@@ -35,8 +37,6 @@ def _pairs(text: str | None, flag: str) -> dict:
 def config_from_args(args) -> TrainConfig:
     model, layers = args.model, args.layers
     if args.plan and (model is None or layers is None):
-        from autoplan.plan import Plan
-
         recorded = Plan.from_json(args.plan).model
         model = model or recorded.get("source")
         layers = layers or recorded.get("layers_override")
@@ -55,8 +55,6 @@ def config_from_args(args) -> TrainConfig:
 
 
 def _cmd_train(args) -> int:
-    from autoplan.train.loop import train
-
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("autoplan.train").setLevel(logging.INFO)
     result = train(config_from_args(args))
@@ -76,8 +74,6 @@ def _launch_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _cmd_launch(args) -> int:
     """Options may come before or after the plan; everything after ``--`` goes to ``autoplan train``."""
-    from autoplan.plan import Plan
-
     rest = list(args.rest)
     cut = rest.index("--") if "--" in rest else len(rest)
     args = _launch_options(argparse.ArgumentParser(prog="autoplan launch")).parse_args(rest[:cut], namespace=args)

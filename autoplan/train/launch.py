@@ -13,14 +13,13 @@ import shlex
 from typing import Sequence
 
 from autoplan.train.errors import TrainConfigError
+from cost_models.hardware import load_hardware
 
 
 def _per_node(plan, world: int) -> int:
     n = plan.mesh.get("devices_per_node")
     if not n:
         try:
-            from cost_models.hardware import load_hardware
-
             n = load_hardware(plan.mesh.get("hardware", "h100_sxm")).devices_per_node
         except Exception:  # noqa: BLE001 - an unknown profile: one node holds the whole world
             n = world

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from cost_models.hardware import load_hardware
+from cost_models.hardware.host import cache_dir, host_key
+
 log = logging.getLogger(__name__)
 
 
@@ -28,9 +31,6 @@ def peak_flops(hardware: str | None, dtype: torch.dtype) -> float | None:
     if not hardware:
         return None
     try:
-        from cost_models.hardware import load_hardware
-        from cost_models.hardware.host import cache_dir, host_key
-
         if hardware == "cpu" and not (cache_dir() / "hardware" / f"cpu-{host_key()}.json").is_file():
             log.info("train: this host's cpu profile is not measured yet (threads=%d); MFU not reported",
                      torch.get_num_threads())

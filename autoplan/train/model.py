@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autoplan.models.llama import build_llama
+from autoplan.presets import UnknownPresetError, build_preset, get_preset, preset_config
 from autoplan.train.errors import TrainConfigError
 
 
@@ -44,8 +46,6 @@ def build_model(spec: str, *, layers: int | None = None, overrides: dict[str, An
                 device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
     """``spec``: a preset name (``autoplan.presets.list_presets``), ``hf:<model_type>`` or a path
     to a local ``config.json`` (or a directory holding one). Random init from ``seed``."""
-    from autoplan.presets import UnknownPresetError, build_preset, get_preset, preset_config
-
     overrides = dict(overrides or {})
     if spec.startswith("hf:") or spec.endswith(".json") or Path(spec).is_dir():
         import transformers
@@ -60,8 +60,6 @@ def build_model(spec: str, *, layers: int | None = None, overrides: dict[str, An
         raise TrainConfigError(f"train: --model {spec!r}: {e.args[0]}; or use hf:<model_type> or a "
                                "config.json path") from None
     if preset.family == "titan":
-        from autoplan.models.llama import build_llama
-
         return build_llama(seed=seed, device=device, **preset_config(spec, layers, **overrides).to_dict())
     torch.manual_seed(seed)
     return build_preset(spec, device=device, num_layers=layers, **overrides)

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from autoplan.cluster import plan_cluster
 from autoplan.plan import Plan
 from autoplan.train.config import TrainConfig
 from autoplan.train.model import build_model
@@ -36,8 +37,6 @@ def plan_for(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
 
 
 def _plan(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
-    from autoplan import plan_cluster
-
     hardware = cfg.hardware or ("cpu" if device.type == "cpu" else "h100_sxm")
     meta = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device="meta")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))

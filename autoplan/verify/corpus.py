@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from autoplan.api import autoplan
+from autoplan.capture import capture
 from autoplan.errors import AutoplanError
+from autoplan.models import build_llama
+from autoplan.search.mesh_spec import MeshSpec
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.shrink import ModelRecipe, recipe_for
 
@@ -65,8 +69,6 @@ LLAMA_SMALL = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, 
 def real_model(family: str) -> torch.nn.Module:
     """The family at its published shape with two blocks per stack, on meta."""
     if family == "llama":
-        from autoplan.models import build_llama
-
         return build_llama(device="meta", **LLAMA_REAL)
     import transformers
 
@@ -113,9 +115,6 @@ _CAPTURED: dict[str, tuple] = {}   # family -> (model, graph): every case plans 
 
 
 def plan_case(family: str, mesh: str, variant: str):
-    from autoplan import MeshSpec, autoplan
-    from autoplan.capture import capture
-
     shape, names = MESHES[mesh]
     dp = dict(zip(names, shape)).get("dp", 1)
     if family not in _CAPTURED:

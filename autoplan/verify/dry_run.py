@@ -10,68 +10,46 @@ Predicted and issued must agree exactly: kind, mesh dimension, phase, bytes and 
 """
 from __future__ import annotations
 
-import copy
 import logging
-from dataclasses import dataclass
+import traceback
 
 import pandas as pd
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
-from autoplan.plan.data_parallel import dp_degree
+from autoplan.plan.data_parallel import allreduce_gradients, dp_degree, unique_params
+from autoplan.plan.forward import lm_loss, output_logits
 from autoplan.plan.plan import Plan
+from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype
+from autoplan.verify.numerics import check_numerics
+from autoplan.verify.pipeline_dry_run import verify_pipeline
+from autoplan.verify.shrink import ModelRecipe, recipe_for
+from hyper_parallel import loss_parallel
+from hyper_parallel.testing import fake_world
+from hyper_parallel.testing.comm_counts import CollectiveRecorder
 
 log = logging.getLogger(__name__)
 KEY = ["kind", "mesh_dim", "phase", "bytes"]
 
 
-@dataclass
-class VerifyResult:
-    collectives: pd.DataFrame     # KEY + predicted, issued, match
-    param_bytes: dict[str, int]   # predicted / issued per rank (rank 0)
-    passed: bool
-    numerics: object | None = None  # NumericsResult when verify(numerics=True)
-    error: str | None = None        # the plan failed to apply or run in the dry run
-
-    def mismatches(self) -> pd.DataFrame:
-        return self.collectives[~self.collectives["match"]]
-
-
-def _meta_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
-    from autoplan.capture.inputs import meta_model
-
-    out = meta_model(model, dtype)
-    return copy.deepcopy(out) if out is model else out
-
-
-def _dtype(plan: Plan) -> torch.dtype:
-    name = str(plan.batch.get("dtype", "torch.float32")).replace("torch.", "")
-    return getattr(torch, name)
-
-
 def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple[pd.DataFrame, int]:
     """Apply ``plan`` to a meta copy of ``model`` on a fake group of the plan's world size, run one
     forward/backward, return (issued collectives by KEY with counts, parameter bytes on rank 0)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autoplan.plan.runner import _logits, lm_loss
-    from hyper_parallel.testing import fake_world
-    from hyper_parallel.testing.comm_counts import CollectiveRecorder
-
     shape, names = tuple(plan.mesh["shape"]), tuple(plan.mesh["names"])
     world = 1
     for s in shape:
         world *= s
-    dtype = _dtype(plan)
-    meta = _meta_copy(model, dtype)
+    dtype = plan_dtype(plan)
+    meta = meta_copy(model, dtype)
     with fake_world(world):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         groups = {mesh.get_group(n).group_name: n for n in names}
         # shard on meta, then give this rank's shards fake CPU storage: the step runs under
         # FakeTensorMode, so no FLOPs, no parameter or activation memory
         runner = plan.apply(meta, mesh)
-        pbytes = sum(_local(p).numel() * _local(p).element_size() for p in meta.parameters())
+        pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in meta.parameters())
         dp = dp_degree(plan)  # dp_replicate x dp_shard for HSDP
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
@@ -82,10 +60,8 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
             inputs, targets = dry_batch(plan, dp, inputs)
             with CollectiveRecorder() as rec:
                 rec.phase = "forward"
-                logits = _logits(meta(inputs))
+                logits = output_logits(meta(inputs))
                 if plan.loss_parallel:
-                    from hyper_parallel import loss_parallel
-
                     with loss_parallel():
                         loss = lm_loss(logits, targets)
                         rec.phase = "backward"
@@ -95,29 +71,12 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
                     rec.phase = "backward"
                     loss.backward()
                 if getattr(runner, "replicate_dp", False):  # what Runner.step does after backward
-                    from autoplan.plan.data_parallel import allreduce_gradients, unique_params
-
                     allreduce_gradients(unique_params(meta), runner.dp_mesh.get_group(), runner.dp_mesh.size())
     rows = [dict(e, mesh_dim=groups.get(e["group"], f"group:{e['group']}")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "phase", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])
     del runner
     return issued, int(pbytes)
-
-
-def dry_batch(plan: Plan, dp: int, inputs=None):
-    """(inputs, targets) of one dp rank: token ids of the plan's batch shape unless given.
-    Call under FakeTensorMode: the values never matter, only the shapes."""
-    if inputs is None:
-        gb, seq = plan.batch.get("global_batch"), plan.batch.get("seq_len")
-        if not gb or not seq:
-            raise AutoplanError("verify: the plan has no batch shape; pass inputs=")
-        inputs = torch.zeros(gb // dp, seq, dtype=torch.long)
-    return inputs, torch.zeros(inputs.shape, dtype=torch.long)
-
-
-def _local(p):
-    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def verify(plan: Plan, model: torch.nn.Module, inputs=None, *, numerics: bool = False, factory: str | None = None,
@@ -136,14 +95,9 @@ def verify(plan: Plan, model: torch.nn.Module, inputs=None, *, numerics: bool = 
     except AutoplanError:
         raise  # the arguments are wrong: say so
     except Exception as exc:  # noqa: BLE001 - a plan that does not run is a failed verification
-        import traceback
-
         why = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         result = VerifyResult(pd.DataFrame(columns=KEY + ["predicted", "issued", "match"]), {}, False, error=why)
     if numerics:
-        from autoplan.verify.numerics import check_numerics
-        from autoplan.verify.shrink import ModelRecipe, recipe_for
-
         degrees = [d for d in plan.mesh["shape"] if d > 1]
         recipe = ModelRecipe(factory=factory, kwargs=dict(factory_kwargs or {})) if factory else \
             recipe_for(model, degrees)
@@ -154,8 +108,6 @@ def verify(plan: Plan, model: torch.nn.Module, inputs=None, *, numerics: bool = 
 
 def _verify_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> VerifyResult:
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
-        from autoplan.verify.pipeline_dry_run import verify_pipeline
-
         return verify_pipeline(plan, model, inputs)
     issued, pbytes = issued_collectives(plan, model, inputs)
     predicted = pd.DataFrame(plan.predictions["collectives"])

@@ -34,6 +34,12 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
+from autoplan.plan import Plan
+from autoplan.plan.forward import lm_loss, output_logits
+from hyper_parallel.platform import backend_for, device_module, device_type
+from hyper_parallel.testing import cached_mesh
+from hyper_parallel.testing.compare import grads_by_name
+
 COLUMNS = ("rank", "world", "ref_loss", "par_loss", "loss_rel_err", "loss_ok", "grads_checked", "grad_max_rel_err",
            "grad_mismatches", "numerics_ok", "steps", "measured_step_s", "predicted_step_s", "step_ratio",
            "measured_peak_bytes", "predicted_peak_bytes", "memory_ratio", "memory_source",
@@ -120,14 +126,11 @@ def _accelerator_peak(device: str) -> int | None:
 def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, rtol_grad, atol_grad) -> dict:
     import torch.distributed as dist
 
-    from autoplan.plan.runner import _logits, lm_loss
-    from hyper_parallel.testing.compare import grads_by_name
-
     ref = make(**kwargs).to(device)
     par = make(**kwargs).to(device)
     vocab = vocab or _vocab(ref)
     tokens, targets = (t.to(device) for t in _batch(global_batch, seq, vocab, seed))
-    ref_loss = lm_loss(_logits(ref(tokens)), targets)
+    ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     g_ref = grads_by_name(ref)
     runner = plan.apply(par, mesh)
@@ -163,10 +166,6 @@ def measure_rank(plan_json: str, factory: Callable | str, factory_kwargs: dict |
     ``numerics=False`` skips the one-device comparison (timing and memory only; numerics columns NaN).
     """
     import torch.distributed as dist
-
-    from autoplan.plan import Plan
-    from hyper_parallel.platform import backend_for, device_type
-    from hyper_parallel.testing import cached_mesh
 
     plan = Plan.from_json(plan_json) if isinstance(plan_json, str) else plan_json
     make = resolve_factory(factory)
@@ -281,8 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     import json
 
     import torch.distributed as dist
-
-    from hyper_parallel.platform import backend_for, device_type, device_module
 
     ap = argparse.ArgumentParser(prog="autoplan-measured", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", required=True, help="plan JSON file")

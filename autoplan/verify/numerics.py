@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from autoplan.plan.plan import Plan
-from autoplan.plan.runner import _logits, forward_tokens, lm_loss
+from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.verify.shrink import ModelRecipe
+from hyper_parallel.core.tensor_parallel import match_modules
+from hyper_parallel.testing import RankPool, cached_mesh
+from hyper_parallel.testing.compare import grads_by_name
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,6 @@ class NumericsResult:
 
 def small_plan(plan: Plan, model: torch.nn.Module) -> Plan:
     """``plan`` with the style patterns that match nothing in ``model`` dropped."""
-    from hyper_parallel.core.tensor_parallel import match_modules
-
     styles = {k: v for k, v in plan.styles.items() if match_modules(model, k)}
     return dataclasses.replace(plan, styles=styles)
 
@@ -66,16 +67,13 @@ def numerics_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: i
     """On every rank of the current process group: plan vs one device for one SGD step."""
     import torch.distributed as dist
 
-    from hyper_parallel.testing import cached_mesh
-    from hyper_parallel.testing.compare import grads_by_name
-
     plan = Plan.from_json(plan_json)
     ref, par = recipe.build(), recipe.build()
     vocab = _vocab(ref)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
     targets = torch.randint(0, vocab, (global_batch, seq), generator=g)
-    ref_loss = lm_loss(_logits(forward_tokens(ref, tokens)), targets)
+    ref_loss = lm_loss(output_logits(forward_tokens(ref, tokens)), targets)
     ref_loss.backward()
     g_ref = grads_by_name(ref)
     torch.optim.SGD(ref.parameters(), lr=lr).step()
@@ -110,8 +108,6 @@ def check_numerics(plan: Plan, recipe: ModelRecipe, *, pool=None, global_batch: 
     """Run :func:`numerics_rank` on ``pool`` (a RankPool of the plan's world size; one is started
     and closed when None). Any failure -- a runtime error on a rank, a hang cut by the pool's
     timeout -- is a failed result carrying the error, never an exception."""
-    from hyper_parallel.testing import RankPool
-
     world = math.prod(plan.mesh["shape"])
     dp = int(dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(plan.dp_dim, 1)) if plan.dp_dim else 1
     global_batch = global_batch or 2 * dp

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoplan.errors import AutoplanError
 from autoplan.plan.data_parallel import dp_degree
 from autoplan.plan.pipeline_runner import apply_tp
-from autoplan.verify.dry_run import VerifyResult, _dtype, _local, _meta_copy, dry_batch
+from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
 from hyper_parallel.testing import fake_world
@@ -62,13 +62,13 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
     world = 1
     for s in shape:
         world *= s
-    meta = _meta_copy(model, _dtype(plan))
-    shapes_model = None if "metas" in boundaries else _meta_copy(model, _dtype(plan))
+    meta = meta_copy(model, plan_dtype(plan))
+    shapes_model = None if "metas" in boundaries else meta_copy(model, plan_dtype(plan))
     with fake_world(world, rank=_global_rank(plan, pp_rank)):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         groups = {mesh.get_group(n).group_name: n for n in names}
         runner = plan.apply(meta, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
-        pbytes = sum(_local(p).numel() * _local(p).element_size() for st in runner.stages
+        pbytes = sum(local_part(p).numel() * local_part(p).element_size() for st in runner.stages
                      for p in st.module.parameters())
         tp_mesh = apply_tp(plan, shapes_model, mesh) if shapes_model is not None else None
         fake = FakeTensorMode(allow_non_fake_inputs=True)

@@ -2,15 +2,13 @@
 
 A profile is data, not code: peak FLOP/s per dtype, HBM bandwidth and capacity, devices per node,
 the two link levels (inside a node, between nodes) and the efficiency factors that turn datasheet
-peaks into achievable rates. The ``cpu`` profile is not a file: it is measured on the current host
-(see :mod:`cost_models.hardware.host`) and cached on disk.
+peaks into achievable rates. Which profiles exist and how one is loaded by name (the JSON files,
+and ``cpu``, measured on the current host) is :mod:`cost_models.hardware.catalog`.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from typing import Any
 
 from cost_models.errors import UnknownHardwareError
@@ -134,21 +132,3 @@ class HardwareProfile:
         except (KeyError, TypeError) as exc:
             raise UnknownHardwareError(f"hardware data {data.get('name', '?')!r} is malformed: {exc!r}") from exc
 
-
-def list_hardware() -> list[str]:
-    """Names of the profiles shipped as data files, plus ``cpu`` (measured on demand)."""
-    names = sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".json"))
-    return names + ["cpu"]
-
-
-def load_hardware(name: str, *, remeasure: bool = False) -> HardwareProfile:
-    """The profile called ``name`` (case-insensitive, '-' or '_'). ``cpu`` measures this host once and caches it."""
-    key = name.strip().lower().replace("-", "_").replace(" ", "_")
-    if key == "cpu":
-        from cost_models.hardware.host import measure_host
-
-        return measure_host(force=remeasure)
-    path = resources.files(__package__) / f"{key}.json"
-    if not path.is_file():
-        raise UnknownHardwareError(f"load_hardware(name={name!r}): no such profile; known: {list_hardware()}")
-    return HardwareProfile.from_dict(json.loads(path.read_text()))

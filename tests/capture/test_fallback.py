@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.capture import capture
+from autoplan.capture.views import module_summary
 from autoplan.errors import CaptureError
 
 B, D, H = 4, 8, 16
@@ -59,7 +60,7 @@ def test_data_dependent_model_falls_back_to_hooks(caplog):
     assert by_module["layers.0.c"].op == "aten.linear.default"
     assert by_module["layers.0.c"].input_nodes[0] == by_module["layers.0.a"].name
     assert by_module["layers.0.c"].params == ["layers.0.c.bias", "layers.0.c.weight"]
-    assert g.module_summary().set_index("fqn").loc["layers.0", "count"] == 2
+    assert module_summary(g).set_index("fqn").loc["layers.0", "count"] == 2
 
 
 def test_fallback_can_be_refused():

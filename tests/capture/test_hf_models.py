@@ -6,6 +6,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autoplan.capture import capture, register_flop_formulas
+from autoplan.capture.views import block_dataflow, distinct_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,7 +73,7 @@ def test_gpt2_fused_qkv_and_tied_head():
 def test_dataflow_exposes_functional_ops_between_modules():
     _, meta = _pair(transformers.LlamaConfig(**SMALL))
     g = capture(meta, batch=BATCH)
-    steps = g.block_dataflow(g.blocks[0])
+    steps = block_dataflow(g, g.blocks[0])
     roles = [s.role for s in steps if s.kind == "module"]
     assert roles == ["norm", "attention.q", "attention.k", "attention.v", "attention.o", "norm", "mlp.gate",
                      "mlp.up", "mlp.down"]
@@ -80,7 +81,7 @@ def test_dataflow_exposes_functional_ops_between_modules():
     assert "aten.scaled_dot_product_attention.default" in ops and "aten.silu.default" in ops
     sdpa = next(s for s in steps if s.op == "aten.scaled_dot_product_attention.default")
     assert sdpa.input_shapes[0] == (2, 4, 16, 16)
-    distinct = g.distinct_ops()
+    distinct = distinct_ops(g)
     q = next(d for d in distinct if d.op == "aten.linear.default" and d.inputs[1].shape == (64, 64))
     assert q.count == 2 * 3  # q and o projections in each of 3 layers
     assert q.run("cpu").shape == (2, 16, 64)
@@ -90,7 +91,7 @@ def test_every_distinct_op_replays_on_cpu():
     """What the cost model profiles: each distinct op rebuilt from the IR runs on real tensors."""
     _, meta = _pair(transformers.LlamaConfig(**SMALL))
     g = capture(meta, batch=BATCH)
-    for op in g.distinct_ops():
+    for op in distinct_ops(g):
         args, kwargs = op.build("cpu", requires_grad=True)
         out = op.resolve()(*args, **kwargs)
         first = out[0] if isinstance(out, (tuple, list)) else out

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.capture import ModelGraph, capture
+from autoplan.capture.views import block_dataflow, distinct_ops, module_summary
 
 B, D, H, L = 4, 8, 16, 3  # batch, width, hidden, blocks
 F32 = 4
@@ -75,7 +76,7 @@ def test_saved_for_backward_and_params(graph):
     relu = next(n for n in graph.nodes if n.op == "aten.relu.default")
     assert up.params == ["blocks.0.up.weight"]
     assert relu.saved_for_backward  # relu keeps its result, down keeps its input: the same tensor
-    summary = graph.module_summary().set_index("fqn")
+    summary = module_summary(graph).set_index("fqn")
     assert summary.loc["blocks.0.down", "saved_bytes"] == B * H * F32
     assert summary.loc["blocks.0", "count"] == L
     assert summary.loc["blocks.0", "flops_fwd"] == 2 * B * D * H * 2
@@ -85,7 +86,7 @@ def test_saved_for_backward_and_params(graph):
 
 
 def test_distinct_ops_replay_on_cpu(graph):
-    ops = graph.distinct_ops()
+    ops = distinct_ops(graph)
     linears = [o for o in ops if o.op == "aten.linear.default"]
     assert sorted(o.count for o in linears) == [1, L, L]
     up = next(o for o in linears if o.inputs[1].shape == (H, D))
@@ -95,7 +96,7 @@ def test_distinct_ops_replay_on_cpu(graph):
 
 
 def test_dataflow_and_json_round_trip(graph):
-    steps = graph.block_dataflow("blocks")
+    steps = block_dataflow(graph, "blocks")
     kinds = [(s.kind, s.role or s.op) for s in steps]
     assert kinds[0][0] == "module" and steps[0].name == "blocks.0.up"
     assert ("op", "aten.relu.default") in kinds and ("op", "aten.add.Tensor") in kinds

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.plan import Plan
-from autoplan.plan.runner import _logits, lm_loss
+from autoplan.plan.forward import lm_loss, output_logits
 from hyper_parallel.testing import cached_mesh
 from hyper_parallel.testing.compare import grads_by_name
 from tests.planner.e2e_workers import build
@@ -20,7 +20,7 @@ def run_hsdp_case(plan_json: str, model_name: str, batch: int, seq: int, lr: flo
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, 128, (batch, seq), generator=g)
     targets = torch.randint(0, 128, (batch, seq), generator=g)
-    ref_loss = lm_loss(_logits(ref(tokens)), targets)
+    ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     g_ref = grads_by_name(ref)
     torch.optim.SGD(ref.parameters(), lr=lr).step()

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from autoplan.models import build_llama
 from autoplan.plan import Plan
-from autoplan.plan.runner import _logits, lm_loss
+from autoplan.plan.forward import lm_loss, output_logits
 from hyper_parallel.testing import cached_mesh
 from hyper_parallel.testing.compare import grads_by_name
 from tests.planner.models import hf_model
@@ -51,7 +51,7 @@ def run_case(plan_json: str, model_name: str, lr: float = 0.1):
     tokens = torch.randint(0, 128, (4, 16), generator=g)
     targets = torch.randint(0, 128, (4, 16), generator=g)
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    ref_loss = lm_loss(_logits(ref(tokens)), targets)
+    ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     g_ref = grads_by_name(ref)
     opt.step()

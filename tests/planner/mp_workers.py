@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.plan import Plan
-from autoplan.plan.runner import _logits, lm_loss
+from autoplan.plan.forward import lm_loss, output_logits
 from hyper_parallel.testing import cached_mesh
 from hyper_parallel.testing.compare import grads_by_name
 from tests.planner.e2e_workers import build
@@ -22,7 +22,7 @@ def run_mp_case(plan_json: str, model_name: str) -> dict:
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, 128, (4, 16), generator=g)
     targets = torch.randint(0, 128, (4, 16), generator=g)
-    ref_loss = lm_loss(_logits(ref(tokens)).float(), targets)
+    ref_loss = lm_loss(output_logits(ref(tokens)).float(), targets)
     ref_loss.backward()
     g_ref = {n: v.float() for n, v in grads_by_name(ref).items()}
     masters = {n: (p.to_local() if hasattr(p, "to_local") else p).dtype for n, p in par.named_parameters()}

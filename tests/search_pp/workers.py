@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from autoplan.plan import Plan
-from autoplan.plan.runner import _logits, lm_loss
+from autoplan.plan.forward import lm_loss, output_logits
 from autoplan.models import build_llama
 from hyper_parallel.testing import cached_mesh
 from tests.planner.e2e_workers import SMALL_LLAMA
@@ -33,7 +33,7 @@ def run_pipeline_case(plan_json: str, model_name: str, batch: int = 8, seq: int 
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, 128, (batch, seq), generator=g)
     targets = torch.randint(0, 128, (batch, seq), generator=g)
-    ref_loss = lm_loss(_logits(ref(tokens)), targets)
+    ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     g_ref = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
     torch.optim.SGD(ref.parameters(), lr=lr).step()

@@ -1,0 +1,256 @@
+"""plan_mesh(model, spec) -> Plan: the plan on a mesh whose degrees are fixed.
+
+Capture, cost, solve and explain for one mesh: the TP search picks every module's style, the
+reference assignments (replicated, Megatron, sequence parallel) are priced beside it, and the
+winner becomes a Plan with its predicted collectives, memory and alternatives. Both public
+entries reach it: :func:`autoplan.api.autoplan` for a mesh, and
+:func:`autoplan.cluster.plan_cluster` on the (dp, pp, tp) mesh its search chose -- which is why
+it is a module of its own rather than part of either.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from autoplan import arguments as A
+from autoplan.capture import capture
+from autoplan.errors import InfeasiblePlanError, MissingInputsError, PlanningError
+from autoplan.plan.plan import Plan
+from autoplan.search.costing import CostContext
+from autoplan.search.mesh_spec import MeshSpec
+from autoplan.search.probe import Prober
+from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
+from autoplan.search.structure import model_structure
+from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
+from hyper_parallel.core.tensor_parallel import match_modules
+
+log = logging.getLogger(__name__)
+
+# named reference assignments, priced beside the solver's answer
+REFERENCE_PLANS = {
+    "replicated": ("R", {}),
+    "megatron": ("R", {"attention": "heads_sharded", "mlp": "hidden_sharded", "embedding": "vocab_sharded",
+                       "head": "vocab_sharded_gather"}),
+    "megatron_loss_parallel": ("R", {"attention": "heads_sharded", "mlp": "hidden_sharded",
+                                     "embedding": "vocab_sharded", "head": "loss_parallel"}),
+    "sequence_parallel": ("S", {"attention": "heads_sharded", "mlp": "hidden_sharded", "norms": "sequence",
+                                "final_norm": "sequence", "embedding": "vocab_sharded", "head": "loss_parallel"}),
+}
+
+def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None, extra: list[dict]) -> list[dict]:
+    """Tensor-parallel collectives of the chosen options plus the exact FSDP rows (``extra``)."""
+    agg: dict[tuple, int] = defaultdict(int)
+    for c in ev.collectives:
+        if c.dim != "tp" or tp_dim is None or spec.degree(tp_dim) <= 1:
+            continue
+        agg[(c.kind, tp_dim, c.phase, int(c.nbytes))] += c.count
+    for r in extra:
+        agg[(r["kind"], r["mesh_dim"], r["phase"], int(r["bytes"]))] += r["count"]
+    return [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n}
+            for (k, d, p, b), n in sorted(agg.items())]
+
+
+def _bytes(value: float) -> int:
+    """A byte figure as the exact integer a plan file stores (costs are computed in floats)."""
+    return int(round(value))
+
+
+def _block_prefix(owner: str) -> str | None:
+    """The module holding a block group's members ("layers" for "layers.*" or "layers.0,layers.1")."""
+    if not owner:
+        return None
+    first = owner.split(",")[0]
+    return first.rsplit(".", 1)[0] if "." in first else ""
+
+
+def _decision_rows(ev: Evaluation, ctx: CostContext, search: TPSearch | None = None) -> list[dict]:
+    """One row per unit: the chosen strategy and, under ``options``, every candidate with its
+    cost, so ``explain`` can say why the others lost."""
+    rows = []
+    for o in sorted(ev.options, key=lambda o: o.slot):
+        if o.slot in ("rest",) or (o.slot.endswith("/other")):
+            continue
+        mem = o.memory(ctx)
+        row = {
+            "unit": o.slot, "block_prefix": _block_prefix(o.owner),
+            "count": o.count, "strategy": o.strategy.name, "stream": o.stream or "-",
+            "reason": o.strategy.reason, "modules": sorted(o.styles()),
+            "compute_s": o.compute_s(ctx), "comm_s": o.comm_s(ctx), "memory_bytes": _bytes(sum(mem.values())),
+            "module": search.unit_module(o.slot) if search is not None else o.slot,
+        }
+        if search is not None and o.slot in search.slots:
+            row["options"] = [
+                {"strategy": c.strategy.name, "stream": c.stream or "-", "compute_s": c.compute_s(ctx),
+                 "comm_s": c.comm_s(ctx), "memory_bytes": _bytes(sum(c.memory(ctx).values())), "reason": c.strategy.reason,
+                 "excluded": c.strategy.extra.get("tp_excluded")}
+                for c in search.slots[o.slot]]
+        rows.append(row)
+    return rows
+
+
+def _pad_to_signature(styles: dict[str, dict], model: torch.nn.Module) -> dict[str, dict]:
+    """Give PrepareModuleInput layouts one entry per required positional input of the module's
+    forward (None for the extra ones), so the plan also works with torch's stricter styles."""
+    out = {}
+    for pattern, spec in styles.items():
+        spec = {"style": spec["style"], "args": dict(spec["args"])}
+        args = spec["args"]
+        if spec["style"] in ("PrepareModuleInput", "PrepareModuleInputOutput") and args.get("input_layouts"):
+            matches = match_modules(model, pattern)
+            if matches:
+                params = inspect.signature(matches[0][1].forward).parameters.values()
+                need = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                           and p.default is p.empty)
+                extra = need - len(args["input_layouts"])
+                if extra > 0:
+                    args["input_layouts"] = list(args["input_layouts"]) + [None] * extra
+                    args["desired_input_layouts"] = list(args["desired_input_layouts"]) + [None] * extra
+        out[pattern] = spec
+    return out
+
+
+def _summary(name: str, ev: Evaluation) -> dict:
+    return {"name": name, "step_s": ev.step_s, "compute_s": ev.compute_s, "comm_s": ev.comm_s,
+            "memory_bytes": _bytes(ev.memory_total),
+            "strategies": {o.slot: o.strategy.name for o in ev.options if o.slot != "rest" and not o.slot.endswith("/other")}}
+
+def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dtype: torch.dtype):
+    """The ModelGraph of one dp rank's share; argument errors are said in the user's terms."""
+    if inputs is None and batch is None:
+        raise MissingInputsError("autoplan: give batch=(global_batch, seq_len) or example inputs=")
+    cap_batch = None
+    if batch is not None:
+        gb, seq = A.check_batch(batch, "autoplan")
+        if gb % dp:
+            raise InfeasiblePlanError(f"autoplan: global batch {gb} is not divisible by dp={dp}; "
+                                      f"give a multiple of {dp}")
+        if inputs is None:
+            A.check_batch_fits_model(model, seq, "autoplan")
+        cap_batch = (gb // dp, seq)
+    return capture(model, inputs, batch=cap_batch, dtype=dtype)
+
+
+def plan_mesh(model: torch.nn.Module, spec: MeshSpec, *, inputs: Any = None, batch: Any = None,
+              memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
+              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
+              sequence_parallel: bool | None = None, graph=None, styles: dict | None = None) -> Plan:
+    """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
+    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled)."""
+    t_start = time.perf_counter()
+    hw = spec.hardware_profile()
+    tp_dim, dp_dim = spec.dim("tp"), spec.dim("dp")
+    tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
+    if dtype is None:
+        dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
+    if graph is None:
+        graph = _capture_graph(model, inputs, batch, dp, dtype)
+    t_captured = time.perf_counter()
+    structure = model_structure(graph)
+    pbytes = structure.dtype_bytes
+    ctx = CostContext(hardware=hw, topology=spec.topology(), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=dp_dim,
+                      dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
+                      optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
+    limit = memory_limit if memory_limit is not None else float(hw.memory_capacity)
+    search = best = None
+    info = None
+    seq = structure.blocks[0].seq_len if structure.blocks else 1
+    prober = Prober(model, graph.blocks, tp, (1, seq), dtype) if tp > 1 and graph.blocks else None
+    ac_modes = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
+    for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
+        ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")
+        s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
+                        sequence_parallel=sequence_parallel, prober=prober)
+        if styles is not None:
+            t_fix = time.perf_counter()
+            chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
+            info_ac = SolverInfo("none", "imported", time.perf_counter() - t_fix, 0, 0)
+            if unmatched:
+                raise PlanningError(f"autoplan(styles=...): no strategy accounts for {unmatched}")
+            ev_ac = s_ac.evaluate(chosen_ac, layout_ac)
+            if ev_ac.memory_total > limit and ac != ac_modes[-1]:
+                continue
+        else:
+            chosen_ac, layout_ac, info_ac = s_ac.solve(limit)
+        info = info_ac if info is None else info
+        if not chosen_ac:
+            continue
+        ev = s_ac.evaluate(chosen_ac, layout_ac)
+        if best is None or ev.step_s < best.step_s:
+            search, best, chosen, layout, info, ctx = s_ac, ev, chosen_ac, layout_ac, info_ac, ctx_ac
+    if best is None:
+        ctx_min = dataclasses.replace(ctx, recompute="full" if ac_modes[-1] else "none")
+        s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
+                         sequence_parallel=sequence_parallel, prober=prober)
+        least, lay2, _ = s_min.solve(objective="memory")
+        need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
+        raise InfeasiblePlanError(
+            f"autoplan: no plan fits memory_limit={limit / 2**30:.2f} GiB per rank on mesh "
+            f"{dict(zip(spec.names, spec.shape))}; the minimum is {need / 2**30:.2f} GiB per rank "
+            f"(solver status {info.status})")
+
+    alternatives = []
+    for name, (lay, prefer) in REFERENCE_PLANS.items():
+        if lay not in search.layouts:
+            continue
+        try:
+            ev = search.evaluate(search.assignment(lay, prefer), lay)
+        except InfeasiblePlanError:
+            continue
+        alternatives.append(_summary(name, ev))
+    alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
+
+    notes = list(search.soundness.notes(structure))
+    for o in chosen.values():
+        if o.strategy.extra.get("tp_excluded"):
+            notes.append(f"{search.unit_module(o.slot)}: kept replicated: {o.strategy.extra['tp_excluded']}")
+    sharded = [o for o in chosen.values() if o.strategy.param_shard > 1 or o.strategy.compute_shard > 1]
+    if tp > 1 and not sharded:
+        others = [a for a in alternatives if a["name"] != "replicated"]
+        if others:
+            b2 = others[0]
+            notes.append(f"tensor parallelism does not pay on this model at tp={tp}: replicated step "
+                         f"{best.step_s:.3g}s vs {b2['name']} {b2['step_s']:.3g}s, whose communication "
+                         f"({b2['comm_s']:.3g}s) exceeds the compute it saves")
+    styles = {}
+    for o in sorted(best.options, key=lambda o: o.slot):
+        for pattern, style in o.styles().items():
+            styles[pattern] = style.to_dict()
+    styles = dict(sorted(_pad_to_signature(styles, model).items()))
+    shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
+    use_fsdp = bool(fsdp and dp > 1)
+    fsdp_rows = fsdp_collectives(shards, dp, dp_dim) if use_fsdp else []
+    if dp > 1 and not use_fsdp:  # replicated DP: one all-reduce of the flattened local gradients
+        fsdp_rows = [{"kind": "all_reduce", "mesh_dim": dp_dim, "phase": "backward",
+                      "bytes": int(rank_param_bytes(shards, dp, False)), "count": 1}]
+    memory = dict(best.memory)
+    param_bytes = int(rank_param_bytes(shards, dp, use_fsdp))
+    memory = {k: _bytes(v) for k, v in memory.items()}  # byte figures are exact integers in a plan
+    memory.update(params=param_bytes, grads=param_bytes,
+                  optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))
+    loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
+    t_end = time.perf_counter()
+    return Plan(
+        mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
+        loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
+        activation_checkpointing=bool(ctx.checkpoint_blocks),
+        decisions=_decision_rows(best, ctx, search),
+        predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
+                     "memory_bytes": dict(memory, total=sum(memory.values())),
+                     "collectives": _collective_rows(best, spec, tp_dim, fsdp_rows)},
+        alternatives=alternatives,
+        solver={"name": info.solver, "status": info.status, "variables": info.variables,
+                "constraints": info.constraints},
+        model={"type": graph.model_type, "num_parameters": int(graph.num_parameters),
+               "blocks": [{"prefix": b.prefix, "count": b.count} for b in structure.blocks]},
+        batch={"global_batch": int(batch[0]) if batch else None, "seq_len": int(batch[1]) if batch else None,
+               "dtype": str(dtype)},
+        notes=notes,
+        timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start,
+                "probe_s": search.soundness.seconds, "probe_runs": search.soundness.runs},
+    )

@@ -1,0 +1,54 @@
+"""What both dry runs share (dry_run.py for one mesh, pipeline_dry_run.py per pipeline rank):
+the result type, the meta copy of the model in the plan's dtype, one dp rank's fake batch and
+the local shard of a parameter. Apart from either so that the single-mesh verify can hand
+pipelined plans to the pipeline dry run without the two importing each other.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from autoplan.capture.inputs import meta_model
+from autoplan.errors import AutoplanError
+from autoplan.plan.plan import Plan
+
+
+@dataclass
+class VerifyResult:
+    collectives: pd.DataFrame     # KEY + predicted, issued, match
+    param_bytes: dict[str, int]   # predicted / issued per rank (rank 0)
+    passed: bool
+    numerics: object | None = None  # NumericsResult when verify(numerics=True)
+    error: str | None = None        # the plan failed to apply or run in the dry run
+
+    def mismatches(self) -> pd.DataFrame:
+        return self.collectives[~self.collectives["match"]]
+
+
+def meta_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    out = meta_model(model, dtype)
+    return copy.deepcopy(out) if out is model else out
+
+
+def plan_dtype(plan: Plan) -> torch.dtype:
+    name = str(plan.batch.get("dtype", "torch.float32")).replace("torch.", "")
+    return getattr(torch, name)
+
+
+def dry_batch(plan: Plan, dp: int, inputs=None):
+    """(inputs, targets) of one dp rank: token ids of the plan's batch shape unless given.
+    Call under FakeTensorMode: the values never matter, only the shapes."""
+    if inputs is None:
+        gb, seq = plan.batch.get("global_batch"), plan.batch.get("seq_len")
+        if not gb or not seq:
+            raise AutoplanError("verify: the plan has no batch shape; pass inputs=")
+        inputs = torch.zeros(gb // dp, seq, dtype=torch.long)
+    return inputs, torch.zeros(inputs.shape, dtype=torch.long)
+
+
+def local_part(p):
+    """This rank's shard of a DTensor parameter (a plain tensor is its own)."""
+    return p.to_local() if hasattr(p, "to_local") else p
