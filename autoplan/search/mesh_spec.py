@@ -20,7 +20,9 @@ from cost_models.topology import mesh_links
 
 # role -> the names that mean it (the first is the canonical one)
 MESH_ROLES: dict[str, tuple[str, ...]] = {
-    "dp": ("dp", "data", "fsdp", "dp_shard", "dp_replicate"),
+    "dp": ("dp", "data", "fsdp", "dp_shard"),
+    # HSDP: the replicated half of data parallel, beside a sharded dp dimension (autoplan/hsdp.py)
+    "dp_replicate": ("dp_replicate",),
     "tp": ("tp", "model", "tensor"),
     "pp": ("pp", "pipe", "pipeline"),
     "cp": ("cp", "context"),
@@ -50,7 +52,7 @@ def mesh_roles(names) -> dict[str, str]:
         role = role_of(name)
         if role in out:
             raise MeshNameError(f"mesh dimensions {out[role]!r} and {name!r} both mean {role!r}; one dimension "
-                                "per parallelism (hybrid sharding over two data-parallel dims is not planned)")
+                                "per parallelism (hybrid sharding: name them dp_replicate and dp_shard)")
         out[role] = name
     return out
 

@@ -52,7 +52,8 @@ def test_unnamed_mesh_dimensions_are_an_error(model, names):
 
 def test_two_dimensions_for_one_parallelism(model):
     with pytest.raises(MeshNameError, match="both mean 'dp'"):
-        MeshSpec((2, 2), ("dp_replicate", "dp_shard"), H100)
+        MeshSpec((2, 2), ("fsdp", "dp_shard"), H100)
+    MeshSpec((2, 2), ("dp_replicate", "dp_shard"), H100)  # HSDP: the replicated and the sharded half
     with pytest.raises(MeshNameError, match="both mean 'tp'"):
         MeshSpec((2, 2), ("tp", "model"), H100)
 
