@@ -49,9 +49,9 @@ def test_pp2_tp2_plan_matches_one_device(pool4):
 def test_pp2_tp2_loss_parallel_plan_matches_one_device(pool4):
     """The last stage computes the vocabulary-parallel loss (no full-vocabulary gather: the
     pipeline verify test proves that on the last rank) and one step still equals one device."""
-    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1}, "llama_v4k", allow_replicated_units=False)
+    plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1}, "llama_big_vocab", allow_replicated_units=False)
     assert plan.loss_parallel
-    _check(pool4.run(run_pipeline_case, plan.to_json(), "llama_v4k", BATCH, SEQ), plan)
+    _check(pool4.run(run_pipeline_case, plan.to_json(), "llama_big_vocab", BATCH, SEQ), plan)
 
 
 def test_dp2_pp2_tp2_plan_matches_one_device(pool8):

@@ -13,7 +13,7 @@ from autoplan.verify.pipeline_dry_run import verify_pipeline
 from tests.search_pp.workers import build
 
 
-def _plan(world, cons, model="llama_v4k", **kw):
+def _plan(world, cons, model="llama_big_vocab", **kw):
     return plan_cluster(build(model, device="meta"), world, hardware="cpu", batch=(16, 16),
                         devices_per_node=world, constraints=dict(cons, fsdp=True), allow_replicated_units=False,
                         **kw)
@@ -36,7 +36,7 @@ def _logits_bytes(plan, vocab=4096):
 def test_every_rank_of_every_schedule_matches_predictions_exactly(world, cons):
     plan = _plan(world, cons)
     assert plan.pipeline["schedule"] == cons["schedule"]
-    res = verify(plan, build("llama_v4k", device="meta"))
+    res = verify(plan, build("llama_big_vocab", device="meta"))
     assert res.passed, res.mismatches()
     df = res.collectives
     assert sorted(df["pp_rank"].unique()) == [0, 1]
@@ -50,7 +50,7 @@ def test_every_rank_of_every_schedule_matches_predictions_exactly(world, cons):
 def test_last_rank_of_a_loss_parallel_plan_never_gathers_the_vocabulary():
     plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "1F1B", "microbatches": 4})
     assert plan.loss_parallel and plan.pipeline["stage_to_rank"][-1] == 1
-    res = verify_pipeline(plan, build("llama_v4k", device="meta"), ranks=[1])
+    res = verify_pipeline(plan, build("llama_big_vocab", device="meta"), ranks=[1])
     assert res.passed, res.mismatches()
     last = res.collectives
     assert not ((last["kind"] == "all_gather") & (last["bytes"] >= _logits_bytes(plan)) & (last["issued"] > 0)).any()
@@ -70,4 +70,4 @@ def test_without_loss_parallel_the_gather_is_predicted_and_issued():
 def test_pipeline_verify_names_a_rank_that_does_not_exist():
     plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "GPipe", "microbatches": 4})
     with pytest.raises(AutoplanError, match="valid pipeline ranks are 0..1"):
-        verify_pipeline(plan, build("llama_v4k", device="meta"), ranks=[2])
+        verify_pipeline(plan, build("llama_big_vocab", device="meta"), ranks=[2])

@@ -11,11 +11,11 @@ from tests.planner.e2e_workers import SMALL_LLAMA
 from tests.planner.e2e_workers import build as _build
 
 # a vocabulary large enough that the planner prefers loss parallel to gathering the logits
-BIG_VOCAB = dict(SMALL_LLAMA, vocab_size=4096)
+BIG_VOCAB = dict(SMALL_LLAMA, vocab_size=65536)
 
 
 def build(name: str, device: str = "cpu"):
-    if name == "llama_v4k":
+    if name == "llama_big_vocab":
         return build_llama(seed=5, device=device, **BIG_VOCAB)
     return _build(name, device)
 
