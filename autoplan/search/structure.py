@@ -195,16 +195,18 @@ def _head_modules(graph: ModelGraph) -> list[str]:
     return [h["module"] for h in graph.roles.get("lm_head", [])[:1]]
 
 
-def _weight_sharers(graph: ModelGraph, weight: str, exclude: list[str]) -> list[str]:
-    """Modules other than the owner of ``weight`` and ``exclude`` that hold the same tied
-    parameter (T5's encoder and decoder token embeddings share ``shared.weight``): sharding the
-    weight through one module's style would leave the others computing with it unsharded."""
-    owner = weight.rsplit(".", 1)[0]
+def _param_sharers(graph: ModelGraph, module: str, exclude: list[str]) -> list[str]:
+    """Modules other than ``module`` and ``exclude`` that hold one of ``module``'s parameters
+    (T5's encoder and decoder token embeddings share ``shared.weight``; BERT's LM head shares its
+    decoder bias with ``cls.predictions``): sharding the parameter through one module's style
+    would leave the others computing with it unsharded."""
+    info = graph.modules.get(module)
+    names = {f"{module}.{p}" if module else p for p in (info.params if info else {})}
+    out: set[str] = set()
     for group in graph.tied_parameters:
-        if weight in group:
-            mods = {name.rsplit(".", 1)[0] for name in group}
-            return sorted(mods - {owner} - set(exclude))
-    return []
+        if names & set(group):
+            out |= {name.rsplit(".", 1)[0] if "." in name else "" for name in group}
+    return sorted(out - {module} - set(exclude))
 
 
 def model_structure(graph: ModelGraph) -> ModelStructure:
@@ -294,7 +296,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     for e in graph.roles.get("embedding", [])[:1]:
         emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
                             work(e["module"]), shard_safe=not outside_positions)
-        emb.shared_with = _weight_sharers(graph, f"{e['module']}.weight", exclude=_head_modules(graph))
+        emb.shared_with = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
     head = None
     for h in graph.roles.get("lm_head", [])[:1]:
         row = rows.get(h["module"], {})
@@ -305,7 +307,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         head = HeadInfo(h["module"], int(h["vocab"]), _type(graph, h["module"]) == _LINEAR, bool(h.get("tied")),
                         work(h["module"]), tokens, tokens * int(h["vocab"]) * dtype_bytes)
         emb_mods = [e["module"] for e in graph.roles.get("embedding", [])[:1]]
-        head.shared_with = _weight_sharers(graph, f"{h['module']}.weight", exclude=emb_mods)
+        head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods)
     final_norms = list(graph.roles.get("norms", []))
     fn_work = Work()
     for n in final_norms:
