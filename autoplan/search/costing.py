@@ -212,7 +212,14 @@ class CostContext:
         b = int(param_bytes / param_shard)
         return [Collective("all_gather", "forward", b, dim=self.dp_dim),
                 Collective("all_gather", "backward", b, dim=self.dp_dim),
-                Collective("reduce_scatter", "backward", b, dim=self.dp_dim)]
+                Collective("reduce_scatter", "backward", int(b * self.reduce_scale), dim=self.dp_dim)]
+
+    @property
+    def reduce_scale(self) -> float:
+        """Gradient bytes on the wire per parameter byte: 16-bit models reduce gradients in fp32
+        (FSDP2's mixed-precision policy and ZeRO-1 as the runners apply them; Megatron-LM and
+        torchtitan do the same)."""
+        return 4.0 / self.param_bytes_per_element if self.param_bytes_per_element < 4 else 1.0
 
     def ddp_collectives(self, param_bytes: float, param_shard: int) -> list[Collective]:
         """Replicated dp: one all-reduce of the gradients; ZeRO-1: reduce-scatter of the
@@ -221,6 +228,6 @@ class CostContext:
             return []
         b = int(param_bytes / param_shard)
         if self.dp_mode == "zero1":
-            return [Collective("reduce_scatter", "backward", b, dim=self.dp_dim),
+            return [Collective("reduce_scatter", "backward", int(b * self.reduce_scale), dim=self.dp_dim),
                     Collective("all_gather", "backward", b, dim=self.dp_dim)]
         return [Collective("all_reduce", "backward", b, dim=self.dp_dim)]

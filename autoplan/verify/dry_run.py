@@ -42,6 +42,8 @@ def _meta_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Mo
 
 
 def _dtype(plan: Plan) -> torch.dtype:
+    if (plan.fsdp or {}).get("mixed_precision"):
+        return torch.float32   # parameters are fp32 master weights; the policy casts for compute
     name = str(plan.batch.get("dtype", "torch.float32")).replace("torch.", "")
     return getattr(torch, name)
 
@@ -91,10 +93,7 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
                     loss = lm_loss(logits, targets)
                     rec.phase = "backward"
                     loss.backward()
-                if getattr(runner, "replicate_dp", False):  # what Runner.step does after backward
-                    from autoplan.plan.data_parallel import allreduce_gradients, unique_params
-
-                    allreduce_gradients(unique_params(meta), runner.dp_mesh.get_group(), runner.dp_mesh.size())
+                runner.data_parallel_step()  # what Runner.step does after backward (all-reduce / ZeRO-1)
     rows = [dict(e, mesh_dim=groups.get(e["group"], f"group:{e['group']}")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "phase", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])
