@@ -150,7 +150,8 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         batch: ``(global_batch, seq_len)``; each dp rank gets ``global_batch / dp`` sequences.
         inputs: instead of ``batch``, example inputs of one rank (local batch).
         hardware: hardware profile name (default: the mesh's, h100_sxm offline, cpu for CPU meshes).
-        memory_limit: bytes per rank (default: the hardware's memory capacity).
+        memory_limit: bytes per rank (default: the hardware's usable memory: capacity less the profile's
+            stated reserve and allocator fragmentation, ``HardwareProfile.usable_memory``).
         dtype: training dtype (default bf16 on accelerators, fp32 on cpu).
         fsdp: shard parameters/gradients/optimizer over the dp dimension (FSDP2) when dp > 1.
         allow_replicated_units: if False, every attention/MLP/embedding/head must be sharded
@@ -193,7 +194,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     ctx = CostContext(hardware=hw, topology=spec.topology(), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=dp_dim,
                       dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
                       optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
-    limit = memory_limit if memory_limit is not None else float(hw.memory_capacity)
+    limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # stated headroom
     search = best = None
     info = None
     seq = structure.blocks[0].seq_len if structure.blocks else 1

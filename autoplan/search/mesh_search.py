@@ -122,7 +122,7 @@ class ClusterSearch:
                  schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
                  sequence_parallel: bool | None = None, graphs: dict | None = None,
-                 dp_modes: Sequence[str] = ("fsdp", "replicate"), recompute_modes: Sequence[str] = ("none", "full")):
+                 dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE):
         from cost_models.hardware import load_hardware
 
         self.dp_modes = [dp_mode_of(x) for x in dp_modes]
