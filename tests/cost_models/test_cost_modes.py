@@ -86,3 +86,14 @@ def test_memory_headroom_is_stated_in_the_profile():
     hw = load_hardware("a100_80gb")
     assert hw.memory_reserved == 2 * 2**30 and hw.memory_fragmentation == 0.05
     assert hw.usable_memory() == pytest.approx(hw.memory_capacity * 0.95 - 2 * 2**30)
+
+
+def test_gradient_accumulation_regathers_fsdp_blocks():
+    """pp=1 with m micro-batches under FSDP: every micro-batch's forward finds the block
+    resharded (m gathers) and the first backward once more; priced as one pipeline stage."""
+    from autoplan.search.pipeline_search import PipelineChoice, UnitCost, _stage_dp, fsdp_gathers
+
+    u = [UnitCost("layers.0", 1.0, 1.0, 1.0, dp_comm_s=3.0, dp_gather_s=1.0)]
+    assert fsdp_gathers("1F1B", 1, 4) == (5,)
+    assert _stage_dp(PipelineChoice("1F1B", 1, 1, 1, [0]), u, 0, 0, 1) == pytest.approx(3.0)
+    assert _stage_dp(PipelineChoice("1F1B", 1, 1, 4, [0]), u, 0, 0, 1) == pytest.approx(6.0)
