@@ -112,6 +112,10 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
     if plan.styles and tp_mesh is not None and tp_mesh.size() > 1:
         parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
+    if plan.recompute_mode == "selective" and sched_name in ("ZeroBubble", "ZBV"):
+        raise MeshError(f"plan.apply: selective recomputation cannot run under {sched_name} (its weight "
+                        "gradients are a second backward pass; torch's selective checkpointing allows one); "
+                        "use GPipe, 1F1B or Interleaved1F1B, or recompute none/full")
     cls = getattr(pipe, _CLASSES[sched_name])
     kwargs = {"n_virtual": int(pipe_cfg["virtual_stages"])} if sched_name == "Interleaved1F1B" else {}
     ir = cls.ir(p, m, **kwargs)

@@ -35,6 +35,9 @@ MESH_NAMES = ("dp", "pp", "tp")
 # bubble over busy time, per (p-1)/m, of uniform stages (formulas.md); orders the search only
 BUBBLE = {"GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 0.5, "ZeroBubble": 1 / 3, "ZBV": 1 / 6}
 RECOMPUTE = ("none", "selective", "full")
+# schedules that run a stage's weight gradients in a second backward pass; torch's selective
+# checkpointing allows one backward per region, so selective recomputation is not paired with them
+SPLIT_WEIGHT = ("ZeroBubble", "ZBV")
 
 
 def dp_mode_of(fsdp) -> str:
@@ -368,7 +371,8 @@ class ClusterSearch:
                 cut = True
                 break
             units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b)
-            cands = pipeline_candidates(units, pp, [m], self.limit, self.schedules, self.virtual, bound=best,
+            scheds = [n for n in self.schedules if not (recompute_of(ac) == "selective" and n in SPLIT_WEIGHT)]
+            cands = pipeline_candidates(units, pp, [m], self.limit, scheds, self.virtual, bound=best,
                                         extra=lb - max(m * sum(u.time for u in units) / pp,
                                                        sum(u.forward + u.backward_input for u in units)))
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
