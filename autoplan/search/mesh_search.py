@@ -201,7 +201,9 @@ class ClusterSearch:
 
     def tp_solution(self, tp: int, b: int, ac):
         """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` (cached)."""
-        ac = recompute_of(ac)
+        # selective recomputation repeats no collective: its styles are those of no recomputation,
+        # which is what autoplan() (none / full only) solves when plan_cluster writes the plan
+        ac = "none" if recompute_of(ac) == "selective" else recompute_of(ac)
         key = (tp, b, ac)
         if key not in self._tp:
             from autoplan.search.tp_search import TPSearch

@@ -43,3 +43,20 @@ def test_zero1_wrong_bytes_are_caught():
     row = next(r for r in plan.predictions["collectives"] if r["kind"] == "reduce_scatter")
     row["bytes"] //= 2   # as if the gradients were reduced in the parameters' 16 bits
     assert not verify(plan, model).passed
+
+
+@pytest.mark.parametrize("cons", [dict(dp=2, pp=2, tp=2, dp_mode="zero1", recompute="selective", schedule="1F1B"),
+                                  dict(dp=4, pp=1, tp=2, dp_mode="fsdp", recompute="selective", microbatches=1)],
+                         ids=["pipelined_zero1_selective", "cluster_fsdp_mixed_precision"])
+def test_plan_cluster_modes_verify(cons):
+    """plan_cluster writes the modes its search chose (plan_modes) and verify agrees exactly."""
+    from autoplan.cluster import plan_cluster
+
+    model = _llama()
+    plan = plan_cluster(model, 8, hardware="h100_sxm", batch=(8, 128), constraints=cons,
+                        allow_replicated_units=False, sequence_parallel=False)
+    assert plan.recompute_mode == "selective" and plan.fsdp["mode"] == cons["dp_mode"]
+    if cons["dp_mode"] == "fsdp":
+        assert plan.fsdp["mixed_precision"]["reduce_dtype"] == "float32"
+    result = verify(plan, model)
+    assert result.passed, result.mismatches().to_string()
