@@ -50,7 +50,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         batch: ``(global_batch, seq_len)``; each dp rank gets ``global_batch / dp`` sequences.
         inputs: instead of ``batch``, example inputs of one rank (local batch).
         hardware: hardware profile name (default: the mesh's, h100_sxm offline, cpu for CPU meshes).
-        memory_limit: bytes per rank (default: the hardware's memory capacity; ``float('inf')``: none).
+        memory_limit: bytes per rank (default: the hardware's usable memory, capacity less its stated reserve and fragmentation; ``float('inf')``: none).
         dtype: training dtype (default bf16 on accelerators, fp32 on cpu; "bf16"-style names accepted).
         fsdp: shard parameters/gradients/optimizer over the dp dimension (FSDP2) when dp > 1
             (None: yes on a mesh; the search's choice for a device count).

@@ -25,6 +25,7 @@ from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, stage_bounds
+from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.schedule_timing import schedule_ir
 from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
@@ -82,6 +83,20 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> l
     return out
 
 
+def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
+    """Replicated dp (one flat all-reduce) or ZeRO-1 (reduce-scatter + all-gather of one padded
+    flat buffer) of the parameters pipeline rank ``rank`` holds, as the pipeline runner issues them."""
+    c = best.choice
+    names = search.unit_names
+    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    mine = [u for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) if s2r[s] == rank for u in names[a:b]]
+    st = search.structure(best.b)
+    rows, n = zero1_rows(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine)
+    if best.dp_mode == "zero1":
+        return rows
+    return [{"kind": "all_reduce", "mesh_dim": "dp", "phase": "backward", "bytes": n * st.dtype_bytes, "count": 1}]
+
+
 def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict | None = None
                ) -> tuple[list[dict], dict[str, float]]:
     """Collectives and memory of pipeline rank ``rank``: the TP collectives of its units once per
@@ -89,8 +104,8 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     from collections import defaultdict
 
     c = best.choice
-    options, layout = search.tp_solution(best.tp, best.b, best.ac)
-    ctx = search.ctx(best.dp, best.pp, best.tp, best.fsdp, best.ac)
+    options, layout = search.tp_solution(best.tp, best.b, best.recompute)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
     names = search.unit_names
     index = {n: i for i, n in enumerate(names)}
     st = search.structure(best.b)
@@ -121,8 +136,8 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
             dim = "tp" if col.dim == "tp" else col.dim
             if dim not in MESH_NAMES or ctx.topology[dim].size == 1 or col.nbytes <= 0:
                 continue
-            if dim == "dp" and best.fsdp:
-                continue  # exact FSDP rows per wrapped unit: _fsdp_rows
+            if dim == "dp":
+                continue  # exact rows of the runtime's dp collectives: _fsdp_rows / _flat_dp_rows
             w = sum(2 if twice and col.phase == "backward" and stage_of[t] > 0 else 1
                     for t in targets if t in mine)
             per = col.count * w // len(targets)
@@ -130,7 +145,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         for key, v in o.memory(ctx).items():
             mem[key] += v * k / len(targets)
     if c.p > 1:
-        units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.fsdp, best.ac, best.b)
+        units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b)
         hidden = st.blocks[0].hidden_bytes if st.blocks else 0
         nbytes = int(hidden / (best.tp if layout == "S" else 1))
         for s in range(len(s2r)):
@@ -147,8 +162,9 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         # the runtime agrees on the input signature and the schedule's shape once per step
         # (one small int64 all-reduce on pp)
         agg[("all_reduce", "pp", "forward", AGREEMENT_BYTES)] += 1
-        if best.fsdp and best.dp > 1:
-            for row in _fsdp_rows(search, best, rank, styles):
+        if best.dp > 1:
+            rows = _fsdp_rows(search, best, rank, styles) if best.fsdp else _flat_dp_rows(search, best, rank, styles)
+            for row in rows:
                 agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
     inflight = c.peak_inflight[rank] / max(1, sum(1 for r in s2r if r == rank))
     mem["activations"] *= inflight
@@ -229,8 +245,12 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     c = best.choice
     spec = MeshSpec((best.dp, best.pp, best.tp), MESH_NAMES, hardware, search.dpn)
     tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b), memory_limit=UNBOUNDED,
-                       dtype=search.dtype, fsdp=best.fsdp, activation_checkpointing=best.ac,
+                       dtype=search.dtype, fsdp=best.fsdp, activation_checkpointing=best.recompute == "full",
                        allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
+    with_dp_mode(tp_plan, search.graph(best.b), search.structure(best.b), best.dp_mode,
+                 ctx.optimizer_bytes_per_element)
+    with_recompute(tp_plan, search.structure(best.b), best.recompute)
     names = search.unit_names
     stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
     s2r = list(schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank)
@@ -264,8 +284,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                             for a in ranked_alternatives(cands, names, alternatives)]
     tp_plan.solver = dict(tp_plan.solver, simulations=search.simulations, candidates=len(cands))
     tp_plan.notes = list(tp_plan.notes) + [
-        f"mesh dp={best.dp} x pp={best.pp} x tp={best.tp} ({'FSDP' if best.fsdp else 'replicated'} data parallel"
-        f"{', activation checkpointing' if best.ac else ''}), {c.schedule} with {c.m} micro-batches of "
+        f"mesh dp={best.dp} x pp={best.pp} x tp={best.tp} ({best.dp_mode} data parallel, "
+        f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
         f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
         "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
         "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
@@ -273,5 +293,6 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     if c.p == 1 and c.m > 1:
         tp_plan.notes.append(f"pp=1 with {c.m} micro-batches is gradient accumulation; the runner (runner.py) "
                              "runs the local batch in one pass, so apply with microbatches=1 or accumulate yourself")
+    with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
     tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
     return tp_plan

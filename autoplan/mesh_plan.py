@@ -156,7 +156,7 @@ def plan_mesh(model: torch.nn.Module, spec: MeshSpec, *, inputs: Any = None, bat
     ctx = CostContext(hardware=hw, topology=spec.topology(), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=dp_dim,
                       dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
                       optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
-    limit = memory_limit if memory_limit is not None else float(hw.memory_capacity)
+    limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
     search = best = None
     info = None
     seq = structure.blocks[0].seq_len if structure.blocks else 1

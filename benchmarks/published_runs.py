@@ -130,7 +130,7 @@ def run_case(case: dict, meta: dict, free: bool) -> dict:
         fopts.pop("schedules", None)
         try:
             best = ClusterSearch(model, n, hardware=case["hardware"], batch=(gb, seq), graphs=dict(search.graphs),
-                                 **fopts).search(time_budget_s=20, max_simulations=60)[0]
+                                 **fopts).search(time_budget_s=60, max_simulations=60)[0]
             row.update({"autoplan_pick": describe(best), "autoplan_s": best.step_s,
                         "claimed_speedup": pub.step_s / best.step_s,
                         "autoplan_mfu": mf / (best.step_s * n * peak), "plan_s": time.perf_counter() - t1,

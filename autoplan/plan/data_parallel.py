@@ -11,6 +11,7 @@ reduction, hence sum then divide).
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Iterable
 
@@ -121,3 +122,84 @@ def fsdp_kwargs(fsdp: dict | None) -> dict:
     """Keyword arguments for every ``fully_shard`` call of a plan (its mixed-precision policy)."""
     mp = mixed_precision_policy(fsdp)
     return {"mp_policy": mp} if mp is not None else {}
+
+
+def plan_dp_mode(plan) -> str:
+    """The plan's data-parallel mode: ``fsdp`` | ``zero1`` | ``replicate`` (``fsdp.mode``; plans
+    written before it existed say only ``fsdp.enabled``)."""
+    fsdp = plan.fsdp or {}
+    mode = fsdp.get("mode") or ("fsdp" if fsdp.get("enabled") else "replicate")
+    if mode not in ("fsdp", "zero1", "replicate"):
+        raise PlanSchemaError(f"plan.fsdp.mode={mode!r} is not one of fsdp, zero1, replicate")
+    return mode
+
+
+class Zero1:
+    """ZeRO-1 (Megatron-LM's distributed optimizer) over one data-parallel group.
+
+    Parameters and gradients stay whole (TP-local) on every rank; the optimizer state and an
+    fp32 master copy of the parameters are sharded. After backward the local gradients are
+    flattened (in registration order, padded with zeros to a multiple of the group size) and
+    reduce-scattered, so each rank receives the summed gradients of its contiguous 1/dp slice;
+    it divides by dp, steps its slice (reduction and master weights in fp32, as Megatron-LM's
+    distributed optimizer does for 16-bit models), and the updated slices are all-gathered back into the
+    parameters. Two collectives of the padded flat size per step, issued exactly as the planner
+    prices them (``CostContext.ddp_collectives``). The optimizer the runner holds only names the
+    algorithm and hyper-parameters: its class and ``param_groups[0]`` settings are applied to
+    the master slice (elementwise optimizers -- SGD, Adam, AdamW -- give the same update on a
+    flat slice as on the tensors). Built lazily at the first step, so a plan applied on meta
+    and materialised later (verify's dry run) works.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], group, world: int, rank: int):
+        self.params, self.group, self.world, self.rank = list(params), group, world, rank
+        self.master: torch.Tensor | None = None
+        self.inner: torch.optim.Optimizer | None = None
+        self._outer = None
+
+    def padded_numel(self) -> int:
+        n = sum(_local(p).numel() for p in self.params)
+        return -(-n // self.world) * self.world
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reduce-scatter the gradients, step this rank's slice with ``optimizer``'s algorithm,
+        all-gather the updated parameters."""
+        local = [_local(p) for p in self.params]
+        total = self.padded_numel()
+        shard = total // self.world
+        dtype, device = local[0].dtype, local[0].device
+        flat = torch.zeros(total, dtype=torch.float32, device=device)   # gradients reduced in fp32
+        offset = 0
+        for p, t in zip(self.params, local):
+            if p.grad is not None:
+                flat[offset:offset + t.numel()].copy_(_local(p.grad).reshape(-1))
+            offset += t.numel()
+        grad = torch.empty(shard, dtype=torch.float32, device=device)
+        dist.reduce_scatter_single(grad, flat, group=self.group)
+        if self.master is None or self._outer is not optimizer:
+            self._build(optimizer, local, total, shard)
+        for k, v in optimizer.param_groups[0].items():   # follow lr schedules on the outer optimizer
+            if k != "params":
+                self.inner.param_groups[0][k] = v
+        self.master.grad = grad.div_(self.world)
+        self.inner.step()
+        gathered = torch.empty(total, dtype=dtype, device=device)
+        dist.all_gather_single(gathered, self.master.detach().to(dtype), group=self.group)
+        offset = 0
+        with torch.no_grad():
+            for t in local:
+                t.copy_(gathered[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _build(self, optimizer, local: list[torch.Tensor], total: int, shard: int) -> None:
+        flat = torch.zeros(total, dtype=torch.float32, device=local[0].device)
+        offset = 0
+        with torch.no_grad():
+            for t in local:
+                flat[offset:offset + t.numel()].copy_(t.reshape(-1))
+                offset += t.numel()
+        self.master = torch.nn.Parameter(flat[self.rank * shard:(self.rank + 1) * shard].clone())
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.inner = type(optimizer)([self.master], **settings)
+        self._outer = optimizer

@@ -18,8 +18,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hyper_parallel.core.pipeline_parallel as pipe
-from autoplan.plan.data_parallel import allreduce_gradients, dp_share, fsdp_kwargs, unique_params
+from autoplan.plan.data_parallel import Zero1, allreduce_gradients, dp_share, fsdp_kwargs, plan_dp_mode, unique_params
 from autoplan.plan.forward import lm_loss
+from autoplan.plan.recompute import recompute_attention_core
 from autoplan.search.mesh_spec import mesh_roles
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.errors import MeshError
@@ -85,15 +86,25 @@ class PipelineRunner:
         """This rank's share of a global batch along dim 0 (its dp coordinate)."""
         return dp_share(inputs, targets, self.dp_mesh, "PipelineRunner")
 
+    def data_parallel_step(self) -> bool:
+        """After the schedule: replicated dp all-reduces this rank's gradients; ZeRO-1 reduce-
+        scatters them, steps its slice, all-gathers the parameters (True: optimizer stepped)."""
+        zero1 = getattr(self, "zero1", None)
+        if zero1 is not None:
+            zero1.step(self.optimizer)
+            return True
+        if getattr(self, "replicate_dp", False):
+            params = [p for st in self.stages for p in unique_params(st.module)]
+            allreduce_gradients(params, self.dp_mesh.get_group(), self.dp_mesh.size())
+        return False
+
     def step(self, batch) -> float:
         inputs, targets = batch
         self.optimizer.zero_grad()
         args = (inputs,) if self.first else ()
         loss = self.schedule.step(*args, target=targets if self.last else None)
-        if getattr(self, "replicate_dp", False):
-            params = [p for st in self.stages for p in unique_params(st.module)]
-            allreduce_gradients(params, self.dp_mesh.get_group(), self.dp_mesh.size())
-        self.optimizer.step()
+        if not self.data_parallel_step():
+            self.optimizer.step()
         value = torch.zeros((), dtype=torch.float64)
         if loss is not None:
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -125,6 +136,10 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     if mesh[pp_name].size() != p:
         raise MeshError(f"plan.apply: plan has pp={p}, mesh has {pp_name}={mesh[pp_name].size()}")
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
+    if plan.recompute_mode == "selective" and sched_name in ("ZeroBubble", "ZBV"):
+        raise MeshError(f"plan.apply: selective recomputation cannot run under {sched_name} (its weight "
+                        "gradients are a second backward pass; torch's selective checkpointing allows one); "
+                        "use GPipe, 1F1B or Interleaved1F1B, or recompute none/full")
     tp_mesh = apply_tp(plan, model, mesh)
     cls = schedule_class(sched_name)
     kwargs = {"n_virtual": int(pipe_cfg["virtual_stages"])} if sched_name == "Interleaved1F1B" else {}
@@ -137,17 +152,22 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     def is_block(unit: str) -> bool:
         return any(unit.startswith(b + ".") for b in blocks)
 
-    if plan.activation_checkpointing:
+    if plan.recompute_mode == "full":
         from torch.distributed._composable import checkpoint
 
         for st in stages:
             for u in st.module.units:
                 if is_block(u):
                     checkpoint(st.module.get_submodule(u))
+    elif plan.recompute_mode == "selective":
+        for st in stages:
+            recompute_attention_core(st.module, list(plan.recompute.get("modules", [])), strict=False)
     use_dp = dp_mesh is not None and dp_mesh.size() > 1
-    replicate_dp = use_dp and not plan.fsdp.get("enabled")
-    if replicate_dp:
-        use_dp = False  # whole parameters per dp rank; gradients averaged after each step
+    mode = plan_dp_mode(plan)
+    replicate_dp = use_dp and mode == "replicate"
+    zero1_dp = use_dp and mode == "zero1"
+    if replicate_dp or zero1_dp:
+        use_dp = False  # whole parameters per dp rank; gradients averaged (or ZeRO-1) after each step
 
     if use_dp:
         tied = {id(prm) for st in stages for g in st.module.tied_groups
@@ -170,6 +190,8 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
         optimizer = optimizer(params)
     last_rank = ir.stage_to_rank[ir.n_stages - 1]
     runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank,
-                            dp_mesh if (use_dp or replicate_dp) else None)
+                            dp_mesh if (use_dp or replicate_dp or zero1_dp) else None)
     runner.replicate_dp = replicate_dp
+    runner.zero1 = Zero1([p for st in stages for p in unique_params(st.module)], dp_mesh.get_group(),
+                         dp_mesh.size(), dp_mesh.get_local_rank()) if zero1_dp else None
     return runner

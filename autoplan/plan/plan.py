@@ -65,6 +65,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     activation_checkpointing: bool = False
     pipeline: dict[str, Any] | None = None
+    # selective recomputation: {"mode": "selective", "modules": [patterns of the attention
+    # modules whose own ops are recomputed]}; empty: none, or full when activation_checkpointing
+    recompute: dict[str, Any] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)   # wall-clock; not in JSON unless asked
     schema_version: int = SCHEMA_VERSION
 
@@ -78,6 +81,8 @@ class Plan:
             "pipeline": self.pipeline, "decisions": self.decisions, "predictions": self.predictions,
             "alternatives": self.alternatives, "solver": self.solver, "notes": self.notes,
         }
+        if self.recompute:
+            data["recompute"] = self.recompute
         if timing:
             data["timing"] = self.timing
         return _plain(data)
@@ -94,8 +99,9 @@ class Plan:
         data = _plain(data)  # the plan owns its data: later edits of ``data`` do not reach it
         kw = {k: data[k] for k in ("mesh", "tp_dim", "dp_dim", "styles", "stream_layout", "loss_parallel", "fsdp",
                                    "decisions", "predictions", "alternatives", "solver", "model", "batch")}
-        return cls(**kw, notes=data.get("notes", []), pipeline=data.get("pipeline"),
-                   activation_checkpointing=data.get("activation_checkpointing", False),
+        return cls(**kw, notes=list(data.get("notes", [])), pipeline=data.get("pipeline"),
+                   activation_checkpointing=bool(data.get("activation_checkpointing", False)),
+                   recompute=dict(data.get("recompute") or {}),
                    timing=dict(data.get("timing", {})), schema_version=data["schema_version"])
 
     @classmethod
@@ -137,6 +143,11 @@ class Plan:
             raise InvalidArgumentError(f"plan.apply: mesh must be a DeviceMesh named {tuple(self.mesh['names'])} of "
                                        f"shape {tuple(self.mesh['shape'])}, got {type(mesh).__name__}")
         return apply_plan(self, model, mesh, **runner_kwargs)
+
+    @property
+    def recompute_mode(self) -> str:
+        """``none`` | ``selective`` | ``full`` (full: ``activation_checkpointing``)."""
+        return self.recompute.get("mode") or ("full" if self.activation_checkpointing else "none")
 
     @property
     def step_time(self) -> float:

@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.data_parallel import dp_share, fsdp_kwargs
-from autoplan.plan.data_parallel import allreduce_gradients, dp_mesh as plan_dp_mesh, unique_params
+from autoplan.plan.data_parallel import Zero1, allreduce_gradients, dp_share, fsdp_kwargs, plan_dp_mode, unique_params
+from autoplan.plan.data_parallel import dp_mesh as plan_dp_mesh
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
+from autoplan.plan.recompute import recompute_attention_core
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.errors import MeshError
 
@@ -26,13 +27,25 @@ log = logging.getLogger(__name__)
 
 class Runner:
     def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
-                 replicate_dp: bool = False):
+                 replicate_dp: bool = False, zero1: Zero1 | None = None):
         self.model = model
         self.plan = plan
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.dp_mesh = dp_mesh
         self.replicate_dp = replicate_dp  # replicated data parallel: average gradients after backward
+        self.zero1 = zero1                # ZeRO-1: sharded optimizer step after backward
+
+    def data_parallel_step(self) -> bool:
+        """What follows backward on the dp group: replicated dp all-reduces the gradients;
+        ZeRO-1 reduce-scatters them, steps this rank's slice and all-gathers the parameters
+        (returns True: the optimizer has stepped). FSDP did its part inside backward."""
+        if self.zero1 is not None:
+            self.zero1.step(self.optimizer)
+            return True
+        if self.replicate_dp:
+            allreduce_gradients(unique_params(self.model), self.dp_mesh.get_group(), self.dp_mesh.size())
+        return False
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's share of a global batch along dim 0 (its dp coordinate)."""
@@ -50,9 +63,8 @@ class Runner:
         else:
             loss = self.loss_fn(logits, targets)
             loss.backward()
-        if self.replicate_dp:
-            allreduce_gradients(unique_params(self.model), self.dp_mesh.get_group(), self.dp_mesh.size())
-        self.optimizer.step()
+        if not self.data_parallel_step():
+            self.optimizer.step()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return float(value.detach())
 
@@ -82,17 +94,22 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
         return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
     if plan.styles and plan.tp_dim:
         parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
-    if plan.activation_checkpointing:
+    if plan.recompute_mode == "full":
         from torch.distributed._composable import checkpoint
 
         for unit in _fsdp_units(model, plan):  # the repeated blocks
             checkpoint(unit)
+    elif plan.recompute_mode == "selective":
+        recompute_attention_core(model, list(plan.recompute.get("modules", [])))
     dp_mesh = plan_dp_mesh(plan, mesh)  # 2-D (dp_replicate, dp_shard) for HSDP: fully_shard's HSDP
-    if plan.fsdp.get("enabled") and dp_mesh is not None and dp_mesh.size() > 1:
+    use_dp = dp_mesh is not None and dp_mesh.size() > 1
+    mode = plan_dp_mode(plan)
+    if mode == "fsdp" and use_dp:
         kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
         for unit in _fsdp_units(model, plan):
             fully_shard(unit, mesh=dp_mesh, **kw)
         fully_shard(model, mesh=dp_mesh, **kw)
-    replicate_dp = dp_mesh is not None and dp_mesh.size() > 1 and not plan.fsdp.get("enabled")
+    zero1 = Zero1(unique_params(model), dp_mesh.get_group(), dp_mesh.size(), dp_mesh.get_local_rank()) \
+        if mode == "zero1" and use_dp else None
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
-    return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=replicate_dp)
+    return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=use_dp and mode == "replicate", zero1=zero1)

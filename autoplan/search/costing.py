@@ -52,7 +52,7 @@ class CostContext:
     optimizer_bytes_per_element: int   # AdamW: 2 fp32 states (+ fp32 master weights for 16-bit params)
     checkpoint_blocks: bool = False    # full activation checkpointing of every repeated block
     # "replicate" | "zero1" | "fsdp" ("" = from ``fsdp``); "none" | "selective" | "full"
-    # ("" = from ``checkpoint_blocks``)
+    # ("" = none or full, from ``checkpoint_blocks``)
     dp_mode: str = ""
     recompute: str = ""
     # cost_models.runtime.RuntimeOverheads of eager ranks on this host; "auto": the cached
@@ -65,11 +65,12 @@ class CostContext:
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"CostContext: dp_mode={self.dp_mode!r} is not one of {DP_MODES}")
         self.fsdp = self.dp_mode == "fsdp"
-        if not self.recompute:
-            self.recompute = "full" if self.checkpoint_blocks else "none"
-        if self.recompute not in RECOMPUTE:
+        # recompute "" stays "": ``checkpoint_blocks`` says none/full, so that
+        # ``dataclasses.replace(ctx, checkpoint_blocks=...)`` (autoplan's two-way enumeration) works
+        if self.recompute and self.recompute not in RECOMPUTE:
             raise ValueError(f"CostContext: recompute={self.recompute!r} is not one of {RECOMPUTE}")
-        self.checkpoint_blocks = self.recompute == "full"
+        if self.recompute:
+            self.checkpoint_blocks = self.recompute == "full"
         if self.runtime == _AUTO:
             self.runtime = self._auto_runtime()
 
@@ -121,7 +122,7 @@ class CostContext:
     def recompute_time(self, work: Work, shard: int) -> float:
         """Extra seconds per call that recomputation adds in backward: the whole forward (full:
         a third of forward + backward) or the attention core's forward (selective)."""
-        if self.recompute == "full":
+        if self.checkpoint_blocks:
             return self.compute_time(work, shard) / 3.0
         if self.recompute == "selective" and work.core is not None:
             return self.compute_time(work.core, shard) / 3.0
@@ -208,7 +209,14 @@ class CostContext:
         b = int(param_bytes / param_shard)
         return [Collective("all_gather", "forward", b, dim=self.dp_dim),
                 Collective("all_gather", "backward", b, dim=self.dp_dim),
-                Collective("reduce_scatter", "backward", b, dim=self.dp_dim)]
+                Collective("reduce_scatter", "backward", int(b * self.reduce_scale), dim=self.dp_dim)]
+
+    @property
+    def reduce_scale(self) -> float:
+        """Gradient bytes on the wire per parameter byte: 16-bit models reduce gradients in fp32
+        (FSDP2's mixed-precision policy and ZeRO-1 as the runners apply them; Megatron-LM and
+        torchtitan do the same)."""
+        return 4.0 / self.param_bytes_per_element if self.param_bytes_per_element < 4 else 1.0
 
     def ddp_collectives(self, param_bytes: float, param_shard: int) -> list[Collective]:
         """Replicated dp: one all-reduce of the gradients; ZeRO-1: reduce-scatter of the
@@ -217,6 +225,6 @@ class CostContext:
             return []
         b = int(param_bytes / param_shard)
         if self.dp_mode == "zero1":
-            return [Collective("reduce_scatter", "backward", b, dim=self.dp_dim),
+            return [Collective("reduce_scatter", "backward", int(b * self.reduce_scale), dim=self.dp_dim),
                     Collective("all_gather", "backward", b, dim=self.dp_dim)]
         return [Collective("all_reduce", "backward", b, dim=self.dp_dim)]

@@ -42,6 +42,9 @@ MESH_NAMES = ("dp", "pp", "tp")
 # bubble over busy time, per (p-1)/m, of uniform stages (formulas.md); orders the search only
 BUBBLE = {"GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 0.5, "ZeroBubble": 1 / 3, "ZBV": 1 / 6}
 RECOMPUTE = ("none", "selective", "full")
+# schedules that run a stage's weight gradients in a second backward pass; torch's selective
+# checkpointing allows one backward per region, so selective recomputation is not paired with them
+SPLIT_WEIGHT = ("ZeroBubble", "ZBV")
 
 
 def dp_mode_of(fsdp) -> str:
@@ -129,7 +132,7 @@ class ClusterSearch:
                  schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
                  sequence_parallel: bool | None = None, graphs: dict | None = None,
-                 dp_modes: Sequence[str] = ("fsdp", "replicate"), recompute_modes: Sequence[str] = ("none", "full")):
+                 dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE):
         self.dp_modes = [dp_mode_of(x) for x in dp_modes]
         self.recompute_modes = [recompute_of(x) for x in recompute_modes]
         self.model, self.devices, self.hardware = model, int(devices), hardware
@@ -207,7 +210,9 @@ class ClusterSearch:
 
     def tp_solution(self, tp: int, b: int, ac):
         """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` (cached)."""
-        ac = recompute_of(ac)
+        # selective recomputation repeats no collective: its styles are those of no recomputation,
+        # which is what autoplan() (none / full only) solves when plan_cluster writes the plan
+        ac = "none" if recompute_of(ac) == "selective" else recompute_of(ac)
         key = (tp, b, ac)
         if key not in self._tp:
             ctx = self.ctx(1, 1, tp, False, ac)
@@ -378,7 +383,8 @@ class ClusterSearch:
                 cut = True
                 break
             units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b)
-            cands = pipeline_candidates(units, pp, [m], self.limit, self.schedules, self.virtual, bound=best,
+            scheds = [n for n in self.schedules if not (recompute_of(ac) == "selective" and n in SPLIT_WEIGHT)]
+            cands = pipeline_candidates(units, pp, [m], self.limit, scheds, self.virtual, bound=best,
                                         extra=lb - max(m * sum(u.time for u in units) / pp,
                                                        sum(u.forward + u.backward_input for u in units)))
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))

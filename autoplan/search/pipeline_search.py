@@ -318,7 +318,9 @@ def fsdp_gathers(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
 
 
 def _stage_dp(choice: PipelineChoice, units: Sequence[UnitCost], s: int, a: int, b: int) -> float:
-    extra = (fsdp_gathers(choice.schedule, choice.p, choice.m, choice.v)[s] - 2) if choice.p > 1 else 0
+    # also with p == 1: m micro-batches of gradient accumulation re-gather every resharded block
+    # (FSDP2 reshards after forward), exactly as one pipeline stage running m micro-batches does
+    extra = fsdp_gathers(choice.schedule, choice.p, choice.m, choice.v)[s] - 2
     return sum(u.dp_comm_s + extra * u.dp_gather_s for u in units[a:b])
 
 

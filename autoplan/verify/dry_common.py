@@ -34,6 +34,8 @@ def meta_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Mod
 
 
 def plan_dtype(plan: Plan) -> torch.dtype:
+    if (plan.fsdp or {}).get("mixed_precision"):
+        return torch.float32   # parameters are fp32 master weights; the FSDP policy casts for compute
     name = str(plan.batch.get("dtype", "torch.float32")).replace("torch.", "")
     return getattr(torch, name)
 

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
-from autoplan.plan.data_parallel import allreduce_gradients, dp_degree, unique_params
+from autoplan.plan.data_parallel import dp_degree
 from autoplan.plan.forward import lm_loss, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype
@@ -70,8 +70,7 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
                     loss = lm_loss(logits, targets)
                     rec.phase = "backward"
                     loss.backward()
-                if getattr(runner, "replicate_dp", False):  # what Runner.step does after backward
-                    allreduce_gradients(unique_params(meta), runner.dp_mesh.get_group(), runner.dp_mesh.size())
+                runner.data_parallel_step()  # what Runner.step does after backward (all-reduce / ZeRO-1)
     rows = [dict(e, mesh_dim=groups.get(e["group"], f"group:{e['group']}")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "phase", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])

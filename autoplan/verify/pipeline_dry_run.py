@@ -89,6 +89,7 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             runner.schedule.step(*args, target=tgt)   # warm-up: FSDP lazy init, caches
             with CollectiveRecorder() as rec:
                 runner.schedule.step(*args, target=tgt)
+                runner.data_parallel_step()   # replicated dp's all-reduce / ZeRO-1, as PipelineRunner.step
     rows = [dict(e, mesh_dim=groups.get(e["group"], "pp")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])

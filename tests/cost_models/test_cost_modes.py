@@ -58,8 +58,12 @@ def test_state_bytes_and_collectives_per_dp_mode():
     assert fs.state_bytes(b, 1) == {"params": 1e9, "grads": 1e9, "optimizer": 6e9}
     assert [c.kind for c in rep.ddp_collectives(b, 1)] == ["all_reduce"]
     assert [c.kind for c in z1.ddp_collectives(b, 1)] == ["reduce_scatter", "all_gather"]
-    # same bytes on the wire: reduce-scatter + all-gather == all-reduce (ring)
-    assert z1.comm_time(z1.ddp_collectives(b, 1)) == pytest.approx(rep.comm_time(rep.ddp_collectives(b, 1)))
+    # a ring all-reduce is a reduce-scatter + an all-gather; ZeRO-1 reduces the 16-bit model's
+    # gradients in fp32 (twice the bytes), all-gathers 16-bit parameters: 1.5x the bf16 all-reduce
+    rs, ag = z1.ddp_collectives(b, 1)
+    assert rs.nbytes == 2 * ag.nbytes == 2 * b
+    assert z1.comm_time([rs, ag]) == pytest.approx(1.5 * rep.comm_time(rep.ddp_collectives(b, 1)), rel=1e-3)
+    assert [c.nbytes for c in fs.fsdp_collectives(b, 1)] == [b, b, 2 * b]
     assert z1.optimizer_elements(b, 1) == rep.optimizer_elements(b, 1) / 8
 
 
@@ -82,3 +86,14 @@ def test_memory_headroom_is_stated_in_the_profile():
     hw = load_hardware("a100_80gb")
     assert hw.memory_reserved == 2 * 2**30 and hw.memory_fragmentation == 0.05
     assert hw.usable_memory() == pytest.approx(hw.memory_capacity * 0.95 - 2 * 2**30)
+
+
+def test_gradient_accumulation_regathers_fsdp_blocks():
+    """pp=1 with m micro-batches under FSDP: every micro-batch's forward finds the block
+    resharded (m gathers) and the first backward once more; priced as one pipeline stage."""
+    from autoplan.search.pipeline_search import PipelineChoice, UnitCost, _stage_dp, fsdp_gathers
+
+    u = [UnitCost("layers.0", 1.0, 1.0, 1.0, dp_comm_s=3.0, dp_gather_s=1.0)]
+    assert fsdp_gathers("1F1B", 1, 4) == (5,)
+    assert _stage_dp(PipelineChoice("1F1B", 1, 1, 1, [0]), u, 0, 0, 1) == pytest.approx(3.0)
+    assert _stage_dp(PipelineChoice("1F1B", 1, 1, 4, [0]), u, 0, 0, 1) == pytest.approx(6.0)

@@ -1,0 +1,113 @@
+"""Data-parallel mode, recomputation and mixed precision written into a Plan, with the exact
+collectives and per-rank state bytes the runtime then has.
+
+``autoplan()`` solves the tensor-parallel styles under FSDP or replicated dp and no or full
+recomputation; the whole-cluster search also prices ZeRO-1 and selective recomputation
+(``CostContext.dp_mode`` / ``recompute``). This module turns a plan into the chosen mode the way
+the runners apply it (``autoplan.plan.runner``, ``pipeline_runner``), so ``verify``'s dry run can
+hold the plan to it byte for byte:
+
+- ``zero1``: the runner's :class:`~autoplan.plan.data_parallel.Zero1` reduce-scatters one flat
+  fp32 gradient buffer (this rank's TP-local parameters in registration order, padded to a
+  multiple of dp) and all-gathers the updated parameters in their dtype: two rows of the padded
+  size; optimizer state and fp32 master weights sharded over dp.
+- ``selective``: the attention module of every repeated block recomputes its own ops
+  (``autoplan.plan.recompute``); no collective is repeated.
+- mixed precision (FSDP plans with 16-bit compute): ``fsdp.mixed_precision`` is FSDP2's policy,
+  bf16 parameters for compute and fp32 gradient reduction. The sharded parameters are then the
+  fp32 master weights the optimizer updates (4 bytes each), gradients are reduce-scattered in
+  fp32 (4 bytes), all-gathers stay 16-bit; the per-element state total is unchanged
+  (4 + 4 + 8 = 2 + 2 + 12 bytes).
+"""
+from __future__ import annotations
+
+from autoplan.capture.ir import ModelGraph
+from autoplan.errors import PlanningError
+from autoplan.plan.plan import Plan
+from autoplan.search.sharding import param_shards
+from autoplan.search.structure import ModelStructure
+
+MIXED_PRECISION = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+REDUCE_BYTES = 4   # gradients are reduced in fp32 under mixed precision (FSDP2 policy, ZeRO-1)
+
+
+def attention_patterns(structure: ModelStructure) -> list[str]:
+    """Module patterns of the attention of every repeated block (``layers.*.attention``)."""
+    return [f"{b.prefix}.*.{b.attention.rel}" for b in structure.blocks if b.attention is not None]
+
+
+def with_recompute(plan: Plan, structure: ModelStructure, mode: str) -> Plan:
+    """Set the plan's recomputation: ``none`` | ``selective`` | ``full``."""
+    if mode not in ("none", "selective", "full"):
+        raise PlanningError(f"recompute={mode!r} is not one of none, selective, full")
+    plan.activation_checkpointing = mode == "full"
+    plan.recompute = {"mode": "selective", "modules": attention_patterns(structure)} if mode == "selective" else {}
+    return plan
+
+
+def zero1_rows(graph: ModelGraph, styles: dict, tp: int, block_prefixes: list[str], dp: int, dp_dim: str,
+               units: list[str] | None = None) -> tuple[list[dict], int]:
+    """(the two ZeRO-1 collectives of one step, parameter elements on this rank) for the
+    parameters of ``units`` (module FQN prefixes; None: all)."""
+    shards = param_shards(graph, styles, tp, block_prefixes)
+    if units is not None:
+        shards = [s for s in shards if any(s.fqn.startswith(u + ".") for u in units)]
+    n = sum(s.fsdp_local_numel(1) for s in shards)
+    padded = -(-n // dp) * dp
+    pbytes = shards[0].dtype_bytes if shards else 4
+    rows = [{"kind": "reduce_scatter", "mesh_dim": dp_dim, "phase": "backward", "bytes": padded * REDUCE_BYTES,
+             "count": 1},
+            {"kind": "all_gather", "mesh_dim": dp_dim, "phase": "backward", "bytes": padded * pbytes, "count": 1}]
+    return rows, n
+
+
+def with_dp_mode(plan: Plan, graph: ModelGraph, structure: ModelStructure, mode: str,
+                 optimizer_bytes_per_element: int) -> Plan:
+    """Rewrite a one-stage plan made with replicated dp (``fsdp=False``) into ``mode``.
+
+    ``fsdp`` and ``replicate`` plans come out of ``autoplan()`` as they are; ``zero1`` replaces
+    the replicated all-reduce by ZeRO-1's reduce-scatter + all-gather and shards the optimizer
+    state (fp32 master weights included) over dp."""
+    if mode not in ("fsdp", "zero1", "replicate"):
+        raise PlanningError(f"dp_mode={mode!r} is not one of fsdp, zero1, replicate")
+    dp_dim = plan.dp_dim
+    dp = dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(dp_dim, 1) if dp_dim else 1
+    if mode != "zero1" or dp <= 1:
+        plan.fsdp = dict(plan.fsdp, mode=mode if dp > 1 else plan.fsdp.get("mode", "replicate"))
+        return plan
+    if plan.fsdp.get("enabled"):
+        raise PlanningError("with_dp_mode: make the plan with fsdp=False before turning it into zero1")
+    tp = dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(plan.tp_dim, 1) if plan.tp_dim else 1
+    rows, n = zero1_rows(graph, plan.styles, tp, [b.prefix for b in structure.blocks], dp, dp_dim)
+    kept = [r for r in plan.predictions["collectives"] if r["mesh_dim"] != dp_dim]
+    plan.predictions["collectives"] = sorted(kept + rows, key=lambda r: (r["kind"], r["mesh_dim"], r["phase"],
+                                                                         r["bytes"]))
+    mem = dict(plan.predictions["memory_bytes"])
+    mem.pop("total", None)
+    mem["optimizer"] = -(-n // dp) * optimizer_bytes_per_element
+    plan.predictions["memory_bytes"] = dict(mem, total=sum(mem.values()))
+    plan.fsdp = {"enabled": False, "dim": dp_dim, "mode": "zero1"}
+    return plan
+
+
+def with_mixed_precision(plan: Plan) -> Plan:
+    """FSDP2 mixed precision on a 16-bit FSDP plan: fp32 sharded master parameters, bf16
+    all-gathers, fp32 reduce-scatters (the rows and the state bytes as the runtime has them)."""
+    dtype = str(plan.batch.get("dtype", "")).replace("torch.", "")
+    if not plan.fsdp.get("enabled") or dtype not in ("bfloat16", "float16") or plan.fsdp.get("mixed_precision"):
+        return plan
+    pbytes = 2
+    scale = REDUCE_BYTES / pbytes
+    dp_dim = plan.fsdp.get("dim") or plan.dp_dim
+    plan.predictions["collectives"] = [
+        dict(r, bytes=int(r["bytes"] * scale)) if r["mesh_dim"] == dp_dim and r["kind"] == "reduce_scatter" else r
+        for r in plan.predictions["collectives"]]
+    mem = dict(plan.predictions["memory_bytes"])
+    mem.pop("total", None)
+    elements = mem.get("params", 0.0) / pbytes
+    mem.update(params=elements * 4, grads=elements * 4, optimizer=elements * 8)
+    plan.predictions["memory_bytes"] = dict(mem, total=sum(mem.values()))
+    if plan.pipeline and plan.pipeline.get("rank0_param_bytes") is not None:
+        plan.pipeline["rank0_param_bytes"] = int(plan.pipeline["rank0_param_bytes"]) * 4 // pbytes
+    plan.fsdp = dict(plan.fsdp, mixed_precision=dict(MIXED_PRECISION, param_dtype=dtype))
+    return plan
