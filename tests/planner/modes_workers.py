@@ -8,7 +8,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from autoplan.plan import Plan
 from autoplan.plan.data_parallel import unique_params
-from autoplan.plan.runner import _logits, lm_loss
+from autoplan.plan.forward import lm_loss, output_logits
 from hyper_parallel.testing import cached_mesh
 from tests.planner.e2e_workers import build
 
@@ -22,7 +22,7 @@ def run_zero1_case(plan_json: str, model_name: str, lr: float = 0.1) -> dict:
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, 128, (4, 16), generator=g)
     targets = torch.randint(0, 128, (4, 16), generator=g)
-    ref_loss = lm_loss(_logits(ref(tokens)), targets)
+    ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     # the one-device gradients of this rank's TP-local parameters, flattened in ZeRO-1's order
     ref_p = dict(ref.named_parameters())
