@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from autoplan.capture.blocks import only_representatives
 from autoplan.capture.inputs import meta_model
@@ -51,6 +53,8 @@ class ProbeRun:
     error: str | None = None
     inputs: dict[str, list[tuple]] = field(default_factory=dict)
     plain_param_modules: dict[str, list[int]] = field(default_factory=dict)   # fqn -> param bytes
+    # every attention-core call (scaled_dot_product_attention, softmax) in order: (module, input shape)
+    cores: list[tuple[str, tuple]] = field(default_factory=list)
     forward_collectives: dict[str, list[Collective]] = field(default_factory=dict)
 
 
@@ -124,6 +128,7 @@ class Prober:
                     stack.pop()
             return hook
 
+        cores = _CoreRecorder(stack, out.cores)
         try:
             if styles:
                 parallelize_module(model, mesh, styles)
@@ -134,7 +139,7 @@ class Prober:
                 if own and not any(_is_dtensor(p) for p in own):
                     out.plain_param_modules[name] = [p.numel() * p.element_size() for p in own]
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            with fake:
+            with fake, cores:
                 model.to_empty(device="cpu")
                 tokens = torch.zeros(self.batch, dtype=torch.long)
                 if not record:
@@ -170,9 +175,11 @@ class Prober:
         return out
 
     def findings(self, run: ProbeRun) -> list[Finding]:
-        """Modules with plain parameters whose inputs changed shape from the replicated run."""
+        """Modules with plain parameters whose inputs changed shape from the replicated run, and
+        attention cores that see anything but fewer heads (a reshape by the global head count
+        can fold heads into the sequence and still run: OPT's ``view(b, -1, heads, hd)``)."""
         ref = self.reference
-        found = []
+        found = self._core_findings(run)
         for name in run.plain_param_modules:
             got, want = run.inputs.get(name), ref.inputs.get(name) if ref else None
             if got is None or want is None or got == want:
@@ -183,6 +190,42 @@ class Prober:
             else:
                 found.append(Finding(name, dims, f"{name} receives a shard on dim {dims} of {want}"))
         return found
+
+
+    def _core_findings(self, run: ProbeRun) -> list[Finding]:
+        ref = self.reference.cores if self.reference else run.cores
+        if run.error:  # a run cut short made fewer calls; its error decides
+            ref = ref[:len(run.cores)]
+        if len(run.cores) != len(ref):
+            where = run.cores[len(ref)][0] if len(run.cores) > len(ref) else ref[len(run.cores)][0]
+            return [Finding(where, None, f"{len(run.cores)} attention-core calls instead of {len(ref)}")]
+        out = []
+        for (mod, got), (_, want) in zip(run.cores, ref):
+            if got == want:
+                continue
+            heads = len(want) - 3 if len(want) == 4 else 0   # (b, heads, s, d) or (b * heads, s, d)
+            diff = [i for i, (a, b) in enumerate(zip(got, want)) if a != b] if len(got) == len(want) else None
+            if diff != [heads] or -(-want[heads] // self.tp) != got[heads]:
+                out.append(Finding(mod, None, f"the attention core in {mod} sees {got} instead of {want} "
+                                              f"(only the head dimension may shrink)"))
+        return out
+
+
+class _CoreRecorder(TorchFunctionMode):
+    """Records the input shape of every attention-core call with the innermost module."""
+
+    _FUNCS = frozenset({F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.Tensor.softmax})
+
+    def __init__(self, stack: list[str], calls: list):
+        super().__init__()
+        self.stack, self.calls = stack, calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._FUNCS and args:
+            shape = _shape(args[0])
+            if shape is not None:
+                self.calls.append((self.stack[-1] if self.stack else "", shape))
+        return func(*args, **(kwargs or {}))
 
 
 def _is_dtensor(t) -> bool:

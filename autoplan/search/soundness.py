@@ -264,7 +264,8 @@ def check_search(search, prober: Prober | None) -> SoundnessReport:
         kept = []
         for o in opts:
             k = _key(slot, o)
-            verdict = prober.verdicts.get(k, ())
+            # an option the first search did not have was never run: only a style-free one is kept
+            verdict = prober.verdicts.get(k, () if not o.strategy.styles else None)
             if verdict is None:
                 continue
             if verdict:

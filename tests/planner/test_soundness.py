@@ -136,3 +136,40 @@ def test_default_plans_shard_attention_and_mlp(family, mesh):
 
 def test_corpus_real_models_are_meta():
     assert all(p.device.type == "meta" for p in real_model("qwen3").parameters())
+
+
+class FoldingAttention(GlobalHeadsAttention):
+    """Infers the *sequence* length and fixes the head count (OPT's ``view(b, -1, heads, hd)``):
+    on a head shard this runs and silently folds heads into the sequence."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, -1, self.heads, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_probe_sees_an_attention_core_that_is_not_head_sharded():
+    """No crash and no parameter module sees a shard: only the attention core's input shape shows
+    that heads were folded into the sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoplan.capture import capture
+    from autoplan.search.probe import Prober
+    from hyper_parallel import ColwiseParallel, RowwiseParallel
+    from hyper_parallel.testing import fake_world
+
+    with torch.device("meta"):
+        model = TinyLM()
+    for block in model.layers:
+        block.attn.__class__ = FoldingAttention
+    graph = capture(model, batch=(1, 64))
+    prober = Prober(model, graph.blocks, 4, (1, 64), None)
+    sharded = {f"layers.0.attn.{p}": ColwiseParallel() for p in "qkv"} | {"layers.0.attn.o": RowwiseParallel()}
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        prober.reference = prober.run({}, mesh)
+        run = prober.run(sharded, mesh)
+    assert run.error is None and prober.reference.cores
+    found = prober.findings(run)
+    assert any("attention core" in f.detail and f.dim is None for f in found), found
