@@ -16,8 +16,10 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
+from autoplan.search.costing import RECOMPUTE
 from autoplan.search.pipeline_search import SCHEDULES
 from cost_models.hardware import list_hardware
+from cost_models.overlap import DP_MODES
 
 UNBOUNDED = 1e30  # "no memory limit": large enough for any model, still a finite ILP coefficient
 
@@ -150,7 +152,7 @@ def check_styles(styles: Any, who: str) -> dict | None:
 
 # ------------------------------------------------------------------ plan_cluster's own arguments
 CONSTRAINT_KEYS = ("dp", "pp", "tp", "schedule", "microbatches", "microbatch_size", "fsdp",
-                   "activation_checkpointing", "virtual_stages")
+                   "activation_checkpointing", "virtual_stages", "dp_mode", "recompute")
 
 
 def check_sequence(value: Any, name: str, who: str) -> list:
@@ -209,6 +211,9 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
                                    f"{cons['microbatches'] * cons['microbatch_size']} does not divide the global batch {gb}")
     if "virtual_stages" in cons:
         positive_int(cons["virtual_stages"], "constraints['virtual_stages']", who, InvalidConstraintError)
+    for key, valid in (("dp_mode", DP_MODES), ("recompute", RECOMPUTE)):
+        if key in cons and cons[key] not in valid:
+            raise InvalidConstraintError(f"{who}: constraints[{key!r}]={cons[key]!r}; valid: {list(valid)}")
     for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):
         if key in cons:
             strict_bool(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)

@@ -85,9 +85,15 @@ def with_dp_mode(plan: Plan, graph: ModelGraph, structure: ModelStructure, mode:
     mem = dict(plan.predictions["memory_bytes"])
     mem.pop("total", None)
     mem["optimizer"] = -(-n // dp) * optimizer_bytes_per_element
-    plan.predictions["memory_bytes"] = dict(mem, total=sum(mem.values()))
+    plan.predictions["memory_bytes"] = _exact(mem)
     plan.fsdp = {"enabled": False, "dim": dp_dim, "mode": "zero1"}
     return plan
+
+
+def _exact(mem: dict) -> dict:
+    """Memory by kind as the exact integers a plan file stores, with their total."""
+    out = {k: int(round(v)) for k, v in mem.items()}
+    return dict(out, total=sum(out.values()))
 
 
 def with_mixed_precision(plan: Plan) -> Plan:
@@ -106,8 +112,8 @@ def with_mixed_precision(plan: Plan) -> Plan:
     mem.pop("total", None)
     elements = mem.get("params", 0.0) / pbytes
     mem.update(params=elements * 4, grads=elements * 4, optimizer=elements * 8)
-    plan.predictions["memory_bytes"] = dict(mem, total=sum(mem.values()))
-    if plan.pipeline and plan.pipeline.get("rank0_param_bytes") is not None:
-        plan.pipeline["rank0_param_bytes"] = int(plan.pipeline["rank0_param_bytes"]) * 4 // pbytes
+    plan.predictions["memory_bytes"] = _exact(mem)
+    if plan.pipeline and plan.pipeline.get("rank_param_bytes"):
+        plan.pipeline["rank_param_bytes"] = [int(b) * 4 // pbytes for b in plan.pipeline["rank_param_bytes"]]
     plan.fsdp = dict(plan.fsdp, mixed_precision=dict(MIXED_PRECISION, param_dtype=dtype))
     return plan
