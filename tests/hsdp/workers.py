@@ -4,22 +4,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autoplan.plan import Plan
 from autoplan.plan.forward import lm_loss, output_logits
-from hyper_parallel.testing import cached_mesh
 from hyper_parallel.testing.compare import grads_by_name
-from tests.planner.e2e_workers import build
+from tests.planner.e2e_workers import setup_case
 
 
 def run_hsdp_case(plan_json: str, model_name: str, batch: int, seq: int, lr: float = 0.1) -> dict:
-    plan = Plan.from_json(plan_json)
-    mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
-    ref, par = build(model_name), build(model_name)
-    runner = plan.apply(par, mesh)
-    runner.optimizer = torch.optim.SGD(par.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, 128, (batch, seq), generator=g)
-    targets = torch.randint(0, 128, (batch, seq), generator=g)
+    ref, par, runner, tokens, targets = setup_case(plan_json, model_name, lr, batch, seq)
     ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     g_ref = grads_by_name(ref)

@@ -38,18 +38,25 @@ def build(name: str, device: str = "cpu"):
     raise KeyError(name)
 
 
-def run_case(plan_json: str, model_name: str, lr: float = 0.1):
-    """SGD, so that 'parameters after the step agree' inherits the gradients' tolerance (AdamW's
-    first step is ~lr*sign(grad), which turns float noise on near-zero gradients into lr-sized
-    differences)."""
+def setup_case(plan_json: str, model_name: str, lr: float, batch: int = 4, seq: int = 16):
+    """(one-device model, model with the plan applied and an SGD runner, tokens, targets): the
+    start every plan-vs-one-device worker shares."""
     plan = Plan.from_json(plan_json)
     mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
     ref, par = build(model_name), build(model_name)
     runner = plan.apply(par, mesh)
     runner.optimizer = torch.optim.SGD(par.parameters(), lr=lr)
     g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, 128, (4, 16), generator=g)
-    targets = torch.randint(0, 128, (4, 16), generator=g)
+    tokens = torch.randint(0, 128, (batch, seq), generator=g)
+    targets = torch.randint(0, 128, (batch, seq), generator=g)
+    return ref, par, runner, tokens, targets
+
+
+def run_case(plan_json: str, model_name: str, lr: float = 0.1):
+    """SGD, so that 'parameters after the step agree' inherits the gradients' tolerance (AdamW's
+    first step is ~lr*sign(grad), which turns float noise on near-zero gradients into lr-sized
+    differences)."""
+    ref, par, runner, tokens, targets = setup_case(plan_json, model_name, lr)
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
     ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()

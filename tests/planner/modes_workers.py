@@ -6,22 +6,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
-from autoplan.plan import Plan
 from autoplan.plan.data_parallel import unique_params
 from autoplan.plan.forward import lm_loss, output_logits
-from hyper_parallel.testing import cached_mesh
-from tests.planner.e2e_workers import build
+from tests.planner.e2e_workers import setup_case
 
 
 def run_zero1_case(plan_json: str, model_name: str, lr: float = 0.1) -> dict:
-    plan = Plan.from_json(plan_json)
-    mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
-    ref, par = build(model_name), build(model_name)
-    runner = plan.apply(par, mesh)
-    runner.optimizer = torch.optim.SGD(par.parameters(), lr=lr)
-    g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, 128, (4, 16), generator=g)
-    targets = torch.randint(0, 128, (4, 16), generator=g)
+    ref, par, runner, tokens, targets = setup_case(plan_json, model_name, lr)
     ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     # the one-device gradients of this rank's TP-local parameters, flattened in ZeRO-1's order
