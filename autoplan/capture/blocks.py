@@ -43,6 +43,25 @@ def nn_base(module: nn.Module) -> str:
     return ""
 
 
+_SIZE_WORDS = ("head", "size", "dim", "width", "embd", "embed")
+
+
+def size_attributes(module: nn.Module) -> dict[str, int]:
+    """The integer attributes of ``module`` and of the object it holds as ``config`` whose names
+    say they are head counts or widths. Attention code that cuts its projections by them must see
+    local values when its heads are sharded (hyper_parallel's PrepareHeadsInput)."""
+    holders = [("", module)]
+    config = getattr(module, "config", None)
+    if config is not None and not isinstance(config, nn.Module) and hasattr(config, "__dict__"):
+        holders.append(("config.", config))
+    out = {}
+    for prefix, obj in holders:
+        for name, value in vars(obj).items():
+            if type(value) is int and not name.startswith("_") and any(w in name.lower() for w in _SIZE_WORDS):
+                out[prefix + name] = value
+    return out
+
+
 def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]], int]:
     """(FQN -> ModuleInfo, tied parameter groups, distinct parameter count)."""
     infos: dict[str, ModuleInfo] = {}
@@ -55,6 +74,7 @@ def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]
             num_params=sum(_numel(s) for s in params.values()),
             children=[f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children()],
             nn_base=nn_base(mod),
+            size_attrs=size_attributes(mod),
         )
     owners: dict[int, list[str]] = defaultdict(list)
     numels: dict[int, int] = {}

@@ -102,6 +102,9 @@ class ModuleInfo:
     # the torch.nn layer class it is an instance of (subclasses included: FalconLinear is a
     # Linear, Gemma's scaled embedding an Embedding), "" for any other module
     nn_base: str = ""
+    # integer attributes named like head counts or widths, the module's own and its config's
+    # ("config.num_attention_heads"): what its code may cut tensors by (blocks.size_attributes)
+    size_attrs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

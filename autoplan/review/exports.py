@@ -67,6 +67,11 @@ def _hf_kind(spec: dict[str, Any], is_embedding: bool) -> tuple[str | None, str]
     style, args = spec["style"], dict(spec.get("args", {}))
     if args.pop("use_local_output", True) is False:
         return None, "keeps a DTensor output (loss parallel); HF styles return plain tensors"
+    if style == "PrepareHeadsInput":
+        return None, "sets the module's head counts to their local values; HF has no such style (its plans " \
+                     "for these models gather the projection output instead)"
+    if args.get("packed", 1) != 1:
+        return None, f"{args['packed']} packed projections, each rank its slice of every one, have no HF name"
     if style == "ColwiseParallel":
         inp, out = args.pop("input_layouts", None), args.pop("output_layouts", None)
         if args or inp not in (None, "Replicate()"):

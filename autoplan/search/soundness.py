@@ -125,8 +125,16 @@ class SlotChecker:
                        for slot, opts in self.search.slots.items()}
             depth = max((len(v) for v in sharded.values()), default=0)
             for k in range(depth):
-                trial = {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k}
+                trial = {slot: opts[k] for slot, opts in sharded.items()
+                         if len(opts) > k and not self._primary_alive(slot, opts[k])}
                 self._check_set(base, trial, layout, mesh)
+
+    def _primary_alive(self, slot: str, option) -> bool:
+        """Whether ``option`` is a fallback whose primary (checked earlier: it comes first) is still
+        a candidate, so the fallback will be dropped unrun (TPSearch._drop_unneeded_fallbacks)."""
+        primary = option.strategy.extra.get("fallback_for")
+        return primary is not None and any(o.strategy.name == primary and o.stream == option.stream
+                                           for o in self.search.slots.get(slot, []))
 
     def _check_set(self, base: dict, trial: dict, layout: str, mesh, alone: bool = False) -> None:
         """Run ``trial`` (slot -> option) over ``base``; repair what can be repaired (a run that

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hyper_parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareHeadsInput,
     PrepareModuleInput,
     PrepareModuleOutput,
     Replicate,
@@ -139,9 +140,6 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         why = "tp degree 1"
     elif not a.linear:
         why = "projections are not nn.Linear or Conv1D"
-    elif a.fixed_head_count:
-        why = "q/k/v are reshaped by the global head count with another dimension inferred (a column shard " \
-              "would fold heads into the sequence, silently)"
     elif a.n_heads % t or a.n_kv_heads % t:
         why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
     column = _column_styles(a, t) if why is None else why
@@ -151,15 +149,31 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         # strided rows re-sharded by FSDP2 give wrong gradients on torch 2.13 (as packed MLPs)
         why = "a packed [q|k|v] projection is not sharded under FSDP (wrong gradients when FSDP2 re-shards " \
               "strided rows, torch 2.13)"
+    plain_why = why
+    if why is None and a.fixed_head_count:
+        plain_why = "q/k/v are reshaped by the global head count with another dimension inferred (a column " \
+                    "shard would fold heads into the sequence, silently)"
     if why is None:
         cols, reason, extra = column
-        styles = {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)), **cols,
-                  a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])}
         comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
-        out.append(Strategy("heads_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
-                            activation_shard=t, reason=reason, extra=dict(extra)))
-    else:
-        out[0].extra["tp_excluded"] = why
+        rows = {**cols, a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])}
+        if plain_why is None:
+            out.append(Strategy("heads_sharded", layout,
+                                {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)), **rows},
+                                comm, compute_shard=t, param_shard=t, activation_shard=t, reason=reason,
+                                extra=dict(extra)))
+        if a.head_attrs:
+            # the same shards for code that cuts by the head counts it stores (Phi-3, StableLM,
+            # Bloom, OPT): offered where the plain form fails its probe run or cannot be used
+            counts = ", ".join(sorted(a.head_attrs))
+            out.append(Strategy("heads_sharded_local", layout,
+                                {a.rel: PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,),
+                                                          local_attributes=sorted(a.head_attrs)), **rows},
+                                comm, compute_shard=t, param_shard=t, activation_shard=t,
+                                reason=f"{reason}; the module's {counts} set to their local values",
+                                extra={**extra, "fallback_for": "heads_sharded"}))
+    if plain_why is not None:
+        out[0].extra["tp_excluded"] = plain_why
     return out
 
 

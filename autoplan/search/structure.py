@@ -61,6 +61,8 @@ class AttentionUnit:
     qkv_layout: str = ""
     qkv_groups: int = 0
     fixed_head_count: bool = False   # reshapes by the global head count (roles.fixed_head_count)
+    # attributes its code may cut by, with their global values (structure.head_attributes)
+    head_attrs: dict[str, int] = field(default_factory=dict)
 
     @property
     def projections(self) -> list[str]:
@@ -191,6 +193,28 @@ def _type(graph: ModelGraph, fqn: str) -> str:
     return (m.nn_base or m.type) if m else ""
 
 
+_WIDTH_WORDS = ("size", "dim", "width", "embd", "embed")
+
+
+def head_attributes(graph: ModelGraph, fqn: str, a: dict) -> dict[str, int]:
+    """The head counts and widths an attention module holds (captured ``size_attrs``) that its
+    code may cut its projections by, with their global values: counts (named for heads, equal
+    to the query or KV head count) on the module or its config, widths (equal to all query or
+    all KV heads' width) on the module itself. With heads sharded they must be local
+    (PrepareHeadsInput); the probe then proves the module runs and its core sees 1/tp of the heads."""
+    m = graph.modules.get(fqn)
+    n, kv, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a.get("head_dim") or 0)
+    out = {}
+    for path, value in (m.size_attrs if m else {}).items():
+        name = path.rsplit(".", 1)[-1].lower()
+        widthish = any(w in name for w in _WIDTH_WORDS)
+        if "head" in name and not widthish and value in (n, kv):
+            out[path] = value
+        elif widthish and "." not in path and hd and value != hd and value in (n * hd, kv * hd):
+            out[path] = value
+    return out
+
+
 def _head_modules(graph: ModelGraph) -> list[str]:
     return [h["module"] for h in graph.roles.get("lm_head", [])[:1]]
 
@@ -239,7 +263,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 att = AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                                     work(f"{rep}.{a['module']}"), qkv=p["qkv"],
                                     qkv_layout=a.get("qkv_layout", "unknown"), qkv_groups=int(a.get("qkv_groups", 0)),
-                                    fixed_head_count=bool(a.get("fixed_head_count")))
+                                    fixed_head_count=bool(a.get("fixed_head_count")),
+                                    head_attrs=head_attributes(graph, where, a) if a["module"] else {})
                 continue
             if not all(k in p for k in "qkvo"):
                 fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
@@ -248,7 +273,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
             lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in "qkvo")
             att = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]),
                                 int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"),
-                                fixed_head_count=bool(a.get("fixed_head_count")))
+                                fixed_head_count=bool(a.get("fixed_head_count")),
+                                head_attrs=head_attributes(graph, where, a) if a["module"] else {})
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
             not_units.append((where, "a mixture-of-experts layer: router and experts are not sharded yet "

@@ -4,7 +4,8 @@ one device or REFUSED at planning time with a typed error -- never WRONG, CRASH 
 
 The slice covers one family per hazard: a norm over the full projection width on a column shard
 (OLMo-2, repaired), a fused q/k/v attention sharded in whole heads on a sequence-sharded stream
-(GPT-NeoX), Conv1D layers (GPT-2), relative position bias and two stacks
+(GPT-NeoX), a fused [q|k|v] cut by the global head count its config stores (Phi-3: sharded with
+the count made local), Conv1D layers (GPT-2), relative position bias and two stacks
 (T5), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
 biases on the sequence-sharded stream (Starcoder2)."""
 import pytest
@@ -15,6 +16,7 @@ from autoplan.verify.corpus import run_case
 SLICE = [
     ("olmo2", "tp4", "default", ("attention:heads_sharded", "mlp:hidden_sharded")),
     ("gpt_neox", "dp2_tp2", "forced_S", ()),
+    ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
     ("t5", "tp4", "default", ()),
     ("mixtral", "tp4", "forced_R", ()),

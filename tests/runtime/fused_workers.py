@@ -1,5 +1,6 @@
 """Rank functions for tests/runtime/test_fused_styles.py: transformers' Conv1D and fused q/k/v
-projections sharded column/row-wise, one step compared with one device."""
+projections sharded column/row-wise, one step compared with one device; attention code that cuts
+by the head counts it stores, made local by PrepareHeadsInput."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
-from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hyper_parallel import ColwiseParallel, PrepareHeadsInput, Replicate, RowwiseParallel, parallelize_module
 from hyper_parallel.testing import cached_mesh
 from hyper_parallel.testing.compare import compare_steps
 
@@ -36,12 +37,40 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class Config:
+    """A config object shared by the model and its attention (as HF models share theirs)."""
+
+    def __init__(self):
+        self.n_heads = HEADS
+
+
+class CountedAttention(nn.Module):
+    """Phi-3's and StableLM's way: [q|k|v] sliced at ``config.n_heads * head_dim`` and each part
+    viewed by ``self.n_heads`` -- global counts unless the style makes them local."""
+
+    def __init__(self, config: Config, conv: bool):
+        super().__init__()
+        self.config, self.n_heads, self.hd = config, config.n_heads, DIM // HEADS
+        self.qkv = Conv1D(3 * DIM, DIM) if conv else nn.Linear(DIM, 3 * DIM)
+        self.o = Conv1D(DIM, DIM) if conv else nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        y = self.qkv(x)
+        w = self.config.n_heads * self.hd
+        q, k, v = (t.view(b, s, self.n_heads, self.hd).transpose(1, 2) for t in (y[..., :w], y[..., w:2 * w],
+                                                                                   y[..., 2 * w:]))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
+
+
 class Model(nn.Module):
     def __init__(self, layout: str, conv: bool, seed: int = 3):
         super().__init__()
         torch.manual_seed(seed)
+        self.config = Config()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.attn = Attention(layout, conv)
+        self.attn = CountedAttention(self.config, conv) if layout == "counted" else Attention(layout, conv)
         self.up = Conv1D(4 * DIM, DIM) if conv else nn.Linear(DIM, 4 * DIM)
         self.down = Conv1D(DIM, 4 * DIM) if conv else nn.Linear(4 * DIM, DIM)
         self.head = nn.Linear(DIM, VOCAB)
@@ -75,11 +104,15 @@ def check_fused(cases: list[tuple[str, bool]]) -> dict:
     out = {}
     for layout, conv in cases:
         ref, par = Model(layout, conv), Model(layout, conv)
-        parallelize_module(par, mesh, {
-            "attn.qkv": ColwiseParallel(packed=3 if layout == "concat" else 1),
-            "attn.o": RowwiseParallel(),
-            "up": ColwiseParallel(), "down": RowwiseParallel()})
+        plan = {"attn.qkv": ColwiseParallel(packed=1 if layout == "interleaved" else 3),
+                "attn.o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+        if layout == "counted":
+            plan["attn"] = PrepareHeadsInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                             local_attributes=["config.n_heads", "n_heads"])
+        parallelize_module(par, mesh, plan)
         res = compare_steps(ref, par, data, ce, par_loss)
-        out[f"{layout}/conv={conv}"] = (res.ok, res.ref_losses, res.par_losses, res.grad_mismatches[:5],
-                                        res.missing_grads[:5])
+        local = layout != "counted" or (par.attn.n_heads == par.attn.config.n_heads == HEADS // mesh.size()
+                                        and par.config.n_heads == HEADS and par.attn.config is not par.config)
+        out[f"{layout}/conv={conv}"] = (res.ok and local, res.ref_losses, res.par_losses,
+                                        res.grad_mismatches[:5], res.missing_grads[:5])
     return out

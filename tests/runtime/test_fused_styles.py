@@ -1,5 +1,6 @@
-"""Fused q/k/v projections (interleaved per head, and [q|k|v] with packed=3) and transformers'
-Conv1D (transposed weight) sharded column/row-wise: two steps equal one device on 4 gloo ranks."""
+"""Fused q/k/v projections (interleaved per head, and [q|k|v] with packed=3), attention that cuts
+by its stored head counts (PrepareHeadsInput) and transformers' Conv1D (transposed weight)
+sharded column/row-wise: two steps equal one device on 4 gloo ranks."""
 import pytest
 import torch.nn as nn
 
@@ -7,7 +8,8 @@ from hyper_parallel import ColwiseParallel, RowwiseParallel
 from hyper_parallel.core.tensor_parallel.linear_styles import is_conv1d, linear_features
 from tests.runtime import fused_workers
 
-CASES = [("interleaved", False), ("interleaved", True), ("concat", False), ("concat", True)]
+CASES = [("interleaved", False), ("interleaved", True), ("concat", False), ("concat", True), ("counted", False),
+         ("counted", True)]
 
 
 def test_fused_and_conv1d_match_one_device(pool4):

@@ -43,6 +43,11 @@ class ApplyRecord:
         setattr(obj, name, value)
         self._undo.append(("flag", (obj, name)))
 
+    def set_attr(self, obj, name: str, value) -> None:
+        """Set an existing attribute, remembering its old value for rollback."""
+        self._undo.append(("attr", (obj, name, getattr(obj, name))))
+        setattr(obj, name, value)
+
     def sharded(self, param: nn.Parameter, placements, mesh: DeviceMesh, where: str):
         """The DTensor parameter for ``param``; created once and shared by every user of it."""
         key = id(param)
@@ -72,6 +77,8 @@ class ApplyRecord:
                 module._parameters[name] = old
             elif kind == "flag":
                 delattr(*item)
+            elif kind == "attr":
+                setattr(*item)
             else:
                 item.remove()
         self._undo.clear()

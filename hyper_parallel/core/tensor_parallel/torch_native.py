@@ -14,6 +14,7 @@ import torch.distributed.tensor.parallel as tp
 from torch.distributed.tensor import Replicate
 
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
+from hyper_parallel.core.tensor_parallel.head_styles import PrepareHeadsInput
 from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.core.tensor_parallel.parallelize import flatten_plan, match_modules
 from hyper_parallel.core.tensor_parallel.prepare_styles import (
@@ -30,6 +31,9 @@ def to_torch_style(style: ParallelStyle, module: nn.Module | None = None) -> tp.
     if isinstance(style, ColwiseParallel) and style.packed > 1:
         raise StyleSpecError(f"no torch equivalent for {style!r}: torch's ColwiseParallel shards packed "
                              f"projections as one contiguous block")
+    if isinstance(style, PrepareHeadsInput):
+        raise StyleSpecError(f"no torch equivalent for {style!r}: torch's styles do not set a module's head "
+                             f"counts to their local values")
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         cls = tp.ColwiseParallel if isinstance(style, ColwiseParallel) else tp.RowwiseParallel
         inp = style.input_layouts

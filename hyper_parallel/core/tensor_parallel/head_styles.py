@@ -1,0 +1,82 @@
+"""PrepareHeadsInput: an attention module whose heads are sharded, for code that cuts by head counts.
+
+Column-parallel q/k/v give each rank whole heads, but some attention code cuts its projection's
+output by the *global* head count or width it stores: Phi-3 slices its fused [q|k|v] at
+``config.num_attention_heads * head_dim``, StableLM and Bloom ``view(..., self.num_heads, ...)``,
+GPT-2 ``split(self.split_size)``. On a rank holding 1/tp of the heads that code crashes or, worse,
+runs with heads folded into another dimension. This style does what PrepareModuleInput does and
+also divides the named integer attributes by the mesh size -- on the module itself, or on a
+private copy of an object it holds such as its ``config`` (shared by every layer and the rest of
+the model, so never changed in place). The plan names attributes, not values, so one plan fits
+a model of any width (planned at full size, checked on a small copy); each attribute must exist,
+be an int and divide evenly, or nothing is applied.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, check_divides
+from hyper_parallel.core.tensor_parallel.prepare_styles import PrepareModuleInput
+from hyper_parallel.errors import LayoutError, StyleSpecError
+
+
+def _owner(module: nn.Module, path: str):
+    """(object holding the attribute, attribute name) for ``path`` ("num_heads", "config.num_attention_heads")."""
+    *hops, name = path.split(".")
+    obj = module
+    for hop in hops:
+        obj = getattr(obj, hop, None)
+        if obj is None:
+            return None, name
+    return obj, name
+
+
+class PrepareHeadsInput(PrepareModuleInput):
+    """PrepareModuleInput, plus ``local_attributes``: attribute paths whose integer values are
+    divided by the mesh size on apply (restored by a rollback). A path is ``name`` or
+    ``object.name`` through one non-module object (``config.num_attention_heads``), which is
+    then copied for this module."""
+
+    _args = {**PrepareModuleInput._args, "local_attributes": None}
+
+    def __init__(self, *, local_attributes: list[str] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        where = type(self).__name__
+        if not isinstance(local_attributes, (list, tuple)) or not local_attributes:
+            raise StyleSpecError(f"{where}: local_attributes must be a non-empty list of attribute paths, "
+                                 f"got {local_attributes!r}")
+        for path in local_attributes:
+            if not isinstance(path, str) or path.count(".") > 1 or \
+                    not all(part.isidentifier() for part in path.split(".")):
+                raise StyleSpecError(f"{where}: local_attributes entry {path!r} is not an attribute path "
+                                     f"('name' or 'object.name')")
+        self.local_attributes = sorted(set(local_attributes))
+
+    def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
+        super().check_module(module, mesh, fqn)
+        where = f"{type(self).__name__} on {fqn or '<root>'}"
+        for path in self.local_attributes:
+            obj, name = _owner(module, path)
+            if obj is None or not hasattr(obj, name):
+                raise LayoutError(f"{where}: {type(module).__name__} has no attribute {path!r}")
+            if isinstance(obj, nn.Module) and obj is not module:
+                raise LayoutError(f"{where}: {path!r} goes through a submodule; name it on that module")
+            value = getattr(obj, name)
+            if type(value) is not int:
+                raise LayoutError(f"{where}: {path} is {value!r}, not an int")
+            check_divides(value, mesh, where, path)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
+        size = mesh.size()
+        copied: set[str] = set()
+        for path in self.local_attributes:
+            hop = path.split(".")[0] if "." in path else ""
+            if hop and hop not in copied:   # a private copy: the original is shared with other modules
+                record.set_attr(module, hop, copy.copy(getattr(module, hop)))
+                copied.add(hop)
+            obj, name = _owner(module, path)
+            record.set_attr(obj, name, getattr(obj, name) // size)
+        return super().apply(module, mesh, record, fqn)
