@@ -96,11 +96,21 @@ def test_mlp_without_container_is_sharded_on_a_replicated_stream(structures):
     assert mlp_strategies(m, blk, 4, "S", []) == []
 
 
-def test_reshape_by_the_global_head_count_is_not_head_sharded(structures):
+def test_reshape_by_the_global_head_count_is_sharded_only_with_the_count_made_local(structures):
     """OPT views q as (bsz, -1, num_heads, head_dim): on a column shard it would run and fold the
-    missing heads into the sequence; the unit says so and only the replicated form is offered."""
+    missing heads into the sequence. The plain form is not offered (the unit says why); the form
+    that makes the module's num_heads and embed_dim local is, and only that."""
     blk = structures["opt"].blocks[0]
-    assert blk.attention.fixed_head_count
-    out = attention_strategies(blk.attention, blk, 4, "R")
-    assert [s.name for s in out] == ["replicate"] and "global head count" in out[0].extra["tp_excluded"]
+    a = blk.attention
+    assert a.fixed_head_count and a.head_attrs["num_heads"] == a.head_attrs["config.num_attention_heads"] == a.n_heads
+    assert set(a.head_attrs) == {"num_heads", "config.num_attention_heads", "embed_dim"}
+    out = attention_strategies(a, blk, 4, "R")
+    assert [s.name for s in out] == ["replicate", "heads_sharded_local"]
+    assert "global head count" in out[0].extra["tp_excluded"]
+    assert out[1].styles[a.rel].local_attributes == ["config.num_attention_heads", "embed_dim", "num_heads"]
+    a.head_attrs, saved = {}, a.head_attrs
+    try:
+        assert [s.name for s in attention_strategies(a, blk, 4, "R")] == ["replicate"]
+    finally:
+        a.head_attrs = saved
     assert not structures["gpt_neox"].blocks[0].attention.fixed_head_count

@@ -12,6 +12,7 @@ from autoplan.errors import InfeasiblePlanError
 from autoplan.verify import verify
 from autoplan.verify.corpus import plan_case, real_model, small_recipe
 from autoplan.verify.numerics import check_numerics
+from hyper_parallel import ColwiseParallel
 
 
 @pytest.fixture(scope="module")
@@ -58,25 +59,29 @@ def test_a_plan_that_crashes_is_a_failed_verification_not_an_exception(qwen3_pla
 
 
 class GlobalHeadsAttention(nn.Module):
-    """Reshapes by the *global* head count (as StableLM does): wrong on a head shard."""
+    """Reshapes by the *global* head count (as StableLM does): wrong on a head shard unless the
+    count is made local. ``count_name``: the attribute holding it ("heads" says what it is; "n"
+    does not, so the planner cannot know to make it local)."""
 
-    def __init__(self, dim=256, heads=8):
+    def __init__(self, dim=256, heads=8, count_name="heads"):
         super().__init__()
-        self.heads, self.hd = heads, dim // heads
+        self.count_name, self.hd = count_name, dim // heads
+        setattr(self, count_name, heads)
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.heads, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        heads = getattr(self, self.count_name)
+        q, k, v = (p(x).view(b, s, heads, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
-    def __init__(self, dim=256):
+    def __init__(self, dim=256, count_name="heads"):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = GlobalHeadsAttention(dim)
+        self.attn = GlobalHeadsAttention(dim, count_name=count_name)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x):
@@ -85,10 +90,10 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab=512, dim=256, layers=2):
+    def __init__(self, vocab=512, dim=256, layers=2, count_name="heads"):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, count_name) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -99,9 +104,22 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def test_global_reshape_attention_is_rejected_with_its_reason():
+def test_global_reshape_attention_is_sharded_with_its_count_made_local():
     with torch.device("meta"):
         model = TinyLM()
+    plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(8, 1024), dtype=torch.float32,
+                    sequence_parallel=False)
+    style = plan.styles["layers.*.attn"]
+    assert style["style"] == "PrepareHeadsInput" and style["args"]["local_attributes"] == ["heads"], plan.styles
+    assert plan.styles["layers.*.attn.q"] == ColwiseParallel().to_dict()
+    assert any(n.startswith("layers.*.attn: heads_sharded") and "rejected" in n and "is invalid" in n
+               for n in plan.notes), plan.notes
+
+
+def test_global_reshape_attention_is_rejected_with_its_reason():
+    """The count sits in an attribute whose name does not say it is one: nothing to make local."""
+    with torch.device("meta"):
+        model = TinyLM(count_name="n")
     plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(8, 1024), dtype=torch.float32,
                     sequence_parallel=False)
     assert not any(k.startswith("layers.*.attn.") for k in plan.styles), plan.styles
