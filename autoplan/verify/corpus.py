@@ -38,6 +38,9 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1600, "n_head": 25}),
+    # GPT-3 175B's shape in GPT-2's modules, vocabulary padded as Megatron pads it
+    "gpt3": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 12288, "n_head": 96, "n_inner": 49152,
+                                               "vocab_size": 51200, "n_positions": 2048}),
     "falcon": ("FalconConfig", "FalconForCausalLM", {"new_decoder_architecture": True, "hidden_size": 8192,
                                                      "num_attention_heads": 128, "num_kv_heads": 8}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),

@@ -17,7 +17,8 @@ def hf_model(kind: str, device: str = "meta", seed: int = 0, **cfg):
 
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel)}[kind]
     config = cls[0](**cfg)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -37,3 +38,10 @@ def hf_qwen2_72b(layers: int = 2):
 def hf_qwen2_7b(layers: int = 2):
     return hf_model("qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, max_position_embeddings=8192)
+
+
+def hf_gpt3_175b(layers: int = 2):
+    """GPT-3 175B's shape in GPT-2's architecture (fused [q|k|v] Conv1D, GeLU MLP, tied embeddings),
+    vocabulary padded as Megatron pads it (to a multiple of 128 * tp)."""
+    return hf_model("gpt2", n_embd=12288, n_head=96, n_layer=layers, n_inner=4 * 12288, vocab_size=51200,
+                    n_positions=2048)

@@ -64,6 +64,24 @@ def test_rediscovers_expert_plan_on_h100(name, make, tp, col, row, norms):
     assert all(plan.step_time <= a["step_s"] * (1 + 1e-9) for a in plan.alternatives)
 
 
+def test_gpt3_shape_with_fused_qkv_rediscovers_megatron_at_tp8():
+    """Megatron's GPT-3 plan (column-parallel fused QKV and fc1, row-parallel projections, vocab-
+    parallel embedding and loss, sequence-parallel norms) on GPT-2's modules: [q|k|v] is one
+    Conv1D split by the global width, so each rank takes its slice of q, k and v (packed=3) and the
+    attention's split size and head count are made local."""
+    plan = autoplan(models.hf_gpt3_175b(), MeshSpec((8,), ("tp",), "h100_sxm"), batch=(8, 2048))
+    assert classify(plan) == dict(EXPERT, attention="heads_sharded_local"), (classify(plan), plan.notes)
+    styles = plan.styles
+    assert styles["transformer.h.*.attn.c_attn"] == {"style": "ColwiseParallel", "args": {"packed": 3}}
+    assert styles["transformer.h.*.mlp.c_fc"] == {"style": "ColwiseParallel", "args": {}}
+    for proj in ("attn.c_proj", "mlp.c_proj"):
+        assert styles[f"transformer.h.*.{proj}"]["style"] == "RowwiseParallel"
+    assert set(styles["transformer.h.*.attn"]["args"]["local_attributes"]) >= {"num_heads", "split_size"}
+    for norm in ("transformer.h.*.ln_1", "transformer.h.*.ln_2", "transformer.ln_f"):
+        assert styles[norm]["style"] == "SequenceParallel", norm
+    assert styles["transformer.wte"]["style"] == "RowwiseParallel" and plan.loss_parallel
+
+
 def test_repo_llama_reproduces_torchtitan_styles_exactly():
     """For the repo Llama (the torchtitan module names) the emitted styles are torchtitan's."""
     from autoplan.models.llama_plans import torchtitan_plan
