@@ -37,6 +37,10 @@ def test_cpu_profile_is_measured_once_then_cached(tmp_path, monkeypatch):
     import cost_models.hardware.host as host
 
     monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path))
+    # small GEMMs: the caching is under test, not the measurement (16-bit CPU GEMMs of the real
+    # size take over a minute here)
+    monkeypatch.setattr(host, "_GEMM_BIG", 512)
+    monkeypatch.setattr(host, "_GEMM_SWEEP", (64, 128, 256))
     calls = []
     real = host.measure_host_profile
     monkeypatch.setattr(host, "measure_host_profile", lambda: calls.append(1) or real(reps=2))

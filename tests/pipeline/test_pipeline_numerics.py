@@ -1,8 +1,9 @@
 """Pipeline runtime on real gloo ranks vs one device, and vs torch.distributed.pipelining.
 
-Every schedule x {repo Llama, HF Llama} x {tied, untied}: pure pp on 2 and 4 ranks (on 2, a
-second step with another sequence length), (pp=2, tp=2)
-on 4 and (dp=2, pp=2, tp=2) with fully_shard on 8. Loss within rtol 1e-5, every gradient within
+Every schedule x {repo Llama, HF Llama} x {tied, untied}: pure pp on 2 ranks (a second step
+with another sequence length) and (pp=2, tp=2) on 4; every schedule with two of the models on
+pure pp over 4 ranks, and with one model each (the four models in turn) under (dp=2, pp=2, tp=2)
+with fully_shard on 8 -- what more ranks add (more stages, FSDP) does not depend on the model. Loss within rtol 1e-5, every gradient within
 1e-4 of the largest reference entry. Each world size runs all its cases in one pool call; tests
 are ordered by world size so that each pool starts once.
 """
@@ -81,7 +82,7 @@ def test_bad_input_fails_before_communication(pool2):
 
 
 def test_pure_pp_four_ranks(pool4):
-    cases = _cases(4, 6)  # 8 stages for interleaved and ZBV
+    cases = [c for c in _cases(4, 6) if c[:2] in (("titan", False), ("hf", True))]  # 8 stages: interleaved, ZBV
     _check_pure(pool4.run(run_pure_pp, cases, second_step=False), len(cases))
 
 
@@ -112,5 +113,5 @@ def test_dtensor_activations_keep_their_placement(pool4):
 
 @pytest.mark.filterwarnings("ignore")
 def test_dp2_pp2_tp2_with_fully_shard(pool8):
-    cases = [(kind, tie, name, 4, 4, 8, 8) for kind, tie in MODELS for name in SCHEDULES]
+    cases = [(*MODELS[i % len(MODELS)], name, 4, 4, 8, 8) for i, name in enumerate(SCHEDULES)]
     _check_parallel(pool8.run(run_parallel, cases, 2), cases, 2)
