@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanSchemaError
+from hyper_parallel.core.dtensor import fsdp_shard_placement
 from hyper_parallel.errors import MeshError
 
 
@@ -119,9 +120,12 @@ def mixed_precision_policy(fsdp: dict | None):
 
 
 def fsdp_kwargs(fsdp: dict | None) -> dict:
-    """Keyword arguments for every ``fully_shard`` call of a plan (its mixed-precision policy)."""
+    """Keyword arguments for every ``fully_shard`` call of a plan: its mixed-precision policy, and
+    the shard dimension of packed tensor-parallel weights (``fsdp_shard_placement``; the planner's
+    FSDP byte counts, ``search.sharding.ParamShard.fsdp_dim``, follow the same rule)."""
     mp = mixed_precision_policy(fsdp)
-    return {"mp_policy": mp} if mp is not None else {}
+    kw = {"shard_placement_fn": fsdp_shard_placement}
+    return dict(kw, mp_policy=mp) if mp is not None else kw
 
 
 def plan_dp_mode(plan) -> str:

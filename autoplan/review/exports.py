@@ -169,11 +169,16 @@ def to_python(plan) -> str:
     lines += ["}", f"parallelize_module(model, mesh, tp_plan, mesh_dim={tp_dim!r})"]
     if fsdp:
         dp = plan.fsdp.get("dim") or plan.dp_dim
+        # packed (strided) weights are FSDP-sharded on their other dimension, as plan.apply does
+        packed = any((s.get("args") or {}).get("packed", 1) != 1 for s in styles.values())
+        kw = ", shard_placement_fn=fsdp_shard_placement" if packed else ""
+        if packed:
+            lines.insert(3, "from hyper_parallel.core.dtensor import fsdp_shard_placement")
         prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix") is not None})
         for prefix in prefixes:
             lines += [f"for block in model.get_submodule({prefix!r}).children():",
-                      f"    fully_shard(block, mesh=mesh[{dp!r}])"]
-        lines.append(f"fully_shard(model, mesh=mesh[{dp!r}])")
+                      f"    fully_shard(block, mesh=mesh[{dp!r}]{kw})"]
+        lines.append(f"fully_shard(model, mesh=mesh[{dp!r}]{kw})")
     pipe = getattr(plan, "pipeline", None)
     if pipe and int(pipe.get("pp", 1)) > 1:
         lines += [f"# pipeline: pp={pipe['pp']}, schedule {pipe.get('schedule')}, "

@@ -54,12 +54,15 @@ class ParamShard:
     unit: str            # FSDP unit: a block FQN or "" (root)
     local_shape: tuple[int, ...]   # after tensor parallel, rank 0
     dtype_bytes: int
+    # the dimension FSDP2 shards: 0, or 1 for a weight strided-sharded on dim 0 by a packed
+    # projection (hyper_parallel.core.dtensor.fsdp_shard_placement, what the runners pass)
+    fsdp_dim: int = 0
 
     def fsdp_local_numel(self, dp: int) -> int:
         if not self.local_shape:
             return 1
-        d0 = self.local_shape[0]
-        return math.ceil(d0 / dp) * math.prod(self.local_shape[1:])
+        d = self.local_shape[self.fsdp_dim]
+        return math.ceil(d / dp) * math.prod(self.local_shape) // max(d, 1)
 
     def fsdp_padded_numel(self, dp: int) -> int:
         return self.fsdp_local_numel(dp) * dp
@@ -72,15 +75,17 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
         for name in group:
             canonical[name] = group[0]
     owner_style: dict[str, str] = {}
+    owner_packed: dict[str, int] = {}
     for fqn in graph.modules:
         best = None
         for pattern, spec in styles.items():
             if _matches(pattern, fqn):
                 wild = sum(any(c in x for c in "*?[") for x in pattern.split("."))
                 if best is None or wild < best[0]:
-                    best = (wild, spec["style"])
+                    best = (wild, spec["style"], spec)
         if best:
             owner_style[fqn] = best[1]
+            owner_packed[fqn] = int((best[2].get("args") or {}).get("packed", 1))
     out, seen = [], set()
     dtype_bytes = _param_dtype_bytes(graph)
     for fqn, info in sorted(graph.modules.items()):
@@ -96,9 +101,10 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
             local = list(shape)
             if dim is not None and tp > 1:
                 local[dim] = math.ceil(local[dim] / tp)
+            strided_rows = dim == 0 and tp > 1 and owner_packed.get(owner, 1) > 1 and len(shape) > 1
             unit = next((f"{p}.{rest.split('.')[0]}" for p in block_prefixes
                          if full.startswith(p + ".") and (rest := full[len(p) + 1:]).count(".") >= 1), "")
-            out.append(ParamShard(full, unit, tuple(local), dtype_bytes))
+            out.append(ParamShard(full, unit, tuple(local), dtype_bytes, 1 if strided_rows else 0))
     return out
 
 

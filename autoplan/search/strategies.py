@@ -97,6 +97,12 @@ def _grad_all_reduces(param_bytes: list[int]) -> list[Collective]:
     return [Collective("all_reduce", "backward", b) for b in param_bytes]
 
 
+# FSDP2 shards a packed (strided) weight on its other dimension; a 1-D bias has none
+# (hyper_parallel.core.dtensor.fsdp_placement)
+_PACKED_BIAS_FSDP = ("a packed {what} projection with a bias is not sharded under FSDP (FSDP2 would shard its "
+                     "strided bias again on its only dimension and scramble its global view)")
+
+
 def _column_styles(a: AttentionUnit, t: int) -> tuple[dict[str, ParallelStyle], str, dict] | str:
     """The column-parallel styles that give each rank whole heads of q, k and v, the reason and
     extra, or why there are none. Separate q/k/v: each column-wise. A fused projection whose
@@ -120,7 +126,7 @@ def _column_styles(a: AttentionUnit, t: int) -> tuple[dict[str, ParallelStyle], 
             return "a fused [q|k|v] with fewer KV heads than query heads (unequal widths) is not sharded"
         return ({a.qkv: ColwiseParallel(packed=3)},
                 "fused [q|k|v] column-wise, each rank its slice of q, k and v (strided), o row-wise",
-                {"no_fsdp": "packed q/k/v projection under FSDP"})
+                {"no_fsdp": "packed q/k/v projection with a bias under FSDP"} if a.qkv_bias else {})
     return "the fused q/k/v projection's output layout was not recognised"
 
 
@@ -146,9 +152,7 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     if isinstance(column, str):
         why = column
     elif column[2].get("no_fsdp") and fsdp:
-        # strided rows re-sharded by FSDP2 give wrong gradients on torch 2.13 (as packed MLPs)
-        why = "a packed [q|k|v] projection is not sharded under FSDP (wrong gradients when FSDP2 re-shards " \
-              "strided rows, torch 2.13)"
+        why = _PACKED_BIAS_FSDP.format(what="[q|k|v]")
     plain_why = why
     if why is None and a.fixed_head_count:
         plain_why = "q/k/v are reshaped by the global head count with another dimension inferred (a column " \
@@ -209,17 +213,18 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         styles.update({u: ColwiseParallel(packed=m.packed) for u in m.up})
         styles[m.down] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
         comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
-        # packed [gate|up] rows are a strided tensor-parallel shard; FSDP2 sharding the same rows
-        # again gives wrong gradients on torch 2.13 (measured on Phi-3, dp=2 x tp=2)
-        packed = {"no_fsdp": "packed gate/up projection under FSDP"} if m.packed > 1 else {}
+        # packed [gate|up] rows are a strided tensor-parallel shard: FSDP2 shards such a weight on
+        # its other dimension (fsdp_shard_placement), a bias it cannot
+        packed = {"no_fsdp": "packed gate/up projection with a bias under FSDP"} \
+            if m.packed > 1 and m.up_bias else {}
         if not (packed and fsdp):
             out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
                                 activation_shard=t, extra=dict(packed),
                                 reason="up/gate column-wise, down row-wise (Megatron)" +
-                                       (" with the fused [gate|up] rows sharded per projection" if packed else "")))
+                                       (" with the fused [gate|up] rows sharded per projection"
+                                        if m.packed > 1 else "")))
         elif layout == out[0].stream:
-            out[0].extra["tp_excluded"] = "a packed [gate|up] projection is not sharded under FSDP (wrong gradients " \
-                                          "when FSDP2 re-shards strided rows, torch 2.13)"
+            out[0].extra["tp_excluded"] = _PACKED_BIAS_FSDP.format(what="[gate|up]")
     return out
 
 

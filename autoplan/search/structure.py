@@ -61,6 +61,7 @@ class AttentionUnit:
     qkv_layout: str = ""
     qkv_groups: int = 0
     fixed_head_count: bool = False   # reshapes by the global head count (roles.fixed_head_count)
+    qkv_bias: bool = False           # the fused q/k/v projection has a bias (1-D, strided when packed)
     # attributes its code may cut by, with their global values (structure.head_attributes)
     head_attrs: dict[str, int] = field(default_factory=dict)
 
@@ -79,6 +80,7 @@ class MlpUnit:
     linear: bool
     work: Work = field(default_factory=Work)
     packed: int = 1             # projections fused in each ``up`` Linear ([gate|up]: 2)
+    up_bias: bool = False       # an ``up`` projection has a bias
 
 
 @dataclass
@@ -193,6 +195,11 @@ def _type(graph: ModelGraph, fqn: str) -> str:
     return (m.nn_base or m.type) if m else ""
 
 
+def _has_bias(graph: ModelGraph, fqn: str) -> bool:
+    m = graph.modules.get(fqn)
+    return bool(m and "bias" in m.params)
+
+
 _WIDTH_WORDS = ("size", "dim", "width", "embd", "embed")
 
 
@@ -264,7 +271,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                                     work(f"{rep}.{a['module']}"), qkv=p["qkv"],
                                     qkv_layout=a.get("qkv_layout", "unknown"), qkv_groups=int(a.get("qkv_groups", 0)),
                                     fixed_head_count=bool(a.get("fixed_head_count")),
-                                    head_attrs=head_attributes(graph, where, a) if a["module"] else {})
+                                    head_attrs=head_attributes(graph, where, a) if a["module"] else {},
+                                    qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"))
                 continue
             if not all(k in p for k in "qkvo"):
                 fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
@@ -292,7 +300,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 mw = Work()
                 for x in ups + [m["down"]]:
                     mw = mw + work(f"{rep}.{x}")
-            mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw, packed=packed)
+            mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw, packed=packed,
+                          up_bias=any(_has_bias(graph, f"{rep}.{u}") for u in ups))
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
         inner = [u.rel for u in (att, mlp) if u is not None and u.rel]

@@ -21,6 +21,9 @@ MODELS = {
     "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
         hidden_size=64, num_attention_heads=8, ffn_dim=128, num_hidden_layers=2, vocab_size=128,
         word_embed_proj_dim=64, max_position_embeddings=64)),
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 
 
@@ -114,3 +117,19 @@ def test_reshape_by_the_global_head_count_is_sharded_only_with_the_count_made_lo
     finally:
         a.head_attrs = saved
     assert not structures["gpt_neox"].blocks[0].attention.fixed_head_count
+
+
+def test_packed_projections_under_fsdp_only_without_bias(structures):
+    """FSDP2 shards a packed weight on its other dimension (fsdp_shard_placement); a packed bias
+    has only one: Phi-3 (no biases) keeps its packed [q|k|v] and [gate|up] shards under FSDP,
+    GPT-2 (biased c_attn) keeps its attention replicated there, saying why."""
+    phi = structures["phi3"].blocks[0]
+    assert not phi.attention.qkv_bias and not phi.mlp.up_bias and phi.mlp.packed == 2
+    names = [s.name for s in attention_strategies(phi.attention, phi, 4, "R", fsdp=True)]
+    assert "heads_sharded" in names or "heads_sharded_local" in names
+    mlp = mlp_strategies(phi.mlp, phi, 4, "R", [], fsdp=True)
+    assert [s.name for s in mlp] == ["replicate", "hidden_sharded"] and not mlp[1].extra.get("no_fsdp")
+    gpt2 = structures["gpt2"].blocks[0]
+    assert gpt2.attention.qkv_bias
+    out = attention_strategies(gpt2.attention, gpt2, 4, "R", fsdp=True)
+    assert [s.name for s in out] == ["replicate"] and "with a bias" in out[0].extra["tp_excluded"]

@@ -143,13 +143,28 @@ def test_layer_subclasses_count_as_their_torch_nn_base():
 
 
 # Starcoder2 has 2 KV heads: tp=4 does not divide them, tp=2 does
-@pytest.mark.parametrize("family,mesh", [("llama", "tp4"), ("qwen3", "tp4"), ("olmo2", "tp4"), ("gemma2", "tp4"),
-                                         ("starcoder2", "dp2_tp2"), ("granite", "tp4"), ("mistral", "tp4")])
-def test_default_plans_shard_attention_and_mlp(family, mesh):
+@pytest.mark.parametrize("family,mesh,attention", [
+    ("llama", "tp4", "heads_sharded"), ("qwen3", "tp4", "heads_sharded"), ("olmo2", "tp4", "heads_sharded"),
+    ("gemma2", "tp4", "heads_sharded"), ("starcoder2", "dp2_tp2", "heads_sharded"), ("granite", "tp4", "heads_sharded"),
+    ("mistral", "tp4", "heads_sharded"), ("phi3", "tp4", "heads_sharded_local")])
+def test_default_plans_shard_attention_and_mlp(family, mesh, attention):
     _, plan = plan_case(family, mesh, "default")
     units = {d["unit"].split("/")[-1]: d["strategy"] for d in plan.decisions}
-    assert units.get("attention") == "heads_sharded", (family, units, plan.notes)
+    assert units.get("attention") == attention, (family, units, plan.notes)
     assert units.get("mlp") == "hidden_sharded", (family, units, plan.notes)
+
+
+def test_phi3_under_fsdp_keeps_packed_shards_and_verifies_exactly():
+    """dp=2 x tp=2 with FSDP: Phi-3's packed [q|k|v] and [gate|up] weights are FSDP-sharded on
+    dim 1 (their rows are a strided tensor-parallel shard); the dry run issues exactly the
+    predicted FSDP bytes, and the exported snippet shards them the same way."""
+    model, plan = plan_case("phi3", "dp2_tp2", "default")
+    assert plan.fsdp.get("enabled")
+    assert plan.styles["model.layers.*.self_attn.qkv_proj"] == {"style": "ColwiseParallel", "args": {"packed": 3}}
+    assert plan.styles["model.layers.*.mlp.gate_up_proj"] == {"style": "ColwiseParallel", "args": {"packed": 2}}
+    result = verify(plan, model)
+    assert result.passed, result
+    assert "shard_placement_fn=fsdp_shard_placement" in plan.to_python()
 
 
 def test_corpus_real_models_are_meta():

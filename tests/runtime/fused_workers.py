@@ -7,9 +7,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 from transformers.pytorch_utils import Conv1D
 
 from hyper_parallel import ColwiseParallel, PrepareHeadsInput, Replicate, RowwiseParallel, parallelize_module
+from hyper_parallel.core.dtensor import fsdp_shard_placement
+from hyper_parallel.errors import LayoutError
 from hyper_parallel.testing import cached_mesh
 from hyper_parallel.testing.compare import compare_steps
 
@@ -116,3 +119,33 @@ def check_fused(cases: list[tuple[str, bool]]) -> dict:
         out[f"{layout}/conv={conv}"] = (res.ok and local, res.ref_losses, res.par_losses,
                                         res.grad_mismatches[:5], res.missing_grads[:5])
     return out
+
+
+def check_fsdp_over_packed() -> dict:
+    """dp=2 x tp=2: a bias-free packed [q|k|v] Linear and a packed-free rest, FSDP2 sharding the
+    strided weight on its other dimension (fsdp_shard_placement). Two steps against one device,
+    gradients compared through their global view (which FSDP2's default dim 0 scrambles); a
+    packed projection with a bias is refused before anything is sharded."""
+    mesh = cached_mesh((2, 2), ("dp", "tp"))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g))
+            for _ in range(2)]
+    ref, par = Model("concat", False), Model("concat", False)
+    for m in (ref, par):
+        m.attn.qkv.register_parameter("bias", None)
+    plan = {"attn.qkv": ColwiseParallel(packed=3), "attn.o": RowwiseParallel(), "up": ColwiseParallel(),
+            "down": RowwiseParallel()}
+    parallelize_module(par, mesh, plan, mesh_dim="tp")
+    fully_shard(par.attn, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
+    fully_shard(par, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
+    res = compare_steps(ref, par, data, ce, par_loss)
+    placements = {n: tuple(str(x) for x in p.placements) for n, p in par.named_parameters() if "qkv" in n}
+    biased = Model("concat", False)
+    parallelize_module(biased, mesh, plan, mesh_dim="tp")
+    try:
+        fully_shard(biased.attn, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
+        refused = ""
+    except LayoutError as exc:
+        refused = str(exc)
+    return {"ok": res.ok, "losses": (res.ref_losses, res.par_losses), "bad": res.grad_mismatches[:4],
+            "placements": placements, "refused": refused}

@@ -20,6 +20,13 @@ def test_fused_and_conv1d_match_one_device(pool4):
             assert ok, f"rank {rank} {case}: ref {ref} par {par} grads {bad} missing {missing}"
 
 
+def test_fsdp_over_a_packed_weight_shards_its_other_dimension(pool4):
+    for rank, rep in enumerate(pool4.run(fused_workers.check_fsdp_over_packed)):
+        assert rep["ok"], (rank, rep)
+        assert rep["placements"]["attn.qkv.weight"] == ("S(1)", "_S(0, 3)"), rep  # dp: dim 1; tp: strided rows
+        assert "only dimension" in rep["refused"] and "bias" in rep["refused"], rep
+
+
 def test_conv1d_is_recognised_with_transposed_features():
     from transformers.pytorch_utils import Conv1D
 
