@@ -58,7 +58,7 @@ def _rank_main(styles: dict, steps: int, batch: int, seq: int):
     mesh = cached_mesh((dist.get_world_size(),), ("tp",))
     ref = build_llama(seed=0, **DEMO_MODEL)
     par = build_llama(seed=0, **DEMO_MODEL)
-    parallelize_module(par, mesh, {k: style_from_dict(v) for k, v in styles.items()})
+    parallelize_module(par, mesh, {k: style_from_dict(v) for k, v in styles.items()}, strict=True)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_p = torch.optim.AdamW(par.parameters(), lr=1e-3)
     rows = []

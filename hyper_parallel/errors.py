@@ -18,6 +18,10 @@ class PlanPatternError(HyperParallelError, ValueError):
     """A parallelize plan whose key matches no module, or whose value is not a style."""
 
 
+class PlanTypeError(PlanPatternError, TypeError):
+    """A plan that is neither a ParallelStyle nor a dict of them (torch raises TypeError here)."""
+
+
 class UnsupportedModuleError(HyperParallelError, TypeError):
     """A parallel style applied to a module type it does not know how to shard."""
 

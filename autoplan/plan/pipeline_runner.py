@@ -59,7 +59,7 @@ def apply_tp(plan, model: nn.Module, mesh):
     if tp_mesh is None or tp_mesh.size() == 1:
         return None
     if plan.styles:
-        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
+        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim, strict=True)
     return tp_mesh
 
 

@@ -93,7 +93,7 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
         return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
     if plan.styles and plan.tp_dim:
-        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim)
+        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim, strict=True)
     if plan.recompute_mode == "full":
         from torch.distributed._composable import checkpoint
 

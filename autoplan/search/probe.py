@@ -131,7 +131,7 @@ class Prober:
         cores = _CoreRecorder(stack, out.cores)
         try:
             if styles:
-                parallelize_module(model, mesh, styles)
+                parallelize_module(model, mesh, styles, strict=True)
             for name, mod in model.named_modules():
                 hooks.append(mod.register_forward_pre_hook(pre(name), with_kwargs=True))
                 hooks.append(mod.register_forward_hook(post(name)))

@@ -73,9 +73,9 @@ def test_pattern_matching_nothing_names_pattern_and_suggests(world4):
     before = snapshot(model)
     plan = dict(torchtitan_plan(), **{"layers.*.attention.wqq": ColwiseParallel()})
     with pytest.raises(PlanPatternError, match=r"'layers\.\*\.attention\.wqq' matches no module"):
-        parallelize_module(model, world4["tp"], plan)
+        parallelize_module(model, world4["tp"], plan, strict=True)
     with pytest.raises(PlanPatternError, match="did you mean"):
-        parallelize_module(model, world4["tp"], {"tok_embedding": RowwiseParallel()})
+        parallelize_module(model, world4["tp"], {"tok_embedding": RowwiseParallel()}, strict=True)
     assert_untouched(model, before)
 
 

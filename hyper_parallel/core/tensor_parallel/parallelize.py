@@ -2,9 +2,11 @@
 
 The key "" names the root module itself. Patterns are matched atom by atom with fnmatch (``layers.*.attention.wq`` matches
 ``layers.0.attention.wq`` but ``layers.*`` does not match ``layers.0.attention``); nested dicts
-are joined with dots. Every pattern must match a module; a module matched by several patterns
-takes the most specific one (fewest wildcard atoms: ``layers.0.attention`` overrides
-``layers.*.attention``), and equally specific rivals are an error. Every style checks its module before anything changes; if applying still fails, all changes
+are joined with dots. A pattern that matches no module is skipped with a warning, as torch does
+(``strict=True`` makes it an error, naming close FQNs -- what autoplan's runners use); a module
+matched by several patterns takes the most specific one (fewest wildcard atoms:
+``layers.0.attention`` overrides ``layers.*.attention``), and equally specific rivals are an error.
+Without ``device_mesh`` the mesh of the enclosing ``with mesh:`` context is used, as in torch. Every style checks its module before anything changes; if applying still fails, all changes
 are rolled back, so the model is left exactly as it was.
 
 A module that is already parallelized -- styled by an earlier call of ours, holding DTensor
@@ -16,15 +18,16 @@ from __future__ import annotations
 
 import difflib
 import logging
+import warnings
 from fnmatch import fnmatchcase
 from typing import Mapping
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_mesh_1d
-from hyper_parallel.errors import AlreadyParallelizedError, MeshError, PlanPatternError
+from hyper_parallel.errors import AlreadyParallelizedError, MeshError, PlanPatternError, PlanTypeError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def flatten_plan(plan: PlanLike, prefix: str = "") -> dict[str, ParallelStyle]:
     if isinstance(plan, ParallelStyle):
         return {prefix: plan}
     if not isinstance(plan, Mapping):
-        raise PlanPatternError(
+        raise PlanTypeError(
             f"plan entry {prefix or '<root>'!r}: expected a ParallelStyle or a dict, got {type(plan).__name__}"
         )
     flat: dict[str, ParallelStyle] = {}
@@ -99,8 +102,15 @@ def already_parallelized(module: nn.Module) -> str | None:
     return None
 
 
-def resolve_mesh(device_mesh: DeviceMesh, mesh_dim: str | None) -> DeviceMesh:
-    """The 1-D mesh to shard on: ``device_mesh`` itself or its named dimension ``mesh_dim``."""
+def resolve_mesh(device_mesh: DeviceMesh | None, mesh_dim: str | None) -> DeviceMesh:
+    """The 1-D mesh to shard on: ``device_mesh`` (or the one of the enclosing ``with mesh:``
+    context) itself, or its named dimension ``mesh_dim``."""
+    if device_mesh is None:
+        try:
+            device_mesh = _mesh_resources.get_current_mesh()
+        except RuntimeError:
+            raise MeshError("parallelize_module: no device_mesh given and no DeviceMesh context is active; pass "
+                            "device_mesh= or call it inside `with mesh:`") from None
     if not isinstance(device_mesh, DeviceMesh):
         raise MeshError(f"parallelize_module: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
     if mesh_dim is not None:
@@ -114,17 +124,22 @@ def resolve_mesh(device_mesh: DeviceMesh, mesh_dim: str | None) -> DeviceMesh:
     return device_mesh
 
 
-def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: PlanLike | None = None,
-                       *, mesh_dim: str | None = None, src_data_rank: int | None = 0) -> nn.Module:
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                       parallelize_plan: PlanLike | None = None, *, mesh_dim: str | None = None,
+                       src_data_rank: int | None = 0, strict: bool = False) -> nn.Module:
     """Apply ``parallelize_plan`` to ``module`` on a 1-D mesh (or the ``mesh_dim`` of an n-D mesh).
 
+    ``device_mesh``: None takes the mesh of the enclosing ``with mesh:`` context (torch's rule).
     ``src_data_rank``: the rank whose initial values are scattered to the shards (None: every
     rank keeps its own values, which must then be identical -- no communication at apply).
-    Returns ``module`` (modified in place).
+    ``strict``: a pattern matching no module, or no plan at all, is an error instead of torch's
+    warning. Returns ``module`` (modified in place).
     """
     mesh = resolve_mesh(device_mesh, mesh_dim)
     if parallelize_plan is None:
-        log.warning("parallelize_module: no plan given; %s left unchanged", type(module).__name__)
+        if strict:
+            raise PlanPatternError(f"parallelize_module: no plan given for {type(module).__name__} (strict=True)")
+        warnings.warn(f"parallelize_module: no plan given; {type(module).__name__} left unchanged", stacklevel=2)
         return module
     flat = flatten_plan(parallelize_plan)
     fqns = [f for f, _ in module.named_modules()]
@@ -135,9 +150,11 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
         if not matches:
             close = difflib.get_close_matches(pattern, fqns, n=3, cutoff=0.5)
             hint = f"; did you mean {close}?" if close else ""
-            raise PlanPatternError(
-                f"plan pattern {pattern!r} matches no module of {type(module).__name__}{hint}"
-            )
+            message = f"plan pattern {pattern!r} matches no module of {type(module).__name__}{hint}"
+            if strict:
+                raise PlanPatternError(message)
+            warnings.warn(f"{message}; skipping this entry (strict=True makes it an error)", stacklevel=2)
+            continue
         for fqn, sub in matches:
             if fqn in chosen:
                 other = chosen[fqn][0]
