@@ -65,8 +65,9 @@ class SlotChecker:
         out = {}
         for b in st.blocks:
             rep = self.prober.short(b.representative)
-            if b.attention is not None and b.attention.rel:
-                out[f"{b.id}/attention"] = f"{rep}.{b.attention.rel}"
+            for name, unit in (("attention", b.attention), ("cross_attention", b.cross_attention)):
+                if unit is not None and unit.rel:
+                    out[f"{b.id}/{name}"] = f"{rep}.{unit.rel}"
             if b.mlp is not None and b.mlp.rel:
                 out[f"{b.id}/mlp"] = f"{rep}.{b.mlp.rel}"
             out[f"{b.id}/block"] = rep

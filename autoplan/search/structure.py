@@ -99,6 +99,7 @@ class BlockGroupInfo:
     hidden_bytes: int           # one hidden-stream tensor (b, s, h) in bytes
     seq_len: int
     dim: int
+    cross_attention: AttentionUnit | None = None   # a decoder's second attention (keys from the encoder)
 
 
 @dataclass
@@ -222,6 +223,26 @@ def head_attributes(graph: ModelGraph, fqn: str, a: dict) -> dict[str, int]:
     return out
 
 
+def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit | str:
+    """The planner unit of one attention found in block ``rep`` (roles), or why it is none."""
+    p = a["projections"]
+    where = f"{rep}.{a['module']}" if a["module"] else rep
+    attrs = head_attributes(graph, where, a) if a["module"] else {}
+    own = work(f"{rep}.{a['module']}")   # nothing of its own when its projections sit in the block
+    if "qkv" in p and "o" in p:
+        lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
+        return AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
+                             own, qkv=p["qkv"], qkv_layout=a.get("qkv_layout", "unknown"),
+                             qkv_groups=int(a.get("qkv_groups", 0)), fixed_head_count=bool(a.get("fixed_head_count")),
+                             head_attrs=attrs, qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"))
+    if not all(k in p for k in "qkvo"):
+        fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
+        return f"its projections ({fused}) are incomplete (no output projection found)"
+    lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in "qkvo")
+    return AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
+                         own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs)
+
+
 def _head_modules(graph: ModelGraph) -> list[str]:
     return [h["module"] for h in graph.roles.get("lm_head", [])[:1]]
 
@@ -258,31 +279,19 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     for b in graph.blocks:
         rep = b.representative
         roles = b.roles or {}
-        att = None
+        att = cross = None
         for a in roles.get("attention", []):
-            p = a["projections"]
             where = f"{rep}.{a['module']}" if a["module"] else rep
-            if att is not None:
-                not_units.append((where, "a second attention in the block (cross-attention) is not planned yet"))
-                continue
-            if "qkv" in p and "o" in p:
-                lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
-                att = AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
-                                    work(f"{rep}.{a['module']}"), qkv=p["qkv"],
-                                    qkv_layout=a.get("qkv_layout", "unknown"), qkv_groups=int(a.get("qkv_groups", 0)),
-                                    fixed_head_count=bool(a.get("fixed_head_count")),
-                                    head_attrs=head_attributes(graph, where, a) if a["module"] else {},
-                                    qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"))
-                continue
-            if not all(k in p for k in "qkvo"):
-                fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
-                not_units.append((where, f"its projections ({fused}) are incomplete (no output projection found)"))
-                continue
-            lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in "qkvo")
-            att = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]),
-                                int(a["n_kv_heads"]), lin, work(f"{rep}.{a['module']}"),
-                                fixed_head_count=bool(a.get("fixed_head_count")),
-                                head_attrs=head_attributes(graph, where, a) if a["module"] else {})
+            unit = _attention_unit(graph, rep, a, work)
+            if isinstance(unit, str):
+                not_units.append((where, unit))
+            elif att is None:
+                att = unit
+            elif cross is None and unit.rel:
+                cross = unit   # the block's second attention: cross-attention (BART, T5 decoders)
+            else:
+                not_units.append((where, "a third attention in the block (or a second one with its projections "
+                                         "directly in the block) is not planned"))
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
             not_units.append((where, "a mixture-of-experts layer: router and experts are not sharded yet "
@@ -304,13 +313,13 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                           up_bias=any(_has_bias(graph, f"{rep}.{u}") for u in ups))
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
-        inner = [u.rel for u in (att, mlp) if u is not None and u.rel]
+        inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel]
         norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")
         whole = work(rep)
-        inner = norm_work + (att.work if att else Work()) + (mlp.work if mlp else Work())
+        inner = norm_work + sum((u.work for u in (att, cross, mlp) if u is not None), Work())
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
@@ -322,7 +331,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
             hidden *= s
         blocks.append(BlockGroupInfo(
             b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
-            norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1]))
+            norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1],
+            cross_attention=cross))
         claimed.add(rep)
 
     outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(

@@ -196,9 +196,10 @@ class TPSearch:
             owner = self._owner(b)
             rep = b.representative
             for layout in self.layouts:
-                if b.attention is not None:
-                    for s in attention_strategies(b.attention, b, t, layout, fsdp=self.ctx.fsdp):
-                        self._add(f"{b.id}/attention", s, owner, b.count, b.attention.work, b.attention.work.param_bytes)
+                for name, unit in (("attention", b.attention), ("cross_attention", b.cross_attention)):
+                    if unit is not None:
+                        for s in attention_strategies(unit, b, t, layout, fsdp=self.ctx.fsdp):
+                            self._add(f"{b.id}/{name}", s, owner, b.count, unit.work, unit.work.param_bytes)
                 if b.mlp is not None:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)
                     for s in mlp_strategies(b.mlp, b, t, layout, pt, fsdp=self.ctx.fsdp):
@@ -253,7 +254,8 @@ class TPSearch:
         st = self.structure
         for b in st.blocks:
             if slot.startswith(b.id + "/"):
-                unit = {"attention": b.attention, "mlp": b.mlp}.get(slot.split("/")[-1])
+                unit = {"attention": b.attention, "cross_attention": b.cross_attention,
+                        "mlp": b.mlp}.get(slot.split("/")[-1])
                 owner = self._owner(b)
                 return f"{owner}.{unit.rel}" if unit is not None and unit.rel else owner
         fixed = {"embedding": st.embedding.fqn if st.embedding else None, "head": st.head.fqn if st.head else None}
@@ -273,7 +275,7 @@ class TPSearch:
             raise InfeasiblePlanError(f"{where}: cannot be tensor-parallel at tp={self.tp}: {why}; "
                                       f"allow replicated units")
         for slot in list(self.slots):
-            if slot.endswith(("/attention", "/mlp")) or slot in ("embedding", "head"):
+            if slot.endswith(("/attention", "/cross_attention", "/mlp")) or slot in ("embedding", "head"):
                 sharded = [o for o in self.slots[slot] if o.strategy.name != "replicate"]
                 if not sharded:
                     why = next((o.strategy.extra.get("tp_excluded") for o in self.slots[slot]

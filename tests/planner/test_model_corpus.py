@@ -6,7 +6,7 @@ The slice covers one family per hazard: a norm over the full projection width on
 (OLMo-2, repaired), a fused q/k/v attention sharded in whole heads on a sequence-sharded stream
 (GPT-NeoX), a fused [q|k|v] cut by the global head count its config stores (Phi-3: sharded with
 the count made local), Conv1D layers (GPT-2), relative position bias and two stacks
-(T5), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
+(T5), a decoder's cross-attention sharded by heads beside its self-attention under FSDP (BART), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
 biases on the sequence-sharded stream (Starcoder2)."""
 import pytest
 
@@ -19,6 +19,7 @@ SLICE = [
     ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
     ("t5", "tp4", "default", ()),
+    ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
     ("mixtral", "tp4", "forced_R", ()),
     ("bert", "dp2_tp2", "default", ()),
     ("starcoder2", "tp4", "forced_S", ()),
