@@ -263,10 +263,19 @@ def recognise_roles(graph: ModelGraph) -> None:
     rep_of = {b.id: b.representative for b in graph.blocks}
     claimed: set[str] = set()
 
+    core_modules: set[str] = set()   # modules an attention core runs in, below block level
     for core, q, k, v, out, qmeta in _attention_cores(flow):
+        if core.module and core.module not in rep_of.values():
+            core_modules.add(core.module)
         (qs, _), (ks, _), (vs, _) = flow.up_matmuls(q), flow.up_matmuls(k), flow.up_matmuls(v)
         o = flow.down_matmul(out.name)
         if not qs or not ks or not vs:
+            # q, k or v reaches the core by a path the flow does not follow (DeepSeek's MLA writes
+            # k into a new_empty buffer in place): not a unit, and its linears are no MLP either
+            missing = [x for x, found in (("q", qs), ("k", ks), ("v", vs)) if not found]
+            per_block[core.block]["attention_untraced"].append(
+                {"module": _rel(core.module, rep_of.get(core.block, "")),
+                 "why": f"its {'/'.join(missing)} input could not be traced to a projection"})
             continue
         qn, kn, vn = qs[0], ks[0], vs[0]
         head_dim = qmeta.shape[-1]
@@ -353,8 +362,8 @@ def recognise_roles(graph: ModelGraph) -> None:
             continue
         ups, ops = flow.up_matmuls(act_in)
         ups = [u for u in ups if u.module not in claimed and u.module != n.module and u.block == n.block]
-        if not ups:
-            continue
+        if not ups or any((x + ".").startswith(c + ".") for c in core_modules for x in [n.module] + [u.module for u in ups]):
+            continue   # linears inside an attention module are its projections, not an MLP
         mods = sorted({u.module for u in ups}, key=lambda m: [x.module for x in graph.nodes].index(m))
         base = rep_of.get(n.block, "")
         entry: dict[str, Any] = {"down": _rel(n.module, base)}

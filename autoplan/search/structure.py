@@ -292,6 +292,9 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
             else:
                 not_units.append((where, "a third attention in the block (or a second one with its projections "
                                          "directly in the block) is not planned"))
+        for u in roles.get("attention_untraced", []):
+            where = f"{rep}.{u['module']}" if u["module"] else rep
+            not_units.append((where, f"an attention whose projections were not recognised ({u['why']})"))
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
             not_units.append((where, "a mixture-of-experts layer: router and experts are not sharded yet "
@@ -313,7 +316,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                           up_bias=any(_has_bias(graph, f"{rep}.{u}") for u in ups))
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
-        inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel]
+        inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel] + \
+            [u["module"] for u in roles.get("attention_untraced", []) if u["module"]]
         norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
         for n in norms:

@@ -24,6 +24,11 @@ MODELS = {
     "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
         hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=128, num_hidden_layers=2,
         vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, first_k_dense_replace=1,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        vocab_size=128)),
 }
 
 
@@ -133,3 +138,16 @@ def test_packed_projections_under_fsdp_only_without_bias(structures):
     assert gpt2.attention.qkv_bias
     out = attention_strategies(gpt2.attention, gpt2, 4, "R", fsdp=True)
     assert [s.name for s in out] == ["replicate"] and "with a bias" in out[0].extra["tp_excluded"]
+
+
+def test_attention_whose_projections_are_not_traced_is_no_mlp(structures):
+    """DeepSeek's MLA writes k into a new_empty buffer in place, so its core's k input leads to
+    no projection. Its low-rank q_a -> q_b pair must not become an "MLP" (it was, and the norm on
+    its latent a stream norm): the attention is kept replicated, saying why, and the block's real
+    MLP (dense or the MoE's shared experts) stays the MLP unit."""
+    st = structures["deepseek_v3"]
+    assert all(b.attention is None for b in st.blocks)
+    assert [b.mlp.rel for b in st.blocks] == ["mlp", "mlp.shared_experts"]
+    assert all(not any("q_a_layernorm" in n or "kv_a_layernorm" in n for n in b.norms) for b in st.blocks)
+    untraced = [w for w, why in st.not_units if "not recognised" in why]
+    assert untraced == ["model.layers.0.self_attn", "model.layers.1.self_attn"], st.not_units
