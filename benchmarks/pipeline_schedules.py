@@ -86,7 +86,7 @@ def main() -> None:
     import pandas as pd
 
     from hyper_parallel.core.pipeline_parallel import StageCost, build_schedule, simulate
-    from hyper_parallel.testing import RankPool
+    from hyper_parallel.local import RankPool
 
     load_before = os.getloadavg()[0]
     with RankPool(4, timeout_s=1800) as pool:

@@ -144,7 +144,7 @@ def run_parallel(cases, dp: int) -> list[dict]:
     its slice of the batch; the reference is one device on the whole batch.
     """
     from hyper_parallel import fully_shard, parallelize_module
-    from hyper_parallel.testing import cached_mesh
+    from hyper_parallel.local import cached_mesh
     if dp == 1:
         mesh = cached_mesh((2, 2), ("pp", "tp"))
     else:
@@ -330,7 +330,7 @@ def run_dtensor_activations(names) -> list[dict]:
     from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from hyper_parallel.core.pipeline_parallel import register_spine
     from hyper_parallel.core.pipeline_parallel.split import SPINES
-    from hyper_parallel.testing import cached_mesh
+    from hyper_parallel.local import cached_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     if not any(s.name == "toy" for s in SPINES):
         register_spine(_toy_spine())

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
 from hyper_parallel import ColwiseParallel, PrepareHeadsInput, Replicate, RowwiseParallel, parallelize_module
-from hyper_parallel.testing import cached_mesh
+from hyper_parallel.local import cached_mesh
 from hyper_parallel.testing.compare import compare_steps
 
 DIM, HEADS, VOCAB = 32, 8, 64
