@@ -34,7 +34,6 @@ from hyper_parallel.errors import ScheduleError
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class UnitCost:
     """One pipeline unit (a spine FQN) per micro-batch on one rank: forward, backward-input and

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind, PipelineSchedule, peak_inflight
@@ -44,14 +44,17 @@ class ScheduleFacts:
     schedule_class: type[PipelineScheduleRuntime]
     torch_class: str   # the same family in torch.distributed.pipelining (for comparisons with torch)
 
+    # whether the plan chooses the stages per rank (the generator takes ``n_virtual``); read once
+    # here because the planner asks on every look-up in its inner loops
+    virtual_configurable: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "virtual_configurable",
+                           "n_virtual" in inspect.signature(self.schedule_class.generator).parameters)
+
     @property
     def generator(self):
         return self.schedule_class.generator
-
-    @property
-    def virtual_configurable(self) -> bool:
-        """Whether the plan chooses the stages per rank (the generator takes ``n_virtual``)."""
-        return "n_virtual" in inspect.signature(self.generator).parameters
 
     def generator_kwargs(self, v: int = 1) -> dict:
         """Keyword arguments of the generator (and the runtime class) for ``v`` stages per rank."""
