@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from autoplan import arguments, cluster
 from autoplan.plan import pipeline_runner, schema
 from autoplan.review import stages as review_stages
 from autoplan.search import mesh_search, pipeline_search, schedule_timing
@@ -104,8 +105,11 @@ def test_plan_schema_enum_is_the_table():
 
 def test_consumers_read_the_table():
     """The modules that used to keep their own copies now hold the table's functions."""
-    for mod in (pipeline_runner, schema, review_stages, mesh_search, pipeline_search, schedule_timing, memory):
+    for mod in (pipeline_runner, schema, review_stages, mesh_search, pipeline_search, schedule_timing, memory,
+                cluster):
         assert getattr(mod, "schedule_facts", None) is schedule_facts, mod.__name__
+    for mod in (arguments, cluster, mesh_search, pipeline_search):   # the names searched and accepted
+        assert getattr(mod, "SCHEDULE_NAMES", None) is SCHEDULE_NAMES, mod.__name__
     for mod, gone in ((pipeline_runner, "_CLASSES"), (pipeline_search, "SPLIT_BACKWARD"), (pipeline_search, "SCHEDULES"),
                       (pipeline_search, "uniform_inflight"), (pipeline_search, "schedule_virtual"),
                       (mesh_search, "BUBBLE"), (mesh_search, "SPLIT_WEIGHT"), (schedule_timing, "schedule_ir"),
