@@ -68,6 +68,8 @@ def test_known_values_of_the_table():
     assert facts["1F1B"].inflight(4, 16) == (4, 3, 2, 1)
     assert facts["Interleaved1F1B"].inflight_microbatches(4, 16, 0, 2) == pytest.approx(4 * (1 + 3 / 8))
     assert facts["ZBV"].inflight_microbatches(4, 16, 3) == 4
+    # this runtime's ZB-H1 (greedy, no W cap) defers dw past the last forward: all m are held until W
+    assert facts["ZeroBubble"].inflight(4, 16) == (16,) * 4
     assert [facts[n].stages_per_rank(4) for n in SCHEDULE_NAMES] == [1, 1, 4, 1, 2]
     assert [facts[n].split_backward for n in SCHEDULE_NAMES] == [False, False, False, True, True]
     assert [facts[n].bubble_coefficient for n in SCHEDULE_NAMES] == [1.0, 1.0, 1.0, 1 / 3, 1 / 6]
