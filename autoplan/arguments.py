@@ -17,9 +17,9 @@ import torch.nn as nn
 
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
 from autoplan.search.costing import RECOMPUTE
-from autoplan.search.pipeline_search import SCHEDULES
 from cost_models.hardware import list_hardware
 from cost_models.overlap import DP_MODES
+from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES
 
 UNBOUNDED = 1e30  # "no memory limit": large enough for any model, still a finite ILP coefficient
 
@@ -197,9 +197,9 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
         raise InvalidConstraintError(f"{who}: constraints dp x pp x tp = {product} cannot make devices={devices}")
     if "dp" in cons and gb % cons["dp"]:
         raise InvalidConstraintError(f"{who}: global batch {gb} is not divisible by constraints['dp']={cons['dp']}")
-    if "schedule" in cons and cons["schedule"] not in SCHEDULES:
+    if "schedule" in cons and cons["schedule"] not in SCHEDULE_NAMES:
         raise InvalidConstraintError(f"{who}: constraints['schedule']={cons['schedule']!r} is not a schedule; "
-                                   f"valid: {list(SCHEDULES)}")
+                                   f"valid: {list(SCHEDULE_NAMES)}")
     for key in ("microbatches", "microbatch_size"):
         if key in cons:
             v = positive_int(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)

@@ -24,10 +24,10 @@ from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.mesh_spec import MeshSpec
-from autoplan.search.pipeline_search import SCHEDULES, SPLIT_BACKWARD, fsdp_gathers, stage_bounds
+from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
-from autoplan.search.schedule_timing import schedule_ir
 from autoplan.search.sharding import param_shards
+from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
     st = search.structure(best.b)
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
     names = search.unit_names
-    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     units: dict[tuple, int] = {}
     unit_stage: dict[str, int] = {}
     for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))):
@@ -72,7 +72,7 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> l
     st = search.structure(best.b)
     shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
     names = search.unit_names
-    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     rank_of = {u: s2r[s] for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) for u in names[a:b]}
     d = best.dp if best.fsdp else 1
     out = [0] * c.p
@@ -88,7 +88,7 @@ def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dic
     flat buffer) of the parameters pipeline rank ``rank`` holds, as the pipeline runner issues them."""
     c = best.choice
     names = search.unit_names
-    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     mine = [u for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) if s2r[s] == rank for u in names[a:b]]
     st = search.structure(best.b)
     rows, n = zero1_rows(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine)
@@ -112,7 +112,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
     emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
     norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
-    s2r = schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank
+    s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     mine, stage_of = set(), {}
     for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))):
         stage_of.update({i: s for i in range(a, b)})
@@ -122,7 +122,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     # and the weight pass (W) as a whole backward again (FSDP's own hooks must reduce the weight
     # gradients), so a stage whose inputs need gradients (every stage but the first) issues its
     # backward TP collectives twice
-    twice = c.schedule in SPLIT_BACKWARD and best.fsdp and best.dp > 1
+    twice = schedule_facts(c.schedule).split_backward and best.fsdp and best.dp > 1
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
     for o in options:
@@ -178,7 +178,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                  activation_checkpointing: bool | None = None, sequence_parallel: bool | None = None,
                  graph=None, styles: dict | None = None,
                  devices_per_node: int | None = None, constraints: dict | None = None,
-                 schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
+                 schedules: Sequence[str] = SCHEDULE_NAMES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), graphs: dict | None = None, alternatives: int = 10,
                  max_simulations: int = 400, time_budget_s: float | None = None) -> Plan:
     """The best whole plan for ``devices`` devices.
@@ -222,7 +222,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     constraints = check_constraints(constraints, devices, batch, who, fsdp=optional_bool(fsdp, "fsdp", who),
                                     activation_checkpointing=optional_bool(
                                         activation_checkpointing, "activation_checkpointing", who))
-    schedules = check_choices(schedules, "schedules", SCHEDULES, who)
+    schedules = check_choices(schedules, "schedules", SCHEDULE_NAMES, who)
     microbatch_sizes = [positive_int(b, "microbatch_sizes[]", who) for b in check_sequence(microbatch_sizes,
                                                                                        "microbatch_sizes", who)]
     virtual_stages = [positive_int(v, "virtual_stages[]", who) for v in check_sequence(virtual_stages,
@@ -253,7 +253,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     with_recompute(tp_plan, search.structure(best.b), best.recompute)
     names = search.unit_names
     stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
-    s2r = list(schedule_ir(c.schedule, c.p, c.m, c.v).stage_to_rank)
+    s2r = list(schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank)
     rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
     collectives, mem = _rank_rows(search, best, 0, tp_plan.styles)
     if c.p == 1:  # one stage: the TP planner's exact rows (one micro-batch; dry_run.verify checks them)

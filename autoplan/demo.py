@@ -23,8 +23,7 @@ from autoplan.models.llama_plans import EXPERT_PLANS
 from autoplan.search.mesh_spec import MeshSpec
 from cost_models.runtime import calibrate_runtime, load_runtime
 from hyper_parallel import loss_parallel, parallelize_module, style_from_dict
-from hyper_parallel.testing import RankPool, cached_mesh
-from hyper_parallel.testing.compare import full
+from hyper_parallel.local import RankPool, cached_mesh, full
 
 log = logging.getLogger(__name__)
 DEMO_MODEL = dict(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_hidden=384, max_seq_len=64)

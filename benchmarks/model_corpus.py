@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from autoplan.verify.corpus import FAMILIES, all_cases, run_case
-from hyper_parallel.testing import RankPool
+from hyper_parallel.local import RankPool
 
 OUT = Path(__file__).parent / "results"
 

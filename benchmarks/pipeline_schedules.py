@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"]
 MODEL = dict(n_layers=8, dim=128, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_hidden=384, max_seq_len=64)
 BATCH, SEQ, N_MB = 16, 64, 8
 
@@ -35,39 +34,29 @@ def _bench(steps: int, warmup: int) -> list[dict]:
     from torch.distributed import pipelining as tpp
 
     from autoplan.models.llama import build_llama
-    from hyper_parallel.core.pipeline_parallel import (
-        Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble, build_stages,
-    )
-
-    ours = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-            "ZeroBubble": ScheduleZeroBubble, "ZBV": ScheduleZBV}
+    from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, build_stages, schedule_facts
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
     def theirs(name, stages):
-        if name == "GPipe":
-            return tpp.ScheduleGPipe(stages[0], N_MB, loss_fn=loss_fn)
-        if name == "1F1B":
-            return tpp.Schedule1F1B(stages[0], N_MB, loss_fn=loss_fn)
-        if name == "Interleaved1F1B":
-            return tpp.ScheduleInterleaved1F1B(stages, N_MB, loss_fn=loss_fn)
-        if name == "ZeroBubble":
-            return tpp.ScheduleInterleavedZeroBubble(stages, N_MB, loss_fn=loss_fn)
-        return tpp.ScheduleZBVZeroBubble(stages, N_MB, loss_fn=loss_fn)
+        cls = getattr(tpp, schedule_facts(name).torch_class)
+        single = issubclass(cls, tpp.schedules.PipelineScheduleSingle)   # takes one stage, not a list
+        return cls(stages[0] if single else stages, N_MB, loss_fn=loss_fn)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
     y = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
     p = dist.get_world_size()
     rows = []
-    for name in SCHEDULES:
-        ir = ours[name].ir(p, N_MB)
+    for name in SCHEDULE_NAMES:
+        facts = schedule_facts(name)
+        ir = facts.ir(p, N_MB, 2)   # interleaved: two stages per rank
         runners = {}
         for label, overlap in (("ours", False), ("ours_overlap", True)):
             model = build_llama(0, **MODEL)
             st = build_stages(model, ir)
-            runners[label] = (ours[name](st, N_MB, loss_fn, overlap=overlap), [s.module for s in st])
+            runners[label] = (facts.schedule_class(st, N_MB, loss_fn, overlap=overlap), [s.module for s in st])
         model = build_llama(0, **MODEL)
         st = [tpp.PipelineStage(s.module, s.stage_index, s.num_stages, torch.device("cpu"))
               for s in build_stages(model, ir)]
@@ -97,7 +86,7 @@ def main() -> None:
     import pandas as pd
 
     from hyper_parallel.core.pipeline_parallel import StageCost, build_schedule, simulate
-    from hyper_parallel.testing import RankPool
+    from hyper_parallel.local import RankPool
 
     load_before = os.getloadavg()[0]
     with RankPool(4, timeout_s=1800) as pool:

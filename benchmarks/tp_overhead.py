@@ -23,7 +23,7 @@ from autoplan.models import build_llama
 from autoplan.models.llama_plans import torchtitan_plan
 from hyper_parallel import loss_parallel, parallelize_module
 from hyper_parallel.core.tensor_parallel import to_torch_plan
-from hyper_parallel.testing import RankPool, cached_mesh
+from hyper_parallel.local import RankPool, cached_mesh
 
 CFG = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1024, ffn_hidden=768, max_seq_len=128)
 BATCH, SEQ = 4, 128

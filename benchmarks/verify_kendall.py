@@ -122,7 +122,7 @@ def main(argv=None) -> int:
 
     from autoplan.verify.measured import measure
     from cost_models.runtime import calibrate_runtime, load_runtime
-    from hyper_parallel.testing import RankPool
+    from hyper_parallel.local import RankPool
     from tests.verify.measured_workers import tiny_llama
 
     import os

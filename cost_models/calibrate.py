@@ -19,7 +19,7 @@ import pandas as pd
 from cost_models.collectives import collective_terms
 from cost_models.errors import CalibrationError
 from cost_models.hardware.profile import Link
-from hyper_parallel.testing import RankPool
+from hyper_parallel.local import RankPool
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Iterable, Literal, Mapping
 
 import pandas as pd
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zbv"]
+from hyper_parallel.core.pipeline_parallel import schedule_facts
 
 
 @dataclass(frozen=True)
@@ -175,36 +175,28 @@ def model_state_bytes(params: Iterable[ParamSpec], tp: int = 1, fsdp: int = 1,
     return ModelStateBytes(params=elems * pol.param, grads=grad_elems * pol.grad, optimizer=opt)
 
 
-def inflight_microbatches(schedule: Schedule, pp: int, n_microbatches: int, stage: int = 0,
+def inflight_microbatches(schedule: str, pp: int, n_microbatches: int, stage: int = 0,
                           virtual: int = 1) -> float:
-    """Micro-batches' worth of one rank's activations alive at its peak.
+    """Micro-batches' worth of one pipeline rank's activations alive at its peak.
 
-    GPipe keeps all m; 1F1B and ZB-H1 keep pp - stage (at most m); interleaved 1F1B multiplies the
-    first stage's pp by (1 + (pp-1)/(pp*v)) (Korthikanti et al.); ZB-H2 doubles 1F1B; ZBV (two
-    V-placed chunks of half the layers each) keeps the 1F1B first-stage amount, pp.
+    ``schedule`` is a runtime schedule name (``hyper_parallel``'s ``SCHEDULE_NAMES``, as plans store
+    them); the count is the runtime's own (``schedule_facts``: the generator's order played), not a
+    formula kept here. For reference: GPipe keeps all m; 1F1B pp - stage (at most m); interleaved
+    1F1B about (pp - stage)(1 + (pp-1)/(pp v)) (Korthikanti et al.); ZBV pp; this runtime's ZB-H1
+    (``ZeroBubble``) defers every dw to the drain, so it holds m until its W runs.
+    ``stage`` is the pipeline rank (the stage index with one stage per rank).
     """
-    if pp < 1 or n_microbatches < 1 or virtual < 1:
-        raise ValueError(f"inflight_microbatches: pp={pp}, n_microbatches={n_microbatches}, "
-                         f"virtual={virtual} must all be >= 1")
-    if not 0 <= stage < pp:
-        raise ValueError(f"inflight_microbatches: stage={stage} outside [0, {pp})")
-    m = n_microbatches
-    if schedule == "gpipe":
-        return float(m)
-    if schedule in ("1f1b", "zb_h1"):
-        return float(min(m, pp - stage))
-    if schedule == "interleaved_1f1b":
-        return min(float(m), (pp - stage) * (1 + (pp - 1) / (pp * virtual)))
-    if schedule == "zb_h2":
-        return float(min(m, 2 * (pp - stage)))
-    if schedule == "zbv":
-        return float(min(m, pp))
-    raise ValueError(f"inflight_microbatches: schedule={schedule!r} not in {Schedule.__args__}")
+    for name, v in (("pp", pp), ("n_microbatches", n_microbatches), ("virtual", virtual)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"inflight_microbatches: {name}={v!r} must be an int >= 1")
+    if not isinstance(stage, int) or not 0 <= stage < pp:
+        raise ValueError(f"inflight_microbatches: stage={stage!r} outside [0, {pp})")
+    return float(schedule_facts(schedule).inflight_microbatches(pp, n_microbatches, stage, virtual))
 
 
 def rank_memory(params: Iterable[ParamSpec], layer_activation_bytes: float, n_layers: int, *,
                 tp: int = 1, fsdp: int = 1, precision: PrecisionPolicy | str = "fp32",
-                schedule: Schedule = "1f1b", pp: int = 1, n_microbatches: int = 1, stage: int = 0,
+                schedule: str = "1F1B", pp: int = 1, n_microbatches: int = 1, stage: int = 0,
                 virtual: int = 1, largest_layer_params: float = 0.0, fsdp_prefetch: int = 1) -> pd.Series:
     """Peak-memory breakdown of one rank (bytes) as a pandas Series.
 

@@ -49,7 +49,7 @@ from cost_models.errors import CalibrationError
 from cost_models.hardware import load_hardware
 from cost_models.hardware.host import cache_dir, host_key, save_host_profile
 from cost_models.hardware.profile import Link
-from hyper_parallel.testing import RankPool
+from hyper_parallel.local import RankPool
 
 log = logging.getLogger(__name__)
 

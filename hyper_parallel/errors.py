@@ -46,6 +46,11 @@ class ScheduleError(PipelineError, ValueError):
     """A pipeline schedule that is invalid: unmatched send/recv, deadlock, bad micro-batch count."""
 
 
+class UnknownScheduleError(ScheduleError):
+    """A schedule name that is not in the runtime's table (``schedule_facts.SCHEDULES``); plans,
+    the planner and the cost model all name schedules by that table, so one typo fails here."""
+
+
 class MicrobatchError(PipelineError, ValueError):
     """A batch that cannot be split into the requested micro-batches."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.testing import RankPool
+from hyper_parallel.local import RankPool
 
 _POOLS: dict[int, RankPool] = {}
 

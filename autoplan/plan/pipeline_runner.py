@@ -23,12 +23,10 @@ from autoplan.plan.forward import lm_loss
 from autoplan.plan.recompute import recompute_attention_core
 from autoplan.search.mesh_spec import mesh_roles
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
+from hyper_parallel.core.pipeline_parallel import SCHEDULES, schedule_facts
 from hyper_parallel.errors import MeshError
 
 log = logging.getLogger(__name__)
-
-_CLASSES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
-            "ZeroBubble": "ScheduleZeroBubble", "ZBV": "ScheduleZBV"}
 
 
 def _full_logits_loss(loss_fn: Callable) -> Callable:
@@ -61,11 +59,6 @@ def apply_tp(plan, model: nn.Module, mesh):
     if plan.styles:
         parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim, strict=True)
     return tp_mesh
-
-
-def schedule_class(name: str):
-    """The runtime schedule class for a plan's schedule name."""
-    return getattr(pipe, _CLASSES[name])
 
 
 class PipelineRunner:
@@ -136,13 +129,15 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     if mesh[pp_name].size() != p:
         raise MeshError(f"plan.apply: plan has pp={p}, mesh has {pp_name}={mesh[pp_name].size()}")
     dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
-    if plan.recompute_mode == "selective" and sched_name in ("ZeroBubble", "ZBV"):
+    facts = schedule_facts(sched_name, "plan.pipeline['schedule']")
+    if plan.recompute_mode == "selective" and facts.split_backward:
+        whole = [n for n, f in SCHEDULES.items() if not f.split_backward]
         raise MeshError(f"plan.apply: selective recomputation cannot run under {sched_name} (its weight "
                         "gradients are a second backward pass; torch's selective checkpointing allows one); "
-                        "use GPipe, 1F1B or Interleaved1F1B, or recompute none/full")
+                        f"use one of {whole}, or recompute none/full")
     tp_mesh = apply_tp(plan, model, mesh)
-    cls = schedule_class(sched_name)
-    kwargs = {"n_virtual": int(pipe_cfg["virtual_stages"])} if sched_name == "Interleaved1F1B" else {}
+    cls = facts.schedule_class
+    kwargs = facts.generator_kwargs(int(pipe_cfg["virtual_stages"]))
     ir = cls.ir(p, m, **kwargs)
     pp_group = mesh[pp_name].get_group()
     stages = pipe.build_stages(model, ir, group=pp_group, cuts=list(pipe_cfg["cuts"]),

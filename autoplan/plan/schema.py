@@ -19,6 +19,7 @@ import jsonschema
 from autoplan.errors import AutoplanError, PlanSchemaError
 from autoplan.search.mesh_spec import mesh_roles
 from cost_models.hardware import list_hardware
+from hyper_parallel.core.pipeline_parallel import schedule_facts
 from hyper_parallel.core.tensor_parallel.registry import STYLES, style_from_dict
 from hyper_parallel.errors import HyperParallelError
 
@@ -53,11 +54,6 @@ def _inline(node: Any, defs: dict) -> Any:
 def _validator():
     schema = plan_schema()
     return _Validator(_inline(schema, schema.get("$defs", {})))
-
-
-def _stages(schedule: str, pp: int, v: int) -> int:
-    """Pipeline stages of a schedule on ``pp`` ranks (the runtime's generators)."""
-    return pp * v if schedule == "Interleaved1F1B" else 2 * pp if schedule == "ZBV" else pp
 
 
 def _check_consistency(data: dict) -> None:
@@ -96,7 +92,7 @@ def _check_consistency(data: dict) -> None:
         if pp != pp_mesh:
             raise PlanSchemaError(f"plan field pipeline/pp: {pp} but the mesh's pipeline dimension has "
                                   f"{pp_mesh} ranks (mesh {degree})")
-        n = _stages(pipe["schedule"], pp, pipe["virtual_stages"])
+        n = schedule_facts(pipe["schedule"], "plan field pipeline/schedule").n_stages(pp, pipe["virtual_stages"])
         if pp > 1 and len(pipe["cuts"]) != n - 1:
             raise PlanSchemaError(f"plan field pipeline/cuts: {pipe['schedule']} on pp={pp} has {n} stages, so "
                                   f"{n - 1} cuts, got {len(pipe['cuts'])}")

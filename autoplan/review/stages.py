@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from autoplan.errors import AutoplanError
-from hyper_parallel import StageCost, build_schedule, simulate
+from hyper_parallel import StageCost, simulate
+from hyper_parallel.core.pipeline_parallel import schedule_facts
 
 STAGE_COLUMNS = ["stage", "rank", "units", "compute_s", "comm_s", "bubble_s", "busy_fraction", "memory_bytes",
                  "memory_gib"]
@@ -94,9 +95,10 @@ def simulate_pipeline(plan, p2p_s: float | None = None):
     """hyper_parallel's SimResult for the plan's schedule (a one-rank, one-stage run without pp)."""
     pipe = plan.pipeline if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1 else None
     if pipe is None:
-        return simulate(build_schedule("GPipe", 1, 1), stage_costs(plan), 0.0)
+        return simulate(schedule_facts("GPipe").ir(1, 1), stage_costs(plan), 0.0)
     p, m = int(pipe["pp"]), int(pipe.get("microbatches", 1))
-    schedule = build_schedule(pipe.get("schedule", "1F1B"), p, m)
+    # the plan's own stages per rank: an interleaved plan with virtual_stages=3 has 3p stages
+    schedule = schedule_facts(pipe.get("schedule", "1F1B")).ir(p, m, int(pipe.get("virtual_stages", 1)))
     costs = stage_costs(plan)
     if p2p_s is None:
         p2p_s = float(pipe.get("p2p_s", 0.0))

@@ -27,24 +27,20 @@ from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import (
-    SCHEDULES, PipelineChoice, UnitCost, balanced_cuts, estimate, even_starts, full_lower_bound, pipeline_candidates,
-    schedule_virtual, time_choice, uniform_inflight,
+    PipelineChoice, UnitCost, balanced_cuts, estimate, even_starts, full_lower_bound, pipeline_candidates,
+    time_choice,
 )
 from autoplan.search.probe import Prober
 from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import TPSearch, exposed_dp
 from cost_models.hardware import load_hardware
 from cost_models.overlap import DP_MODES
+from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.split import spine_for
 
 log = logging.getLogger(__name__)
 MESH_NAMES = ("dp", "pp", "tp")
-# bubble over busy time, per (p-1)/m, of uniform stages (formulas.md); orders the search only
-BUBBLE = {"GPipe": 1.0, "1F1B": 1.0, "Interleaved1F1B": 0.5, "ZeroBubble": 1 / 3, "ZBV": 1 / 6}
 RECOMPUTE = ("none", "selective", "full")
-# schedules that run a stage's weight gradients in a second backward pass; torch's selective
-# checkpointing allows one backward per region, so selective recomputation is not paired with them
-SPLIT_WEIGHT = ("ZeroBubble", "ZBV")
 
 
 def dp_mode_of(fsdp) -> str:
@@ -129,7 +125,7 @@ class ClusterSearch:
     def __init__(self, model: torch.nn.Module, devices: int, *, hardware: str, batch: tuple[int, int],
                  devices_per_node: int | None = None, memory_limit: float | None = None,
                  dtype: torch.dtype | None = None, constraints: dict | None = None,
-                 schedules: Sequence[str] = SCHEDULES, microbatch_sizes: Sequence[int] = (1, 2, 4),
+                 schedules: Sequence[str] = SCHEDULE_NAMES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
                  sequence_parallel: bool | None = None, graphs: dict | None = None,
                  dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE):
@@ -352,6 +348,10 @@ class ClusterSearch:
         if not meshes:
             raise InfeasiblePlanError(f"plan_cluster: no dp x pp x tp factorization of {self.devices} devices "
                                       f"({self.dpn} per node) meets constraints {self.cons}")
+
+        def least_bubble(p: int, m: int) -> float:   # of the searched schedules, uniform stages
+            return min(schedule_facts(n).bubble_fraction(p, m, v) for n in self.schedules for v in self.virtual)
+
         groups = []  # (lower bound, dp, pp, tp, fsdp, ac, b, m)
         for dp, pp, tp in meshes:
             for b, m in self.microbatch_options(dp):
@@ -370,7 +370,7 @@ class ClusterSearch:
                     chain = sum(u.forward + u.backward_input for u in units)
                     lb = max(m * total_t / pp, chain) + dp_min
                     # visiting order only: the least bubble any schedule has on even stages
-                    est = m * total_t / pp * (1 + min(BUBBLE[n] for n in self.schedules) * (pp - 1) / m) + dp_min
+                    est = m * total_t / pp * (1 + least_bubble(pp, m)) + dp_min
                     groups.append((est, lb, dp, pp, tp, fsdp, ac, b, m))
         # one-stage groups first: timed in closed form (no schedule IR), they give the bound that
         # lets pipelined groups be skipped before their schedules are generated
@@ -383,7 +383,10 @@ class ClusterSearch:
                 cut = True
                 break
             units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b)
-            scheds = [n for n in self.schedules if not (recompute_of(ac) == "selective" and n in SPLIT_WEIGHT)]
+            # split-backward schedules run a stage's weight gradients in a second backward pass; torch's
+            # selective checkpointing allows one backward per region, so selective is not paired with them
+            scheds = [n for n in self.schedules
+                      if not (recompute_of(ac) == "selective" and schedule_facts(n).split_backward)]
             cands = pipeline_candidates(units, pp, [m], self.limit, scheds, self.virtual, bound=best,
                                         extra=lb - max(m * sum(u.time for u in units) / pp,
                                                        sum(u.forward + u.backward_input for u in units)))
@@ -423,7 +426,7 @@ class ClusterSearch:
             if uc is None:
                 continue
             units, p2p = uc
-            vv = schedule_virtual(schedule, v)
+            vv = schedule_facts(schedule).stages_per_rank(v)
             if cuts == "even":
                 starts = even_starts(len(units), pp * vv)
             else:

@@ -26,15 +26,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search.schedule_timing import compile_schedule, schedule_ir, time_schedule
-from hyper_parallel.core.pipeline_parallel import StageCost
+from autoplan.search.schedule_timing import compile_schedule, time_schedule
+from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, StageCost, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.errors import ScheduleError
 
 log = logging.getLogger(__name__)
-
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV")
-SPLIT_BACKWARD = {"ZeroBubble", "ZBV"}   # schedules that run dx (I) and dw (W) separately
 
 
 @dataclass(frozen=True)
@@ -84,37 +81,13 @@ class PipelineChoice:
         return len(self.starts)
 
 
-# ------------------------------------------------------------------ schedule facts (IRs: schedule_timing)
-
-def schedule_virtual(name: str, v: int) -> int:
-    return 2 if name == "ZBV" else (v if name == "Interleaved1F1B" else 1)
-
-
-@functools.lru_cache(maxsize=256)
-def uniform_inflight(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
-    """Peak in-flight micro-batch chunks per rank: a function of each rank's program order only
-    (forwards minus finished backwards, as ``simulate`` counts them), so no timing is needed."""
-    return tuple(_peak(prog) for prog in schedule_ir(name, p, m, v).actions)
-
-
-def _peak(prog) -> int:
-    live = peak = 0
-    for a in prog:
-        if a.kind is K.FORWARD:
-            live += 1
-        elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
-            live -= 1
-        peak = max(peak, live)
-    return peak
-
-
 def play_costs(name: str, p: int, m: int, v: int, costs: Sequence, p2p_time: float):
     """(step_time, bubble_fraction, busy per rank, peak in-flight per rank): ``simulate``'s
     numbers for per-stage StageCosts, on the cached lowered IR (timed by its compiled form,
     ``schedule_timing``, which equals ``playback.play``)."""
     step, busy = time_schedule(compile_schedule(name, p, m, v), costs, p2p_time)
     top = max(busy) if busy else 0.0
-    peaks = list(uniform_inflight(name, p, m, v))
+    peaks = list(schedule_facts(name).inflight(p, m, v))
     return step, ((step - top) / top if top > 0 else 0.0), busy, peaks
 
 
@@ -256,7 +229,7 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
         step, bubble, busy, peaks = busy1, 0.0, [busy1], [1]
     else:
         step, bubble, busy, peaks = play_costs(choice.schedule, choice.p, choice.m, choice.v, stage_costs, hop)
-    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank
+    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
     mem = [0.0] * choice.p
     act_rank = [0.0] * choice.p
     n_on = [0] * choice.p
@@ -288,7 +261,7 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
 @functools.lru_cache(maxsize=256)
 def _rank_ends(name: str, p: int, m: int, v: int) -> tuple:
     """Per rank: (stage of its first compute, (kind, stage) of its last compute, its stages)."""
-    lowered = schedule_ir(name, p, m, v)
+    lowered = schedule_facts(name).ir(p, m, v)
     out = []
     for r, prog in enumerate(lowered.actions):
         comp = [a for a in prog if a.is_compute]
@@ -303,7 +276,7 @@ def fsdp_gathers(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
     """All-gathers of a block's FSDP unit per stage in one step, as the runtime runs FSDP inside a
     pipeline (fsdp_actions.py): resharded after every forward, kept unsharded after backward
     until the step ends; so a forward or backward that finds it resharded gathers it."""
-    ir = schedule_ir(name, p, m, v)
+    ir = schedule_facts(name).ir(p, m, v)
     out = [0] * ir.n_stages
     for prog in ir.actions:
         sharded: dict[int, bool] = {}
@@ -344,8 +317,8 @@ def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float
     """Bytes per rank: its stages' parameter state + its peak in-flight chunks x the mean
     activation per chunk of its stages (known before timing: in-flight counts are a property of
     the schedule's order)."""
-    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank
-    peaks = uniform_inflight(choice.schedule, choice.p, choice.m, choice.v) if choice.p > 1 else (1,)
+    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
+    peaks = schedule_facts(choice.schedule).inflight(choice.p, choice.m, choice.v) if choice.p > 1 else (1,)
     state, act, n_on = [0.0] * choice.p, [0.0] * choice.p, [0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         r = s2r[s] if choice.p > 1 else 0
@@ -357,7 +330,7 @@ def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float
 
 def _rank_optimizer(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float]:
     """Optimizer step seconds per rank (its stages' units)."""
-    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank if choice.p > 1 else (0,)
+    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank if choice.p > 1 else (0,)
     out = [0.0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         out[s2r[s]] += sum(u.optimizer_s for u in units[a:b])
@@ -371,7 +344,7 @@ def full_lower_bound(choice: PipelineChoice, units: Sequence[UnitCost], exposed_
 
 
 def _exposed(choice: PipelineChoice, units: Sequence[UnitCost], exposed_dp=None) -> list[float]:
-    s2r = schedule_ir(choice.schedule, choice.p, choice.m, choice.v).stage_to_rank
+    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
     busy, dp = [0.0] * choice.p, [0.0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         busy[s2r[s]] += choice.m * sum(u.time for u in units[a:b])
@@ -384,14 +357,16 @@ def estimate(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: float)
     """Closed-form step estimate (formulas.md bubbles) used only to order simulations."""
     bounds = stage_bounds(choice.starts, len(units))
     t_stage = max(sum(u.time for u in units[a:b]) for a, b in bounds)
-    frac = {"GPipe": 1 / 3, "1F1B": 1 / 3, "Interleaved1F1B": 1 / 3, "ZeroBubble": 0.0, "ZBV": 0.0}[choice.schedule]
+    # a drain term for ordering only: (p-1)/3 stage times where the backward runs whole, none where
+    # deferred dw work fills the drain (split backward)
+    frac = 0.0 if schedule_facts(choice.schedule).split_backward else 1 / 3
     return lower_bound(choice, units) + frac * (choice.p - 1) * t_stage + 2 * (choice.n_stages - 1) * p2p_time
 
 
 # ------------------------------------------------------------------ candidates for one mesh
 
 def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequence[int], memory_limit: float,
-                        schedules: Sequence[str] = SCHEDULES, virtual: Sequence[int] = (2,),
+                        schedules: Sequence[str] = SCHEDULE_NAMES, virtual: Sequence[int] = (2,),
                         include_even: bool = True, bound: float = float("inf"),
                         extra: float = 0.0) -> list[PipelineChoice]:
     """Every (schedule, v, m) on ``p`` ranks whose cuts fit memory, with balanced (and even) cuts;
@@ -413,8 +388,9 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
         return out
     ramps: dict[int, float] = {}
     for name in schedules:
-        for v in (virtual if name == "Interleaved1F1B" else (1,)):
-            vv = schedule_virtual(name, v)
+        facts = schedule_facts(name, "schedules[]")
+        for v in (virtual if facts.virtual_configurable else (1,)):
+            vv = facts.stages_per_rank(v)
             n_st = p * vv
             if n_st > n:
                 continue
@@ -425,8 +401,8 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
                 if floor >= bound:
                     continue
                 try:
-                    s2r = schedule_ir(name, p, m, v).stage_to_rank
-                    infl = uniform_inflight(name, p, m, v)
+                    s2r = facts.ir(p, m, v).stage_to_rank
+                    infl = facts.inflight(p, m, v)
                 except ScheduleError:
                     continue
                 per_rank = [sum(1 for r in s2r if r == rr) for rr in range(p)]
@@ -448,7 +424,7 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
 
 
 def search_pipeline(units: Sequence[UnitCost], p: int, microbatches: Sequence[int], memory_limit: float,
-                    p2p_time: float, exposed_dp=None, schedules: Sequence[str] = SCHEDULES,
+                    p2p_time: float, exposed_dp=None, schedules: Sequence[str] = SCHEDULE_NAMES,
                     virtual: Sequence[int] = (2,), max_simulations: int | None = None) -> list[PipelineChoice]:
     """The fitting pipelines of one mesh, timed and sorted by step time (best first).
 

@@ -40,7 +40,7 @@ from autoplan.capture.inputs import meta_model
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.search.strategies import Collective, Strategy
 from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
-from hyper_parallel.testing.comm_counts import CollectiveRecorder
+from hyper_parallel.local import CollectiveRecorder
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hyper_parallel.core.pipeline_parallel import build_schedule, lower
+from hyper_parallel.core.pipeline_parallel import lower, schedule_facts
 from hyper_parallel.core.pipeline_parallel.playback import _needs
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K, matching
 from hyper_parallel.errors import ScheduleError
@@ -34,14 +34,7 @@ class CompiledSchedule:
     stage_to_rank: tuple[int, ...]
 
 
-# ------------------------------------------------------------------ schedule IR (cached)
-
-@functools.lru_cache(maxsize=256)
-def schedule_ir(name: str, p: int, m: int, v: int = 1):
-    """The generator's compute orders (stage placement, in-flight counts come from these)."""
-    kwargs = {"n_virtual": v} if name == "Interleaved1F1B" else {}
-    return build_schedule(name, p, m, **kwargs)
-
+# ------------------------------------------------------------------ lowered IR (cached)
 
 @functools.lru_cache(maxsize=64)
 def lowered_schedule(name: str, p: int, m: int, v: int = 1):
@@ -50,7 +43,7 @@ def lowered_schedule(name: str, p: int, m: int, v: int = 1):
     ``simulate`` runs the full validator on every call (quadratic membership checks: ~1.4 s at
     p=16, m=128); the generators' output is validated by the runtime before it runs and by
     tests/pipeline, and the timing itself raises on a deadlock, so the planner lowers only."""
-    return lower(schedule_ir(name, p, m, v))
+    return lower(schedule_facts(name).ir(p, m, v))
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.probe import Finding, Prober, repaired
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from autoplan.train.errors import TrainConfigError
+from hyper_parallel.local import free_port
 from hyper_parallel.platform import backend_for, device_type
-from hyper_parallel.testing.multirank import free_port
 
 
 def init_distributed(timeout_s: float = 600.0) -> torch.device:

@@ -27,8 +27,7 @@ from autoplan.verify.numerics import check_numerics
 from autoplan.verify.pipeline_dry_run import verify_pipeline
 from autoplan.verify.shrink import ModelRecipe, recipe_for
 from hyper_parallel import loss_parallel
-from hyper_parallel.testing import fake_world
-from hyper_parallel.testing.comm_counts import CollectiveRecorder
+from hyper_parallel.local import CollectiveRecorder, fake_world
 
 log = logging.getLogger(__name__)
 KEY = ["kind", "mesh_dim", "phase", "bytes"]

@@ -13,7 +13,7 @@ gradients and optimizer state held by this rank plus the peak of autograd's save
 Entry points:
 
 - :func:`measure` (plan, factory, ...) -> pandas DataFrame, one row per rank: inside a
-  :class:`~hyper_parallel.testing.RankPool` (``pool=``), or under torchrun (env:// init; every
+  :class:`~hyper_parallel.local.RankPool` (``pool=``), or under torchrun (env:// init; every
   rank gets the same frame).
 - ``python -m autoplan.verify.measured --plan plan.json --factory pkg.mod:fn --seq 32`` under
   ``torchrun --nproc-per-node N``: prints the frame on rank 0.
@@ -36,9 +36,8 @@ import torch
 
 from autoplan.plan import Plan
 from autoplan.plan.forward import lm_loss, output_logits
+from hyper_parallel.local import cached_mesh, grads_by_name
 from hyper_parallel.platform import backend_for, device_module, device_type
-from hyper_parallel.testing import cached_mesh
-from hyper_parallel.testing.compare import grads_by_name
 
 COLUMNS = ("rank", "world", "ref_loss", "par_loss", "loss_rel_err", "loss_ok", "grads_checked", "grad_max_rel_err",
            "grad_mismatches", "numerics_ok", "steps", "measured_step_s", "predicted_step_s", "step_ratio",

@@ -25,8 +25,7 @@ from autoplan.plan.plan import Plan
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.verify.shrink import ModelRecipe
 from hyper_parallel.core.tensor_parallel import match_modules
-from hyper_parallel.testing import RankPool, cached_mesh
-from hyper_parallel.testing.compare import grads_by_name
+from hyper_parallel.local import RankPool, cached_mesh, grads_by_name
 
 log = logging.getLogger(__name__)
 

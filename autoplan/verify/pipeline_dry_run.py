@@ -35,8 +35,7 @@ from autoplan.plan.pipeline_runner import apply_tp
 from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
-from hyper_parallel.testing import fake_world
-from hyper_parallel.testing.comm_counts import CollectiveRecorder
+from hyper_parallel.local import CollectiveRecorder, fake_world
 
 log = logging.getLogger(__name__)
 KEY = ["kind", "mesh_dim", "bytes"]

@@ -1,6 +1,11 @@
-"""Test support: a shared pool of gloo ranks and the fake process group for dry runs."""
-from hyper_parallel.testing.fake_world import fake_world
-from hyper_parallel.testing.meshes import cached_mesh
-from hyper_parallel.testing.multirank import RankPool, free_port
+"""Test-only helpers: side-by-side training against one device (``compare.compare_steps``) and
+per-module collective counts from CommDebugMode (``comm_counts.count_collectives``).
 
-__all__ = ["RankPool", "cached_mesh", "fake_world", "free_port"]
+What library code needs to run locally (rank pools, the fake process group, the collective
+recorder, gathering DTensors) lives in :mod:`hyper_parallel.local`; nothing outside tests/
+imports this package (tests/test_no_testing_imports.py).
+"""
+from hyper_parallel.testing.comm_counts import count_collectives
+from hyper_parallel.testing.compare import StepComparison, compare_steps
+
+__all__ = ["StepComparison", "compare_steps", "count_collectives"]

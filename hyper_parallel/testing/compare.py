@@ -1,8 +1,8 @@
-"""Compare a parallelized model with its one-device reference: losses, gradients, a step.
+"""Compare a parallelized model with its one-device reference: losses, gradients, a step (tests).
 
-Used by the tests, the demo and the planner's end-to-end checks, so that "equals one device"
-means the same thing everywhere: the same loss within rtol, every parameter gradient within
-rtol/atol (DTensor gradients gathered to full tensors), and the same after an optimizer step.
+"Equals one device" means the same loss within rtol, every parameter gradient within rtol/atol
+(DTensor gradients gathered to full tensors by :mod:`hyper_parallel.local.gather`, the same
+gathering the demo and verify use), and the same after an optimizer step.
 """
 from __future__ import annotations
 
@@ -13,13 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def grads_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+from hyper_parallel.local.gather import full, grads_by_name
 
 
 @dataclass

@@ -4,6 +4,7 @@ import pytest
 from autoplan.models import build_llama
 from cost_models.memory import (ParamSpec, chunk_size, inflight_microbatches, model_state_bytes, param_specs,
                                 rank_memory, tp_shard_dim)
+from hyper_parallel.errors import UnknownScheduleError
 from tests.cost_models.workers import SMALL, TORCHTITAN_STYLES, measured_fsdp_state_bytes, measured_state_bytes
 
 
@@ -64,14 +65,16 @@ def test_precision_policies_give_textbook_bytes_per_param():
 
 
 def test_inflight_microbatches_per_schedule():
-    assert inflight_microbatches("gpipe", 4, 16) == 16
-    assert [inflight_microbatches("1f1b", 4, 16, s) for s in range(4)] == [4, 3, 2, 1]
-    assert inflight_microbatches("1f1b", 4, 2) == 2
-    assert inflight_microbatches("interleaved_1f1b", 4, 16, 0, virtual=2) == pytest.approx(4 * (1 + 3 / 8))
-    assert inflight_microbatches("zb_h2", 4, 16) == 8
-    assert inflight_microbatches("zbv", 4, 16, 3) == 4
+    """The runtime's counts (schedule_facts), which agree with the literature where it applies."""
+    assert inflight_microbatches("GPipe", 4, 16) == 16
+    assert [inflight_microbatches("1F1B", 4, 16, s) for s in range(4)] == [4, 3, 2, 1]
+    assert inflight_microbatches("1F1B", 4, 2) == 2
+    assert inflight_microbatches("Interleaved1F1B", 4, 16, 0, virtual=2) == pytest.approx(4 * (1 + 3 / 8))
+    assert inflight_microbatches("ZBV", 4, 16, 3) == 4
     with pytest.raises(ValueError, match="stage"):
-        inflight_microbatches("1f1b", 4, 16, 4)
+        inflight_microbatches("1F1B", 4, 16, 4)
+    with pytest.raises(UnknownScheduleError, match="1F1B"):   # the old lowercase names are gone
+        inflight_microbatches("1f1b", 4, 16)
 
 
 def test_rank_memory_breakdown_adds_up():

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoplan.models import build_llama
-from hyper_parallel.testing import cached_mesh
+from hyper_parallel.local import cached_mesh
 
 # odd vocabulary so the vocab-sharded embedding and output split unevenly across ranks
 SMALL = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=129, ffn_hidden=96, max_seq_len=32)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.plan.forward import lm_loss, output_logits
-from hyper_parallel.testing.compare import grads_by_name
+from hyper_parallel.local import grads_by_name
 from tests.planner.e2e_workers import setup_case
 
 

@@ -59,7 +59,7 @@ def test_two_dimensions_for_one_parallelism(model):
 
 
 def test_unnamed_device_mesh(model):
-    from hyper_parallel.testing.fake_world import fake_world
+    from hyper_parallel.local import fake_world
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_world(4):

@@ -14,7 +14,7 @@ from autoplan.models.llama_plans import torchtitan_plan
 from hyper_parallel import ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel, parallelize_module
 from hyper_parallel.core.tensor_parallel.base import to_dtensor
 from hyper_parallel.errors import AlreadyParallelizedError, LayoutError
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 from tests.inputs.helpers import snapshot, tiny_llama
 
 

@@ -190,7 +190,7 @@ def test_apply_checks_its_arguments(plan):
 
     from autoplan.errors import InvalidArgumentError
     from hyper_parallel.errors import MeshError
-    from hyper_parallel.testing import fake_world
+    from hyper_parallel.local import fake_world
     from tests.inputs.helpers import snapshot
 
     model = tiny_llama()

@@ -7,7 +7,7 @@ from hyper_parallel.core.pipeline_parallel import (
     BatchDimSpec, even_cuts, split_microbatches, split_model, stage_units, tied_parameters,
 )
 from hyper_parallel.errors import MicrobatchError, StageSplitError
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 
 
 def test_args_and_kwargs_split_by_spec():

@@ -9,11 +9,12 @@ are ordered by world size so that each pool starts once.
 """
 import pytest
 
+from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES
 from tests.pipeline.workers import (
     run_dtensor_activations, run_errors, run_graph_split, run_kwargs_and_counts, run_parallel, run_pure_pp, run_torch_compare,
 )
 
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "ZeroBubble", "ZBV"]
+SCHEDULES = list(SCHEDULE_NAMES)
 MODELS = [("titan", False), ("titan", True), ("hf", False), ("hf", True)]
 
 

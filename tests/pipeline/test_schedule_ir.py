@@ -2,8 +2,9 @@
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.generators import (
-    GENERATORS, build_schedule, gpipe, interleaved_1f1b, one_f_one_b, zbv, zero_bubble_h1,
+    gpipe, interleaved_1f1b, one_f_one_b, zbv, zero_bubble_h1,
 )
+from hyper_parallel.core.pipeline_parallel.schedule_facts import SCHEDULE_NAMES, build_schedule
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
     ActionKind, B, F, I, W, from_orders, lower,
 )
@@ -12,7 +13,7 @@ from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
 from hyper_parallel.errors import ScheduleError
 
 
-@pytest.mark.parametrize("name", sorted(GENERATORS))
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
 @pytest.mark.parametrize("p,m", [(1, 3), (2, 2), (2, 4), (4, 4), (4, 8), (3, 6)])
 def test_every_generated_schedule_validates(name, p, m):
     lowered = validate_schedule(build_schedule(name, p, m))

@@ -9,12 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hyper_parallel.core.pipeline_parallel import (
-    Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble, build_stages,
-)
-
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-             "ZeroBubble": ScheduleZeroBubble, "ZBV": ScheduleZBV}
+from hyper_parallel.core.pipeline_parallel import Schedule1F1B, ScheduleInterleaved1F1B, build_stages, schedule_facts
 VOCAB = 96
 
 
@@ -90,7 +85,7 @@ def run_pure_pp(cases, overlap: bool = False, second_step: bool = True) -> list[
         x, y = data(batch, seq)
         ref_loss, ref_grads = reference(kind, tie, n_layers, x, y)
         model = build_model(kind, tie, n_layers)
-        cls = SCHEDULES[name]
+        cls = schedule_facts(name).schedule_class
         ir = cls.ir(p, m)
         stages = build_stages(model, ir)
         sched = cls(stages, m, lm_loss, overlap=overlap)
@@ -149,7 +144,7 @@ def run_parallel(cases, dp: int) -> list[dict]:
     its slice of the batch; the reference is one device on the whole batch.
     """
     from hyper_parallel import fully_shard, parallelize_module
-    from hyper_parallel.testing import cached_mesh
+    from hyper_parallel.local import cached_mesh
     if dp == 1:
         mesh = cached_mesh((2, 2), ("pp", "tp"))
     else:
@@ -162,7 +157,7 @@ def run_parallel(cases, dp: int) -> list[dict]:
         ref_loss, ref_grads = reference(kind, tie, n_layers, x, y)
         model = build_model(kind, tie, n_layers)
         parallelize_module(model, tp_mesh, tp_plan(kind, tie), src_data_rank=None)
-        cls = SCHEDULES[name]
+        cls = schedule_facts(name).schedule_class
         stages = build_stages(model, cls.ir(2, m), group=pp_group, activation_mesh=tp_mesh)
         if dp > 1:
             tied = {id(p) for st in stages for g in st.module.tied_groups
@@ -187,17 +182,9 @@ def run_parallel(cases, dp: int) -> list[dict]:
 def torch_schedule(name: str, stages, m: int, loss_fn):
     """torch.distributed.pipelining's counterpart of one of our schedules."""
     import torch.distributed.pipelining as tp
-    if name == "GPipe":
-        return tp.ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
-    if name == "1F1B":
-        return tp.Schedule1F1B(stages[0], m, loss_fn=loss_fn)
-    if name == "Interleaved1F1B":
-        return tp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
-    if name == "ZeroBubble":
-        return tp.ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn)
-    if name == "ZBV":
-        return tp.ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn)
-    raise KeyError(name)
+    cls = getattr(tp, schedule_facts(name).torch_class)
+    single = issubclass(cls, tp.schedules.PipelineScheduleSingle)   # takes one stage, not a list
+    return cls(stages[0] if single else stages, m, loss_fn=loss_fn)
 
 
 def torch_stages(model, ir, group=None):
@@ -213,7 +200,7 @@ def run_torch_compare(cases) -> list[dict]:
     out = []
     for kind, tie, name, m, n_layers, batch, seq in cases:
         x, y = data(batch, seq)
-        cls = SCHEDULES[name]
+        cls = schedule_facts(name).schedule_class
         ir = cls.ir(p, m)
         ours_model, theirs_model = build_model(kind, tie, n_layers), build_model(kind, tie, n_layers)
         ours = build_stages(ours_model, ir)
@@ -309,7 +296,7 @@ def run_kwargs_and_counts(cases) -> list[dict]:
         mask = torch.ones(batch, 8, dtype=torch.long)
         mask[::2, :3] = 0  # every other row left-padded
         ref_loss, ref_grads = reference("hf", True, 4, x, y, attention_mask=mask)
-        cls = SCHEDULES[name]
+        cls = schedule_facts(name).schedule_class
         stages = build_stages(build_model("hf", True, 4), cls.ir(p, m))
         losses: list = []
         loss = cls(stages, m, lm_loss).step(x, target=y, losses=losses, attention_mask=mask)
@@ -328,7 +315,7 @@ def run_graph_split(cases) -> list[dict]:
         x, y = data(batch, seq)
         ref_loss, ref_grads = reference("titan", tie, 4, x, y)
         model = build_model("titan", tie, 4)
-        cls = SCHEDULES[name]
+        cls = schedule_facts(name).schedule_class
         stages = build_stages(model, cls.ir(p, m), cuts=cuts, example_args=(x[: batch // m],))
         loss = cls(stages, m, lm_loss).step(x, target=y)
         res = compare(stages, ref_grads, loss, ref_loss)
@@ -343,7 +330,7 @@ def run_dtensor_activations(names) -> list[dict]:
     from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from hyper_parallel.core.pipeline_parallel import register_spine
     from hyper_parallel.core.pipeline_parallel.split import SPINES
-    from hyper_parallel.testing import cached_mesh
+    from hyper_parallel.local import cached_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     if not any(s.name == "toy" for s in SPINES):
         register_spine(_toy_spine())
@@ -365,7 +352,7 @@ def run_dtensor_activations(names) -> list[dict]:
                 "blocks.*.down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
                 "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
         parallelize_module(model, tp_mesh, plan, src_data_rank=None)
-        cls = SCHEDULES[name]
+        cls = schedule_facts(name).schedule_class
         stages = build_stages(model, cls.ir(2, 4), group=mesh["pp"].get_group(), activation_mesh=tp_mesh)
         seen = []
         for st in stages:

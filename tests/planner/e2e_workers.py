@@ -7,8 +7,7 @@ import torch.distributed as dist
 from autoplan.models import build_llama
 from autoplan.plan import Plan
 from autoplan.plan.forward import lm_loss, output_logits
-from hyper_parallel.testing import cached_mesh
-from hyper_parallel.testing.compare import grads_by_name
+from hyper_parallel.local import cached_mesh, grads_by_name
 from tests.planner.models import hf_model
 
 SMALL_LLAMA = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, ffn_hidden=128, max_seq_len=32)

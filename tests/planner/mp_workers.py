@@ -7,8 +7,7 @@ import torch.distributed as dist
 
 from autoplan.plan import Plan
 from autoplan.plan.forward import lm_loss, output_logits
-from hyper_parallel.testing import cached_mesh
-from hyper_parallel.testing.compare import grads_by_name
+from hyper_parallel.local import cached_mesh, grads_by_name
 from tests.planner.e2e_workers import build
 
 

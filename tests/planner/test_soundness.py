@@ -190,7 +190,7 @@ def test_probe_sees_an_attention_core_that_is_not_head_sharded():
     from autoplan.capture import capture
     from autoplan.search.probe import Prober
     from hyper_parallel import ColwiseParallel, RowwiseParallel
-    from hyper_parallel.testing import fake_world
+    from hyper_parallel.local import fake_world
 
     with torch.device("meta"):
         model = TinyLM()

@@ -13,8 +13,7 @@ from torch.distributed.tensor.parallel import parallelize_module as torch_parall
 
 from autoplan.models import build_llama
 from hyper_parallel import loss_parallel, parallelize_module, style_from_dict
-from hyper_parallel.testing import cached_mesh
-from hyper_parallel.testing.compare import full, grads_by_name
+from hyper_parallel.local import cached_mesh, full, grads_by_name
 
 MODEL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_hidden=128, max_seq_len=32)
 

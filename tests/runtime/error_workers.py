@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from autoplan.models import build_llama
 from hyper_parallel import PrepareModuleInput, Replicate, SequenceParallel, Shard, parallelize_module
-from hyper_parallel.testing import cached_mesh
+from hyper_parallel.local import cached_mesh
 
 
 def runtime_errors():

@@ -13,7 +13,7 @@ from transformers.pytorch_utils import Conv1D
 from hyper_parallel import ColwiseParallel, PrepareHeadsInput, Replicate, RowwiseParallel, parallelize_module
 from hyper_parallel.core.dtensor import fsdp_shard_placement
 from hyper_parallel.errors import LayoutError
-from hyper_parallel.testing import cached_mesh
+from hyper_parallel.local import cached_mesh
 from hyper_parallel.testing.compare import compare_steps
 
 DIM, HEADS, VOCAB = 32, 8, 64

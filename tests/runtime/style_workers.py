@@ -10,9 +10,9 @@ from torch.distributed.tensor.parallel import parallelize_module as torch_parall
 
 from hyper_parallel import parallelize_module
 from hyper_parallel.core.tensor_parallel import to_torch_plan
-from hyper_parallel.testing import cached_mesh
+from hyper_parallel.local import cached_mesh
 from hyper_parallel.testing.comm_counts import count_collectives
-from hyper_parallel.testing.compare import full, grads_by_name
+from hyper_parallel.local import full, grads_by_name
 from tests.runtime.style_cases import CASES, TORCH_CANNOT, build_case
 
 

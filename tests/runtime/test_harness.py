@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.errors import DistributedRunError
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 
 
 def _rank_sum():

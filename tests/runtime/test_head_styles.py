@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from hyper_parallel import ColwiseParallel, PrepareHeadsInput, Replicate, parallelize_module, style_from_dict
 from hyper_parallel.core.tensor_parallel import to_torch_style
 from hyper_parallel.errors import DivisibilityError, LayoutError, StyleSpecError
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 
 R = (Replicate(),)
 

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hyper_parallel import ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel, parallelize_module
 from hyper_parallel.errors import MeshError, PlanPatternError, PlanTypeError
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 
 
 def mlp():

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 from tests.runtime import tp_workers
 
 LAYERS = 2

@@ -27,7 +27,7 @@ from hyper_parallel.errors import (
     StyleSpecError,
     UnsupportedModuleError,
 )
-from hyper_parallel.testing import fake_world
+from hyper_parallel.local import fake_world
 from tests.runtime import error_workers
 
 CFG = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, ffn_hidden=128)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
 from hyper_parallel import loss_parallel, parallelize_module
-from hyper_parallel.testing import cached_mesh
+from hyper_parallel.local import cached_mesh
 from hyper_parallel.testing.compare import compare_steps
 
 SMALL = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, ffn_hidden=128, max_seq_len=32)

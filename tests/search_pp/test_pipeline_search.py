@@ -9,7 +9,7 @@ from autoplan.search.pipeline_search import (
     UnitCost, balanced_cuts, even_starts, full_lower_bound, pipeline_candidates, play_costs, ramp_floor,
     search_pipeline, stage_bounds,
 )
-from hyper_parallel.core.pipeline_parallel import StageCost, build_schedule, simulate
+from hyper_parallel.core.pipeline_parallel import StageCost, schedule_facts, simulate
 
 
 def _all_starts(n, k):
@@ -67,8 +67,7 @@ def test_compiled_timing_equals_the_simulator(name, v):
     rng = random.Random(3)
     p, m = 4, 8
     costs = [StageCost(rng.random(), rng.random(), rng.random()) for _ in range(p * v)]
-    kw = {"n_virtual": v} if name == "Interleaved1F1B" else {}
-    ref = simulate(build_schedule(name, p, m, **kw), costs, 0.07)
+    ref = simulate(schedule_facts(name).ir(p, m, v), costs, 0.07)
     step, bubble, busy, peaks = play_costs(name, p, m, v, costs, 0.07)
     assert step == pytest.approx(ref.step_time, rel=1e-12)
     assert bubble == pytest.approx(ref.bubble_fraction, abs=1e-12)

@@ -6,7 +6,7 @@ import torch
 from autoplan.plan import Plan
 from autoplan.plan.forward import lm_loss, output_logits
 from autoplan.models import build_llama
-from hyper_parallel.testing import cached_mesh
+from hyper_parallel.local import cached_mesh
 from tests.planner.e2e_workers import SMALL_LLAMA
 from tests.planner.e2e_workers import build as _build
 

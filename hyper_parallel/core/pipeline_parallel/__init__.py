@@ -4,12 +4,13 @@
     schedule = Schedule1F1B(stages, m, loss_fn)
     loss = schedule.step(tokens, target=labels)      # mean micro-batch loss on the last stage
 
-The planner times the same IR without torch state:
+The planner times the same IR without torch state, and reads every per-schedule fact (stages per
+rank, split backward, in-flight micro-batches, bubble) from ``schedule_facts``:
     simulate(build_schedule("1F1B", pp, m), StageCost(f, b_input, b_weight), p2p_time)
 """
 from hyper_parallel.core.pipeline_parallel.builder import build_stages
 from hyper_parallel.core.pipeline_parallel.generators import (
-    build_schedule, gpipe, interleaved_1f1b, one_f_one_b, zbv, zero_bubble_h1,
+    gpipe, interleaved_1f1b, one_f_one_b, zbv, zero_bubble_h1,
 )
 from hyper_parallel.core.pipeline_parallel.graph_split import GraphStageModule, split_graph
 from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, split_microbatches
@@ -19,6 +20,9 @@ from hyper_parallel.core.pipeline_parallel.schedule_ir import (
 from hyper_parallel.core.pipeline_parallel.schedules import (
     PipelineScheduleRuntime, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBV,
     ScheduleZeroBubble, stage_placement,
+)
+from hyper_parallel.core.pipeline_parallel.schedule_facts import (
+    SCHEDULE_NAMES, SCHEDULES, ScheduleFacts, build_schedule, schedule_facts,
 )
 from hyper_parallel.core.pipeline_parallel.simulator import SimResult, StageCost, simulate
 from hyper_parallel.core.pipeline_parallel.split import (
@@ -39,4 +43,6 @@ __all__ = [
     "Action", "ActionKind", "PipelineSchedule", "from_orders", "lower",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zbv", "build_schedule",
     "validate_schedule", "simulate", "StageCost", "SimResult",
+    # the table of per-schedule facts the planner and the cost model read
+    "SCHEDULES", "SCHEDULE_NAMES", "ScheduleFacts", "schedule_facts",
 ]

@@ -103,14 +103,3 @@ def zbv(n_ranks: int, n_microbatches: int) -> PipelineSchedule:
                            w_cap=[1] * p)
     sched.meta["n_virtual"] = 2
     return sched
-
-
-GENERATORS = {"GPipe": gpipe, "1F1B": one_f_one_b, "Interleaved1F1B": interleaved_1f1b,
-              "ZeroBubble": zero_bubble_h1, "ZBV": zbv}
-
-
-def build_schedule(name: str, n_ranks: int, n_microbatches: int, **kwargs) -> PipelineSchedule:
-    """Generator by name (the names the planner writes into a Plan)."""
-    if name not in GENERATORS:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {sorted(GENERATORS)}")
-    return GENERATORS[name](n_ranks, n_microbatches, **kwargs)

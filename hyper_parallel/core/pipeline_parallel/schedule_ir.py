@@ -201,6 +201,21 @@ def lower(schedule: PipelineSchedule, fsdp: bool = False) -> PipelineSchedule:
     return schedule._with(out)
 
 
+def peak_inflight(program: Iterable[Action]) -> int:
+    """Most (stage, micro-batch) chunks one rank's program holds activations for at once: a
+    forward opens a chunk, its last backward piece (B, or W when dx/dw are split) closes it.
+    A property of the order alone, so the planner and the cost model read it without timing."""
+    live = peak = 0
+    for a in program:
+        if a.kind is ActionKind.FORWARD:
+            live += 1
+        elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            live -= 1
+        if live > peak:
+            peak = live
+    return peak
+
+
 def from_orders(name: str, n_microbatches: int, stage_to_rank: Sequence[int],
                 orders: Iterable[Iterable[Action]], split_backward: bool = False) -> PipelineSchedule:
     """Build a schedule from hand-written per-rank orders (compute or already lowered)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hyper_parallel.core.pipeline_parallel.playback import play
-from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind, PipelineSchedule
+from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind, PipelineSchedule, peak_inflight
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
 from hyper_parallel.errors import ScheduleError
 
@@ -104,17 +104,7 @@ def simulate(schedule: PipelineSchedule, stage_costs: StageCost | Sequence[Stage
     busy = [sum(e.end - e.start for e in evs if e.action.is_compute) for evs in events]
     top = max(busy) if busy else 0.0
     bubble = (step_time - top) / top if top > 0 else 0.0
-    peaks = []
-    for evs in events:
-        live, peak = 0, 0
-        for e in evs:
-            k = e.action.kind
-            if k is K.FORWARD:
-                live += 1
-            elif k in (K.BACKWARD, K.BACKWARD_WEIGHT):
-                live -= 1
-            peak = max(peak, live)
-        peaks.append(peak)
+    peaks = [peak_inflight(e.action for e in evs) for evs in events]
     rows = [dict(rank=e.rank, step=e.step, action=str(e.action), kind=e.action.kind.value,
                  stage=e.action.stage, microbatch=e.action.microbatch, start=e.start, end=e.end)
             for evs in events for e in evs]

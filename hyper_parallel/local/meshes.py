@@ -1,7 +1,8 @@
 """Per-process cache of device meshes, for code running inside a RankPool worker.
 
-Creating a mesh creates process groups (a collective over all ranks); tests that reuse the same
-mesh shape should pay that once per pool, not once per check.
+Creating a mesh creates process groups (a collective over all ranks); code that reuses the same
+mesh shape in one worker (the demo, verify's numerics, tests) should pay that once per pool, not
+once per call.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """A pool of CPU/gloo ranks that starts its process group once and runs many checks in it.
 
-Starting a process group costs seconds on this machine kind, so tests share one pool per world
-size. Functions sent to the pool must be importable (module level). A failure on any rank is
+Starting a process group costs seconds on this machine kind, so everything that runs the runtime
+on local ranks -- the demo, verify's numerics check, cost-model calibration, benchmarks, tests --
+keeps one pool per world size and sends it many functions. Functions sent to the pool must be
+importable (module level). A failure on any rank is
 raised in the parent with every failing rank's traceback; a rank that does not answer within
 the timeout gets the whole pool torn down, so a bug fails a test instead of hanging the suite.
 """
