@@ -27,7 +27,7 @@ from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.search.costing import CostContext
 from autoplan.search.mesh_spec import MeshSpec
 from autoplan.search.pipeline_search import (
-    PipelineChoice, UnitCost, balanced_cuts, estimate, even_starts, full_lower_bound, pipeline_candidates,
+    PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
     time_choice,
 )
 from autoplan.search.probe import Prober

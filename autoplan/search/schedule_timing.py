@@ -112,7 +112,7 @@ def time_schedule(cs: CompiledSchedule, costs, p2p_time: float) -> tuple[float, 
     end = [0.0] * n
     clock = [0.0] * cs.n_ranks
     busy = [0.0] * cs.n_ranks
-    rank, stage, slot, deps, recv_of, is_send = cs.rank, cs.stage, cs.slot, cs.deps, cs.recv_of, cs.is_send
+    rank, stage, slot, deps, recv_of = cs.rank, cs.stage, cs.slot, cs.deps, cs.recv_of
     for i in cs.order:
         r = rank[i]
         s = recv_of[i]

@@ -14,7 +14,6 @@ model holding a Conv1D has already imported its module.
 from __future__ import annotations
 
 import sys
-from functools import partial
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh

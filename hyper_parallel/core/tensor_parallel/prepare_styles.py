@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import Placement
 
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, to_dtensor
 from hyper_parallel.errors import LayoutError
