@@ -15,6 +15,7 @@ import pytest
 
 from autoplan import MeshSpec, autoplan
 from autoplan.plan.data_parallel import fsdp_kwargs, mixed_precision_policy
+from hyper_parallel.core.dtensor import fsdp_shard_placement
 from tests.planner import e2e_workers, mp_workers
 
 MP = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
@@ -37,7 +38,9 @@ def test_policy_from_plan():
 
     pol = mixed_precision_policy({"enabled": True, "mixed_precision": MP})
     assert pol.param_dtype == torch.bfloat16 and pol.reduce_dtype == torch.float32
-    assert fsdp_kwargs({"enabled": True}) == {}
+    # no policy without mixed precision; packed weights always sharded on their other dimension
+    assert fsdp_kwargs({"enabled": True}) == {"shard_placement_fn": fsdp_shard_placement}
+    assert fsdp_kwargs({"enabled": True, "mixed_precision": MP})["mp_policy"].param_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="param_dtype"):
         mixed_precision_policy({"mixed_precision": {"param_dtype": "bf17"}})
 
