@@ -264,7 +264,8 @@ class ClusterSearch:
                 continue
             share = 1.0 / len(targets)
             c = o.compute_s(ctx)
-            extra = o.count * ctx.recompute_time(o.work, o.strategy.compute_shard) if o.in_block else 0.0
+            extra = o.count * ctx.recompute_time(o.work, o.strategy.compute_shard, o.strategy.split_tokens) \
+                if o.in_block else 0.0
             base = c - extra   # forward + backward without the recomputation (which runs in backward)
             tp_c = [x for x in o.collectives(ctx) if x.dim == "tp"]
             f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary
-from cost_models.compute import gemm_shape_dims
+from cost_models.compute import gemm_shape_dims, gemm_split
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
@@ -29,8 +29,9 @@ class Work:
     kernels: int = 0
     params: int = 0
     param_bytes: int = 0
-    # per op class, for cost_models' compute pricing: (flops fwd+bwd, M, N, K) of each GEMM or
-    # fused-attention op, and the bytes of every other non-view op (forward + backward)
+    # per op class, for cost_models' compute pricing: (flops fwd+bwd, M, N, K, split) of each GEMM
+    # or fused-attention op -- split names the dimension a tensor-parallel shard divides
+    # (cost_models.compute.gemm_split) -- and the bytes of every other non-view op (fwd + bwd)
     gemms: tuple = ()
     other_bytes: float = 0.0
     # the attention core (ops of the attention module itself, not of its projections): what
@@ -169,14 +170,14 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
 
 
 def _op_classes(nodes) -> tuple[tuple, float]:
-    """(GEMM entries (flops, M, N, K), bytes of the other non-view ops, backward counted as twice
-    the forward as for ``Work.bytes``)."""
+    """(GEMM entries (flops, M, N, K, split), bytes of the other non-view ops, backward counted as
+    twice the forward as for ``Work.bytes``)."""
     gemms, other = [], 0.0
     for n in nodes:
         dims = gemm_shape_dims(n.op.split(".")[1] if n.op.count(".") >= 1 else n.op,
                                [tuple(t.shape) for t in n.inputs])
         if dims is not None and n.flops_fwd > 0:
-            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims))
+            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims, gemm_split(*dims, bool(n.params))))
         elif not _is_view(n.op):
             other += 3.0 * float(n.bytes_read + n.bytes_written)
     return tuple(gemms), other
