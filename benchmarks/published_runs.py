@@ -158,6 +158,8 @@ def run_case(case: dict, meta: dict, free: bool) -> dict:
             row.update({"autoplan_pick": describe(best), "autoplan_s": best.step_s,
                         "claimed_speedup": pub.step_s / best.step_s,
                         "autoplan_mfu": mf / (best.step_s * n * peak), "plan_s": time.perf_counter() - t1,
+                        "autoplan_mem_gib": max(best.choice.rank_memory) / 2**30,
+                        "usable_gib": search.hw.usable_memory() / 2**30,   # what the free search may fill
                         "why": reason(pub, best)})
         except InfeasiblePlanError as e:
             row.update({"autoplan_pick": f"infeasible: {e}"})
@@ -211,7 +213,7 @@ def write(df: pd.DataFrame, meta: dict) -> None:
         lines += ["", f"Claims above 1.1x the best published MFU: **{int((over > 1.1).sum())} of {len(df)}** "
                       f"(highest {over.max():.3f}x).", ""]
         fc = ["case", "published", "autoplan_pick", "predicted_s", "autoplan_s", "claimed_speedup", "autoplan_mfu",
-              "why"]
+              "autoplan_mem_gib", "usable_gib", "why"]
         df2 = df[[c for c in fc if c in df]].copy()
         df2["mfu_over_best_published"] = over
         if (df.priced_on != df.hardware).any():   # the stricter view: best published on the part priced

@@ -73,3 +73,22 @@ def test_crosses_nodes_when_blocks_do_not_tile_a_node():
     assert not crosses_nodes((2, 4), 0, 8)
     assert crosses_nodes((4, 4), 0, 8)
     assert not crosses_nodes((16, 1), 1, 8)
+
+
+def test_cross_node_rings_spread_over_the_nics_of_the_members_in_each_node():
+    """One NIC per GPU (DGX): a dp group with k members per node rings over k NICs at once
+    (NCCL channels), up to the intra-node link; a group with one member per node, and
+    point-to-point traffic, keep one NIC."""
+    a100 = load_hardware("a100_80gb")
+    nic, nvl = a100.inter_node.bandwidth, a100.intra_node.bandwidth
+    tp1 = mesh_links((32, 1), ("dp", "tp"), a100)["dp"]       # 8 members per node
+    tp2 = mesh_links((32, 2), ("dp", "tp"), a100)["dp"]       # 4
+    tp8 = mesh_links((32, 8), ("dp", "tp"), a100)["dp"]       # 1
+    assert (tp1.rails, tp2.rails, tp8.rails) == (8, 4, 1)
+    assert tp1.link_for("all_reduce").bandwidth == min(8 * nic, nvl)
+    assert tp2.link_for("reduce_scatter").bandwidth == 4 * nic
+    assert tp8.link_for("all_reduce") == a100.inter_node
+    assert tp1.link_for("send_recv") == a100.inter_node and tp1.link_for("all_to_all") == a100.inter_node
+    assert tp1.time("all_reduce", 1e9) < tp2.time("all_reduce", 1e9) < tp8.time("all_reduce", 1e9)
+    # inside a node nothing changes
+    assert mesh_links((8,), ("dp",), a100)["dp"].rails == 1
