@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.collectives import Algorithm, Kind, collective_time
+from cost_models.collectives import MEASURED_KINDS, Algorithm, Kind, bus_bandwidth, collective_time
 from cost_models.hardware.profile import HardwareProfile, Link
 
 
@@ -45,6 +45,13 @@ class MeshDim:
         if self.rail_cap > 0:
             bw = min(bw, self.rail_cap)
         return Link(f"{self.link.name}x{self.rails}", bw, self.link.latency)
+
+    def bus_bandwidth(self, kind: str, nbytes: float) -> float:
+        """Achieved bytes/s of the wire bytes of one ``kind`` collective of ``nbytes`` here."""
+        link = self.link_for(kind)
+        if kind not in MEASURED_KINDS:
+            return link.bandwidth * self.link_efficiency
+        return bus_bandwidth(link, nbytes, self.link_efficiency)
 
     def time(self, kind: Kind, nbytes: float, algorithm: Algorithm = "ring") -> float:
         """Seconds for one collective of ``kind`` over this dimension's groups."""

@@ -165,7 +165,7 @@ class CostContext:
         if rt is None:
             if latency:
                 return c.count * md.time(c.kind, c.nbytes)
-            return c.count * terms.wire_bytes / (md.link_for(c.kind).bandwidth * md.link_efficiency)
+            return c.count * terms.wire_bytes / md.bus_bandwidth(c.kind, c.nbytes)
         if latency:
             return c.count * (terms.time(rt.link) + rt.collective_s)
         return c.count * terms.wire_bytes / rt.link.bandwidth

@@ -92,3 +92,24 @@ def test_cross_node_rings_spread_over_the_nics_of_the_members_in_each_node():
     assert tp1.time("all_reduce", 1e9) < tp2.time("all_reduce", 1e9) < tp8.time("all_reduce", 1e9)
     # inside a node nothing changes
     assert mesh_links((8,), ("dp",), a100)["dp"].rails == 1
+
+
+def test_a_measured_bus_bandwidth_curve_prices_ring_collectives_by_message_size():
+    """A100 NVLink, nccl-tests all-reduce busbw (Azure ND A100 v4): mid-size messages run far
+    below the asymptote, which the datasheet alpha-beta misses; point-to-point keeps alpha-beta."""
+    from cost_models.collectives import bus_bandwidth
+
+    a100 = load_hardware("a100_80gb")
+    tp = mesh_links((8,), ("tp",), a100)["tp"]
+    link = a100.intra_node
+    assert bus_bandwidth(link, 2**25) == pytest.approx(132.77e9)        # a measured point
+    assert bus_bandwidth(link, 2**26 * 1.5) == pytest.approx(
+        166.63e9 + (174.18e9 - 166.63e9) * math.log(1.5) / math.log(2))   # between points: log-linear
+    assert bus_bandwidth(link, 2**40) == pytest.approx(231.58e9)         # held beyond the last point
+    s = 50e6   # one Megatron-175B all-reduce (b=1, s=2048, h=12288, fp16)
+    want = 2 * 7 / 8 * s / bus_bandwidth(link, s)
+    assert tp.time("all_reduce", s) == pytest.approx(want)
+    assert want > 1.4 * collective_time("all_reduce", s, 8, Link("plain", link.bandwidth, link.latency), "ring", 0.8)
+    assert tp.time("send_recv", s) == pytest.approx(s / (link.bandwidth * 0.8) + link.latency)
+    with pytest.raises(ValueError, match="busbw"):
+        Link("bad", 1e9, 1e-6, busbw=((2e6, 1e9), (1e6, 2e9)))
