@@ -7,7 +7,10 @@ virtual stages, a schedule among ``schedule_candidates``) is left to the search,
 the fastest -- so the prediction is the cost model's best case for that layout. The same model
 then plans freely (``plan_cluster``'s search) and its pick, claimed MFU and claimed speedup over
 the published layout are reported next to it. One set of hardware numbers per accelerator
-(cost_models/hardware/*.json, with sources); nothing is fitted per case.
+(cost_models/hardware/*.json, with sources); nothing is fitted per case. A run is priced on the
+accelerator its source says it ran on (:data:`HARDWARE_AS_RUN`: torchtitan's H100 benchmarks ran on
+a non-standard 500 W HBM2e H100), and the pick's MFU is held against the best MFU published on the
+reference's hardware (:data:`BEST_PUBLISHED_MFU`, with citations, or the reference's best case).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/published_runs.py [--no-free] [--only NAME]
 

@@ -35,7 +35,8 @@ class Work:
     gemms: tuple = ()
     other_bytes: float = 0.0
     # the attention core (ops of the attention module itself, not of its projections): what
-    # selective recomputation recomputes and stops saving
+    # selective recomputation recomputes and stops saving -- its ``saved`` is the bytes that frees:
+    # what the core's ops save, less the projection outputs they read, which the checkpoint keeps
     core: "Work | None" = None
 
     def __add__(self, o: "Work") -> "Work":
@@ -159,14 +160,26 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
     core = None
     if core_nodes and any(_op_classes([n])[0] for n in core_nodes):  # a module that runs its own matmuls
         cg, co = _op_classes(core_nodes)
+        saved = sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs) if n.saved_for_backward else 0)
+                    for n in core_nodes)
         core = Work(flops=float(sum(n.flops_fwd + n.flops_bwd for n in core_nodes)), bytes=0.0,
-                    saved=float(sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs)
-                                                              if n.saved_for_backward else 0) for n in core_nodes)),
+                    saved=float(max(saved - _kept_inputs(fqn, nodes, core_nodes), 0)),
                     kernels=3 * sum(1 for n in core_nodes if not _is_view(n.op)), gemms=cg, other_bytes=co)
     return Work(flops=float(row["flops_fwd"] + row["flops_bwd"]), bytes=3.0 * fwd_bytes,
                 saved=float(row["saved_bytes"]), kernels=3 * sum(1 for n in nodes if not _is_view(n.op)),
                 params=int(row["num_params"]), param_bytes=pbytes if info else 0,
                 gemms=gemms, other_bytes=other, core=core)
+
+
+def _kept_inputs(fqn: str, nodes, core_nodes) -> int:
+    """Bytes of the child modules' outputs (the q/k/v projections) that the attention core reads:
+    selective recomputation (autoplan.plan.recompute, as Megatron-LM's) keeps them saved to
+    recompute the core from, so they are not freed with it -- Korthikanti et al.'s 34*s*b*h per
+    layer under selective recomputation counts them (Q, K, V: 6*s*b*h of it for multi-head)."""
+    by_name = {n.name: n for n in nodes}
+    producers = {src for n in core_nodes for src in n.input_nodes
+                 if src in by_name and by_name[src].module.startswith(fqn + ".")}
+    return sum(t.nbytes for src in producers for t in by_name[src].outputs)
 
 
 def _op_classes(nodes) -> tuple[tuple, float]:
