@@ -126,3 +126,20 @@ def test_gradient_accumulation_regathers_fsdp_blocks():
     assert fsdp_gathers("1F1B", 1, 4) == (5,)
     assert _stage_dp(PipelineChoice("1F1B", 1, 1, 1, [0]), u, 0, 0, 1) == pytest.approx(3.0)
     assert _stage_dp(PipelineChoice("1F1B", 1, 1, 4, [0]), u, 0, 0, 1) == pytest.approx(6.0)
+
+
+def test_selective_recompute_keeps_34_sbh_per_layer_as_korthikanti():
+    """formulas.md: with selective recomputation a Megatron GPT layer keeps 34*s*b*h bytes
+    (16-bit activations): the attention core's s^2 tensors are freed, but its q/k/v inputs --
+    the projections' outputs, which autoplan.plan.recompute keeps saved -- are not."""
+    import torch
+
+    from autoplan.capture import capture
+    from autoplan.models.gpt import build_gpt
+    from autoplan.search.structure import model_structure
+
+    b, s, h = 2, 64, 128
+    g = model_structure(capture(build_gpt(dim=h, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=4 * h,
+                                          max_seq_len=s), batch=(b, s), dtype=torch.bfloat16)).blocks[0]
+    layer = g.attention.work.saved + g.mlp.work.saved + g.norm_work.saved + g.other_work.saved
+    assert (layer - g.attention.work.core.saved) / (s * b * h) == pytest.approx(34, abs=0.2)
