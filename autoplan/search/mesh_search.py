@@ -403,8 +403,10 @@ class ClusterSearch:
             log.warning("plan_cluster: stopped after %d simulations / %.1f s; the best is not proven optimal",
                         self.simulations, time.perf_counter() - t0)
         if not done:
+            why = (f"no plan simulated within the budget ({self.simulations} simulations, "
+                   f"{time.perf_counter() - t0:.0f} s) fits" if cut else "nothing fits")
             raise InfeasiblePlanError(
-                f"plan_cluster: nothing fits {self.limit / 2**30:.1f} GiB per device on {self.devices} devices "
+                f"plan_cluster: {why} {self.limit / 2**30:.1f} GiB per device on {self.devices} devices "
                 f"(global batch {self.gb}, seq {self.seq}, constraints {self.cons})")
         done.sort(key=lambda c: c.key)
         log.info("plan_cluster: %d meshes, %d groups, %d simulations, %.2f s", len(meshes), len(groups),
