@@ -67,7 +67,7 @@ NOTES = [
     "- torchtitan's H100 runs are priced on the part they ran on (h100_hbm2e_500w: 500 W, 96 GB HBM2e at a derived "
     "2.4 TB/s, peak 'between SXM and NVL' -- the midpoint 912 TFLOPS is an assumption). Sensitivity of the four "
     "ratios: peak at the SXM bound 0.86-0.94, at the NVL bound 0.97-1.05; priced as a plain h100_sxm 0.80-0.89 "
-    "(measured by /tmp-free rerun of this script with the profile swapped; see the report of issue 14).",
+    "(measured by rerunning these four cases with the profile's peak set to each bound; not a committed command).",
     "- Not modelled, and the likely rest of the Megatron-LM (2021) error (pipelined runs 0.90-0.94): its "
     "blocking pipeline P2P (~2 % by the scatter/gather volumes) and whatever made the 2021 code ~6 % slower per "
     "sample than the 2022 code on the same 175B model and hardware (meg21-t2-175B-384 vs kor22-175B-full).",
