@@ -7,7 +7,10 @@ virtual stages, a schedule among ``schedule_candidates``) is left to the search,
 the fastest -- so the prediction is the cost model's best case for that layout. The same model
 then plans freely (``plan_cluster``'s search) and its pick, claimed MFU and claimed speedup over
 the published layout are reported next to it. One set of hardware numbers per accelerator
-(cost_models/hardware/*.json, with sources); nothing is fitted per case.
+(cost_models/hardware/*.json, with sources); nothing is fitted per case. A run is priced on the
+accelerator its source says it ran on (:data:`HARDWARE_AS_RUN`: torchtitan's H100 benchmarks ran on
+a non-standard 500 W HBM2e H100), and the pick's MFU is held against the best MFU published on the
+reference's hardware (:data:`BEST_PUBLISHED_MFU`, with citations, or the reference's best case).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/published_runs.py [--no-free] [--only NAME]
 
@@ -34,6 +37,59 @@ OUT = Path(__file__).parent / "results" / "published_runs"
 REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "reference" / "published_runs.json"
 REFERENCE_FALLBACK = Path("/work/shared/reference/published_runs.json")
 MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
+# The accelerator a source says it measured on, where it is not the reference's datasheet label:
+# torchtitan's H100 benchmarks ran on Meta's non-standard 500 W HBM2e H100 ("peak between SXM and
+# NVL", their words), priced on its own profile (cost_models/hardware/h100_hbm2e_500w.json, sources
+# inside). Keyed by source, so every run a source measured is priced on the same part; MFU stays
+# quoted against the reference's peak for the label, as published.
+HARDWARE_AS_RUN = (("pytorch/torchtitan benchmarks/", "h100_hbm2e_500w"),)
+# Best MFU published on each accelerator (model FLOPs, dense bf16/fp16 peak), beyond the reference's
+# cases: what an autoplan claim is held against (issue 14: "best published: ~56 % on A100, ~49 % on H100").
+BEST_PUBLISHED_MFU = {
+    "a100_80gb": (0.563, "Korthikanti et al. 2022 (arXiv 2205.05198) Table 4, 1T on 512 A100, selective "
+                         "recompute + sequence parallel: 56.3 % MFU (recorded in the reference's kor22-1T-full notes)"),
+    "h100_sxm": (0.47, "NVIDIA/Megatron-LM README, Performance Benchmarking: GPT models 2B-462B on up to 6,144 "
+                       "H100 GPUs, 'up to 47 % Model FLOP Utilization (MFU) on H100 clusters'"),
+}
+
+
+NOTES = [
+    "Terms behind these numbers (each from a source or the runtime's own behaviour, none fitted to a case):",
+    "- GEMMs at the shape one rank runs: a tensor-parallel shard divides a weight GEMM's N or K "
+    "(`cost_models.compute.gemm_split`), so tp 8 projections of a 6144-wide model run at N = 768, not 6144.",
+    "- A100 GEMM and HBM efficiency fitted to a public shape-resolved cuBLASLt table (Azure ND A100 v4: 2048^3 to "
+    "16384^3 and 6144x12288x12288, rms 2.5 %); H100 keeps the mamf-finder large-GEMM fraction.",
+    "- Ring collectives inside an A100 node priced from the public nccl-tests bus bandwidth by message size "
+    "(a 50 MB tensor-parallel all-reduce runs at ~150 GB/s, not the 240 GB/s of alpha-beta at 80 % of NVLink).",
+    "- A data-parallel group with k members per node rings over k NICs at once (one 200/400 Gb/s NIC per GPU).",
+    "- Selective recomputation frees the attention core less its q/k/v inputs, which stay saved (34*s*b*h per "
+    "layer, Korthikanti et al.).",
+    "- torchtitan's H100 runs are priced on the part they ran on (h100_hbm2e_500w: 500 W, 96 GB HBM2e at a derived "
+    "2.4 TB/s, peak 'between SXM and NVL' -- the midpoint 912 TFLOPS is an assumption). Sensitivity of the four "
+    "ratios: peak at the SXM bound 0.86-0.94, at the NVL bound 0.97-1.05; priced as a plain h100_sxm 0.80-0.89 "
+    "(measured by rerunning these four cases with the profile's peak set to each bound; not a committed command).",
+    "- Not modelled, and the likely rest of the Megatron-LM (2021) error (pipelined runs 0.90-0.94): its "
+    "blocking pipeline P2P (~2 % by the scatter/gather volumes) and whatever made the 2021 code ~6 % slower per "
+    "sample than the 2022 code on the same 175B model and hardware (meg21-t2-175B-384 vs kor22-175B-full).",
+]
+
+
+# Korthikanti et al. 2022 Table 4 also published the same four runs with selective recomputation and
+# sequence parallelism (MFU recorded in the reference's kor22-*-full notes): held against the same
+# model, they check the selective-recompute terms with measurements the search never saw.
+KORTHIKANTI_SELECTIVE_MFU = {"kor22-22B-full": 0.415, "kor22-175B-full": 0.514, "kor22-530B-full": 0.560,
+                             "kor22-1T-full": 0.563}
+
+
+def selective_variant(case: dict) -> dict:
+    """The selective + sequence-parallel run of a kor22 full-recompute case: same model, devices
+    and batch; step time from the published MFU (same model-FLOPs formula)."""
+    mfu = KORTHIKANTI_SELECTIVE_MFU[case["name"]]
+    out = json.loads(json.dumps(case))
+    out["name"] = case["name"].replace("-full", "-selective-sp")
+    out["layout"].update(recompute="selective", sequence_parallel=True)
+    out["achieved"].update(step_s=case["achieved"]["step_s"] * case["achieved"]["mfu"] / mfu, mfu=mfu)
+    return out
 
 
 def load_cases() -> tuple[dict, list[dict]]:
@@ -103,20 +159,30 @@ def describe(c) -> str:
     return (f"dp{c.dp}-pp{c.pp}-tp{c.tp} {c.dp_mode} {c.recompute} b{c.b} m{ch.m} {sched}")
 
 
+def priced_on(case: dict) -> str:
+    """The hardware profile a case is priced on: the one its source measured on
+    (:data:`HARDWARE_AS_RUN`), else the reference's label."""
+    for prefix, profile in HARDWARE_AS_RUN:
+        if prefix in case["source"]:
+            return profile
+    return case["hardware"]
+
+
 def run_case(case: dict, meta: dict, free: bool) -> dict:
     model = build_model(case)
     cons, opts = constraints(case)
     gb, seq, n = case["global_batch"], case["seq_len"], case["devices"]
     peak = meta["peak_bf16"][case["hardware"]]
+    hw = priced_on(case)
     mf = model_flops(case, case["achieved"]["model_flops_formula"])
     t0 = time.perf_counter()
     # the published run ran: price its layout whatever our memory model says, and report the memory
-    search = ClusterSearch(model, n, hardware=case["hardware"], batch=(gb, seq), constraints=cons,
+    search = ClusterSearch(model, n, hardware=hw, batch=(gb, seq), constraints=cons,
                            memory_limit=1e30, **opts)
     pub = search.search()[0]
     t_pub = time.perf_counter() - t0
     measured = case["achieved"]["step_s"]
-    row = {"case": case["name"], "hardware": case["hardware"], "devices": n,
+    row = {"case": case["name"], "hardware": case["hardware"], "priced_on": hw, "devices": n,
            "published": f"dp{cons['dp']}-pp{cons['pp']}-tp{cons['tp']} {case['layout'].get('dp_sharding')} "
                         f"{case['layout'].get('recompute')}",
            "priced_as": describe(pub), "measured_s": measured, "predicted_s": pub.step_s,
@@ -129,11 +195,16 @@ def run_case(case: dict, meta: dict, free: bool) -> dict:
         fopts.pop("sequence_parallel", None)
         fopts.pop("schedules", None)
         try:
-            best = ClusterSearch(model, n, hardware=case["hardware"], batch=(gb, seq), graphs=dict(search.graphs),
-                                 **fopts).search(time_budget_s=60, max_simulations=60)[0]
+            free = ClusterSearch(model, n, hardware=hw, batch=(gb, seq), graphs=dict(search.graphs), **fopts)
+            try:
+                best = free.search(time_budget_s=60, max_simulations=60)[0]
+            except InfeasiblePlanError:   # the budget ran out before a fitting plan: once more, longer
+                best = free.search(time_budget_s=240, max_simulations=60)[0]
             row.update({"autoplan_pick": describe(best), "autoplan_s": best.step_s,
                         "claimed_speedup": pub.step_s / best.step_s,
                         "autoplan_mfu": mf / (best.step_s * n * peak), "plan_s": time.perf_counter() - t1,
+                        "autoplan_mem_gib": max(best.choice.rank_memory) / 2**30,
+                        "usable_gib": search.hw.usable_memory() / 2**30,   # what the free search may fill
                         "why": reason(pub, best)})
         except InfeasiblePlanError as e:
             row.update({"autoplan_pick": f"infeasible: {e}"})
@@ -166,7 +237,7 @@ def write(df: pd.DataFrame, meta: dict) -> None:
     df.to_csv(OUT.with_suffix(".csv"), index=False, float_format="%.6g")
     err = (df.ratio - 1).abs()
     inside = int(((df.ratio >= 0.85) & (df.ratio <= 1.15)).sum())
-    cols = ["case", "hardware", "devices", "published", "priced_as", "measured_s", "predicted_s", "ratio",
+    cols = ["case", "hardware", "priced_on", "devices", "published", "priced_as", "measured_s", "predicted_s", "ratio",
             "measured_mfu", "predicted_mfu", "busy_s", "bubble_s", "dp_and_optimizer_s", "predicted_mem_gib"]
     lines = ["# Published training runs: predicted vs measured step time", "",
              "Published layout fixed (unpublished micro-batch size / virtual stages / schedule chosen by the "
@@ -175,18 +246,26 @@ def write(df: pd.DataFrame, meta: dict) -> None:
              "`PYTHONPATH=$PWD .venv/bin/python benchmarks/published_runs.py`.", "",
              f"**{inside} of {len(df)}** runs within [0.85, 1.15]; ratio range {df.ratio.min():.3f}-"
              f"{df.ratio.max():.3f}; median absolute error **{statistics.median(err) * 100:.1f} %**; "
-             f"mean absolute error {err.mean() * 100:.1f} %.", "",
+             f"mean absolute error {err.mean() * 100:.1f} %.", "", *NOTES, "",
              df[cols].to_markdown(index=False, floatfmt=".4g"), ""]
     if "autoplan_pick" in df:
-        best_pub = df.groupby("hardware").measured_mfu.max().to_dict()
+        best_pub = best_published(df)
+        over = df.autoplan_mfu / df.hardware.map(lambda h: best_pub[h][0])
         lines += ["## What autoplan picks on the same cases (same cost model)", "",
-                  "Best published MFU per accelerator in the reference: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in best_pub.items())
-                  + ". A claim above 1.1x that is flagged.", ""]
+                  "Best published MFU per accelerator (the larger of the reference's cases and the best published "
+                  "run we know of):", ""]
+        lines += [f"- {k}: **{v:.3f}** ({src})" for k, (v, src) in best_pub.items()]
+        lines += ["", f"Claims above 1.1x the best published MFU: **{int((over > 1.1).sum())} of {len(df)}** "
+                      f"(highest {over.max():.3f}x).", ""]
         fc = ["case", "published", "autoplan_pick", "predicted_s", "autoplan_s", "claimed_speedup", "autoplan_mfu",
-              "why"]
+              "autoplan_mem_gib", "usable_gib", "why"]
         df2 = df[[c for c in fc if c in df]].copy()
-        df2["mfu_over_best_published"] = df.autoplan_mfu / df.hardware.map(best_pub)
+        df2["mfu_over_best_published"] = over
+        if (df.priced_on != df.hardware).any():   # the stricter view: best published on the part priced
+            own = df.groupby("priced_on").measured_mfu.max()
+            df2["mfu_over_best_on_part_priced"] = [
+                m / max(own[p], best_pub[h][0] if p == h else 0.0)
+                for m, p, h in zip(df.autoplan_mfu, df.priced_on, df.hardware)]
         lines += [df2.to_markdown(index=False, floatfmt=".4g"), ""]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
     import matplotlib
@@ -212,14 +291,49 @@ def write(df: pd.DataFrame, meta: dict) -> None:
     fig.savefig(OUT.with_suffix(".png"), dpi=110)
 
 
+def best_published(df: pd.DataFrame) -> dict[str, tuple[float, str]]:
+    """Per reference hardware label: (best published MFU, where it is from)."""
+    out = {}
+    for hw, g in df.groupby("hardware"):
+        top = g.loc[g.measured_mfu.idxmax()]
+        ref = (float(top.measured_mfu), f"reference case {top.case}")
+        known = BEST_PUBLISHED_MFU.get(hw)
+        out[hw] = known if known is not None and known[0] > ref[0] else ref
+    return out
+
+
+def write_selective(rows: list[dict], no_write: bool) -> int:
+    df = pd.DataFrame(rows)
+    cols = ["case", "priced_as", "measured_s", "predicted_s", "ratio", "measured_mfu", "predicted_mfu",
+            "predicted_mem_gib"]
+    text = "\n".join([
+        "# Published selective-recompute runs (Korthikanti et al. 2022, Table 4) priced like published_runs.md", "",
+        "Same four runs as the kor22-*-full cases with selective recomputation + sequence parallelism; measured "
+        "step time = the full-recompute step x its MFU / the selective row's MFU (both published, in the "
+        "reference's notes). Not reference cases: a check of the selective-recompute terms on runs the search "
+        "never saw. Regenerate with `PYTHONPATH=$PWD .venv/bin/python benchmarks/published_runs.py "
+        "--selective-rows`.", "",
+        f"Ratio (predicted / measured step time) {df.ratio.min():.3f}-{df.ratio.max():.3f}.", "",
+        df[cols].to_markdown(index=False, floatfmt=".4g"), ""])
+    print(text)
+    if not no_write:
+        OUT.with_name("published_runs_selective.md").write_text(text)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-free", action="store_true", help="price the published layouts only")
     ap.add_argument("--only", default=None, help="substring of case names to run")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--selective-rows", action="store_true",
+                    help="price Korthikanti's selective + SP runs instead (writes published_runs_selective.md)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     meta, cases = load_cases()
+    if args.selective_rows:
+        return write_selective([run_case(selective_variant(c), meta, False)
+                                for c in cases if c["name"] in KORTHIKANTI_SELECTIVE_MFU], args.no_write)
     rows = []
     for case in cases:
         if args.only and args.only not in case["name"]:

@@ -72,9 +72,36 @@ def collective_terms(kind: Kind, nbytes: float, group_size: int, algorithm: Algo
     return CollectiveTerms(float(log_n), frac * nbytes)
 
 
+MEASURED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def bus_bandwidth(link: Link, nbytes: float, link_efficiency: float = 1.0) -> float:
+    """Achieved bus bandwidth (bytes/s) of a ring collective of ``nbytes`` over ``link``: its
+    measured curve where it has one (linear in log message size between points, the end
+    values held beyond them), else bandwidth x ``link_efficiency``. The curve is measured
+    end to end, so it already holds the per-step latency and the achieved efficiency."""
+    pts = link.busbw
+    if not pts:
+        return link.bandwidth * link_efficiency
+    if nbytes <= pts[0][0]:
+        return pts[0][1]
+    for (b0, w0), (b1, w1) in zip(pts, pts[1:]):
+        if nbytes <= b1:
+            x = math.log(nbytes / b0) / math.log(b1 / b0)
+            return w0 + x * (w1 - w0)
+    return pts[-1][1]
+
+
 def collective_time(kind: Kind, nbytes: float, group_size: int, link: Link,
                     algorithm: Algorithm | Literal["auto"] = "ring", link_efficiency: float = 1.0) -> float:
-    """Seconds for one collective over ``link``; ``auto`` takes the faster of ring and tree."""
+    """Seconds for one collective over ``link``; ``auto`` takes the faster of ring and tree.
+    Ring all-reduce / all-gather / reduce-scatter on a link with a measured bus-bandwidth curve
+    take wire bytes / its bandwidth at this message size (latency included in the curve): the
+    curve is an all-reduce's, and the other two move the same per-step chunks."""
+    if link.busbw and algorithm == "ring" and kind in MEASURED_KINDS:
+        _check(kind, nbytes, group_size, algorithm)
+        terms = collective_terms(kind, nbytes, group_size, "ring")
+        return terms.wire_bytes / bus_bandwidth(link, nbytes) if terms.wire_bytes else 0.0
     if algorithm == "auto":
         return min(collective_terms(kind, nbytes, group_size, a).time(link, link_efficiency)
                    for a in ("ring", "tree"))

@@ -175,6 +175,31 @@ def gemm_efficiency(hardware: HardwareProfile, m: float, n: float, k: float) -> 
     return eff.compute * math.prod(d / (d + eff.dim_half) for d in (m, n, k))
 
 
+def gemm_split(m: int, n: int, k: int, has_weight: bool) -> str:
+    """The dimension of an (M, N, K) GEMM that a tensor-parallel shard divides: "" for GEMMs
+    between activations (attention scores and context, fused attention: heads are their batch,
+    so a head shard leaves each head's GEMM whole); for a weight GEMM the larger of N and K
+    ("n" on ties) -- column-parallel projections cut their output features N (q, up/gate, the
+    vocabulary head: N >= K), row-parallel ones their input features K (o, down: K >= N).
+    Grouped-query k/v projections (N < K, column-parallel) are the exception: priced at K/t,
+    slightly faster than their N/t."""
+    if not has_weight:
+        return ""
+    return "n" if n >= k else "k"
+
+
+def sharded_gemm_dims(m: float, n: float, k: float, split: str, shard: int) -> tuple[float, float, float]:
+    """The (M, N, K) one rank runs when a tensor-parallel shard of degree ``shard`` divides the
+    ``split`` dimension (:func:`gemm_split`; "" or shard 1: unchanged)."""
+    if shard <= 1 or not split:
+        return m, n, k
+    if split == "n":
+        return m, n / shard, k
+    if split == "k":
+        return m, n, k / shard
+    raise ValueError(f"sharded_gemm_dims: split={split!r} is not one of '', 'n', 'k'")
+
+
 def _attention_dims(spec: OpSpec) -> tuple[int, int, int, int, bool]:
     q, k = spec.tensors[0].shape, spec.tensors[1].shape
     causal = False

@@ -5,6 +5,12 @@ stays inside a node, as torchtitan does), and consecutive global ranks share a n
 group members are ``stride`` ranks apart, stride = product of the sizes after it. The group stays
 inside one node when its whole span fits in a node; otherwise the slowest link it uses (a ring
 has to cross nodes) is the inter-node link.
+
+The inter-node link of a profile is one device's NIC (DGX A100/H100: one InfiniBand NIC per GPU).
+A group with ``rails`` members in each node crosses nodes over that many NICs at once: NCCL
+spreads its ring channels over the node's NICs, each channel carrying 1/rails of the data, so
+ring collectives (all-reduce, all-gather, reduce-scatter, broadcast) see ``rails`` times the NIC
+bandwidth, capped by the intra-node link. Point-to-point and all-to-all traffic keeps one NIC.
 """
 from __future__ import annotations
 
@@ -12,8 +18,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from cost_models.collectives import Algorithm, Kind, collective_time
+from cost_models.collectives import MEASURED_KINDS, Algorithm, Kind, bus_bandwidth, collective_time
 from cost_models.hardware.profile import HardwareProfile, Link
+
+
+RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -24,10 +33,29 @@ class MeshDim:
     inter_node: bool
     link: Link
     link_efficiency: float = 1.0
+    rails: int = 1                  # group members per node when it crosses nodes (NICs used at once)
+    rail_cap: float = 0.0           # bandwidth bound of the rails together (intra-node link); 0: none
+
+    def link_for(self, kind: str) -> Link:
+        """The link a collective of ``kind`` sees: ring collectives of a cross-node group spread
+        over its ``rails`` NICs (module docstring)."""
+        if self.rails <= 1 or kind not in RING_KINDS:
+            return self.link
+        bw = self.link.bandwidth * self.rails
+        if self.rail_cap > 0:
+            bw = min(bw, self.rail_cap)
+        return Link(f"{self.link.name}x{self.rails}", bw, self.link.latency)
+
+    def bus_bandwidth(self, kind: str, nbytes: float) -> float:
+        """Achieved bytes/s of the wire bytes of one ``kind`` collective of ``nbytes`` here."""
+        link = self.link_for(kind)
+        if kind not in MEASURED_KINDS:
+            return link.bandwidth * self.link_efficiency
+        return bus_bandwidth(link, nbytes, self.link_efficiency)
 
     def time(self, kind: Kind, nbytes: float, algorithm: Algorithm = "ring") -> float:
         """Seconds for one collective of ``kind`` over this dimension's groups."""
-        return collective_time(kind, nbytes, self.size, self.link, algorithm, self.link_efficiency)
+        return collective_time(kind, nbytes, self.size, self.link_for(kind), algorithm, self.link_efficiency)
 
 
 def crosses_nodes(shape: Sequence[int], dim: int, devices_per_node: int) -> bool:
@@ -40,6 +68,14 @@ def crosses_nodes(shape: Sequence[int], dim: int, devices_per_node: int) -> bool
     # so the groups stay in a node exactly when blocks tile the node
     block = math.prod(shape[dim:])
     return devices_per_node % block != 0
+
+
+def members_per_node(shape: Sequence[int], dim: int, devices_per_node: int) -> int:
+    """How many of one group's members of mesh dimension ``dim`` share a node (>= 1): members
+    are ``stride`` ranks apart, so a node of ``devices_per_node`` consecutive ranks holds
+    devices_per_node // stride of them (at most the group size)."""
+    stride = math.prod(shape[dim + 1:])
+    return max(1, min(int(shape[dim]), devices_per_node // max(stride, 1)))
 
 
 @dataclass(frozen=True)
@@ -83,5 +119,7 @@ def mesh_links(shape: Sequence[int], names: Sequence[str], hardware: HardwarePro
     for i, (size, name) in enumerate(zip(shape, names)):
         cross = crosses_nodes(shape, i, dpn)
         dims.append(MeshDim(name=name, size=int(size), stride=math.prod(shape[i + 1:]),
-                            inter_node=cross, link=inter if cross else intra, link_efficiency=eff))
+                            inter_node=cross, link=inter if cross else intra, link_efficiency=eff,
+                            rails=members_per_node(shape, i, dpn) if cross else 1,
+                            rail_cap=intra.bandwidth if cross else 0.0))
     return MeshTopology(tuple(dims))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from autoplan.search.strategies import Collective
 from autoplan.search.structure import Work
 from cost_models.collectives import collective_terms
-from cost_models.compute import gemm_efficiency
+from cost_models.compute import gemm_efficiency, sharded_gemm_dims
 from cost_models.overlap import DP_MODES, dp_overlap
 from cost_models.runtime import load_runtime
 
@@ -90,7 +90,10 @@ class CostContext:
         """A context with an explicit runtime calibration (None: none, even on cpu)."""
         return cls(runtime=runtime, **fields)
 
-    def compute_time(self, work: Work, shard: int) -> float:
+    def compute_time(self, work: Work, shard: int, split_tokens: bool = False) -> float:
+        """Seconds per call of ``work`` on one rank of a ``shard``-way split: of the weights
+        (tensor parallel, the default) or of the tokens (``split_tokens``: per-token work on a
+        sequence shard, each GEMM's M divided)."""
         hw = self.hardware
         eff = hw.efficiency
         t_flop = work.flops / shard / (hw.peak(self.dtype) * eff.compute)
@@ -99,33 +102,36 @@ class CostContext:
         if rt is None:
             if not (work.gemms or work.other_bytes):  # no op-class split (a hand-made Work)
                 return max(t_flop, t_mem) + work.kernels * eff.kernel_overhead
-            return self._op_class_time(work, shard)
+            return self._op_class_time(work, shard, split_tokens)
         per_kernel = rt.op_s + (rt.dtensor_op_s if shard > 1 else 0.0)
         # one measured scale for both terms: streaming microbenchmarks (rt.memory_scale) run from
         # cache and under-price a model's memory-bound eager ops ~4x (see cost_models.runtime)
         return rt.compute_scale * max(t_flop, t_mem) + work.kernels * per_kernel
 
-    def _op_class_time(self, work: Work, shard: int) -> float:
-        """GEMMs at their shape's achieved efficiency + every other op at achieved HBM bandwidth
-        + kernel launches. The shape factor uses the unsharded GEMM dimensions (a shard divides
-        one of N, K or the batch; at the widths priced here that moves it by a few per cent)."""
+    def _op_class_time(self, work: Work, shard: int, split_tokens: bool = False) -> float:
+        """GEMMs at their per-rank shape's achieved efficiency + every other op at achieved HBM
+        bandwidth + kernel launches. A tensor-parallel shard divides a weight GEMM's N or K
+        (``cost_models.compute.gemm_split``): the rank runs a narrower GEMM, which fills the
+        device less well -- at tp 8 the attention projections of a 6144-wide model run at
+        N = 768, 12 % slower per FLOP than at full width on the profile's shape curve."""
         hw = self.hardware
         peak = hw.peak(self.dtype)
         t, gflops = 0.0, 0.0
-        for f, m, n, k in work.gemms:
+        for f, m, n, k, *split in work.gemms:
             gflops += f
-            t += f / (peak * gemm_efficiency(hw, m, n, k))
+            dims = (m / shard, n, k) if split_tokens else sharded_gemm_dims(m, n, k, split[0] if split else "", shard)
+            t += f / (peak * gemm_efficiency(hw, *dims))
         t += max(work.flops - gflops, 0.0) / (peak * hw.efficiency.compute)
         t += work.other_bytes / (hw.memory_bandwidth * hw.efficiency.memory)
         return t / shard + work.kernels * hw.efficiency.kernel_overhead
 
-    def recompute_time(self, work: Work, shard: int) -> float:
+    def recompute_time(self, work: Work, shard: int, split_tokens: bool = False) -> float:
         """Extra seconds per call that recomputation adds in backward: the whole forward (full:
         a third of forward + backward) or the attention core's forward (selective)."""
         if self.checkpoint_blocks:
-            return self.compute_time(work, shard) / 3.0
+            return self.compute_time(work, shard, split_tokens) / 3.0
         if self.recompute == "selective" and work.core is not None:
-            return self.compute_time(work.core, shard) / 3.0
+            return self.compute_time(work.core, shard, split_tokens) / 3.0
         return 0.0
 
     def optimizer_time(self, param_tensors: int, elements: float, sharded: bool) -> float:
@@ -159,7 +165,7 @@ class CostContext:
         if rt is None:
             if latency:
                 return c.count * md.time(c.kind, c.nbytes)
-            return c.count * terms.wire_bytes / (md.link.bandwidth * md.link_efficiency)
+            return c.count * terms.wire_bytes / md.bus_bandwidth(c.kind, c.nbytes)
         if latency:
             return c.count * (terms.time(rt.link) + rt.collective_s)
         return c.count * terms.wire_bytes / rt.link.bandwidth

@@ -260,7 +260,8 @@ class ClusterSearch:
                 continue
             share = 1.0 / len(targets)
             c = o.compute_s(ctx)
-            extra = o.count * ctx.recompute_time(o.work, o.strategy.compute_shard) if o.in_block else 0.0
+            extra = o.count * ctx.recompute_time(o.work, o.strategy.compute_shard, o.strategy.split_tokens) \
+                if o.in_block else 0.0
             base = c - extra   # forward + backward without the recomputation (which runs in backward)
             tp_c = [x for x in o.collectives(ctx) if x.dim == "tp"]
             f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])
@@ -405,8 +406,10 @@ class ClusterSearch:
             log.warning("plan_cluster: stopped after %d simulations / %.1f s; the best is not proven optimal",
                         self.simulations, time.perf_counter() - t0)
         if not done:
+            why = (f"no plan simulated within the budget ({self.simulations} simulations, "
+                   f"{time.perf_counter() - t0:.0f} s) fits" if cut else "nothing fits")
             raise InfeasiblePlanError(
-                f"plan_cluster: nothing fits {self.limit / 2**30:.1f} GiB per device on {self.devices} devices "
+                f"plan_cluster: {why} {self.limit / 2**30:.1f} GiB per device on {self.devices} devices "
                 f"(global batch {self.gb}, seq {self.seq}, constraints {self.cons})")
         done.sort(key=lambda c: c.key)
         log.info("plan_cluster: %d meshes, %d groups, %d simulations, %.2f s", len(meshes), len(groups),

@@ -64,6 +64,8 @@ class Strategy:
     activation_shard: float = 1.0
     reason: str = ""
     extra: dict = field(default_factory=dict)
+    # compute_shard cuts the tokens (per-token work on a sequence shard), not the weights' N or K
+    split_tokens: bool = False
 
 
 def _ag_rs_pair(nbytes: int) -> list[Collective]:
@@ -207,7 +209,8 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         if t > 1:
             out.append(Strategy("sequence", "S", {m.rel: SequenceParallel(use_local_output=True)},
                                 _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t,
-                                reason="per-token MLP on the sequence shard, weights replicated"))
+                                reason="per-token MLP on the sequence shard, weights replicated",
+                                split_tokens=True))
     if t > 1 and m.linear and m.hidden and m.hidden % t == 0:
         styles = {m.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,))}
         styles.update({u: ColwiseParallel(packed=m.packed) for u in m.up})

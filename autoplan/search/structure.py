@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary
-from cost_models.compute import gemm_shape_dims
+from cost_models.compute import gemm_shape_dims, gemm_split
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
@@ -29,12 +29,14 @@ class Work:
     kernels: int = 0
     params: int = 0
     param_bytes: int = 0
-    # per op class, for cost_models' compute pricing: (flops fwd+bwd, M, N, K) of each GEMM or
-    # fused-attention op, and the bytes of every other non-view op (forward + backward)
+    # per op class, for cost_models' compute pricing: (flops fwd+bwd, M, N, K, split) of each GEMM
+    # or fused-attention op -- split names the dimension a tensor-parallel shard divides
+    # (cost_models.compute.gemm_split) -- and the bytes of every other non-view op (fwd + bwd)
     gemms: tuple = ()
     other_bytes: float = 0.0
     # the attention core (ops of the attention module itself, not of its projections): what
-    # selective recomputation recomputes and stops saving
+    # selective recomputation recomputes and stops saving -- its ``saved`` is the bytes that frees:
+    # what the core's ops save, less the projection outputs they read, which the checkpoint keeps
     core: "Work | None" = None
 
     def __add__(self, o: "Work") -> "Work":
@@ -161,9 +163,10 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
     core = None
     if core_nodes and any(_op_classes([n])[0] for n in core_nodes):  # a module that runs its own matmuls
         cg, co = _op_classes(core_nodes)
+        saved = sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs) if n.saved_for_backward else 0)
+                    for n in core_nodes)
         core = Work(flops=float(sum(n.flops_fwd + n.flops_bwd for n in core_nodes)), bytes=0.0,
-                    saved=float(sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs)
-                                                              if n.saved_for_backward else 0) for n in core_nodes)),
+                    saved=float(max(saved - _kept_inputs(fqn, nodes, core_nodes), 0)),
                     kernels=3 * sum(1 for n in core_nodes if not _is_view(n.op)), gemms=cg, other_bytes=co)
     return Work(flops=float(row["flops_fwd"] + row["flops_bwd"]), bytes=3.0 * fwd_bytes,
                 saved=float(row["saved_bytes"]), kernels=3 * sum(1 for n in nodes if not _is_view(n.op)),
@@ -171,15 +174,26 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
                 gemms=gemms, other_bytes=other, core=core)
 
 
+def _kept_inputs(fqn: str, nodes, core_nodes) -> int:
+    """Bytes of the child modules' outputs (the q/k/v projections) that the attention core reads:
+    selective recomputation (autoplan.plan.recompute, as Megatron-LM's) keeps them saved to
+    recompute the core from, so they are not freed with it -- Korthikanti et al.'s 34*s*b*h per
+    layer under selective recomputation counts them (Q, K, V: 6*s*b*h of it for multi-head)."""
+    by_name = {n.name: n for n in nodes}
+    producers = {src for n in core_nodes for src in n.input_nodes
+                 if src in by_name and by_name[src].module.startswith(fqn + ".")}
+    return sum(t.nbytes for src in producers for t in by_name[src].outputs)
+
+
 def _op_classes(nodes) -> tuple[tuple, float]:
-    """(GEMM entries (flops, M, N, K), bytes of the other non-view ops, backward counted as twice
-    the forward as for ``Work.bytes``)."""
+    """(GEMM entries (flops, M, N, K, split), bytes of the other non-view ops, backward counted as
+    twice the forward as for ``Work.bytes``)."""
     gemms, other = [], 0.0
     for n in nodes:
         dims = gemm_shape_dims(n.op.split(".")[1] if n.op.count(".") >= 1 else n.op,
                                [tuple(t.shape) for t in n.inputs])
         if dims is not None and n.flops_fwd > 0:
-            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims))
+            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims, gemm_split(*dims, bool(n.params))))
         elif not _is_view(n.op):
             other += 3.0 * float(n.bytes_read + n.bytes_written)
     return tuple(gemms), other

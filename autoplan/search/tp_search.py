@@ -75,9 +75,10 @@ class Option:
         return self.slot.endswith("/mlp") and c.kind in ("reduce_scatter", "all_reduce")
 
     def compute_s(self, ctx: CostContext) -> float:
-        t = ctx.compute_time(self.work, self.strategy.compute_shard)
+        st = self.strategy
+        t = ctx.compute_time(self.work, st.compute_shard, st.split_tokens)
         if self.in_block:  # forward (full) or attention core (selective) recomputed in backward
-            t += ctx.recompute_time(self.work, self.strategy.compute_shard)
+            t += ctx.recompute_time(self.work, st.compute_shard, st.split_tokens)
         return self.count * t
 
     def optimizer_s(self, ctx: CostContext) -> float:

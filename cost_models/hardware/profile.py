@@ -30,17 +30,30 @@ def dtype_key(dtype: Any) -> str:
 
 @dataclass(frozen=True)
 class Link:
-    """One level of interconnect: per-direction bandwidth in bytes/s, latency (alpha) in seconds."""
+    """One level of interconnect: per-direction bandwidth in bytes/s, latency (alpha) in seconds.
+
+    ``busbw``: where a public measurement exists, the achieved ring bus bandwidth by message size,
+    ((message bytes, bytes/s), ...) ascending (nccl-tests' busbw of an all-reduce over the
+    level). Mid-size messages run far below the asymptote (A100 NVLink: 133 GB/s at 33 MB, 232 at
+    8 GB), which alpha-beta with a datasheet latency does not reproduce; ring collectives on a
+    link that has one are priced from it (:func:`cost_models.collectives.bus_bandwidth`).
+    """
 
     name: str
     bandwidth: float
     latency: float
+    busbw: tuple = ()
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0:
             raise ValueError(f"Link {self.name!r}: bandwidth must be > 0, got {self.bandwidth}")
         if self.latency < 0:
             raise ValueError(f"Link {self.name!r}: latency must be >= 0, got {self.latency}")
+        pts = tuple((float(b), float(w)) for b, w in self.busbw)
+        if any(b <= 0 or w <= 0 for b, w in pts) or any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
+            raise ValueError(f"Link {self.name!r}: busbw={self.busbw!r} must be (bytes > 0, bytes/s > 0) pairs "
+                             "with strictly ascending sizes")
+        object.__setattr__(self, "busbw", pts)
 
 
 @dataclass(frozen=True)

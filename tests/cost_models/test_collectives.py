@@ -73,3 +73,43 @@ def test_crosses_nodes_when_blocks_do_not_tile_a_node():
     assert not crosses_nodes((2, 4), 0, 8)
     assert crosses_nodes((4, 4), 0, 8)
     assert not crosses_nodes((16, 1), 1, 8)
+
+
+def test_cross_node_rings_spread_over_the_nics_of_the_members_in_each_node():
+    """One NIC per GPU (DGX): a dp group with k members per node rings over k NICs at once
+    (NCCL channels), up to the intra-node link; a group with one member per node, and
+    point-to-point traffic, keep one NIC."""
+    a100 = load_hardware("a100_80gb")
+    nic, nvl = a100.inter_node.bandwidth, a100.intra_node.bandwidth
+    tp1 = mesh_links((32, 1), ("dp", "tp"), a100)["dp"]       # 8 members per node
+    tp2 = mesh_links((32, 2), ("dp", "tp"), a100)["dp"]       # 4
+    tp8 = mesh_links((32, 8), ("dp", "tp"), a100)["dp"]       # 1
+    assert (tp1.rails, tp2.rails, tp8.rails) == (8, 4, 1)
+    assert tp1.link_for("all_reduce").bandwidth == min(8 * nic, nvl)
+    assert tp2.link_for("reduce_scatter").bandwidth == 4 * nic
+    assert tp8.link_for("all_reduce") == a100.inter_node
+    assert tp1.link_for("send_recv") == a100.inter_node and tp1.link_for("all_to_all") == a100.inter_node
+    assert tp1.time("all_reduce", 1e9) < tp2.time("all_reduce", 1e9) < tp8.time("all_reduce", 1e9)
+    # inside a node nothing changes
+    assert mesh_links((8,), ("dp",), a100)["dp"].rails == 1
+
+
+def test_a_measured_bus_bandwidth_curve_prices_ring_collectives_by_message_size():
+    """A100 NVLink, nccl-tests all-reduce busbw (Azure ND A100 v4): mid-size messages run far
+    below the asymptote, which the datasheet alpha-beta misses; point-to-point keeps alpha-beta."""
+    from cost_models.collectives import bus_bandwidth
+
+    a100 = load_hardware("a100_80gb")
+    tp = mesh_links((8,), ("tp",), a100)["tp"]
+    link = a100.intra_node
+    assert bus_bandwidth(link, 2**25) == pytest.approx(132.77e9)        # a measured point
+    assert bus_bandwidth(link, 2**26 * 1.5) == pytest.approx(
+        166.63e9 + (174.18e9 - 166.63e9) * math.log(1.5) / math.log(2))   # between points: log-linear
+    assert bus_bandwidth(link, 2**40) == pytest.approx(231.58e9)         # held beyond the last point
+    s = 50e6   # one Megatron-175B all-reduce (b=1, s=2048, h=12288, fp16)
+    want = 2 * 7 / 8 * s / bus_bandwidth(link, s)
+    assert tp.time("all_reduce", s) == pytest.approx(want)
+    assert want > 1.4 * collective_time("all_reduce", s, 8, Link("plain", link.bandwidth, link.latency), "ring", 0.8)
+    assert tp.time("send_recv", s) == pytest.approx(s / (link.bandwidth * 0.8) + link.latency)
+    with pytest.raises(ValueError, match="busbw"):
+        Link("bad", 1e9, 1e-6, busbw=((2e6, 1e9), (1e6, 2e9)))

@@ -40,6 +40,35 @@ def test_non_gemm_time_adds_to_gemm_time():
     assert ctx.compute_time(both, 4) == pytest.approx((t_g + t_o) / 4)
 
 
+def test_a_tensor_parallel_shard_prices_the_narrower_gemm_each_rank_runs():
+    """tp divides a weight GEMM's N (column-parallel) or K (row-parallel); each rank's GEMM is
+    narrower and fills the device less well. Per-head GEMMs (split "") and per-token work on a
+    sequence shard (M divided) are priced at their own per-rank shapes."""
+    ctx = _ctx()
+    hw = ctx.hardware
+    peak = hw.peak("bf16")
+    f = 2.0 * 16384 * 768 * 6144
+    col = Work(flops=f, gemms=((f, 16384, 768, 6144, "n"),), kernels=0)
+    row = Work(flops=f, gemms=((f, 16384, 6144, 768, "k"),), kernels=0)
+    head = Work(flops=f, gemms=((f, 16384, 768, 6144, ""),), kernels=0)
+    assert ctx.compute_time(col, 8) == pytest.approx(f / 8 / (peak * gemm_efficiency(hw, 16384, 96, 6144)))
+    assert ctx.compute_time(row, 8) == pytest.approx(f / 8 / (peak * gemm_efficiency(hw, 16384, 6144, 96)))
+    assert ctx.compute_time(head, 8) == pytest.approx(f / 8 / (peak * gemm_efficiency(hw, 16384, 768, 6144)))
+    assert ctx.compute_time(col, 8, split_tokens=True) == pytest.approx(
+        f / 8 / (peak * gemm_efficiency(hw, 2048, 768, 6144)))
+    # per FLOP, the tp-8 shard is slower than the whole GEMM: not a plain 1/8 of it
+    assert ctx.compute_time(col, 8) > 1.3 * ctx.compute_time(col, 1) / 8
+
+
+def test_structure_marks_the_dimension_tensor_parallel_divides():
+    from cost_models.compute import gemm_split
+
+    assert gemm_split(2048, 49152, 12288, True) == "n"     # up projection: column-parallel
+    assert gemm_split(2048, 12288, 49152, True) == "k"     # down projection: row-parallel
+    assert gemm_split(2048, 51200, 12288, True) == "n"     # vocabulary head
+    assert gemm_split(196608, 2048, 128, False) == ""      # attention scores: heads are the batch
+
+
 def test_overlap_per_dp_mode():
     assert dp_overlap("replicate").exposed(1.0, 100.0) == 1.0   # all-reduce after backward
     assert dp_overlap("zero1").exposed(1.0, 100.0) == 1.0
@@ -97,3 +126,20 @@ def test_gradient_accumulation_regathers_fsdp_blocks():
     assert fsdp_gathers("1F1B", 1, 4) == (5,)
     assert _stage_dp(PipelineChoice("1F1B", 1, 1, 1, [0]), u, 0, 0, 1) == pytest.approx(3.0)
     assert _stage_dp(PipelineChoice("1F1B", 1, 1, 4, [0]), u, 0, 0, 1) == pytest.approx(6.0)
+
+
+def test_selective_recompute_keeps_34_sbh_per_layer_as_korthikanti():
+    """formulas.md: with selective recomputation a Megatron GPT layer keeps 34*s*b*h bytes
+    (16-bit activations): the attention core's s^2 tensors are freed, but its q/k/v inputs --
+    the projections' outputs, which autoplan.plan.recompute keeps saved -- are not."""
+    import torch
+
+    from autoplan.capture import capture
+    from autoplan.models.gpt import build_gpt
+    from autoplan.search.structure import model_structure
+
+    b, s, h = 2, 64, 128
+    g = model_structure(capture(build_gpt(dim=h, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=4 * h,
+                                          max_seq_len=s), batch=(b, s), dtype=torch.bfloat16)).blocks[0]
+    layer = g.attention.work.saved + g.mlp.work.saved + g.norm_work.saved + g.other_work.saved
+    assert (layer - g.attention.work.core.saved) / (s * b * h) == pytest.approx(34, abs=0.2)
