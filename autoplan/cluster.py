@@ -244,9 +244,15 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     best = cands[0]
     c = best.choice
     spec = MeshSpec((best.dp, best.pp, best.tp), MESH_NAMES, hardware, search.dpn)
+    # the styles the search priced (its TP ILP), written into the plan by the mesh planner: solving
+    # again on the whole mesh can pick another head or stream, and the rows would then not match
+    searched, solver = search.tp_styles(best.tp, best.b, best.recompute)
     tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b), memory_limit=UNBOUNDED,
                        dtype=search.dtype, fsdp=best.fsdp, activation_checkpointing=best.recompute == "full",
-                       allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel)
+                       allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
+                       styles=searched)
+    tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
+                      "constraints": solver.constraints}
     ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
     with_dp_mode(tp_plan, search.graph(best.b), search.structure(best.b), best.dp_mode,
                  ctx.optimizer_bytes_per_element)

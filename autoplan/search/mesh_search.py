@@ -148,6 +148,7 @@ class ClusterSearch:
         self.allow_replicated, self.sp = allow_replicated_units, sequence_parallel
         self.graphs: dict[int, Any] = dict(graphs or {})
         self._tp: dict[tuple, tuple] = {}
+        self.tp_solver: dict[tuple, Any] = {}   # (tp, b, recompute) -> the TP ILP's SolverInfo
         self._structures: dict[int, Any] = {}
         self._ctx: dict[tuple, Any] = {}
         self._probers: dict[int, Any] = {}
@@ -219,13 +220,24 @@ class ClusterSearch:
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self._tp[key] = None
                 return None
-            chosen, layout, _info = search.solve(None)
+            chosen, layout, info = search.solve(None)
+            self.tp_solver[key] = info
             if not chosen:
                 self._tp[key] = None
             else:
                 ev = search.evaluate(chosen, layout)
                 self._tp[key] = (ev.options, layout)
         return self._tp[key]
+
+    def tp_styles(self, tp: int, b: int, ac) -> tuple[dict, object]:
+        """(pattern -> style, solver info) of the TP solution ``tp_solution`` priced: what the
+        plan must apply, so its predicted rows and its styles are the same options."""
+        options, _ = self.tp_solution(tp, b, ac)
+        styles = {}
+        for o in sorted(options, key=lambda o: o.slot):
+            styles.update(o.styles())
+        ac = "none" if recompute_of(ac) == "selective" else recompute_of(ac)
+        return styles, self.tp_solver[(tp, b, ac)]
 
     def unit_costs(self, dp: int, pp: int, tp: int, fsdp, ac, b: int):
         """(per-unit costs, P2P seconds per micro-batch hop) of the TP solution on this mesh.

@@ -75,7 +75,7 @@ def test_failed_apply_leaves_no_mark(mesh):
     model = _mlp()
     before = snapshot(model)
     with pytest.raises(Exception):
-        parallelize_module(model, mesh, {"0": ColwiseParallel(), "nope": RowwiseParallel()})
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "nope": RowwiseParallel()}, strict=True)
     assert snapshot(model) == before
     parallelize_module(model, mesh, {"0": ColwiseParallel()})
 

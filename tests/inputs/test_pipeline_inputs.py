@@ -63,7 +63,7 @@ def test_ranks_disagreeing_on_schedule_shape_fail_fast(pool2):
 @pytest.mark.parametrize("make, exc, match", [
     (lambda: Schedule1F1B.ir(2, 0), ScheduleError, "n_microbatches must be a positive int, got 0"),
     (lambda: Schedule1F1B.ir(0, 2), ScheduleError, "n_ranks must be a positive int"),
-    (lambda: build_schedule("Zigzag", 2, 2), ScheduleError, "unknown schedule 'Zigzag'"),
+    (lambda: build_schedule("Zigzag", 2, 2), ScheduleError, "schedule='Zigzag' is not a pipeline schedule; valid: \\['GPipe'"),
     (lambda: ScheduleInterleaved1F1B.ir(2, 3, n_virtual=2), ScheduleError, "not a multiple of the 2 pipeline ranks"),
     (lambda: split_microbatches((torch.zeros(4, 2),), {}, 3, None, None), MicrobatchError, "3 micro-batches do not divide"),
     (lambda: split_microbatches((torch.zeros(4, 2),), {}, 0, None, None), MicrobatchError, "positive int, got 0"),
