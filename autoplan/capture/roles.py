@@ -9,7 +9,7 @@ weighted matmul feeding a top-k; experts are the weights the grouped GEMMs after
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from autoplan.capture.ir import ModelGraph, Node
 
@@ -23,6 +23,12 @@ _PASS = (
     "add", "sub", "neg", "div", "dropout", "repeat", "index", "type_as", "float", "flatten",
     "unflatten", "alias", "t", "native_dropout", "masked_fill", "where", "_unsafe_view", "unbind",
 ) + _ACT
+
+
+def _passes(n: Node, extra: tuple[str, ...] = ()) -> bool:
+    """Whether an upstream walk goes through ``n``: a pass-through op (or one of ``extra``)."""
+    base = _base(n.op)
+    return base.startswith(_PASS + extra) or base == "getitem"
 
 
 def _base(op: str) -> str:
@@ -92,23 +98,29 @@ class _Flow:
     def weight(self, node: Node) -> str | None:
         return weight_of(node, self.graph, self.param_views)
 
-    def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
-        """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
-        found, ops, stack, seen = [], set(), [name], set()
+    def walk_up(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> Iterator[Node]:
+        """Every node upstream of tensor ``name`` reached through pass-through ops (views,
+        elementwise, ``getitem``; ``extra`` adds kinds), each once; a weighted matmul is yielded
+        but not walked past."""
+        stack, seen = [name], set()
         while stack and len(seen) < limit:
             cur = stack.pop()
             if cur in seen or cur not in self.by_name:
                 continue
             seen.add(cur)
             n = self.by_name[cur]
+            yield n
+            if not self.weight(n) and _passes(n, extra):
+                stack.extend(s for s in n.input_nodes if s in self.by_name)
+
+    def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
+        """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
+        found, ops = [], set()
+        for n in self.walk_up(name, limit, extra):
             if self.weight(n):
                 found.append(n)
-                continue
-            base = _base(n.op)
-            if not base.startswith(_PASS + extra) and base != "getitem":
-                continue
-            ops.add(base)
-            stack.extend(s for s in n.input_nodes if s in self.by_name)
+            elif _passes(n, extra):
+                ops.add(_base(n.op))
         return found, ops
 
     def down_matmul(self, name: str, limit: int = 20) -> Node | None:
@@ -199,22 +211,13 @@ def fixed_head_count(flow: _Flow, name: str, n_heads: int, limit: int = 40) -> b
     ``view(bsz, -1, num_heads, head_dim)``): on a column shard that reshape does not fail, it
     folds the missing heads into the sequence, a silently wrong attention the shape checks of a
     probe run cannot see."""
-    stack, seen = [name], set()
-    while stack and len(seen) < limit:
-        cur = stack.pop()
-        if cur in seen or cur not in flow.by_name:
+    for n in flow.walk_up(name, limit):
+        if flow.weight(n) or _base(n.op) not in ("view", "reshape", "_unsafe_view"):
             continue
-        seen.add(cur)
-        n = flow.by_name[cur]
-        if flow.weight(n):
-            continue
-        if _base(n.op) in ("view", "reshape", "_unsafe_view") and len(n.args) > 1 and isinstance(n.args[1], list):
-            shape = n.args[1]
-            # (..., heads, head_dim) with an explicit head count and an inferred leading dimension
-            if len(shape) >= 3 and shape[-2] == n_heads and -1 in shape[:-2]:
-                return True
-        if _base(n.op).startswith(_PASS) or _base(n.op) == "getitem":
-            stack.extend(s for s in n.input_nodes if s in flow.by_name)
+        shape = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], list) else []
+        # (..., heads, head_dim) with an explicit head count and an inferred leading dimension
+        if len(shape) >= 3 and shape[-2] == n_heads and -1 in shape[:-2]:
+            return True
     return False
 
 

@@ -118,6 +118,13 @@ def mesh_factorizations(devices: int, devices_per_node: int, max_pp: int,
     return out
 
 
+def _tp_key(tp: int, b: int, ac) -> tuple[int, int, str]:
+    """Cache key of a TP solution. Selective recomputation repeats no collective: its styles are
+    those of no recomputation, which is what autoplan() (none / full only) solves."""
+    mode = recompute_of(ac)
+    return tp, b, "none" if mode == "selective" else mode
+
+
 class ClusterSearch:
     """State shared by every candidate of one planning call: captured graphs per micro-batch
     shape, TP solutions per (tp, micro-batch, checkpointing), unit costs per mesh."""
@@ -207,10 +214,8 @@ class ClusterSearch:
 
     def tp_solution(self, tp: int, b: int, ac):
         """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` (cached)."""
-        # selective recomputation repeats no collective: its styles are those of no recomputation,
-        # which is what autoplan() (none / full only) solves when plan_cluster writes the plan
-        ac = "none" if recompute_of(ac) == "selective" else recompute_of(ac)
-        key = (tp, b, ac)
+        key = _tp_key(tp, b, ac)
+        ac = key[2]
         if key not in self._tp:
             ctx = self.ctx(1, 1, tp, False, ac)
             try:
@@ -236,8 +241,7 @@ class ClusterSearch:
         styles = {}
         for o in sorted(options, key=lambda o: o.slot):
             styles.update(o.styles())
-        ac = "none" if recompute_of(ac) == "selective" else recompute_of(ac)
-        return styles, self.tp_solver[(tp, b, ac)]
+        return styles, self.tp_solver[_tp_key(tp, b, ac)]
 
     def unit_costs(self, dp: int, pp: int, tp: int, fsdp, ac, b: int):
         """(per-unit costs, P2P seconds per micro-batch hop) of the TP solution on this mesh.
