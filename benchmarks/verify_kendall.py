@@ -94,7 +94,7 @@ def priced_as_listed(plan) -> float:
     each pay a collective's latency). Same cost context, same exposed-dp overlap rule."""
     from autoplan.search.costing import CostContext
     from autoplan.search.mesh_spec import MeshSpec
-    from autoplan.search.strategies import Collective
+    from hyper_parallel.core.collective import Collective
     from autoplan.search.tp_search import exposed_dp
 
     spec = MeshSpec.from_dict(plan.mesh)

@@ -27,7 +27,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from autoplan.search.strategies import Collective
+from hyper_parallel.core.collective import Collective
 from autoplan.search.structure import Work
 from cost_models.collectives import collective_terms
 from cost_models.compute import gemm_efficiency, sharded_gemm_dims

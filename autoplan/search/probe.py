@@ -38,7 +38,8 @@ from torch.overrides import TorchFunctionMode
 from autoplan.capture.blocks import only_representatives
 from autoplan.capture.inputs import meta_model
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
-from autoplan.search.strategies import Collective, Strategy
+from autoplan.search.strategies import Strategy
+from hyper_parallel.core.collective import Collective
 from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
 from hyper_parallel.local import CollectiveRecorder
 

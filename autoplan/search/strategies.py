@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hyper_parallel.core.collective import Collective
 from hyper_parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -32,22 +33,6 @@ _PLACEMENT = {"R": R, "S": S}
 # loss parallel all-reduces, per token: the max and the sum of exponentials in fp32, then the
 # target logit in the logits' dtype
 LOSS_FP32_REDUCTIONS = 2
-
-
-@dataclass(frozen=True)
-class Collective:
-    kind: str            # all_reduce | all_gather | reduce_scatter
-    phase: str           # forward | backward
-    nbytes: int
-    count: int = 1       # per call of the unit
-    dim: str = "tp"
-
-    def scaled(self, n: int) -> "Collective":
-        return Collective(self.kind, self.phase, self.nbytes, self.count * n, self.dim)
-
-    def scaled_bytes(self, n: int) -> "Collective":
-        """The same collective on ``n`` times the tokens (bytes proportional to the batch)."""
-        return Collective(self.kind, self.phase, self.nbytes * n, self.count, self.dim)
 
 
 @dataclass

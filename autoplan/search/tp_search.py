@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass, field
 
 import pulp
+from hyper_parallel.core.collective import Collective
 
 from autoplan.capture.ir import ModelGraph
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.costing import CostContext
 from autoplan.search.strategies import (
-    Collective,
     Strategy,
     attention_strategies,
     embedding_strategies,

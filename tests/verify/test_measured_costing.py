@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from autoplan.search.costing import CostContext
-from autoplan.search.strategies import Collective
+from hyper_parallel.core.collective import Collective
 from autoplan.search.structure import Work
 from cost_models import load_hardware, mesh_links
 from cost_models.collectives import collective_terms
