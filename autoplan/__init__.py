@@ -7,7 +7,10 @@
 from autoplan.api import autoplan
 from autoplan.cluster import plan_cluster
 from autoplan.plan import Plan
-from autoplan.search import MeshSpec
 from autoplan.review.compare import compare_plans
+from hyper_parallel.parallel_dims import ParallelDims
 
-__all__ = ["autoplan", "plan_cluster", "Plan", "MeshSpec", "compare_plans"]
+# the mesh a plan is made for: the runtime's ParallelDims, under the name autoplan's API has always used
+MeshSpec = ParallelDims
+
+__all__ = ["autoplan", "plan_cluster", "Plan", "MeshSpec", "ParallelDims", "compare_plans"]

@@ -1,7 +1,7 @@
 """autoplan(model, mesh) -> Plan: capture, cost, solve, and explain.
 
 The mesh fixes the degrees (its ``tp`` dimension is the tensor-parallel group, ``dp`` the
-data-parallel one); it may be a live DeviceMesh or an offline MeshSpec, so planning for 512
+data-parallel one); it may be a live DeviceMesh or an offline ParallelDims, so planning for 512
 GPUs needs no process group. With a device count instead, ``autoplan`` is
 :func:`autoplan.cluster.plan_cluster`; both end in :func:`autoplan.mesh_plan.plan_mesh`.
 """
@@ -19,24 +19,34 @@ from autoplan.cluster import CLUSTER_ONLY, plan_cluster
 from autoplan.errors import InvalidArgumentError
 from autoplan.mesh_plan import plan_mesh
 from autoplan.plan.plan import Plan
-from autoplan.search.mesh_spec import MeshSpec
+from hyper_parallel.errors import MeshError, MeshNameError
+from hyper_parallel.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
 
 
-def _mesh_spec(mesh, hardware: str | None) -> MeshSpec:
-    if isinstance(mesh, MeshSpec):
-        return mesh if hardware is None else MeshSpec(mesh.shape, mesh.names, hardware, mesh.devices_per_node)
+def _mesh_spec(mesh, hardware: str | None) -> ParallelDims:
+    try:
+        return _as_parallel_dims(mesh, hardware)
+    except MeshNameError:
+        raise
+    except MeshError as e:  # a malformed shape: autoplan's argument error, naming the argument
+        raise InvalidArgumentError(f"autoplan: mesh={mesh!r}: {e}") from None
+
+
+def _as_parallel_dims(mesh, hardware: str | None) -> ParallelDims:
+    if isinstance(mesh, ParallelDims):
+        return mesh if hardware is None else ParallelDims(mesh.shape, mesh.names, hardware, mesh.devices_per_node)
     if isinstance(mesh, dict):
         if "shape" not in mesh or "names" not in mesh:
             raise InvalidArgumentError(f"autoplan: mesh dict {mesh!r} needs 'shape' and 'names'")
-        spec = MeshSpec(tuple(mesh["shape"]), tuple(mesh["names"]), mesh.get("hardware", hardware or "h100_sxm"),
-                        mesh.get("devices_per_node"))
-        return spec if hardware is None else MeshSpec(spec.shape, spec.names, hardware, spec.devices_per_node)
+        spec = ParallelDims(tuple(mesh["shape"]), tuple(mesh["names"]), mesh.get("hardware", hardware or "h100_sxm"),
+                            mesh.get("devices_per_node"))
+        return spec if hardware is None else ParallelDims(spec.shape, spec.names, hardware, spec.devices_per_node)
     if isinstance(mesh, DeviceMesh):
-        return MeshSpec.from_device_mesh(mesh, hardware)
-    raise InvalidArgumentError(f"autoplan: mesh must be a device count (int), a DeviceMesh, a MeshSpec or a dict, "
-                               f"got {type(mesh).__name__}")
+        return ParallelDims.from_device_mesh(mesh, hardware)
+    raise InvalidArgumentError(f"autoplan: mesh must be a device count (int), a DeviceMesh, a ParallelDims (MeshSpec) "
+                               f"or a dict, got {type(mesh).__name__}")
 
 
 def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = None, hardware: str | None = None,

@@ -15,7 +15,7 @@ from autoplan.review import (
     diff, importers, plot_communication, plot_memory, plot_timeline, save_figure, to_hf_tp_plan, to_python, to_torch,
 )
 from autoplan.review.compare import compare_plans
-from autoplan.search.mesh_spec import MeshSpec, mesh_roles
+from hyper_parallel.parallel_dims import ParallelDims, mesh_roles
 from autoplan.train.cli import register as register_train
 from autoplan.verify import verify
 from cost_models.cli import main as cost_main
@@ -152,7 +152,7 @@ def _cmd_plan(args) -> int:
     for shape, names in tqdm(meshes, desc="planning meshes", unit="mesh", disable=len(meshes) == 1,
                              file=sys.stderr):
         try:
-            plans.append(autoplan(model, MeshSpec(shape, names, args.hardware), batch=(batch, args.seq),
+            plans.append(autoplan(model, ParallelDims(shape, names, args.hardware), batch=(batch, args.seq),
                                   styles=styles))
         except AutoplanError as e:
             failures.append(f"{dict(zip(names, shape))}: {str(e).splitlines()[0]}")

@@ -23,7 +23,7 @@ from autoplan.arguments import (
 from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
-from autoplan.search.mesh_spec import MeshSpec
+from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.sharding import param_shards
@@ -208,7 +208,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             raise InvalidArgumentError(
                 f"{who}: {name}= is not supported with a device count: the search captures the model at each "
                 f"micro-batch size itself{' (pass graphs={size: graph})' if name == 'graph' else ''}"
-                f"{'; price a hand-written plan on a mesh: autoplan(model, MeshSpec(...), styles=...)' if name == 'styles' else ''}"
+                f"{'; price a hand-written plan on a mesh: autoplan(model, ParallelDims(...), styles=...)' if name == 'styles' else ''}"
                 f"{'; give batch=(global_batch, seq_len)' if name == 'inputs' else ''}")
     batch = check_batch(batch, who)
     check_batch_fits_model(model, batch[1], who)
@@ -243,7 +243,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     t_search = time.perf_counter()
     best = cands[0]
     c = best.choice
-    spec = MeshSpec((best.dp, best.pp, best.tp), MESH_NAMES, hardware, search.dpn)
+    spec = ParallelDims((best.dp, best.pp, best.tp), MESH_NAMES, hardware, search.dpn)
     # the styles the search priced (its TP ILP), written into the plan by the mesh planner: solving
     # again on the whole mesh can pick another head or stream, and the rows would then not match
     searched, solver = search.tp_styles(best.tp, best.b, best.recompute)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from autoplan.api import autoplan
 from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
-from autoplan.search.mesh_spec import MeshSpec
+from hyper_parallel.parallel_dims import ParallelDims
 from cost_models.runtime import calibrate_runtime, load_runtime
 from hyper_parallel import loss_parallel, parallelize_module, style_from_dict
 from hyper_parallel.local import RankPool, cached_mesh, full
@@ -100,7 +100,7 @@ def plan_demo_model(world: int, batch: int, seq: int):
     demo asks for every unit to be sharded to show a real plan being applied.
     """
     model = build_llama(device="meta", **DEMO_MODEL)
-    return autoplan(model, MeshSpec((world,), ("tp",), "cpu"), batch=(batch, seq), dtype=torch.float32,
+    return autoplan(model, ParallelDims((world,), ("tp",), "cpu"), batch=(batch, seq), dtype=torch.float32,
                     allow_replicated_units=False)
 
 

@@ -1,4 +1,12 @@
-"""The planner's exception hierarchy; messages name the module, argument or value at fault."""
+"""The planner's exception hierarchy; messages name the module, argument or value at fault.
+
+A mesh description is the runtime's (``hyper_parallel.parallel_dims.ParallelDims``), so its errors
+are too: ``MeshNameError`` is re-exported here for callers of the planner.
+"""
+from hyper_parallel.errors import MeshNameError
+
+__all__ = ["AutoplanError", "CaptureError", "InfeasiblePlanError", "InvalidArgumentError", "InvalidConstraintError",
+           "MeshNameError", "MissingInputsError", "ModelTooLargeError", "PlanSchemaError", "PlanningError"]
 
 
 class AutoplanError(Exception):
@@ -32,11 +40,6 @@ class PlanSchemaError(AutoplanError, ValueError):
 class InvalidArgumentError(AutoplanError, ValueError):
     """An argument of a public entry point with a wrong type or value; the message names the
     argument, the value given and what would be valid."""
-
-
-class MeshNameError(PlanningError, ValueError):
-    """A mesh whose dimension names do not say which parallelism each dimension carries, or that
-    names one parallelism twice."""
 
 
 class InvalidConstraintError(InvalidArgumentError, InfeasiblePlanError):

@@ -33,7 +33,8 @@ from autoplan.plan.plan import Plan
 from autoplan.search.mesh_search import (
     DP_REPLICATE, DP_SHARD, hsdp_replicate_rows, hsdp_replicate_time, hsdp_splits,
 )
-from autoplan.search.mesh_spec import MeshSpec
+from cost_models.hardware import load_hardware
+from hyper_parallel.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def to_hsdp(sub: Plan, replicate: int, global_batch: int) -> Plan:
     data = sub.to_dict()
     plan = Plan.from_dict(data)
     plan.mesh = dict(sub.mesh, shape=[replicate] + shape, names=[DP_REPLICATE] + names)
-    spec = MeshSpec.from_dict(plan.mesh)
+    spec = ParallelDims.from_dict(plan.mesh)
     rows = hsdp_replicate_rows(sub.predictions["collectives"], shard, replicate)
     extra_s = hsdp_replicate_time(sub.predictions["collectives"], rows, spec, float(sub.predictions["compute_s"]))
     pred = dict(sub.predictions)
@@ -84,7 +85,7 @@ def plan_hsdp(model: torch.nn.Module, devices: int, *, tp: int, batch: tuple[int
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise PlanningError(f"plan_hsdp: batch must be (global_batch, seq_len), got {batch!r}")
     dp = devices // tp
-    dpn = devices_per_node or MeshSpec((1,), ("tp",), hardware).hardware_profile().devices_per_node
+    dpn = devices_per_node or load_hardware(hardware).devices_per_node
     splits = [tuple(split)] if split is not None else hsdp_splits(dp, tp, dpn)
     for r, s in splits:
         if r * s != dp or s < 2:
@@ -96,7 +97,7 @@ def plan_hsdp(model: torch.nn.Module, devices: int, *, tp: int, batch: tuple[int
         if gb % (r * s):
             failures.append(f"({r}, {s}): global batch {gb} not divisible by dp={r * s}")
             continue
-        spec = MeshSpec((s, tp), (DP_SHARD, "tp"), hardware, dpn)
+        spec = ParallelDims((s, tp), (DP_SHARD, "tp"), hardware, dpn)
         try:
             sub = autoplan(model, spec, batch=(gb // r, seq), hardware=hardware, memory_limit=memory_limit,
                            dtype=dtype, fsdp=True, **autoplan_kwargs)

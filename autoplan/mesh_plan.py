@@ -23,11 +23,13 @@ from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, MissingInputsError, PlanningError
 from autoplan.plan.plan import Plan
 from autoplan.search.costing import CostContext
-from autoplan.search.mesh_spec import MeshSpec
+from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
 from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
+from cost_models.hardware import load_hardware
+from cost_models.topology import mesh_topology
 from hyper_parallel.core.tensor_parallel import match_modules
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ REFERENCE_PLANS = {
                                 "final_norm": "sequence", "embedding": "vocab_sharded", "head": "loss_parallel"}),
 }
 
-def _collective_rows(ev: Evaluation, spec: MeshSpec, tp_dim: str | None, extra: list[dict]) -> list[dict]:
+def _collective_rows(ev: Evaluation, spec: ParallelDims, tp_dim: str | None, extra: list[dict]) -> list[dict]:
     """Tensor-parallel collectives of the chosen options plus the exact FSDP rows (``extra``)."""
     agg: dict[tuple, int] = defaultdict(int)
     for c in ev.collectives:
@@ -136,14 +138,14 @@ def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dty
     return capture(model, inputs, batch=cap_batch, dtype=dtype)
 
 
-def plan_mesh(model: torch.nn.Module, spec: MeshSpec, *, inputs: Any = None, batch: Any = None,
+def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None, batch: Any = None,
               memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
               allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
               sequence_parallel: bool | None = None, graph=None, styles: dict | None = None) -> Plan:
     """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
     its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled)."""
     t_start = time.perf_counter()
-    hw = spec.hardware_profile()
+    hw = load_hardware(spec.hardware)
     tp_dim, dp_dim = spec.dim("tp"), spec.dim("dp")
     tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
     if dtype is None:
@@ -153,7 +155,7 @@ def plan_mesh(model: torch.nn.Module, spec: MeshSpec, *, inputs: Any = None, bat
     t_captured = time.perf_counter()
     structure = model_structure(graph)
     pbytes = structure.dtype_bytes
-    ctx = CostContext(hardware=hw, topology=spec.topology(), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=dp_dim,
+    ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=dp_dim,
                       dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
                       optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom

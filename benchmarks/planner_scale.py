@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from autoplan import MeshSpec, autoplan
+from autoplan import ParallelDims, autoplan
 from autoplan.models import build_llama
 
 OUT = Path(__file__).parent / "results" / "planner_scale"
@@ -20,7 +20,7 @@ SHAPE_70B = dict(dim=8192, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_hidd
 
 
 def main() -> int:
-    mesh = MeshSpec((64, 8), ("dp", "tp"), "h100_sxm")
+    mesh = ParallelDims((64, 8), ("dp", "tp"), "h100_sxm")
     autoplan(build_llama(device="meta", n_layers=2, **SHAPE_70B), mesh, batch=(512, 8192))  # warm-up
     rows = []
     for layers in (8, 32, 80):

@@ -64,7 +64,7 @@ def plan_case(shape, names, batch, kw, calibrated: bool):
     calibration (no runtime overheads, loopback-guess links), for comparison."""
     import cost_models.hardware as hw_mod
     import cost_models.runtime as rt_mod
-    from autoplan import MeshSpec, autoplan
+    from autoplan import ParallelDims, autoplan
     from autoplan.models import build_llama
     from cost_models.hardware import Link
 
@@ -82,7 +82,7 @@ def plan_case(shape, names, batch, kw, calibrated: bool):
         rt_mod.load_runtime = lambda world: None
         hw_mod.load_hardware = bare_hardware
     try:
-        return autoplan(model, MeshSpec(shape, names, "cpu"), batch=batch, dtype=torch.float32, **kw)
+        return autoplan(model, ParallelDims(shape, names, "cpu"), batch=batch, dtype=torch.float32, **kw)
     finally:
         rt_mod.load_runtime, hw_mod.load_hardware = saved_rt, saved_hw
 
@@ -93,13 +93,15 @@ def priced_as_listed(plan) -> float:
     block and the root) instead of the search's per-unit FSDP pricing (attention, MLP and norms
     each pay a collective's latency). Same cost context, same exposed-dp overlap rule."""
     from autoplan.search.costing import CostContext
-    from autoplan.search.mesh_spec import MeshSpec
+    from cost_models.hardware import load_hardware
+    from cost_models.topology import mesh_topology
     from hyper_parallel.core.collective import Collective
+    from hyper_parallel.parallel_dims import ParallelDims
     from autoplan.search.tp_search import exposed_dp
 
-    spec = MeshSpec.from_dict(plan.mesh)
+    spec = ParallelDims.from_dict(plan.mesh)
     dp = spec.degree(plan.dp_dim) if plan.dp_dim else 1
-    ctx = CostContext(hardware=spec.hardware_profile(), topology=spec.topology(), dtype="torch.float32",
+    ctx = CostContext(hardware=load_hardware(spec.hardware), topology=mesh_topology(spec), dtype="torch.float32",
                       tp_dim=plan.tp_dim or "tp", dp_dim=plan.dp_dim, dp=dp, fsdp=bool(plan.fsdp.get("enabled")),
                       param_bytes_per_element=4, optimizer_bytes_per_element=8)
     tp_comm = dp_comm = 0.0

@@ -11,7 +11,7 @@ import resource
 import time
 from pathlib import Path
 
-from autoplan import MeshSpec, autoplan
+from autoplan import ParallelDims, autoplan
 from autoplan.models import build_llama
 from autoplan.verify import verify
 
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     model = build_llama(device="meta", dim=8192, n_layers=args.layers, n_heads=64, n_kv_heads=8,
                         vocab_size=128256, ffn_hidden=28672, max_seq_len=8192)
     t0 = time.perf_counter()
-    plan = autoplan(model, MeshSpec((64, 8), ("dp", "tp"), "h100_sxm"), batch=(512, 8192))
+    plan = autoplan(model, ParallelDims((64, 8), ("dp", "tp"), "h100_sxm"), batch=(512, 8192))
     t1 = time.perf_counter()
     result = verify(plan, model)
     t2 = time.perf_counter()

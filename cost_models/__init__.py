@@ -22,13 +22,13 @@ from cost_models.memory import (PRECISIONS, ModelStateBytes, ParamSpec, Precisio
                                 model_state_bytes, param_specs, rank_memory)
 from cost_models.ops import OpSpec, TensorSpec, llama_block_ops, llama_model_ops, specs_from_graph
 from cost_models.profile_table import ProfileTable
-from cost_models.topology import MeshDim, MeshTopology, mesh_links
+from cost_models.topology import MeshDim, MeshTopology, mesh_links, mesh_topology
 
 __all__ = [
     "ComputeModel", "HardwareProfile", "Link", "MeshDim", "MeshTopology", "ModelStateBytes", "OpSpec", "PRECISIONS",
     "ParamSpec", "PrecisionPolicy", "ProfileTable", "SavedActivation", "TensorSpec", "activation_bytes", "category",
     "collective_terms", "collective_time", "gpt_layer_activations", "inflight_microbatches", "list_hardware",
-    "llama_block_activations", "llama_block_ops", "llama_model_ops", "load_hardware", "mesh_links",
+    "llama_block_activations", "llama_block_ops", "llama_model_ops", "load_hardware", "mesh_links", "mesh_topology",
     "model_state_bytes", "op_bytes", "op_flops", "param_specs", "rank_memory", "specs_from_graph",
     "tp_layer_collectives", "wire_bytes",
 ]

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cost_models.collectives import MEASURED_KINDS, Algorithm, Kind, bus_bandwidth, collective_time
+from cost_models.hardware import load_hardware
 from cost_models.hardware.profile import HardwareProfile, Link
+from hyper_parallel.parallel_dims import ParallelDims
 
 
 RING_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -123,3 +125,10 @@ def mesh_links(shape: Sequence[int], names: Sequence[str], hardware: HardwarePro
                             rails=members_per_node(shape, i, dpn) if cross else 1,
                             rail_cap=intra.bandwidth if cross else 0.0))
     return MeshTopology(tuple(dims))
+
+
+def mesh_topology(dims: ParallelDims) -> MeshTopology:
+    """The priced links of a mesh description: its hardware profile's links, its devices per
+    node (the profile's when the mesh does not say)."""
+    hw = load_hardware(dims.hardware)
+    return mesh_links(dims.shape, dims.names, hw, devices_per_node=dims.devices_per_node or hw.devices_per_node)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
+from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.dtensor import custom_shard
 from hyper_parallel.core.pipeline_parallel import (
     BatchDimSpec,
@@ -49,8 +50,10 @@ from hyper_parallel.core.tensor_parallel import (
     style_from_dict,
     vocab_parallel_cross_entropy,
 )
+from hyper_parallel.parallel_dims import ParallelDims
 
 __all__ = [
+    "ParallelDims", "Collective",
     "init_device_mesh", "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement",
     "distribute_tensor", "distribute_module", "fully_shard", "custom_shard",
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",

@@ -66,3 +66,7 @@ class StageSplitError(PipelineError, ValueError):
 class AlreadyParallelizedError(HyperParallelError, ValueError):
     """A module that a parallelize call (ours or torch's) has already sharded or hooked; applying a
     second style on top would compose layouts nobody asked for and fail later in forward."""
+
+
+class MeshNameError(MeshError):
+    """A mesh dimension name that does not say which parallelism it carries, or two names for one."""

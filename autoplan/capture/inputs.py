@@ -135,12 +135,15 @@ def model_real_bytes(model: nn.Module) -> int:
 def meta_model(
     model: nn.Module, dtype: torch.dtype | None = None, max_copy_bytes: int | None = DEFAULT_MAX_COPY_BYTES
 ) -> nn.Module:
-    """The model itself when it is entirely on meta (and no dtype change), else a meta copy.
+    """The model itself when it is entirely on meta with every floating tensor already in
+    ``dtype`` (or no dtype asked), else a meta copy. (A search captures and probes one model many
+    times: it makes the copy once and hands it back here, which must then not copy again.)
 
     Raises ModelTooLargeError when real-device parameters exceed ``max_copy_bytes``.
     """
     real = model_real_bytes(model)
-    if real == 0 and dtype is None:
+    if real == 0 and (dtype is None or all(t.dtype == dtype for t in list(model.parameters()) + list(model.buffers())
+                                           if t.is_floating_point())):
         return model
     if max_copy_bytes is not None and real > max_copy_bytes:
         dev = next((t.device for t in model.parameters() if t.device.type != "meta"), None)

@@ -21,7 +21,7 @@ import hyper_parallel.core.pipeline_parallel as pipe
 from autoplan.plan.data_parallel import Zero1, allreduce_gradients, dp_share, fsdp_kwargs, plan_dp_mode, unique_params
 from autoplan.plan.forward import lm_loss
 from autoplan.plan.recompute import recompute_attention_core
-from autoplan.search.mesh_spec import mesh_roles
+from hyper_parallel.parallel_dims import mesh_roles
 from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.core.pipeline_parallel import SCHEDULES, schedule_facts
 from hyper_parallel.errors import MeshError

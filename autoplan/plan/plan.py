@@ -49,7 +49,7 @@ def _finite_float(text: str) -> float:
 
 @dataclass
 class Plan:
-    mesh: dict[str, Any]                       # MeshSpec.to_dict()
+    mesh: dict[str, Any]                       # ParallelDims.to_dict()
     tp_dim: str | None
     dp_dim: str | None
     styles: dict[str, dict[str, Any]]          # pattern -> style dict (hyper_parallel registry)

@@ -16,8 +16,8 @@ from typing import Any
 
 import jsonschema
 
-from autoplan.errors import AutoplanError, PlanSchemaError
-from autoplan.search.mesh_spec import mesh_roles
+from autoplan.errors import MeshNameError, PlanSchemaError
+from hyper_parallel.parallel_dims import mesh_roles
 from cost_models.hardware import list_hardware
 from hyper_parallel.core.pipeline_parallel import schedule_facts
 from hyper_parallel.core.tensor_parallel.registry import STYLES, style_from_dict
@@ -65,7 +65,7 @@ def _check_consistency(data: dict) -> None:
         raise PlanSchemaError(f"plan field mesh/names: {names} repeats a dimension")
     try:
         roles = mesh_roles(names)
-    except AutoplanError as e:
+    except MeshNameError as e:
         raise PlanSchemaError(f"plan field mesh/names: {e}") from None
     hw = mesh["hardware"].strip().lower().replace("-", "_").replace(" ", "_")
     if hw not in list_hardware():

@@ -14,6 +14,7 @@ are re-priced per mesh (FSDP vs replicated dp, the dp degree) into per-unit cost
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -23,9 +24,10 @@ from typing import Any, Sequence
 import torch
 
 from autoplan.capture import capture
+from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.search.costing import CostContext
-from autoplan.search.mesh_spec import MeshSpec
+from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.pipeline_search import (
     PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
     time_choice,
@@ -34,6 +36,7 @@ from autoplan.search.probe import Prober
 from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import TPSearch, exposed_dp
 from cost_models.hardware import load_hardware
+from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.split import spine_for
@@ -164,9 +167,16 @@ class ClusterSearch:
         self.unit_names = self._unit_names()
 
     # ---------------------------------------------------------------- pricing
+    @functools.cached_property
+    def meta(self) -> torch.nn.Module:
+        """The model on meta in the search's dtype, made once: every capture (one per micro-batch
+        size) and every prober (one per tensor-parallel degree) reads it instead of copying the
+        whole model again."""
+        return meta_model(self.model, self.dtype)
+
     def graph(self, b: int):
         if b not in self.graphs:
-            self.graphs[b] = capture(self.model, None, batch=(b, self.seq), dtype=self.dtype)
+            self.graphs[b] = capture(self.meta, None, batch=(b, self.seq), dtype=self.dtype)
         return self.graphs[b]
 
     def structure(self, b: int):
@@ -193,10 +203,10 @@ class ClusterSearch:
         return self._ctx[key]
 
     def _make_ctx(self, dp: int, pp: int, tp: int, mode: str, recompute: str):
-        spec = MeshSpec((dp, pp, tp), MESH_NAMES, self.hardware, self.dpn)
+        spec = ParallelDims((dp, pp, tp), MESH_NAMES, self.hardware, self.dpn)
         pbytes = self.structure(self.mb_sizes[0]).dtype_bytes
         mode = mode if dp > 1 else "replicate"
-        return CostContext(hardware=self.hw, topology=spec.topology(), dtype=str(self.dtype), tp_dim="tp",
+        return CostContext(hardware=self.hw, topology=mesh_topology(spec), dtype=str(self.dtype), tp_dim="tp",
                            dp_dim="dp", dp=dp, fsdp=mode == "fsdp", param_bytes_per_element=pbytes,
                            optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), dp_mode=mode,
                            recompute=recompute)
@@ -208,7 +218,8 @@ class ClusterSearch:
             return None
         if tp not in self._probers:
             graph = self.graph(b)
-            self._probers[tp] = Prober(self.model, graph.blocks, tp, (1, self.seq), self.dtype) \
+            sibling = next((p for p in self._probers.values() if p is not None and p.reference is not None), None)
+            self._probers[tp] = Prober(self.meta, graph.blocks, tp, (1, self.seq), self.dtype, sibling=sibling) \
                 if graph.blocks else None
         return self._probers[tp]
 
@@ -515,13 +526,13 @@ def hsdp_replicate_rows(fsdp_rows: Sequence[dict], shard: int, replicate: int) -
             for r in fsdp_rows if r["kind"] == "reduce_scatter" and r["mesh_dim"] == DP_SHARD]
 
 
-def hsdp_replicate_time(fsdp_rows: Sequence[dict], replicate_rows: Sequence[dict], spec: MeshSpec,
+def hsdp_replicate_time(fsdp_rows: Sequence[dict], replicate_rows: Sequence[dict], spec: ParallelDims,
                         compute_s: float) -> float:
     """Seconds the dp_replicate all-reduces add to a step: their alpha-beta time on ``spec``'s
     links, exposed by the same overlap rule the TP planner applies to FSDP traffic
     (``exposed_dp``): what the FSDP rows over dp_shard plus these expose, minus what the FSDP
     rows alone expose."""
-    topo = spec.topology()
+    topo = mesh_topology(spec)
 
     def seconds(rows):
         return sum(r["count"] * topo.collective_time(r["mesh_dim"], r["kind"], r["bytes"]) for r in rows)

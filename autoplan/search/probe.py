@@ -82,12 +82,24 @@ class Prober:
     """Runs styled copies of ``model`` (cut to one block per group) at tensor-parallel degree
     ``tp`` on a fake process group. Build once per search; :meth:`run` per candidate set."""
 
-    def __init__(self, model: nn.Module, groups, tp: int, batch: tuple[int, int], dtype: torch.dtype | None):
+    def __init__(self, model: nn.Module, groups, tp: int, batch: tuple[int, int], dtype: torch.dtype | None,
+                 sibling: "Prober | None" = None):
+        """``sibling``: a prober of the same model at another degree, whose shortened copy and
+        replicated reference run this one shares (neither depends on the degree: the reference
+        runs without styles, so it issues no collective)."""
         self.tp = tp
         self.batch = batch
-        mm = meta_model(model, dtype)
-        with only_representatives(mm, groups) as rename:
-            self.small = copy.deepcopy(mm)
+        if sibling is not None:
+            if sibling.batch != batch:
+                raise ValueError(f"Prober: sibling batch {sibling.batch} differs from {batch}")
+            self.small, self.short_of, self.reference = sibling.small, sibling.short_of, sibling.reference
+            self.verdicts, self.report = None, None
+            return
+        # cut to one block per group first, then copy only that (a 126-layer copy per degree was
+        # a second per search)
+        with only_representatives(model, groups) as rename:
+            small = meta_model(model, dtype)
+            self.small = copy.deepcopy(small) if small is model else small
         self.short_of = {real: short for short, real in rename.items()}
         self.reference: ProbeRun | None = None
         self.verdicts: dict | None = None     # (unit, strategy, stream) -> checked Strategy, None if rejected

@@ -57,6 +57,7 @@ class SlotChecker:
         self.report = SoundnessReport()
         self.units = self._unit_paths()
         self.repairs: dict[tuple, tuple] = {}   # option key -> (module -> dim, param bytes, forward collectives)
+        self._base_assignment: dict = {}         # the layout's sound base, once found
 
     # -- naming -------------------------------------------------------------------------
     def _unit_paths(self) -> dict[str, str]:
@@ -95,8 +96,9 @@ class SlotChecker:
     # -- the check --------------------------------------------------------------------------
     def check(self, mesh) -> None:
         p = self.prober
-        p.reference = p.run({}, mesh)
-        self.report.runs += 1
+        if p.reference is None:  # shared by the probers of one search (see Prober.sibling)
+            p.reference = p.run({}, mesh)
+            self.report.runs += 1
         if p.reference.error:
             self._reject_all(f"the model does not run replicated on fake tensors ({p.reference.error})")
             return
@@ -104,31 +106,68 @@ class SlotChecker:
             where, why = self.search.structure.not_units[0]
             self._drop_layout("S", f"{where} is not planned as a unit ({why}) and would see a sequence shard")
         for layout in list(self.search.layouts):
-            base, bad = None, ""
-            for prefer in BASE_PREFERENCES[layout]:
-                try:
-                    base = self.search.assignment(layout, prefer)
-                except InfeasiblePlanError as exc:  # a unit with no option on this stream
-                    bad = str(exc)
-                    break
-                styles = self.with_entry(base, layout)
-                run = p.run(styles, mesh) if styles else p.reference  # no styles: the reference run
-                self.report.runs += bool(styles)
-                bad = run.error or "; ".join(f.detail for f in p.findings(run))
-                if not bad:
-                    break
-            if bad:
-                self._drop_layout(layout, bad)
-                continue
-            sharded = {slot: [o for o in opts if o.strategy.name != "replicate" and
-                              (o.stream in (None, layout) or slot == "embedding") and
-                              (slot != "embedding" or o.stream == layout or o.stream == "R")]
-                       for slot, opts in self.search.slots.items()}
+            sharded = self._sharded(layout)
+            first = self._trial(sharded, 0)
+            if self._optimistic(layout, first, mesh):
+                start = 1  # the base and the first set ran together, clean
+            else:
+                if not self._base(layout, mesh):
+                    continue
+                start = 0
             depth = max((len(v) for v in sharded.values()), default=0)
-            for k in range(depth):
-                trial = {slot: opts[k] for slot, opts in sharded.items()
-                         if len(opts) > k and not self._primary_alive(slot, opts[k])}
-                self._check_set(base, trial, layout, mesh)
+            for k in range(start, depth):
+                self._check_set(self._base_assignment, self._trial(sharded, k), layout, mesh)
+
+    def _sharded(self, layout: str) -> dict:
+        """Per slot, its sharded options on ``layout``, in the order they are tried."""
+        return {slot: [o for o in opts if o.strategy.name != "replicate" and
+                       (o.stream in (None, layout) or slot == "embedding") and
+                       (slot != "embedding" or o.stream == layout or o.stream == "R")]
+                for slot, opts in self.search.slots.items()}
+
+    def _trial(self, sharded: dict, k: int) -> dict:
+        """The k-th option of every slot that has one (fallbacks of live primaries left out)."""
+        return {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k and not self._primary_alive(slot, opts[k])}
+
+    def _optimistic(self, layout: str, trial: dict, mesh) -> bool:
+        """Run the first base assignment with the first set of sharded options in one go. When that
+        run is clean (no error, no finding: nothing to repair or reject) both are sound and the two
+        separate runs are saved; otherwise nothing is concluded and the careful path runs."""
+        try:
+            base = self.search.assignment(layout, BASE_PREFERENCES[layout][0])
+        except InfeasiblePlanError:
+            return False
+        if not trial:
+            return False
+        run = self.prober.run(self.with_entry(dict(base, **trial), layout), mesh)
+        self.report.runs += 1
+        if run.error or self.prober.findings(run):
+            return False
+        self._base_assignment = base
+        return True
+
+    def _base(self, layout: str, mesh) -> bool:
+        """Find a sound base assignment for ``layout`` (the stream layout with every unit in its
+        simplest form); drop the layout when none runs clean."""
+        p = self.prober
+        base, bad = None, ""
+        for prefer in BASE_PREFERENCES[layout]:
+            try:
+                base = self.search.assignment(layout, prefer)
+            except InfeasiblePlanError as exc:  # a unit with no option on this stream
+                bad = str(exc)
+                break
+            styles = self.with_entry(base, layout)
+            run = p.run(styles, mesh) if styles else p.reference  # no styles: the reference run
+            self.report.runs += bool(styles)
+            bad = run.error or "; ".join(f.detail for f in p.findings(run))
+            if not bad:
+                break
+        if bad:
+            self._drop_layout(layout, bad)
+            return False
+        self._base_assignment = base
+        return True
 
     def _primary_alive(self, slot: str, option) -> bool:
         """Whether ``option`` is a fallback whose primary (checked earlier: it comes first) is still

@@ -23,7 +23,7 @@ from autoplan.api import autoplan
 from autoplan.capture import capture
 from autoplan.errors import AutoplanError
 from autoplan.models import build_llama
-from autoplan.search.mesh_spec import MeshSpec
+from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.shrink import ModelRecipe, recipe_for
 
@@ -125,7 +125,7 @@ def plan_case(family: str, mesh: str, variant: str):
         _CAPTURED.clear()
         _CAPTURED[family] = (model, capture(model, batch=(4, seq_len(model)), dtype=torch.bfloat16))
     model, graph = _CAPTURED[family]
-    plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=(4 * dp, seq_len(model)), graph=graph,
+    plan = autoplan(model, ParallelDims(shape, names, "h100_sxm"), batch=(4 * dp, seq_len(model)), graph=graph,
                     **VARIANTS[variant])
     return model, plan
 

@@ -126,11 +126,11 @@ def _expected(data: dict) -> dict:
 
 def later_uses(plan: Plan, base: Plan) -> None:
     """What a user does with a loaded plan before applying it; none may fail."""
-    from autoplan.search.mesh_spec import MeshSpec
+    from hyper_parallel.parallel_dims import ParallelDims
 
     repr(plan)
     plan.tp_plan()
-    MeshSpec.from_dict(plan.mesh)
+    ParallelDims.from_dict(plan.mesh)
     plan.summary()
     plan.collectives()
     plan.module_table()
