@@ -29,6 +29,7 @@ from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_
 from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
+from hyper_parallel.core.collective import Collective, merged_rows
 
 log = logging.getLogger(__name__)
 # the keywords plan_cluster takes beyond autoplan's: autoplan(model, N, ...) forwards exactly these
@@ -62,7 +63,7 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
         # root stays unsharded for the whole step
         rows += [("all_gather", "forward", nbytes, gathers[stage] if is_block else 1),
                  ("reduce_scatter", "backward", nbytes, 1)]
-    return [{"kind": k, "mesh_dim": "dp", "phase": p, "bytes": b, "count": n} for k, p, b, n in rows]
+    return [Collective(k, p, b, n, "dp").to_row() for k, p, b, n in rows]
 
 
 def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
@@ -94,7 +95,7 @@ def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dic
     rows, n = zero1_rows(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine)
     if best.dp_mode == "zero1":
         return rows
-    return [{"kind": "all_reduce", "mesh_dim": "dp", "phase": "backward", "bytes": n * st.dtype_bytes, "count": 1}]
+    return [Collective("all_reduce", "backward", n * st.dtype_bytes, dim="dp").to_row()]
 
 
 def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict | None = None
@@ -168,7 +169,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
                 agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
     inflight = c.peak_inflight[rank] / max(1, sum(1 for r in s2r if r == rank))
     mem["activations"] *= inflight
-    rows = [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n} for (k, d, p, b), n in sorted(agg.items())]
+    rows = merged_rows(Collective(k, p, b, n, d) for (k, d, p, b), n in agg.items())
     return rows, dict(mem)
 
 

@@ -34,37 +34,47 @@ from autoplan.search.mesh_search import (
     DP_REPLICATE, DP_SHARD, hsdp_replicate_rows, hsdp_replicate_time, hsdp_splits,
 )
 from cost_models.hardware import load_hardware
+from hyper_parallel.core.collective import Collective, merged_rows
 from hyper_parallel.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
 
 
 def to_hsdp(sub: Plan, replicate: int, global_batch: int) -> Plan:
-    """The HSDP plan on (dp_replicate=replicate, dp_shard, tp) from ``sub``, a plan for one replica
-    (mesh (dp_shard, tp), batch global_batch / replicate). ``sub`` is not modified."""
+    """The HSDP plan with a dp_replicate dimension of ``replicate`` in front of ``sub``'s mesh:
+    ``sub`` is the plan of one replica (FSDP over its dp dimension -- named dp_shard, dp, ... --
+    at batch global_batch / replicate), pipelined or not. Its rows gain the dp_replicate
+    all-reduces (one per reduce-scatter over the dp dimension, per pipeline rank for a pipeline)
+    and their exposed time. ``sub`` is not modified."""
     names, shape = list(sub.mesh["names"]), list(sub.mesh["shape"])
-    if sub.dp_dim != DP_SHARD or not sub.fsdp.get("enabled"):
-        raise PlanningError(f"to_hsdp: the replica plan must use FSDP over {DP_SHARD!r}; got dp_dim="
-                            f"{sub.dp_dim!r}, fsdp={sub.fsdp}")
-    shard = shape[names.index(DP_SHARD)]
-    data = sub.to_dict()
-    plan = Plan.from_dict(data)
+    if sub.dp_dim is None or not sub.fsdp.get("enabled") or sub.fsdp.get("replicate_dim"):
+        raise PlanningError(f"to_hsdp: the replica plan must use FSDP over its dp dimension (and not be HSDP "
+                            f"already); got dp_dim={sub.dp_dim!r}, fsdp={sub.fsdp}")
+    if DP_REPLICATE in names:
+        raise PlanningError(f"to_hsdp: the replica plan's mesh {names} already has {DP_REPLICATE!r}")
+    shard = shape[names.index(sub.dp_dim)]
+    plan = Plan.from_dict(sub.to_dict())
     plan.mesh = dict(sub.mesh, shape=[replicate] + shape, names=[DP_REPLICATE] + names)
     spec = ParallelDims.from_dict(plan.mesh)
-    rows = hsdp_replicate_rows(sub.predictions["collectives"], shard, replicate)
-    extra_s = hsdp_replicate_time(sub.predictions["collectives"], rows, spec, float(sub.predictions["compute_s"]))
+
+    def with_replicate(rows: list[dict]) -> tuple[list[dict], float]:
+        extra = hsdp_replicate_rows(rows, shard, replicate, sub.dp_dim)
+        seconds = hsdp_replicate_time(rows, extra, spec, float(sub.predictions["compute_s"]), sub.dp_dim)
+        return merged_rows(Collective.from_row(r) for r in list(rows) + extra), seconds
+
     pred = dict(sub.predictions)
-    pred["collectives"] = sorted(list(pred["collectives"]) + rows,
-                                 key=lambda r: (r["kind"], r["mesh_dim"], r["phase"], r["bytes"]))
+    pred["collectives"], extra_s = with_replicate(pred["collectives"])
     pred["step_s"] = float(pred["step_s"]) + extra_s
     pred["comm_s"] = float(pred["comm_s"]) + extra_s
     plan.predictions = pred
-    plan.fsdp = {"enabled": True, "dim": DP_SHARD, "replicate_dim": DP_REPLICATE,
-                 "replicate": int(replicate), "shard": int(shard)}
+    if plan.pipeline and plan.pipeline.get("rank_collectives"):
+        plan.pipeline = dict(plan.pipeline, rank_collectives=[with_replicate(rows)[0]
+                                                              for rows in plan.pipeline["rank_collectives"]])
+    plan.fsdp = dict(sub.fsdp, replicate_dim=DP_REPLICATE, replicate=int(replicate), shard=int(shard))
     plan.batch = dict(sub.batch, global_batch=int(global_batch))
     plan.notes = list(sub.notes) + [
-        f"HSDP: dp_replicate={replicate} x dp_shard={shard}: parameters, gradients and optimizer "
-        f"state sharded over dp_shard; one all-reduce per FSDP unit over dp_replicate "
+        f"HSDP: {DP_REPLICATE}={replicate} x {sub.dp_dim}={shard}: parameters, gradients and optimizer "
+        f"state sharded over {sub.dp_dim}; one all-reduce per FSDP unit over {DP_REPLICATE} "
         f"({extra_s:.4g} s/step exposed)"]
     plan.timing = dict(sub.timing)
     return plan

@@ -13,7 +13,6 @@ import dataclasses
 import inspect
 import logging
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from hyper_parallel.core.tensor_parallel import match_modules
+from hyper_parallel.core.collective import Collective, merged_rows
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +47,8 @@ REFERENCE_PLANS = {
 
 def _collective_rows(ev: Evaluation, spec: ParallelDims, tp_dim: str | None, extra: list[dict]) -> list[dict]:
     """Tensor-parallel collectives of the chosen options plus the exact FSDP rows (``extra``)."""
-    agg: dict[tuple, int] = defaultdict(int)
-    for c in ev.collectives:
-        if c.dim != "tp" or tp_dim is None or spec.degree(tp_dim) <= 1:
-            continue
-        agg[(c.kind, tp_dim, c.phase, int(c.nbytes))] += c.count
-    for r in extra:
-        agg[(r["kind"], r["mesh_dim"], r["phase"], int(r["bytes"]))] += r["count"]
-    return [{"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n}
-            for (k, d, p, b), n in sorted(agg.items())]
+    tp = [c.on(tp_dim) for c in ev.collectives if c.dim == "tp" and tp_dim is not None and spec.degree(tp_dim) > 1]
+    return merged_rows(tp + [Collective.from_row(r) for r in extra])
 
 
 def _bytes(value: float) -> int:
@@ -228,8 +221,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     use_fsdp = bool(fsdp and dp > 1)
     fsdp_rows = fsdp_collectives(shards, dp, dp_dim) if use_fsdp else []
     if dp > 1 and not use_fsdp:  # replicated DP: one all-reduce of the flattened local gradients
-        fsdp_rows = [{"kind": "all_reduce", "mesh_dim": dp_dim, "phase": "backward",
-                      "bytes": int(rank_param_bytes(shards, dp, False)), "count": 1}]
+        fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, dp, False)), dim=dp_dim).to_row()]
     memory = dict(best.memory)
     param_bytes = int(rank_param_bytes(shards, dp, use_fsdp))
     memory = {k: _bytes(v) for k, v in memory.items()}  # byte figures are exact integers in a plan
@@ -237,7 +229,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
                   optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
     t_end = time.perf_counter()
-    return Plan(
+    return Plan.from_fields(
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
         loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
         activation_checkpointing=bool(ctx.checkpoint_blocks),

@@ -95,23 +95,7 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
             log.warning("%s", msg)
             errors.append(msg)
             continue
-        nodes, edges, gin, gout = to_nodes(ep, rename, groups, root_type)
-        _own_tied_names(nodes, tied)
-        graph = ModelGraph(
-            model_type=root_type,
-            nodes=nodes,
-            edges=edges,
-            modules=infos,
-            blocks=groups,
-            tied_parameters=tied,
-            inputs=gin,
-            outputs=gout,
-            method=method,
-            warnings=list(errors),
-            num_parameters=nparams,
-        )
-        recognise_roles(graph)
-        return graph
+        return graph_of_export(ep, rename, groups, root_type, (infos, tied, nparams), method, errors)
     if not fallback:
         raise CaptureError("; ".join(errors))
     try:
@@ -122,6 +106,20 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
         with fake_device(mm, args, kwargs) as (_, a, kw):
             graph = capture_with_hooks(mm, a, kw, infos, groups, tied, nparams, errors)
     _own_tied_names(graph.nodes, tied)
+    recognise_roles(graph)
+    return graph
+
+
+def graph_of_export(ep, rename: dict[str, str], groups, root_type: str, tree: tuple, method: str,
+                    errors: list[str]) -> ModelGraph:
+    """The ModelGraph of an exported program: nodes and edges from its (current) node values,
+    the module tree ``tree`` = (infos, tied, number of parameters) of the traced model, roles."""
+    infos, tied, nparams = tree
+    nodes, edges, gin, gout = to_nodes(ep, rename, groups, root_type)
+    _own_tied_names(nodes, tied)
+    graph = ModelGraph(model_type=root_type, nodes=nodes, edges=edges, modules=infos, blocks=groups,
+                       tied_parameters=tied, inputs=gin, outputs=gout, method=method, warnings=list(errors),
+                       num_parameters=nparams)
     recognise_roles(graph)
     return graph
 

@@ -18,11 +18,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hyper_parallel.core.pipeline_parallel as pipe
-from autoplan.plan.data_parallel import Zero1, allreduce_gradients, dp_share, fsdp_kwargs, plan_dp_mode, unique_params
+from autoplan.parallelisms import ApplyTarget
+from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_share, plan_dp_mode, unique_params
+from autoplan.parallelisms.data import dp_mesh as plan_dp_mesh
+from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import lm_loss
-from autoplan.plan.recompute import recompute_attention_core
+from hyper_parallel import loss_parallel
 from hyper_parallel.parallel_dims import mesh_roles
-from hyper_parallel import fully_shard, loss_parallel, parallelize_module
 from hyper_parallel.core.pipeline_parallel import SCHEDULES, schedule_facts
 from hyper_parallel.errors import MeshError
 
@@ -47,18 +49,6 @@ def _sharded_logits_loss(loss_fn: Callable) -> Callable:
     def fn(logits, targets):
         return loss_fn(logits.logits if hasattr(logits, "logits") else logits, targets)
     return fn
-
-
-def apply_tp(plan, model: nn.Module, mesh):
-    """The plan's TP styles on the whole model (before the split, so every stage's layouts agree);
-    returns the tp sub-mesh activations live on, or None without TP."""
-    names = tuple(mesh.mesh_dim_names or ())
-    tp_mesh = mesh[plan.tp_dim] if plan.tp_dim and plan.tp_dim in names else None
-    if tp_mesh is None or tp_mesh.size() == 1:
-        return None
-    if plan.styles:
-        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim, strict=True)
-    return tp_mesh
 
 
 class PipelineRunner:
@@ -105,7 +95,7 @@ class PipelineRunner:
         src = dist.get_global_rank(self.pp_group, self.last_pp_rank)
         dist.broadcast(value, src=src, group=self.pp_group)
         if self.dp_mesh is not None and self.dp_mesh.size() > 1:
-            dist.all_reduce(value, group=self.dp_mesh.get_group())
+            dist.all_reduce(value, group=dp_group(self.dp_mesh))
             value /= self.dp_mesh.size()
         return float(value)
 
@@ -123,19 +113,19 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     if pp_name is None:
         raise MeshError(f"plan.apply: a pipelined plan needs a pipeline mesh dimension ('pp'), got {names}")
     p, m, sched_name = int(pipe_cfg["pp"]), int(pipe_cfg["microbatches"]), pipe_cfg["schedule"]
-    if (plan.fsdp or {}).get("replicate_dim"):
-        raise MeshError("plan.apply: HSDP (fsdp.replicate_dim) with pp > 1 is not supported; plan the "
-                        "pipeline with FSDP or replicated data parallel")
     if mesh[pp_name].size() != p:
         raise MeshError(f"plan.apply: plan has pp={p}, mesh has {pp_name}={mesh[pp_name].size()}")
-    dp_mesh = mesh[plan.dp_dim] if plan.dp_dim and plan.dp_dim in names else None
     facts = schedule_facts(sched_name, "plan.pipeline['schedule']")
     if plan.recompute_mode == "selective" and facts.split_backward:
         whole = [n for n, f in SCHEDULES.items() if not f.split_backward]
         raise MeshError(f"plan.apply: selective recomputation cannot run under {sched_name} (its weight "
                         "gradients are a second backward pass; torch's selective checkpointing allows one); "
                         f"use one of {whole}, or recompute none/full")
-    tp_mesh = apply_tp(plan, model, mesh)
+    # the registry's order with the pipeline around it: the whole model first (tensor parallel,
+    # so every stage's layouts agree), then this rank's stages, then the rest on the stages
+    target = ApplyTarget(model=model, mesh=mesh, pipelined=True)
+    apply_to_model(plan, target)
+    tp_mesh = target.state.get("tp_mesh")
     cls = facts.schedule_class
     kwargs = facts.generator_kwargs(int(pipe_cfg["virtual_stages"]))
     ir = cls.ir(p, m, **kwargs)
@@ -143,40 +133,24 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     stages = pipe.build_stages(model, ir, group=pp_group, cuts=list(pipe_cfg["cuts"]),
                                activation_mesh=tp_mesh)
     blocks = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})
-
-    def is_block(unit: str) -> bool:
-        return any(unit.startswith(b + ".") for b in blocks)
-
-    if plan.recompute_mode == "full":
-        from torch.distributed._composable import checkpoint
-
-        for st in stages:
-            for u in st.module.units:
-                if is_block(u):
-                    checkpoint(st.module.get_submodule(u))
-    elif plan.recompute_mode == "selective":
-        for st in stages:
-            recompute_attention_core(st.module, list(plan.recompute.get("modules", [])), strict=False)
-    use_dp = dp_mesh is not None and dp_mesh.size() > 1
+    target.roots = [st.module for st in stages]
+    target.blocks = [st.module.get_submodule(u) for st in stages for u in st.module.units
+                     if any(u.startswith(b + ".") for b in blocks)]
     mode = plan_dp_mode(plan)
-    replicate_dp = use_dp and mode == "replicate"
-    zero1_dp = use_dp and mode == "zero1"
-    if replicate_dp or zero1_dp:
-        use_dp = False  # whole parameters per dp rank; gradients averaged (or ZeRO-1) after each step
-
-    if use_dp:
+    dp_mesh = plan_dp_mesh(plan, mesh)   # 2-D (dp_replicate, dp_shard) for HSDP
+    use_dp = dp_mesh is not None and dp_mesh.size() > 1
+    if use_dp and mode == "fsdp":
+        # parameters shared across stages (tied embedding / head) are reduced by the schedule, not FSDP
         tied = {id(prm) for st in stages for g in st.module.tied_groups
                 for s, fqn in g.items() if s == st.stage_index for prm in [st.module.get_parameter(fqn)]}
-        ignored = {prm for st in stages for prm in st.module.parameters() if id(prm) in tied}
-        for st in stages:
-            for u in st.module.units:
-                if is_block(u):
-                    fully_shard(st.module.get_submodule(u), mesh=dp_mesh, ignored_params=ignored,
-                                **fsdp_kwargs(plan.fsdp))
-            fully_shard(st.module, mesh=dp_mesh, ignored_params=ignored, **fsdp_kwargs(plan.fsdp))
+        target.ignored_params = {prm for st in stages for prm in st.module.parameters() if id(prm) in tied}
+    apply_to_roots(plan, target)
+    replicate_dp = use_dp and mode == "replicate"
+    zero1_dp = use_dp and mode == "zero1"
+    use_dp = use_dp and mode == "fsdp"
     sharded_loss = bool(plan.loss_parallel) and tp_mesh is not None
     loss = (_sharded_logits_loss if sharded_loss else _full_logits_loss)(loss_fn or lm_loss)
-    schedule = cls(stages, m, loss, dp_group=dp_mesh.get_group() if use_dp else None,
+    schedule = cls(stages, m, loss, dp_group=dp_group(dp_mesh) if use_dp else None,
                    loss_context=loss_parallel if sharded_loss else None, **kwargs)
     params = [prm for st in stages for prm in st.module.parameters()]
     if optimizer is None:

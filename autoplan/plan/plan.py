@@ -11,9 +11,16 @@ Schema 2: counts and byte figures are exact integers and floats are written in f
 repr that reads back to the same double), so a plan read back from its file equals the plan
 written, field by field, and verifies the same. (Schema 1 rounded every number to 9 significant
 digits: a 2,861,912,064-byte prediction came back as 2,861,912,060.)
+
+Schema 3: decisions are stored per parallelism (``parallel.tp``, ``parallel.dp``, ``parallel.hsdp``,
+``parallel.ac``, ``parallel.pp``), one section per entry of ``autoplan.parallelisms``, each with its
+own schema fragment and checks, instead of fixed top-level fields; the properties ``styles``,
+``tp_dim``, ``fsdp``, ``pipeline``... read and write those sections. Schema-2 files are upgraded on
+load (their fields moved into the sections unchanged).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,7 +29,8 @@ from typing import Any
 
 from autoplan.errors import InvalidArgumentError, PlanSchemaError
 from autoplan.plan.runner import apply_plan
-from autoplan.plan.schema import SCHEMA_VERSION, validate_plan_data
+from autoplan.parallelisms import default_sections
+from autoplan.plan.schema import SCHEMA_VERSION, upgrade_plan_data, validate_plan_data
 from hyper_parallel import style_from_dict
 
 
@@ -50,12 +58,9 @@ def _finite_float(text: str) -> float:
 @dataclass
 class Plan:
     mesh: dict[str, Any]                       # ParallelDims.to_dict()
-    tp_dim: str | None
-    dp_dim: str | None
-    styles: dict[str, dict[str, Any]]          # pattern -> style dict (hyper_parallel registry)
-    stream_layout: str                         # "R" or "S" (sequence parallel)
-    loss_parallel: bool
-    fsdp: dict[str, Any]
+    # one section per registered parallelism (autoplan.parallelisms): "tp" (dim, styles, stream
+    # layout, loss parallel), "dp" (dim, fsdp), "hsdp", "ac" (recomputation), "pp" (pipeline)
+    parallel: dict[str, Any]
     decisions: list[dict[str, Any]]
     predictions: dict[str, Any]
     alternatives: list[dict[str, Any]]
@@ -63,26 +68,144 @@ class Plan:
     model: dict[str, Any]
     batch: dict[str, Any]
     notes: list[str] = field(default_factory=list)
-    activation_checkpointing: bool = False
-    pipeline: dict[str, Any] | None = None
-    # selective recomputation: {"mode": "selective", "modules": [patterns of the attention
-    # modules whose own ops are recomputed]}; empty: none, or full when activation_checkpointing
-    recompute: dict[str, Any] = field(default_factory=dict)
     timing: dict[str, float] = field(default_factory=dict)   # wall-clock; not in JSON unless asked
     schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        self.parallel = dict(default_sections(), **(self.parallel or {}))
+
+    @classmethod
+    def from_fields(cls, *, mesh: dict, tp_dim: str | None = None, dp_dim: str | None = None,
+                    styles: dict | None = None, stream_layout: str = "R", loss_parallel: bool = False,
+                    fsdp: dict | None = None, activation_checkpointing: bool = False, recompute: dict | None = None,
+                    pipeline: dict | None = None, **rest: Any) -> "Plan":
+        """A plan from the decisions by name (what the planner decides); each lands in its section."""
+        plan = cls(mesh=mesh, parallel={}, **rest)
+        plan.tp_dim, plan.styles, plan.stream_layout, plan.loss_parallel = tp_dim, dict(styles or {}), \
+            stream_layout, bool(loss_parallel)
+        plan.dp_dim, plan.fsdp = dp_dim, dict(fsdp or {"enabled": False})
+        plan.activation_checkpointing = bool(activation_checkpointing)
+        if recompute:
+            plan.recompute = recompute
+        plan.pipeline = pipeline
+        return plan
+
+    def replace(self, **changes: Any) -> "Plan":
+        """A copy of this plan with ``changes``: any field or section property by name
+        (``styles=``, ``fsdp=``, ``pipeline=``, ``predictions=`` ...); an unknown name is a TypeError."""
+        known = set(self.__dataclass_fields__) | {k for k, v in vars(type(self)).items() if isinstance(v, property)
+                                                  and v.fset is not None}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"Plan.replace: unknown field(s) {unknown}; known: {sorted(known)}")
+        new = copy.deepcopy(self)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
+
+    # ---- the sections by the names the planner and runners use ----------------------------------
+    @property
+    def tp_dim(self) -> str | None:
+        return self.parallel["tp"]["dim"]
+
+    @tp_dim.setter
+    def tp_dim(self, value: str | None) -> None:
+        self.parallel["tp"] = dict(self.parallel["tp"], dim=value)
+
+    @property
+    def styles(self) -> dict[str, dict[str, Any]]:
+        """pattern -> style dict (hyper_parallel registry)."""
+        return self.parallel["tp"]["styles"]
+
+    @styles.setter
+    def styles(self, value: dict) -> None:
+        self.parallel["tp"] = dict(self.parallel["tp"], styles=value)
+
+    @property
+    def stream_layout(self) -> str:
+        """"R" (replicated residual stream) or "S" (sequence parallel)."""
+        return self.parallel["tp"]["stream_layout"]
+
+    @stream_layout.setter
+    def stream_layout(self, value: str) -> None:
+        self.parallel["tp"] = dict(self.parallel["tp"], stream_layout=value)
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.parallel["tp"]["loss_parallel"]
+
+    @loss_parallel.setter
+    def loss_parallel(self, value: bool) -> None:
+        self.parallel["tp"] = dict(self.parallel["tp"], loss_parallel=value)
+
+    @property
+    def dp_dim(self) -> str | None:
+        return self.parallel["dp"]["dim"]
+
+    @dp_dim.setter
+    def dp_dim(self, value: str | None) -> None:
+        self.parallel["dp"] = dict(self.parallel["dp"], dim=value)
+
+    @property
+    def fsdp(self) -> dict[str, Any]:
+        """The data-parallel decision as one dict (a copy): ``enabled``, ``dim``, ``mode``,
+        ``mixed_precision``, and for HSDP ``replicate_dim``/``replicate``/``shard`` (the hsdp
+        section). Assign a whole dict to change it."""
+        out = dict(self.parallel["dp"]["fsdp"])
+        hsdp = self.parallel.get("hsdp")
+        if hsdp:
+            out.update(replicate_dim=hsdp["dim"], replicate=hsdp["replicate"], shard=hsdp["shard"])
+        return out
+
+    @fsdp.setter
+    def fsdp(self, value: dict) -> None:
+        value = dict(value)
+        rep = value.pop("replicate_dim", None)
+        r, sh = value.pop("replicate", None), value.pop("shard", None)
+        self.parallel["dp"] = dict(self.parallel["dp"], fsdp=value)
+        self.parallel["hsdp"] = {"dim": rep, "replicate": r, "shard": sh} if rep else None
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Full recomputation of every repeated block."""
+        return self.parallel["ac"]["mode"] == "full"
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, value: bool) -> None:
+        if value:
+            self.parallel["ac"] = {"mode": "full"}
+        elif self.parallel["ac"]["mode"] == "full":
+            self.parallel["ac"] = {"mode": "none"}
+
+    @property
+    def recompute(self) -> dict[str, Any]:
+        """Selective recomputation: ``{"mode": "selective", "modules": [attention patterns]}``;
+        empty: none, or full (``activation_checkpointing``)."""
+        ac = self.parallel["ac"]
+        return dict(ac) if ac["mode"] == "selective" else {}
+
+    @recompute.setter
+    def recompute(self, value: dict) -> None:
+        if value and value.get("mode", "selective") == "selective":
+            self.parallel["ac"] = {"mode": "selective", "modules": list(value.get("modules", []))}
+        elif self.parallel["ac"]["mode"] == "selective":
+            self.parallel["ac"] = {"mode": "none"}
+
+    @property
+    def pipeline(self) -> dict[str, Any] | None:
+        return self.parallel.get("pp")
+
+    @pipeline.setter
+    def pipeline(self, value: dict | None) -> None:
+        self.parallel["pp"] = value
 
     # ------------------------------------------------------------------ data
     def to_dict(self, timing: bool = False) -> dict[str, Any]:
         data = {
             "schema_version": self.schema_version, "model": self.model, "mesh": self.mesh, "batch": self.batch,
-            "tp_dim": self.tp_dim, "dp_dim": self.dp_dim, "styles": self.styles,
-            "stream_layout": self.stream_layout, "loss_parallel": self.loss_parallel, "fsdp": self.fsdp,
-            "activation_checkpointing": self.activation_checkpointing,
-            "pipeline": self.pipeline, "decisions": self.decisions, "predictions": self.predictions,
+            "parallel": self.parallel, "decisions": self.decisions, "predictions": self.predictions,
             "alternatives": self.alternatives, "solver": self.solver, "notes": self.notes,
         }
-        if self.recompute:
-            data["recompute"] = self.recompute
         if timing:
             data["timing"] = self.timing
         return _plain(data)
@@ -95,14 +218,13 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Plan":
+        data = upgrade_plan_data(data)   # a schema-2 file: its fixed fields moved into sections
         validate_plan_data(data)
         data = _plain(data)  # the plan owns its data: later edits of ``data`` do not reach it
-        kw = {k: data[k] for k in ("mesh", "tp_dim", "dp_dim", "styles", "stream_layout", "loss_parallel", "fsdp",
-                                   "decisions", "predictions", "alternatives", "solver", "model", "batch")}
-        return cls(**kw, notes=list(data.get("notes", [])), pipeline=data.get("pipeline"),
-                   activation_checkpointing=bool(data.get("activation_checkpointing", False)),
-                   recompute=dict(data.get("recompute") or {}),
-                   timing=dict(data.get("timing", {})), schema_version=data["schema_version"])
+        kw = {k: data[k] for k in ("mesh", "parallel", "decisions", "predictions", "alternatives", "solver", "model",
+                                   "batch")}
+        return cls(**kw, notes=list(data.get("notes", [])), timing=dict(data.get("timing", {})),
+                   schema_version=data["schema_version"])
 
     @classmethod
     def from_json(cls, source: str | Path) -> "Plan":

@@ -1,8 +1,8 @@
 """Apply a Plan with hyper_parallel and train: the one call between a plan file and a step.
 
-``apply_plan`` checks the mesh against the plan, applies the tensor-parallel styles on the plan's
-tp dimension, wraps blocks and the root with FSDP2 on its dp dimension when the plan says so,
-and returns a Runner whose ``step((inputs, targets))`` runs forward, loss (vocabulary-parallel
+``apply_plan`` checks the mesh against the plan, applies each parallelism the plan decides
+through its registry entry (tensor parallel on the tp dimension, recomputation, FSDP2 / HSDP on
+the dp dimensions), and returns a Runner whose ``step((inputs, targets))`` runs forward, loss (vocabulary-parallel
 when the plan chose loss parallel), backward and the optimizer step.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autoplan.plan.data_parallel import Zero1, allreduce_gradients, dp_share, fsdp_kwargs, plan_dp_mode, unique_params
-from autoplan.plan.data_parallel import dp_mesh as plan_dp_mesh
+from autoplan.parallelisms import ApplyTarget
+from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_share, unique_params
+from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
-from autoplan.plan.recompute import recompute_attention_core
-from hyper_parallel import fully_shard, loss_parallel, parallelize_module
+from hyper_parallel import loss_parallel
 from hyper_parallel.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,9 @@ def _check_mesh(plan, mesh) -> None:
                         f"got shape {tuple(mesh.shape)} named {names}")
 
 
-def _fsdp_units(model: nn.Module, plan) -> list[nn.Module]:
-    """One FSDP unit per repeated block (what torchtitan wraps), then the root takes the rest."""
+def block_modules(model: nn.Module, plan) -> list[nn.Module]:
+    """The repeated blocks (what torchtitan wraps for FSDP and checkpoints), from the plan's
+    decisions: every child of each block container."""
     units = []
     prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix") is not None})
     for prefix in prefixes:
@@ -89,26 +90,17 @@ def _fsdp_units(model: nn.Module, plan) -> list[nn.Module]:
 
 def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-3,
                loss_fn: Callable = lm_loss):
+    """Apply every parallelism of ``plan`` in the registry's order (``autoplan.parallelisms``):
+    those applied to the whole model (tensor parallel), then -- with a pipeline, after cutting
+    this rank's stages -- those applied to the roots (recomputation, then FSDP / HSDP)."""
     _check_mesh(plan, mesh)
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
         return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
-    if plan.styles and plan.tp_dim:
-        parallelize_module(model, mesh, plan.tp_plan(), mesh_dim=plan.tp_dim, strict=True)
-    if plan.recompute_mode == "full":
-        from torch.distributed._composable import checkpoint
-
-        for unit in _fsdp_units(model, plan):  # the repeated blocks
-            checkpoint(unit)
-    elif plan.recompute_mode == "selective":
-        recompute_attention_core(model, list(plan.recompute.get("modules", [])))
-    dp_mesh = plan_dp_mesh(plan, mesh)  # 2-D (dp_replicate, dp_shard) for HSDP: fully_shard's HSDP
+    target = ApplyTarget(model=model, mesh=mesh, roots=[model], blocks=block_modules(model, plan))
+    apply_to_model(plan, target)
+    apply_to_roots(plan, target)
+    dp_mesh, mode = target.state.get("dp_mesh"), target.state.get("dp_mode")
     use_dp = dp_mesh is not None and dp_mesh.size() > 1
-    mode = plan_dp_mode(plan)
-    if mode == "fsdp" and use_dp:
-        kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
-        for unit in _fsdp_units(model, plan):
-            fully_shard(unit, mesh=dp_mesh, **kw)
-        fully_shard(model, mesh=dp_mesh, **kw)
     zero1 = Zero1(unique_params(model), dp_mesh.get_group(), dp_mesh.size(), dp_mesh.get_local_rank()) \
         if mode == "zero1" and use_dp else None
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)

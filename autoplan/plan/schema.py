@@ -3,8 +3,9 @@
 Two layers: ``plan_schema.json`` checks every field's type and range (integers are exact JSON
 integers: ``2.0`` or ``true`` is not a count), then :func:`_check_consistency` checks what one
 field cannot say alone -- mesh shape and names of one length and from the mesh-name vocabulary,
-``tp_dim``/``dp_dim``/``fsdp.dim`` naming the right mesh dimensions, a pipeline that matches the
-mesh, styles that the registry can rebuild. A plan that passes both loads to exactly the data
+then every parallelism's section against the mesh and the other sections (each registry entry's
+``check``: tp/dp dimensions that are the mesh's, a pipeline that matches it, HSDP degrees), and
+styles that the style registry can rebuild. A plan that passes both loads to exactly the data
 it was written from, and applying it fails only for reasons of the model or mesh it is given.
 """
 from __future__ import annotations
@@ -17,14 +18,16 @@ from typing import Any
 import jsonschema
 
 from autoplan.errors import MeshNameError, PlanSchemaError
+from autoplan.parallelisms import PARALLELISMS, parallel_schema
 from hyper_parallel.parallel_dims import mesh_roles
 from cost_models.hardware import list_hardware
-from hyper_parallel.core.pipeline_parallel import schedule_facts
 from hyper_parallel.core.tensor_parallel.registry import STYLES, style_from_dict
 from hyper_parallel.errors import HyperParallelError
 
 # the plan-file format this autoplan writes and reads (see plan.py's docstring for what changed)
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# the older formats this autoplan upgrades on load
+UPGRADABLE = (2,)
 
 # exact JSON integers only: jsonschema's "integer" also accepts 2.0 (and Python's True is an int)
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
@@ -34,7 +37,11 @@ _Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_
 
 @lru_cache(maxsize=1)
 def plan_schema() -> dict:
-    return json.loads(resources.files("autoplan.plan").joinpath("plan_schema.json").read_text())
+    """The plan file's JSON schema: plan_schema.json with the ``parallel`` field assembled from
+    the registry's sections (each parallelism owns its fragment)."""
+    schema = json.loads(resources.files("autoplan.plan").joinpath("plan_schema.json").read_text())
+    schema["properties"]["parallel"] = parallel_schema()
+    return schema
 
 
 def _inline(node: Any, defs: dict) -> Any:
@@ -71,56 +78,42 @@ def _check_consistency(data: dict) -> None:
     if hw not in list_hardware():
         raise PlanSchemaError(f"plan field mesh/hardware: {mesh['hardware']!r} is not a known profile; "
                               f"known: {list_hardware()}")
-    for key, role in (("tp_dim", "tp"), ("dp_dim", "dp")):
-        if data[key] is not None and data[key] != roles.get(role):
-            raise PlanSchemaError(f"plan field {key}: {data[key]!r} is not the mesh's {role} dimension "
-                                  f"(mesh names {names}; expected {roles.get(role)!r} or null)")
-    if data["tp_dim"] is None and (data["styles"] or data["stream_layout"] == "S" or data["loss_parallel"]):
-        raise PlanSchemaError("plan field tp_dim: null, but the plan has tensor-parallel styles, a sequence-parallel "
-                              "stream or loss parallel; they would be silently skipped when applied")
-    fsdp = data["fsdp"]
-    if fsdp.get("dim") is not None and fsdp["dim"] != data["dp_dim"]:
-        raise PlanSchemaError(f"plan field fsdp/dim: {fsdp['dim']!r} is not dp_dim {data['dp_dim']!r}")
-    if fsdp["enabled"] and data["dp_dim"] is None:
-        raise PlanSchemaError("plan field fsdp/enabled: true, but the plan has no dp_dim to shard over")
     degree = dict(zip(names, shape))
-    pipe = data.get("pipeline")
-    pp_name = roles.get("pp")
-    pp_mesh = degree.get(pp_name, 1) if pp_name else 1
-    if pipe is not None:
-        pp = pipe["pp"]
-        if pp != pp_mesh:
-            raise PlanSchemaError(f"plan field pipeline/pp: {pp} but the mesh's pipeline dimension has "
-                                  f"{pp_mesh} ranks (mesh {degree})")
-        n = schedule_facts(pipe["schedule"], "plan field pipeline/schedule").n_stages(pp, pipe["virtual_stages"])
-        if pp > 1 and len(pipe["cuts"]) != n - 1:
-            raise PlanSchemaError(f"plan field pipeline/cuts: {pipe['schedule']} on pp={pp} has {n} stages, so "
-                                  f"{n - 1} cuts, got {len(pipe['cuts'])}")
-        if len(set(pipe["cuts"])) != len(pipe["cuts"]):
-            raise PlanSchemaError(f"plan field pipeline/cuts: {pipe['cuts']} repeats a cut")
-        s2r = pipe.get("stage_to_rank")
-        if s2r is not None and (len(s2r) != n or any(r >= pp for r in s2r)):
-            raise PlanSchemaError(f"plan field pipeline/stage_to_rank: {s2r} is not {n} ranks below pp={pp}")
-        if pp > 1:
-            for key in ("stages", "per_stage", "stage_to_rank"):
-                if len(pipe.get(key) or []) != n:
-                    raise PlanSchemaError(f"plan field pipeline/{key}: a {pipe['schedule']} plan on pp={pp} has "
-                                          f"{n} stages; expected one entry per stage")
-        gb = data["batch"].get("global_batch")
-        dp = degree.get(roles.get("dp"), 1) if roles.get("dp") else 1
-        if gb is not None and (gb % dp or (gb // dp) % pipe["microbatches"]):
-            raise PlanSchemaError(f"plan field pipeline/microbatches: {pipe['microbatches']} does not divide the "
-                                  f"per-dp-rank batch {gb}/{dp}")
-    elif pp_mesh > 1:
-        raise PlanSchemaError(f"plan field pipeline: null, but the mesh has {pp_name}={pp_mesh}")
+    for entry in PARALLELISMS:  # each parallelism checks its own section against the rest
+        entry.check(data["parallel"][entry.name], data, roles, degree)
     dims = set(names)
     for i, c in enumerate(data["predictions"]["collectives"]):
         if c["mesh_dim"] not in dims:
             raise PlanSchemaError(f"plan field predictions/collectives/{i}/mesh_dim: {c['mesh_dim']!r} is not a "
                                   f"mesh dimension {names}")
-    for pattern in data["styles"]:
-        if pattern and any(not atom for atom in pattern.split(".")):
-            raise PlanSchemaError(f"plan styles: {pattern!r} is not a module pattern (empty name between dots)")
+
+
+def upgrade_plan_data(data: Any) -> Any:
+    """Schema-2 plan data in schema 3's form (a copy; anything else is returned as it is, for
+    validation to judge): the fixed fields moved into their sections, values unchanged."""
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if type(version) is not int or version not in UPGRADABLE:
+        return data
+    old = dict(data)
+    try:
+        fsdp = dict(old.pop("fsdp"))
+        rep = fsdp.pop("replicate_dim", None)
+        r, s = fsdp.pop("replicate", None), fsdp.pop("shard", None)
+        recompute, full = old.pop("recompute", None) or {}, old.pop("activation_checkpointing", False)
+        ac = ({"mode": "selective", "modules": list(recompute.get("modules", []))}
+              if recompute.get("mode") == "selective" else {"mode": "full" if full else "none"})
+        old["parallel"] = {
+            "tp": {"dim": old.pop("tp_dim"), "styles": old.pop("styles"), "stream_layout": old.pop("stream_layout"),
+                   "loss_parallel": old.pop("loss_parallel")},
+            "dp": {"dim": old.pop("dp_dim"), "fsdp": fsdp},
+            "hsdp": {"dim": rep, "replicate": r, "shard": s} if rep else None,
+            "ac": ac,
+            "pp": old.pop("pipeline", None),
+        }
+    except (KeyError, TypeError, AttributeError) as e:
+        raise PlanSchemaError(f"schema-2 plan cannot be upgraded: field {e} missing or malformed") from None
+    old["schema_version"] = SCHEMA_VERSION
+    return old
 
 
 def _check_styles(styles: dict) -> None:
@@ -149,4 +142,4 @@ def validate_plan_data(data: Any) -> None:
         where = "/".join(str(p) for p in error.absolute_path) or "<root>"
         raise PlanSchemaError(f"plan field {where}: {error.message}")
     _check_consistency(data)
-    _check_styles(data["styles"])
+    _check_styles(data["parallel"]["tp"]["styles"])

@@ -40,6 +40,7 @@ from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.split import spine_for
+from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
 MESH_NAMES = ("dp", "pp", "tp")
@@ -516,26 +517,27 @@ def hsdp_splits(dp: int, inner: int, devices_per_node: int) -> list[tuple[int, i
     return out
 
 
-def hsdp_replicate_rows(fsdp_rows: Sequence[dict], shard: int, replicate: int) -> list[dict]:
-    """The all-reduces FSDP2's HSDP adds over dp_replicate: one per reduce-scatter over dp_shard,
-    of the reduce-scattered gradient (the padded unit bytes / shard), in backward."""
+def hsdp_replicate_rows(fsdp_rows: Sequence[dict], shard: int, replicate: int, shard_dim: str = DP_SHARD
+                        ) -> list[dict]:
+    """The all-reduces FSDP2's HSDP adds over dp_replicate: one per reduce-scatter over the shard
+    dimension (``shard_dim``), of the reduce-scattered gradient (the padded unit bytes / shard),
+    in backward."""
     if replicate <= 1:
         return []
-    return [{"kind": "all_reduce", "mesh_dim": DP_REPLICATE, "phase": "backward",
-             "bytes": int(r["bytes"]) // shard, "count": int(r["count"])}
-            for r in fsdp_rows if r["kind"] == "reduce_scatter" and r["mesh_dim"] == DP_SHARD]
+    return [Collective("all_reduce", "backward", int(r["bytes"]) // shard, int(r["count"]), DP_REPLICATE).to_row()
+            for r in fsdp_rows if r["kind"] == "reduce_scatter" and r["mesh_dim"] == shard_dim]
 
 
 def hsdp_replicate_time(fsdp_rows: Sequence[dict], replicate_rows: Sequence[dict], spec: ParallelDims,
-                        compute_s: float) -> float:
+                        compute_s: float, shard_dim: str = DP_SHARD) -> float:
     """Seconds the dp_replicate all-reduces add to a step: their alpha-beta time on ``spec``'s
     links, exposed by the same overlap rule the TP planner applies to FSDP traffic
-    (``exposed_dp``): what the FSDP rows over dp_shard plus these expose, minus what the FSDP
-    rows alone expose."""
+    (``exposed_dp``): what the FSDP rows over the shard dimension plus these expose, minus what
+    the FSDP rows alone expose."""
     topo = mesh_topology(spec)
 
     def seconds(rows):
         return sum(r["count"] * topo.collective_time(r["mesh_dim"], r["kind"], r["bytes"]) for r in rows)
 
-    shard_s = seconds([r for r in fsdp_rows if r["mesh_dim"] == DP_SHARD])
+    shard_s = seconds([r for r in fsdp_rows if r["mesh_dim"] == shard_dim])
     return exposed_dp(shard_s + seconds(replicate_rows), compute_s) - exposed_dp(shard_s, compute_s)

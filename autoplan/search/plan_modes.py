@@ -7,12 +7,12 @@ recomputation; the whole-cluster search also prices ZeRO-1 and selective recompu
 the runners apply it (``autoplan.plan.runner``, ``pipeline_runner``), so ``verify``'s dry run can
 hold the plan to it byte for byte:
 
-- ``zero1``: the runner's :class:`~autoplan.plan.data_parallel.Zero1` reduce-scatters one flat
+- ``zero1``: the runner's :class:`~autoplan.parallelisms.data.Zero1` reduce-scatters one flat
   fp32 gradient buffer (this rank's TP-local parameters in registration order, padded to a
   multiple of dp) and all-gathers the updated parameters in their dtype: two rows of the padded
   size; optimizer state and fp32 master weights sharded over dp.
 - ``selective``: the attention module of every repeated block recomputes its own ops
-  (``autoplan.plan.recompute``); no collective is repeated.
+  (``autoplan.parallelisms.recompute``); no collective is repeated.
 - mixed precision (FSDP plans with 16-bit compute): ``fsdp.mixed_precision`` is FSDP2's policy,
   bf16 parameters for compute and fp32 gradient reduction. The sharded parameters are then the
   fp32 master weights the optimizer updates (4 bytes each), gradients are reduce-scattered in
@@ -26,6 +26,7 @@ from autoplan.errors import PlanningError
 from autoplan.plan.plan import Plan
 from autoplan.search.sharding import param_shards
 from autoplan.search.structure import ModelStructure
+from hyper_parallel.core.collective import Collective
 
 MIXED_PRECISION = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 REDUCE_BYTES = 4   # gradients are reduced in fp32 under mixed precision (FSDP2 policy, ZeRO-1)
@@ -55,9 +56,8 @@ def zero1_rows(graph: ModelGraph, styles: dict, tp: int, block_prefixes: list[st
     n = sum(s.fsdp_local_numel(1) for s in shards)
     padded = -(-n // dp) * dp
     pbytes = shards[0].dtype_bytes if shards else 4
-    rows = [{"kind": "reduce_scatter", "mesh_dim": dp_dim, "phase": "backward", "bytes": padded * REDUCE_BYTES,
-             "count": 1},
-            {"kind": "all_gather", "mesh_dim": dp_dim, "phase": "backward", "bytes": padded * pbytes, "count": 1}]
+    rows = [Collective("reduce_scatter", "backward", padded * REDUCE_BYTES, dim=dp_dim).to_row(),
+            Collective("all_gather", "backward", padded * pbytes, dim=dp_dim).to_row()]
     return rows, n
 
 

@@ -14,6 +14,7 @@ from fnmatch import fnmatchcase
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
+from hyper_parallel.core.collective import Collective
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
@@ -137,4 +138,4 @@ def fsdp_collectives(shards: list[ParamShard], dp: int, dp_dim: str) -> list[dic
                      ("reduce_scatter", "backward", nbytes)]
         else:
             rows += [("all_gather", "forward", nbytes), ("reduce_scatter", "backward", nbytes)]
-    return [{"kind": k, "mesh_dim": dp_dim, "phase": p, "bytes": b, "count": 1} for k, p, b in rows]
+    return [Collective(k, p, b, dim=dp_dim).to_row() for k, p, b in rows]

@@ -176,7 +176,7 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
 
 def _kept_inputs(fqn: str, nodes, core_nodes) -> int:
     """Bytes of the child modules' outputs (the q/k/v projections) that the attention core reads:
-    selective recomputation (autoplan.plan.recompute, as Megatron-LM's) keeps them saved to
+    selective recomputation (autoplan.parallelisms.recompute, as Megatron-LM's) keeps them saved to
     recompute the core from, so they are not freed with it -- Korthikanti et al.'s 34*s*b*h per
     layer under selective recomputation counts them (Q, K, V: 6*s*b*h of it for multi-head)."""
     by_name = {n.name: n for n in nodes}

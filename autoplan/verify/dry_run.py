@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
-from autoplan.plan.data_parallel import dp_degree
+from autoplan.parallelisms.data import dp_degree
 from autoplan.plan.forward import lm_loss, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype

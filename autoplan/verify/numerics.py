@@ -13,7 +13,6 @@ not have (it keeps :data:`~autoplan.verify.shrink.LAYERS` blocks per stack).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import traceback
@@ -58,7 +57,7 @@ class NumericsResult:
 def small_plan(plan: Plan, model: torch.nn.Module) -> Plan:
     """``plan`` with the style patterns that match nothing in ``model`` dropped."""
     styles = {k: v for k, v in plan.styles.items() if match_modules(model, k)}
-    return dataclasses.replace(plan, styles=styles)
+    return plan.replace(styles=styles)
 
 
 def numerics_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: int, lr: float = 0.1,

@@ -30,8 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
-from autoplan.plan.data_parallel import dp_degree
-from autoplan.plan.pipeline_runner import apply_tp
+from autoplan.parallelisms.data import dp_degree
+from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
@@ -69,7 +69,11 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
         runner = plan.apply(meta, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for st in runner.stages
                      for p in st.module.parameters())
-        tp_mesh = apply_tp(plan, shapes_model, mesh) if shapes_model is not None else None
+        tp_mesh = None
+        if shapes_model is not None:   # the same tensor-parallel styles, on the copy that infers shapes
+            shaped = ApplyTarget(model=shapes_model, mesh=mesh, pipelined=True)
+            parallelism("tp").apply_to_model(plan, shaped)
+            tp_mesh = shaped.state.get("tp_mesh")
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             for st in runner.stages:

@@ -131,7 +131,7 @@ def test_gradient_accumulation_regathers_fsdp_blocks():
 def test_selective_recompute_keeps_34_sbh_per_layer_as_korthikanti():
     """formulas.md: with selective recomputation a Megatron GPT layer keeps 34*s*b*h bytes
     (16-bit activations): the attention core's s^2 tensors are freed, but its q/k/v inputs --
-    the projections' outputs, which autoplan.plan.recompute keeps saved -- are not."""
+    the projections' outputs, which autoplan.parallelisms.recompute keeps saved -- are not."""
     import torch
 
     from autoplan.capture import capture

@@ -38,8 +38,10 @@ def _walk(node, path=""):
 def test_counts_and_bytes_are_exact_integers(plan, cluster_plan):
     for p in (plan, cluster_plan):
         data = p.to_dict()
-        assert data["schema_version"] == SCHEMA_VERSION == 2
+        assert data["schema_version"] == SCHEMA_VERSION == 3
         for path, v in _walk(data):
+            if path == "/parallel/pp" and v is None:   # the pipeline section of a plan without one
+                continue
             leaf = path.rsplit("/", 1)[-1]
             if "bytes" in path.split("/")[-2:][0] or leaf in ("bytes", "count", "memory_bytes", "num_parameters",
                                                              "microbatches", "pp", "global_batch", "seq_len"):
@@ -113,35 +115,35 @@ def _edit(data, fn):
 
 
 def _style_key(data, style):
-    return next(k for k, v in data["styles"].items() if v["style"] == style)
+    return next(k for k, v in data["parallel"]["tp"]["styles"].items() if v["style"] == style)
 
 
 CASES = [
-    ("use_local_output string", lambda d: d["styles"][_style_key(d, "PrepareModuleInput")]["args"].update(
+    ("use_local_output string", lambda d: d["parallel"]["tp"]["styles"][_style_key(d, "PrepareModuleInput")]["args"].update(
         use_local_output="false"), "use_local_output: 'false' must be of type bool"),
-    ("sequence_dim float", lambda d: d["styles"][_style_key(d, "SequenceParallel")]["args"].update(sequence_dim=1.0),
+    ("sequence_dim float", lambda d: d["parallel"]["tp"]["styles"][_style_key(d, "SequenceParallel")]["args"].update(sequence_dim=1.0),
      "sequence_dim: 1.0 must be of type int"),
-    ("Shard(99)", lambda d: d["styles"][_style_key(d, "PrepareModuleInput")]["args"].update(
+    ("Shard(99)", lambda d: d["parallel"]["tp"]["styles"][_style_key(d, "PrepareModuleInput")]["args"].update(
         desired_input_layouts=["Shard(99)", None]),
      "Shard\\(99\\).*valid: Shard\\(d\\) with -8 <= d < 8"),
     ("mesh lengths", lambda d: d["mesh"].update(names=["dp"]), "shape \\[2, 2\\] and names \\['dp'\\] differ in length"),
     ("mesh names x,y", lambda d: d["mesh"].update(names=["x", "y"]), "does not say which parallelism"),
-    ("tp_dim not in mesh", lambda d: d.update(tp_dim="tensor"), "tp_dim: 'tensor' is not the mesh's tp dimension"),
-    ("tp_dim == dp_dim", lambda d: d.update(tp_dim="dp"), "tp_dim: 'dp'"),
-    ("styles without tp_dim", lambda d: d.update(tp_dim=None), "tp_dim: null, but the plan has tensor-parallel"),
-    ("fsdp dim", lambda d: d["fsdp"].update(dim="tp"), "fsdp/dim"),
+    ("tp_dim not in mesh", lambda d: d["parallel"]["tp"].update(dim="tensor"), "tp/dim: 'tensor' is not the mesh's tp dimension"),
+    ("tp_dim == dp_dim", lambda d: d["parallel"]["tp"].update(dim="dp"), "tp/dim: 'dp'"),
+    ("styles without tp_dim", lambda d: d["parallel"]["tp"].update(dim=None), "tp/dim: null, but the plan has tensor-parallel"),
+    ("fsdp dim", lambda d: d["parallel"]["dp"]["fsdp"].update(dim="tp"), "fsdp/dim"),
     ("bytes as float", lambda d: d["predictions"]["memory_bytes"].update(params=2861912060.0),
      "memory_bytes/params: 2861912060.0 is not of type 'integer'"),
     ("count as bool", lambda d: d["predictions"]["collectives"][0].update(count=True), "count: True"),
     ("negative bytes", lambda d: d["predictions"]["collectives"][0].update(bytes=-1), "bytes: -1"),
     ("collective dim", lambda d: d["predictions"]["collectives"][0].update(mesh_dim="pp"), "mesh_dim: 'pp'"),
     ("unknown field", lambda d: d.update(stream="R"), "Additional properties are not allowed"),
-    ("unknown style", lambda d: d["styles"].update(x={"style": "eval", "args": {}}), "unknown style 'eval'"),
+    ("unknown style", lambda d: d["parallel"]["tp"]["styles"].update(x={"style": "eval", "args": {}}), "unknown style 'eval'"),
     ("schema 1", lambda d: d.update(schema_version=1), "schema_version 1 is not supported.*plan again"),
     ("hardware", lambda d: d["mesh"].update(hardware="h900"), "mesh/hardware: 'h900'"),
     ("batch zero", lambda d: d["batch"].update(global_batch=0), "global_batch"),
     ("dtype", lambda d: d["batch"].update(dtype="torch.int64"), "dtype"),
-    ("bad pattern", lambda d: d["styles"].update({"layers..wq": {"style": "NoParallel", "args": {}}}),
+    ("bad pattern", lambda d: d["parallel"]["tp"]["styles"].update({"layers..wq": {"style": "NoParallel", "args": {}}}),
      "not a module pattern"),
     ("negative time", lambda d: d["predictions"].update(step_s=-1.0), "step_s"),
 ]
@@ -154,13 +156,13 @@ def test_bad_plan_files(plan, name, fn, match):
 
 
 PIPE_CASES = [
-    ("pp vs mesh", lambda d: d["pipeline"].update(pp=4), "pipeline/pp: 4 but the mesh's pipeline dimension has 2"),
-    ("cuts", lambda d: d["pipeline"].update(cuts=[]), "pipeline/cuts"),
-    ("microbatches 0", lambda d: d["pipeline"].update(microbatches=0), "microbatches"),
-    ("microbatches not dividing", lambda d: d["pipeline"].update(microbatches=3), "does not divide"),
-    ("schedule", lambda d: d["pipeline"].update(schedule="Zigzag"), "pipeline/schedule"),
-    ("no pipeline on a pp mesh", lambda d: d.update(pipeline=None), "pipeline: null, but the mesh has pp=2"),
-    ("per_stage missing", lambda d: d["pipeline"].update(per_stage=[]), "pipeline/per_stage"),
+    ("pp vs mesh", lambda d: d["parallel"]["pp"].update(pp=4), "pp/pp: 4 but the mesh's pipeline dimension has 2"),
+    ("cuts", lambda d: d["parallel"]["pp"].update(cuts=[]), "pp/cuts"),
+    ("microbatches 0", lambda d: d["parallel"]["pp"].update(microbatches=0), "microbatches"),
+    ("microbatches not dividing", lambda d: d["parallel"]["pp"].update(microbatches=3), "does not divide"),
+    ("schedule", lambda d: d["parallel"]["pp"].update(schedule="Zigzag"), "pp/schedule"),
+    ("no pipeline on a pp mesh", lambda d: d["parallel"].update(pp=None), "parallel/pp: null, but the mesh has pp=2"),
+    ("per_stage missing", lambda d: d["parallel"]["pp"].update(per_stage=[]), "pp/per_stage"),
 ]
 
 
@@ -204,3 +206,44 @@ def test_apply_checks_its_arguments(plan):
         with pytest.raises(MeshError, match=r"shape \(2, 2\) named \('dp', 'tp'\), got shape \(4,\) named \('tp',\)"):
             plan.apply(model, mesh)
     assert snapshot(model) == before
+
+
+def _as_schema_2(data: dict) -> dict:
+    """The same plan in the schema-2 layout (fixed top-level fields), as files written before
+    schema 3 have it."""
+    old = {k: v for k, v in data.items() if k != "parallel"}
+    par = data["parallel"]
+    fsdp = dict(par["dp"]["fsdp"])
+    if par["hsdp"]:
+        fsdp.update(replicate_dim=par["hsdp"]["dim"], replicate=par["hsdp"]["replicate"], shard=par["hsdp"]["shard"])
+    old.update(schema_version=2, tp_dim=par["tp"]["dim"], styles=par["tp"]["styles"],
+               stream_layout=par["tp"]["stream_layout"], loss_parallel=par["tp"]["loss_parallel"],
+               dp_dim=par["dp"]["dim"], fsdp=fsdp, activation_checkpointing=par["ac"]["mode"] == "full",
+               pipeline=par["pp"])
+    if par["ac"]["mode"] == "selective":
+        old["recompute"] = dict(par["ac"])
+    return old
+
+
+@pytest.mark.parametrize("which", ["plan", "cluster_plan"])
+def test_schema_2_files_load_unchanged(which, request):
+    p = request.getfixturevalue(which)
+    old = _as_schema_2(p.to_dict())
+    q = Plan.from_json(json.dumps(old))
+    assert q.to_dict() == p.to_dict()
+    assert (q.styles, q.fsdp, q.pipeline, q.tp_dim, q.dp_dim) == (p.styles, p.fsdp, p.pipeline, p.tp_dim, p.dp_dim)
+
+
+def test_schema_2_hsdp_and_selective_sections(plan):
+    data = plan.to_dict()
+    data["mesh"] = dict(data["mesh"], shape=[2] + data["mesh"]["shape"], names=["dp_replicate"] + data["mesh"]["names"])
+    data["parallel"]["dp"]["fsdp"] = {"enabled": True, "dim": "dp"}
+    data["parallel"]["hsdp"] = {"dim": "dp_replicate", "replicate": 2, "shard": 2}
+    data["parallel"]["ac"] = {"mode": "selective", "modules": ["layers.*.attention"]}
+    q = Plan.from_json(json.dumps(_as_schema_2(data)))
+    assert q.parallel["hsdp"] == data["parallel"]["hsdp"] and q.parallel["ac"] == data["parallel"]["ac"]
+    assert q.fsdp == {"enabled": True, "dim": "dp", "replicate_dim": "dp_replicate", "replicate": 2, "shard": 2}
+    assert q.recompute_mode == "selective" and not q.activation_checkpointing
+    bad = dict(data, parallel=dict(data["parallel"], hsdp={"dim": "dp_replicate", "replicate": 4, "shard": 2}))
+    with pytest.raises(PlanSchemaError, match="parallel/hsdp: replicate=4 x shard=2"):
+        Plan.from_json(json.dumps(bad))

@@ -1,13 +1,13 @@
 """The runtime's table of per-schedule facts matches what the generators emit, unknown names fail
 with a typed error, and the planner, plan runner, plan schema and cost model read the table instead
 of keeping their own copies. Torch-free apart from imports; fast."""
-import json
 import re
 from pathlib import Path
 
 import pytest
 
 from autoplan import arguments, cluster
+from autoplan.parallelisms import pipeline as pipeline_parallelism
 from autoplan.plan import pipeline_runner, schema
 from autoplan.review import stages as review_stages
 from autoplan.search import mesh_search, pipeline_search, schedule_timing
@@ -100,15 +100,14 @@ def test_rank_out_of_range_is_refused():
 
 
 def test_plan_schema_enum_is_the_table():
-    data = json.loads((ROOT / "autoplan/plan/plan_schema.json").read_text())
-    enum = data["properties"]["pipeline"]["oneOf"][1]["properties"]["schedule"]["enum"]
+    enum = schema.plan_schema()["properties"]["parallel"]["properties"]["pp"]["oneOf"][1]["properties"]["schedule"]["enum"]
     assert tuple(enum) == SCHEDULE_NAMES
 
 
 def test_consumers_read_the_table():
     """The modules that used to keep their own copies now hold the table's functions."""
-    for mod in (pipeline_runner, schema, review_stages, mesh_search, pipeline_search, schedule_timing, memory,
-                cluster):
+    for mod in (pipeline_runner, pipeline_parallelism, review_stages, mesh_search, pipeline_search, schedule_timing,
+                memory, cluster):
         assert getattr(mod, "schedule_facts", None) is schedule_facts, mod.__name__
     for mod in (arguments, cluster, mesh_search, pipeline_search):   # the names searched and accepted
         assert getattr(mod, "SCHEDULE_NAMES", None) is SCHEDULE_NAMES, mod.__name__

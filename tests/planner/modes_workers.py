@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
-from autoplan.plan.data_parallel import unique_params
+from autoplan.parallelisms.data import unique_params
 from autoplan.plan.forward import lm_loss, output_logits
 from tests.planner.e2e_workers import setup_case
 

@@ -58,7 +58,7 @@ def _saved_bytes(model, tokens) -> tuple[int, torch.Tensor]:
 
 @pytest.mark.parametrize("model_name", ["llama", "hf_llama"])
 def test_selective_recompute_saves_less_and_changes_nothing(model_name):
-    from autoplan.plan.recompute import recompute_attention_core
+    from autoplan.parallelisms.recompute import recompute_attention_core
 
     ref, sel = e2e_workers.build(model_name), e2e_workers.build(model_name)
     plan = mode_plan(e2e_workers.build(model_name, device="meta"), (1,), ("dp",), (2, 32), recompute="selective")
@@ -75,7 +75,7 @@ def test_selective_recompute_saves_less_and_changes_nothing(model_name):
 
 def test_selective_pattern_for_another_model_fails():
     from autoplan.errors import PlanSchemaError
-    from autoplan.plan.recompute import recompute_attention_core
+    from autoplan.parallelisms.recompute import recompute_attention_core
 
     with pytest.raises(PlanSchemaError, match="matches no module"):
         recompute_attention_core(e2e_workers.build("llama"), ["model.layers.*.self_attn"])

@@ -14,7 +14,7 @@ import math
 import pytest
 
 from autoplan import MeshSpec, autoplan
-from autoplan.plan.data_parallel import fsdp_kwargs, mixed_precision_policy
+from autoplan.parallelisms.data import fsdp_kwargs, mixed_precision_policy
 from hyper_parallel.core.dtensor import fsdp_shard_placement
 from tests.planner import e2e_workers, mp_workers
 

@@ -43,8 +43,8 @@ def test_plan_contents(plan):
 
 @pytest.mark.parametrize("mutate,message", [
     (lambda d: d.update(schema_version=99), "schema_version 99 is not supported"),
-    (lambda d: d["styles"].update({"x": {"style": "EvilParallel", "args": {}}}), "unknown style 'EvilParallel'"),
-    (lambda d: d["styles"].update({"x": {"style": "ColwiseParallel", "args": {"output_layouts": "os.system"}}}),
+    (lambda d: d["parallel"]["tp"]["styles"].update({"x": {"style": "EvilParallel", "args": {}}}), "unknown style 'EvilParallel'"),
+    (lambda d: d["parallel"]["tp"]["styles"].update({"x": {"style": "ColwiseParallel", "args": {"output_layouts": "os.system"}}}),
      "not a placement"),
     (lambda d: d["mesh"].update(shape="eight"), "plan field mesh/shape"),
     (lambda d: d.pop("predictions"), "'predictions' is a required property"),

@@ -1,6 +1,5 @@
 """Every plan trains correctly or is refused: the probe's repairs and rejections, and verify's
 numerics mode proving it can fail."""
-import dataclasses
 
 import pytest
 import torch
@@ -43,7 +42,7 @@ def test_qwen3_default_plan_equals_one_device_and_verify_catches_the_missing_red
     assert good.numerics.passed, good.numerics.summary()
     assert good.passed, good.mismatches()
     # the same plan with the q/k-norm gradient reduction removed by hand
-    broken = dataclasses.replace(plan, styles={k: v for k, v in plan.styles.items()
+    broken = plan.replace(styles={k: v for k, v in plan.styles.items()
                                                if not k.endswith(("q_norm", "k_norm"))})
     bad = check_numerics(broken, small_recipe("qwen3", model, [2, 2]), pool=pool4)
     assert not bad.passed and bad.error is None
@@ -53,7 +52,7 @@ def test_qwen3_default_plan_equals_one_device_and_verify_catches_the_missing_red
 def test_a_plan_that_crashes_is_a_failed_verification_not_an_exception(qwen3_plan, pool4):
     model, plan = qwen3_plan
     # q_proj sharded but o_proj left whole: the attention output is a shard fed to a full Linear
-    broken = dataclasses.replace(plan, styles={k: v for k, v in plan.styles.items() if not k.endswith("o_proj")})
+    broken = plan.replace(styles={k: v for k, v in plan.styles.items() if not k.endswith("o_proj")})
     result = check_numerics(broken, small_recipe("qwen3", model, [2, 2]), pool=pool4)
     assert not result.passed and result.error
 

@@ -58,3 +58,15 @@ def test_dp2_pp2_tp2_plan_matches_one_device(pool8):
     plan = _plan(8, {"pp": 2, "tp": 2, "dp": 2}, allow_replicated_units=False)
     assert plan.styles
     _check(pool8.run(run_pipeline_case, plan.to_json(), "llama", BATCH, SEQ), plan)
+
+
+def test_hsdp_pipeline_plan_matches_one_device(pool8):
+    """HSDP composes with a pipeline: dp_replicate=2 x dp=2 x pp=2 on 8 ranks, FSDP2 on the 2-D
+    (dp_replicate, dp) mesh inside every stage; one step equals one device."""
+    from autoplan.hsdp import to_hsdp
+
+    sub = _plan(4, {"pp": 2, "tp": 1, "dp": 2})
+    plan = to_hsdp(sub, 2, 2 * BATCH)
+    assert plan.mesh["names"][0] == "dp_replicate" and plan.parallel["hsdp"]["replicate"] == 2
+    assert {r["mesh_dim"] for rows in plan.pipeline["rank_collectives"] for r in rows} >= {"dp_replicate", "dp"}
+    _check(pool8.run(run_pipeline_case, plan.to_json(), "llama", 2 * BATCH, SEQ), plan)

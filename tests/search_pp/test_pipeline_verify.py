@@ -71,3 +71,19 @@ def test_pipeline_verify_names_a_rank_that_does_not_exist():
     plan = _plan(4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "GPipe", "microbatches": 4})
     with pytest.raises(AutoplanError, match="valid pipeline ranks are 0..1"):
         verify_pipeline(plan, build("llama_big_vocab", device="meta"), ranks=[2])
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBV"])
+def test_hsdp_pipeline_plan_verifies_on_every_rank(schedule):
+    """HSDP inside the stages: the dp_replicate all-reduces (one per reduce-scatter over dp, per
+    pipeline rank) are predicted and issued exactly, beside FSDP's and the pipeline's traffic."""
+    from autoplan.hsdp import to_hsdp
+
+    sub = _plan(8, {"pp": 2, "tp": 2, "dp": 2, "schedule": schedule, "microbatches": 2})
+    plan = to_hsdp(sub, 2, 32)
+    res = verify(plan, build("llama_big_vocab", device="meta"))
+    assert res.passed, res.mismatches()
+    df = res.collectives
+    for r in (0, 1):
+        rep = df[(df["pp_rank"] == r) & (df["mesh_dim"] == "dp_replicate")]
+        assert len(rep) and (rep["issued"] == rep["predicted"]).all() and set(rep["kind"]) == {"all_reduce"}

@@ -10,6 +10,11 @@ recomputation. Implemented with torch's selective checkpointing
 (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the attention module's
 forward runs under a non-reentrant checkpoint whose policy saves the outputs of ops that run
 inside a child module (tracked with forward hooks) and of collectives, and recomputes the rest.
+
+Registry entry ``Recompute`` (plan section ``parallel.ac``: ``mode`` none | selective | full and,
+for selective, the attention ``modules``): full recomputation checkpoints every repeated block,
+selective wraps the attention modules; applied after tensor parallel and the pipeline split, before
+FSDP (torchtitan's order), so FSDP's gathers sit outside the checkpointed region.
 """
 from __future__ import annotations
 
@@ -20,7 +25,10 @@ from fnmatch import fnmatchcase
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torch.distributed._composable import checkpoint as checkpoint_module
+
 from autoplan.errors import PlanSchemaError
+from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
 
 log = logging.getLogger(__name__)
 _SAVE_ALWAYS = ("_c10d_functional", "c10d.", "wait_tensor")
@@ -83,3 +91,37 @@ def recompute_attention_core(model: nn.Module, patterns: list[str], strict: bool
             wrapped.append(fqn)
     log.debug("selective recomputation of %d attention modules", len(wrapped))
     return wrapped
+
+
+MODES = ("none", "selective", "full")
+
+
+class Recompute(Parallelism):
+    """Activation recomputation: not a mesh dimension, but a per-plan decision the runtime applies
+    in its place in the order (after TP and the pipeline split, before FSDP)."""
+
+    name = "ac"
+    roles = ()
+    order = 30
+    schema = {"type": "object", "required": ["mode"], "additionalProperties": False,
+              "properties": {"mode": {"enum": list(MODES)}, "modules": {"type": "array", "items": {"type": "string"}}}}
+
+    def default(self) -> dict:
+        return {"mode": "none"}
+
+    def check(self, section, data, roles, degree) -> None:
+        if section["mode"] != "selective" and section.get("modules"):
+            raise section_error("ac", "modules", f"attention modules are listed, but mode is {section['mode']!r} "
+                                "(only selective recomputation names modules)")
+
+    def active(self, plan) -> bool:
+        return plan.recompute_mode != "none"
+
+    def apply_to_roots(self, plan, target: ApplyTarget) -> None:
+        mode = plan.recompute_mode
+        if mode == "full":
+            for block in target.blocks:
+                checkpoint_module(block)
+        elif mode == "selective":
+            for root in target.roots:  # a pipeline stage without blocks matches nothing: not an error
+                recompute_attention_core(root, list(plan.recompute.get("modules", [])), strict=not target.pipelined)

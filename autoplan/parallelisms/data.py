@@ -1,6 +1,6 @@
 """Data parallelism of a plan: which mesh it runs on, and replicated DP's one all-reduce per step.
 
-Three forms: FSDP over ``plan.dp_dim``; HSDP (``plan.fsdp["replicate_dim"]`` set): ``fully_shard``
+Three forms: FSDP over ``plan.dp_dim``; HSDP (a ``parallel.hsdp`` section): ``fully_shard``
 on the 2-D mesh (dp_replicate, dp_shard) -- parameters sharded within a dp_shard group, every
 shard group a replica, gradients reduce-scattered over dp_shard then all-reduced over
 dp_replicate (torch FSDP2's HSDP); and replicated DP for plans that choose it over FSDP: each
@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PlanSchemaError
+from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
+from hyper_parallel import fully_shard
 from hyper_parallel.core.dtensor import fsdp_shard_placement
 from hyper_parallel.errors import MeshError
 
@@ -27,8 +29,8 @@ from hyper_parallel.errors import MeshError
 def dp_dims(plan) -> tuple[str, ...]:
     """The plan's data-parallel mesh dimensions, outermost first: (dp_replicate, dp_shard) for
     HSDP, (dp_dim,) otherwise, () without data parallelism."""
-    rep = (plan.fsdp or {}).get("replicate_dim")
-    dims = ((rep,) if rep else ()) + ((plan.dp_dim,) if plan.dp_dim else ())
+    hsdp = plan.parallel.get("hsdp")
+    dims = ((hsdp["dim"],) if hsdp else ()) + ((plan.dp_dim,) if plan.dp_dim else ())
     return tuple(d for d in dims if d in tuple(plan.mesh["names"]))
 
 
@@ -45,6 +47,12 @@ def dp_mesh(plan, mesh):
     if not dims or any(d not in tuple(mesh.mesh_dim_names or ()) for d in dims):
         return None
     return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+
+
+def dp_group(dp_mesh):
+    """The process group of every dp rank: the 1-D mesh's own, or the flattened 2-D HSDP mesh's
+    (what averages a loss or a shared parameter's gradient over all data-parallel ranks)."""
+    return dp_mesh.get_group() if dp_mesh.ndim == 1 else dp_mesh._flatten().get_group()
 
 
 def dp_rank(dp_mesh) -> int:
@@ -207,3 +215,87 @@ class Zero1:
         settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         self.inner = type(optimizer)([self.master], **settings)
         self._outer = optimizer
+
+
+# ---- registry entries --------------------------------------------------------------------------
+_FSDP = {"type": "object", "required": ["enabled"], "additionalProperties": False,
+         "properties": {"enabled": {"type": "boolean"}, "dim": {"type": ["string", "null"]},
+                        "mode": {"enum": ["fsdp", "zero1", "replicate"]},
+                        "mixed_precision": {"type": ["object", "null"], "additionalProperties": {"type": "string"}}}}
+
+
+class DataParallel(Parallelism):
+    """Data parallelism over the dp dimension: FSDP2 (``fully_shard`` on every repeated block and
+    on each root), ZeRO-1 or replicated (one flat all-reduce after backward; the runner's step).
+    Plan section ``parallel.dp``: ``dim`` and ``fsdp`` (enabled, mode, mixed precision). With an
+    active ``hsdp`` section the same calls run on the 2-D (dp_replicate, dp_shard) mesh."""
+
+    name = "dp"
+    roles = ("dp",)
+    order = 40
+    schema = {"type": "object", "required": ["dim", "fsdp"], "additionalProperties": False,
+              "properties": {"dim": {"type": ["string", "null"]}, "fsdp": _FSDP}}
+
+    def default(self) -> dict:
+        return {"dim": None, "fsdp": {"enabled": False}}
+
+    def check(self, section, data, roles, degree) -> None:
+        dim, fsdp = section["dim"], section["fsdp"]
+        if dim is not None and dim != roles.get("dp"):
+            raise section_error("dp", "dim", f"{dim!r} is not the mesh's dp dimension (mesh names {list(degree)}; "
+                                f"expected {roles.get('dp')!r} or null)")
+        if fsdp.get("dim") is not None and fsdp["dim"] != dim:
+            raise section_error("dp", "fsdp/dim", f"{fsdp['dim']!r} is not the dp dimension {dim!r}")
+        if fsdp["enabled"] and dim is None:
+            raise section_error("dp", "fsdp/enabled", "true, but the plan has no dp dimension to shard over")
+
+    def active(self, plan) -> bool:
+        return plan.dp_dim is not None
+
+    def apply_to_roots(self, plan, target: ApplyTarget) -> None:
+        mesh = dp_mesh(plan, target.mesh)   # 2-D (dp_replicate, dp_shard) for HSDP: FSDP2's HSDP
+        mode = plan_dp_mode(plan)
+        target.state.update(dp_mesh=mesh, dp_mode=mode)
+        if mode != "fsdp" or mesh is None or mesh.size() == 1:
+            return
+        kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
+        ignored = target.ignored_params or None
+        for block in target.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=ignored, **kw)
+        for root in target.roots:
+            fully_shard(root, mesh=mesh, ignored_params=ignored, **kw)
+
+
+class HybridShardedDataParallel(Parallelism):
+    """HSDP: data parallel as dp_replicate x dp_shard -- parameters sharded within a dp_shard group,
+    each group a replica, gradients reduce-scattered over dp_shard then all-reduced over
+    dp_replicate. It adds a mesh dimension to data parallelism: ``DataParallel`` applies
+    ``fully_shard`` on the 2-D mesh when this section is set. Plan section ``parallel.hsdp``: null,
+    or ``dim`` (the mesh's dp_replicate dimension), ``replicate`` and ``shard`` degrees."""
+
+    name = "hsdp"
+    roles = ("dp_replicate",)
+    order = 40
+    schema = {"oneOf": [{"type": "null"}, {
+        "type": "object", "required": ["dim", "replicate", "shard"], "additionalProperties": False,
+        "properties": {"dim": {"$ref": "#/$defs/name"}, "replicate": {"$ref": "#/$defs/positive"},
+                       "shard": {"$ref": "#/$defs/positive"}}}]}
+
+    def check(self, section, data, roles, degree) -> None:
+        rep_name = roles.get("dp_replicate")
+        if section is None:
+            if rep_name is not None and degree[rep_name] > 1:
+                raise section_error("hsdp", "", f"null, but the mesh has {rep_name}={degree[rep_name]}")
+            return
+        if section["dim"] != rep_name:
+            raise section_error("hsdp", "dim", f"{section['dim']!r} is not the mesh's dp_replicate dimension "
+                                f"(mesh names {list(degree)})")
+        dp = data["parallel"]["dp"]
+        if section["replicate"] != degree[rep_name] or section["shard"] != degree.get(dp["dim"], 0):
+            raise section_error("hsdp", "", f"replicate={section['replicate']} x shard={section['shard']} is not the "
+                                f"mesh's {rep_name} x {dp['dim']} ({degree})")
+        if dp["fsdp"].get("mode", "fsdp") != "fsdp" or not dp["fsdp"]["enabled"]:
+            raise section_error("hsdp", "", "hybrid sharding needs FSDP on the dp dimension (parallel/dp/fsdp)")
+
+    def active(self, plan) -> bool:
+        return bool(plan.parallel.get("hsdp"))

@@ -1,0 +1,88 @@
+"""What one parallelism is to this project: the contract every registry entry fulfils.
+
+A parallelism (tensor, data, hybrid-sharded data, pipeline, activation recomputation, and next
+expert and context parallel) is one object that owns, in one file:
+
+1. the mesh dimensions it occupies (``ParallelDims`` roles),
+2. its section of a plan file: a JSON-schema fragment and the checks one field cannot make alone
+   (``schema``, ``check``), so a plan stores decisions per parallelism instead of fixed fields,
+3. how the runtime applies it on this rank (``apply_to_model`` before a pipeline split,
+   ``apply_to_roots`` after it, in the registry's order: TP -> CP -> AC -> FSDP, PP around them),
+4. the mesh dimensions whose traffic verify attributes to it (``traffic_dims``).
+
+The planner's candidates for a parallelism are priced by ``autoplan.search`` from the runtime's own
+styles (collectives derived from the styles hyper_parallel applies, checked by the probe).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch.nn as nn
+
+from autoplan.errors import PlanSchemaError
+from hyper_parallel.parallel_dims import mesh_roles
+
+
+@dataclass
+class ApplyTarget:
+    """What a plan's parallelisms are applied to on this rank.
+
+    ``model``: the whole model (tensor parallel applies here, before any pipeline split);
+    ``roots``: the modules data parallel wraps last -- ``[model]``, or this rank's pipeline stages;
+    ``blocks``: the repeated blocks inside the roots (recomputation and FSDP units);
+    ``ignored_params``: parameters FSDP must leave alone (tied across pipeline stages);
+    ``state``: what entries hand each other and the runner (``tp_mesh``, ``dp_mesh``, ``dp_mode``).
+    """
+
+    model: nn.Module
+    mesh: Any
+    roots: list[nn.Module] = field(default_factory=list)
+    blocks: list[nn.Module] = field(default_factory=list)
+    ignored_params: set = field(default_factory=set)
+    pipelined: bool = False
+    state: dict = field(default_factory=dict)
+
+
+class Parallelism:
+    """One registry entry. Subclasses set the class attributes and override what they use."""
+
+    name: ClassVar[str]                   # the plan section's key, e.g. "tp"
+    roles: ClassVar[tuple[str, ...]] = ()  # ParallelDims roles it occupies ("tp",); () for none
+    order: ClassVar[int]                  # application order (smaller first)
+    schema: ClassVar[dict]                # JSON schema of its plan section (null allowed when unused)
+
+    # -- plan section ------------------------------------------------------------------------
+    def default(self) -> dict | None:
+        """The section of a plan that does not use this parallelism."""
+        return None
+
+    def check(self, section: dict | None, data: dict, roles: dict[str, str], degree: dict[str, int]) -> None:
+        """Consistency of this section with the rest of the plan (mesh, other sections); raise
+        PlanSchemaError naming the field. ``roles``: {role: mesh name}; ``degree``: {mesh name: size}."""
+
+    def active(self, plan) -> bool:
+        """Whether ``plan`` uses this parallelism."""
+        return bool(plan.parallel.get(self.name))
+
+    # -- runtime ---------------------------------------------------------------------------
+    def apply_to_model(self, plan, target: ApplyTarget) -> None:
+        """Applied to the whole model, before a pipeline split (tensor parallel)."""
+
+    def apply_to_roots(self, plan, target: ApplyTarget) -> None:
+        """Applied to ``target.roots`` / ``target.blocks`` after the split (recompute, FSDP)."""
+
+    # -- verify -----------------------------------------------------------------------------
+    def traffic_dims(self, plan) -> tuple[str, ...]:
+        """Mesh dimension names whose collectives this parallelism issues in ``plan`` (only when
+        it is active: a tp dimension of size 1 in a plan without styles carries nothing)."""
+        if not self.active(plan):
+            return ()
+        roles = mesh_roles(plan.mesh["names"])
+        return tuple(roles[r] for r in self.roles if r in roles)
+
+
+def section_error(name: str, key: str, message: str) -> PlanSchemaError:
+    """A PlanSchemaError for field ``parallel/<name>/<key>``."""
+    path = f"parallel/{name}" + (f"/{key}" if key else "")
+    return PlanSchemaError(f"plan field {path}: {message}")
