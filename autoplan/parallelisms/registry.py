@@ -44,6 +44,13 @@ def default_sections() -> dict:
     return {p.name: p.default() for p in PARALLELISMS}
 
 
+def traffic_owners(plan) -> dict[str, str]:
+    """{mesh dimension: the parallelism whose collectives run on it} for the plan's active entries:
+    verify names the owner of every row and refuses traffic on a dimension no active parallelism
+    uses."""
+    return {dim: p.name for p in PARALLELISMS for dim in p.traffic_dims(plan)}
+
+
 def apply_to_model(plan, target) -> None:
     for p in PARALLELISMS:
         p.apply_to_model(plan, target)

@@ -13,12 +13,16 @@ import torch
 
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import AutoplanError
+from autoplan.parallelisms.registry import traffic_owners
 from autoplan.plan.plan import Plan
+
+
+KEY = ["kind", "mesh_dim", "phase", "bytes"]
 
 
 @dataclass
 class VerifyResult:
-    collectives: pd.DataFrame     # KEY + predicted, issued, match
+    collectives: pd.DataFrame     # KEY + parallelism, predicted, issued, match
     param_bytes: dict[str, int]   # predicted / issued per rank (rank 0)
     passed: bool
     numerics: object | None = None  # NumericsResult when verify(numerics=True)
@@ -26,6 +30,24 @@ class VerifyResult:
 
     def mismatches(self) -> pd.DataFrame:
         return self.collectives[~self.collectives["match"]]
+
+
+def compare(plan: Plan, predicted_rows: list[dict], issued: pd.DataFrame, key: list[str] = KEY) -> pd.DataFrame:
+    """Predicted rows against issued counts by ``key`` (the pipeline dry run leaves the phase
+    out), each row named by the parallelism that owns
+    its mesh dimension (``autoplan.parallelisms``). A row matches when the counts agree and its
+    dimension belongs to a parallelism the plan uses: traffic on any other dimension is wrong
+    even if predicted."""
+    pred = pd.DataFrame(predicted_rows)
+    if pred.empty:
+        pred = pd.DataFrame(columns=key + ["count"])
+    pred = pred.groupby(key)["count"].sum().reset_index(name="predicted")
+    df = pred.merge(issued, on=key, how="outer").fillna({"predicted": 0, "issued": 0})
+    df["predicted"] = df["predicted"].astype(int)
+    df["issued"] = df["issued"].astype(int)
+    df["parallelism"] = df["mesh_dim"].map(traffic_owners(plan)).fillna("none")
+    df["match"] = (df["predicted"] == df["issued"]) & (df["parallelism"] != "none")
+    return df.sort_values(key).reset_index(drop=True)
 
 
 def meta_copy(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:

@@ -22,7 +22,7 @@ from autoplan.errors import AutoplanError
 from autoplan.parallelisms.data import dp_degree
 from autoplan.plan.forward import lm_loss, output_logits
 from autoplan.plan.plan import Plan
-from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype
+from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.pipeline_dry_run import verify_pipeline
 from autoplan.verify.shrink import ModelRecipe, recipe_for
@@ -30,7 +30,6 @@ from hyper_parallel import loss_parallel
 from hyper_parallel.local import CollectiveRecorder, fake_world
 
 log = logging.getLogger(__name__)
-KEY = ["kind", "mesh_dim", "phase", "bytes"]
 
 
 def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple[pd.DataFrame, int]:
@@ -94,7 +93,8 @@ def verify(plan: Plan, model: torch.nn.Module, inputs=None, *, numerics: bool = 
         raise  # the arguments are wrong: say so
     except Exception as exc:  # noqa: BLE001 - a plan that does not run is a failed verification
         why = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        result = VerifyResult(pd.DataFrame(columns=KEY + ["predicted", "issued", "match"]), {}, False, error=why)
+        result = VerifyResult(pd.DataFrame(columns=KEY + ["parallelism", "predicted", "issued", "match"]), {}, False,
+                              error=why)
     if numerics:
         degrees = [d for d in plan.mesh["shape"] if d > 1]
         recipe = ModelRecipe(factory=factory, kwargs=dict(factory_kwargs or {})) if factory else \
@@ -108,15 +108,7 @@ def _verify_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> Veri
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
         return verify_pipeline(plan, model, inputs)
     issued, pbytes = issued_collectives(plan, model, inputs)
-    predicted = pd.DataFrame(plan.predictions["collectives"])
-    if predicted.empty:
-        predicted = pd.DataFrame(columns=KEY + ["count"])
-    predicted = predicted.rename(columns={"count": "predicted"})[KEY + ["predicted"]]
-    df = predicted.merge(issued, on=KEY, how="outer").fillna({"predicted": 0, "issued": 0})
-    df["predicted"] = df["predicted"].astype(int)
-    df["issued"] = df["issued"].astype(int)
-    df["match"] = df["predicted"] == df["issued"]
-    df = df.sort_values(KEY).reset_index(drop=True)
+    df = compare(plan, plan.predictions["collectives"], issued)
     want = int(round(plan.predictions["memory_bytes"]["params"]))
     passed = bool(df["match"].all()) and want == pbytes
     return VerifyResult(df, {"predicted": want, "issued": pbytes}, passed)

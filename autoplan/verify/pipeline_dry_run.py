@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms.data import dp_degree
 from autoplan.parallelisms import ApplyTarget, parallelism
-from autoplan.verify.dry_common import VerifyResult, dry_batch, local_part, meta_copy, plan_dtype
+from autoplan.verify.dry_common import VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
 from hyper_parallel.local import CollectiveRecorder, fake_world
@@ -99,18 +99,6 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
     return issued, int(pbytes)
 
 
-def _compare(pred_rows: list[dict], issued: pd.DataFrame) -> pd.DataFrame:
-    pred = pd.DataFrame(pred_rows)
-    if pred.empty:
-        pred = pd.DataFrame(columns=KEY + ["count"])
-    pred = pred.groupby(KEY)["count"].sum().reset_index(name="predicted")
-    df = pred.merge(issued, on=KEY, how="outer").fillna({"predicted": 0, "issued": 0})
-    df["predicted"] = df["predicted"].astype(int)
-    df["issued"] = df["issued"].astype(int)
-    df["match"] = df["predicted"] == df["issued"]
-    return df.sort_values(KEY).reset_index(drop=True)
-
-
 def verify_pipeline(plan, model: torch.nn.Module, inputs=None, ranks=None) -> VerifyResult:
     """Dry-run every pipeline rank of ``plan`` (or only ``ranks``); ``passed`` only when every
     rank's (kind, dim, bytes) counts and parameter bytes agree exactly. The collectives table
@@ -130,12 +118,12 @@ def verify_pipeline(plan, model: torch.nn.Module, inputs=None, ranks=None) -> Ve
         if not 0 <= r < p:
             raise AutoplanError(f"verify: ranks= holds {r}; valid pipeline ranks are 0..{p - 1}")
         issued, got = issued_pipeline_collectives(plan, model, inputs, r, boundaries)
-        df = _compare(per_rank[r], issued)
+        df = compare(plan, per_rank[r], issued, KEY)
         want = int(want_bytes[r]) if want_bytes[r] is not None else got
         passed = passed and bool(df["match"].all()) and want == got
         tables.append(df.assign(pp_rank=r))
         pbytes[r] = {"predicted": want, "issued": got}
         log.info("verify pipeline rank %d/%d: %d rows, match=%s", r, p, len(df), bool(df["match"].all()))
-    table = pd.concat(tables, ignore_index=True)[["pp_rank"] + KEY + ["predicted", "issued", "match"]]
+    table = pd.concat(tables, ignore_index=True)[["pp_rank"] + KEY + ["parallelism", "predicted", "issued", "match"]]
     fullest = max(pbytes, key=lambda r: (pbytes[r]["predicted"], -r))
     return VerifyResult(table, dict(pbytes[fullest], per_rank=pbytes), passed)
