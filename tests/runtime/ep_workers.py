@@ -1,0 +1,206 @@
+"""Rank functions for tests/runtime/test_expert_parallel.py: HF MoE models (Mixtral, Qwen3-MoE,
+DeepSeek-V3 with MLA + shared experts + a dense first layer, GPT-OSS) and the repo MoE model,
+their experts split by ExpertParallel, one training step compared with one device.
+
+Tokens: the global batch is split over the token-sharding mesh dimensions (``ep`` always, ``dp``
+when present; ``tp`` ranks share tokens); each rank's loss is its shard's mean divided by the
+number of shards, and gradients are summed the way a data-parallel wrapper would: non-expert
+parameters over every token-sharding dimension, expert parameters over all but ``ep`` (the
+all-to-alls already brought them every ep rank's tokens).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from autoplan.models.moe import build_moe
+from hyper_parallel import ExpertParallel, parallelize_module
+from hyper_parallel.errors import DivisibilityError, UnsupportedModuleError
+from hyper_parallel.local import cached_mesh, grads_by_name
+
+VOCAB, BATCH, SEQ = 64, 4, 8
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+HF_EXPERTS = "model.layers.*.mlp.experts"
+REPO_EXPERTS = "layers.*.feed_forward.experts"
+
+# case name -> (mesh shape, dim names, token-sharding dims, tp dim)
+MESHES = {
+    "ep2": ((2, 2), ("rep", "ep"), ("ep",), None),      # two independent ep=2 groups, same tokens
+    "ep4": ((4,), ("ep",), ("ep",), None),
+    "ep2xtp2": ((2, 2), ("ep", "tp"), ("ep",), "tp"),
+    "dp2xep2": ((2, 2), ("dp", "ep"), ("dp", "ep"), None),
+    "dp2xep2xtp2": ((2, 2, 2), ("dp", "ep", "tp"), ("dp", "ep"), "tp"),
+}
+
+
+def build(name: str, seed: int = 0, n_experts: int = 8) -> tuple[nn.Module, str]:
+    """(model with every parameter perturbed, experts pattern); identical on every rank."""
+    torch.manual_seed(seed)
+    if name.startswith("repo"):
+        layout = "list" if name == "repo_list" else "stacked"
+        model, pattern = build_moe(seed, layout=layout, n_experts=n_experts, first_moe_layer=1), REPO_EXPERTS
+    else:
+        model, pattern = _hf(name, n_experts), HF_EXPERTS
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model, pattern
+
+
+def _hf(name: str, n_experts: int) -> nn.Module:
+    import transformers as tf
+
+    if name == "mixtral":
+        cfg = tf.MixtralConfig(**COMMON, intermediate_size=16, num_local_experts=n_experts, num_experts_per_tok=2,
+                               router_jitter_noise=0.0)
+        return tf.MixtralForCausalLM(cfg)
+    if name == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                                num_experts=n_experts, num_experts_per_tok=2, norm_topk_prob=True)
+        return tf.Qwen3MoeForCausalLM(cfg)
+    if name == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=64,
+                                  moe_intermediate_size=16, n_routed_experts=n_experts, n_shared_experts=1,
+                                  num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                  v_head_dim=8)
+        return tf.DeepseekV3ForCausalLM(cfg)
+    if name == "gpt_oss":
+        cfg = tf.GptOssConfig(**COMMON, head_dim=8, intermediate_size=16, num_local_experts=n_experts,
+                              num_experts_per_tok=2, sliding_window=8)
+        return tf.GptOssForCausalLM(cfg)
+    raise ValueError(name)
+
+
+def logits(model, tokens):
+    out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def ce(out, target):
+    return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
+
+
+def _coord(mesh, dims) -> tuple[int, int]:
+    """(this rank's shard index over ``dims``, number of shards)."""
+    idx, n = 0, 1
+    for d in dims:
+        size = mesh[d].size() if mesh.ndim > 1 else mesh.size()
+        local = mesh[d].get_local_rank() if mesh.ndim > 1 else mesh.get_local_rank()
+        idx, n = idx * size + local, n * size
+    return idx, n
+
+
+def _group(mesh, d):
+    return mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group()
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name and "shared" not in name
+
+
+def run_case(model_name: str, case: str) -> dict:
+    shape, names, token_dims, tp_dim = MESHES[case]
+    mesh = cached_mesh(shape, names)
+    ref, pattern = build(model_name)
+    par, _ = build(model_name)
+    parallelize_module(par, mesh, {pattern: ExpertParallel(tp_dim=tp_dim)}, mesh_dim="ep", strict=True)
+    g = torch.Generator().manual_seed(7)
+    tokens, target = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    shard, n = _coord(mesh, token_dims)
+    rows = slice(shard * BATCH // n, (shard + 1) * BATCH // n)
+
+    ref_loss = ce(logits(ref, tokens), target)
+    ref_loss.backward()
+    par_loss = ce(logits(par, tokens[rows]), target[rows]) / n
+    par_loss.backward()
+    total = par_loss.detach().clone()
+    for d in token_dims:
+        dist.all_reduce(total, group=_group(mesh, d))
+    with torch.no_grad():
+        for name, p in par.named_parameters():
+            if p.grad is None:
+                continue
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            for d in token_dims:
+                if not (_is_expert(name) and d == "ep"):
+                    dist.all_reduce(grad, group=_group(mesh, d))
+    g_par = grads_by_name(par)
+    _fill_list_experts(par, ref, g_par, mesh)
+    g_ref = grads_by_name(ref)
+    bad = []
+    for name, gr in g_ref.items():
+        gp = g_par.get(name)
+        if gp is None:
+            bad.append(f"{name}: missing")
+        elif not torch.allclose(gp, gr, rtol=1e-4, atol=1e-6):
+            bad.append(f"{name}: max err {(gp - gr).abs().max().item():.3g} (max |g| {gr.abs().max().item():.3g})")
+    rl, pl = float(ref_loss.detach()), float(total)
+    sharded = sorted(n for n, p in par.named_parameters() if isinstance(p, DTensor) or p.is_meta)
+    return {"loss_ok": math.isclose(rl, pl, rel_tol=1e-5), "losses": (rl, pl), "bad": bad[:6],
+            "n_grads": len(g_ref), "n_sharded": len(sharded)}
+
+
+def _fill_list_experts(par, ref, grads, mesh):
+    """ModuleList experts live on their owner only (meta elsewhere): broadcast each owner's gradient."""
+    ep_mesh = mesh["ep"] if mesh.ndim > 1 else mesh
+    ranks = ep_mesh.mesh.flatten().tolist()
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        if ".experts.mlps." not in name:
+            continue
+        index = int(name.split(".experts.mlps.")[1].split(".")[0])
+        n_experts = len(_module(par, name.split(".experts.mlps.")[0] + ".experts").mlps)
+        owner = ranks[index // (n_experts // len(ranks))]
+        buf = grads[name] if name in grads else torch.zeros_like(ref_params[name])
+        dist.broadcast(buf, src=owner, group=ep_mesh.get_group())
+        grads[name] = buf
+
+
+def _module(model, fqn):
+    return model.get_submodule(fqn)
+
+
+def check_all(cases: list[tuple[str, str]]) -> dict:
+    out = {}
+    for model_name, case in cases:
+        try:
+            out[f"{model_name}/{case}"] = run_case(model_name, case)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            out[f"{model_name}/{case}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def check_errors() -> dict:
+    """Typed errors, model unchanged: 6 experts on ep=4, a Linear, a ModuleList with tp."""
+    out = {}
+    mesh = cached_mesh((4,), ("ep",))
+    model, pattern = build("repo", n_experts=6)
+    out["divisible"] = _refused(model, mesh, {pattern: ExpertParallel()}, DivisibilityError)
+    model, pattern = build("mixtral")
+    out["wrong_module"] = _refused(model, mesh, {"model.layers.*.mlp.gate": ExpertParallel()}, UnsupportedModuleError)
+    mesh2 = cached_mesh((2, 2), ("ep", "tp"))
+    model, pattern = build("repo_list")
+    out["list_tp"] = _refused(model, mesh2, {pattern: ExpertParallel(tp_dim="tp")}, UnsupportedModuleError,
+                              mesh_dim="ep")
+    return out
+
+
+def _refused(model, mesh, plan, error, **kw) -> dict:
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        parallelize_module(model, mesh, plan, **kw)
+        message = None
+    except error as exc:
+        message = str(exc)
+    unchanged = all(not isinstance(p, DTensor) and not p.is_meta and torch.equal(p, before[n])
+                    for n, p in model.named_parameters())
+    forwards = [m for m in model.modules() if "forward" in m.__dict__]
+    return {"message": message, "unchanged": unchanged and not forwards}
