@@ -11,17 +11,21 @@ all-to-alls already brought them every ep rank's tokens).
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autoplan.models.moe import build_moe
-from hyper_parallel import ExpertParallel, parallelize_module
+from autoplan.models.moe import MoE, MoEConfig, build_moe
+from hyper_parallel import ExpertParallel, balanced_routing, parallelize_module
+from hyper_parallel.core.collective import merged_rows
+from hyper_parallel.core.expert_parallel import balanced_assignment
 from hyper_parallel.errors import DivisibilityError, UnsupportedModuleError
-from hyper_parallel.local import cached_mesh, grads_by_name
+from hyper_parallel.local import CollectiveRecorder, cached_mesh, fake_world, grads_by_name
 
 VOCAB, BATCH, SEQ = 64, 4, 8
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -168,14 +172,37 @@ def _module(model, fqn):
     return model.get_submodule(fqn)
 
 
-def check_all(cases: list[tuple[str, str]]) -> dict:
-    out = {}
+def check_all(cases: list[tuple[str, str]], extras: bool = True) -> dict:
+    """Every (model, mesh case); with ``extras`` (4 ranks) also the error and balanced-routing checks."""
+    out = {"errors": check_errors(), "balanced": check_balanced()} if extras else {}
     for model_name, case in cases:
         try:
             out[f"{model_name}/{case}"] = run_case(model_name, case)
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
             out[f"{model_name}/{case}"] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def check_balanced() -> dict:
+    """Under balanced_routing() an ep=4 MoE layer computes its own experts on the balanced
+    assignment (router weights kept): compared with the unsharded experts called on it."""
+    mesh = cached_mesh((4,), ("ep",))
+    cfg = MoEConfig(n_experts=8, top_k=2)
+    torch.manual_seed(0)
+    ref = MoE(cfg)
+    torch.manual_seed(0)
+    par = MoE(cfg)
+    parallelize_module(par, mesh, {"experts": ExpertParallel()})
+    x = torch.randn(2, 8, cfg.dim, generator=torch.Generator().manual_seed(dist.get_rank()))
+    h = x.reshape(-1, cfg.dim)
+    weights, _ = F.softmax(ref.router(h), dim=-1).topk(cfg.top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    index = balanced_assignment(h.shape[0], cfg.top_k, cfg.n_experts)
+    want = ref.experts(h, index, weights) + ref.shared_expert(h)
+    with balanced_routing():
+        got = par(x).reshape(-1, cfg.dim)
+    counts = torch.bincount(index.reshape(-1), minlength=cfg.n_experts).tolist()
+    return {"close": torch.allclose(got, want, rtol=1e-5, atol=1e-6), "counts": counts}
 
 
 def check_errors() -> dict:
@@ -204,3 +231,29 @@ def _refused(model, mesh, plan, error, **kw) -> dict:
                     for n, p in model.named_parameters())
     forwards = [m for m in model.modules() if "forward" in m.__dict__]
     return {"message": message, "unchanged": unchanged and not forwards}
+
+
+def dry_run_collectives(world: int, shape: tuple, names: tuple, tp_dim: str | None, n_experts: int,
+                        batch: int, seq: int) -> tuple[list, list]:
+    """(issued, predicted) rows {kind, dim, phase, bytes, count} for one forward+backward of one
+    repo MoE layer under balanced routing, on the fake process group at ``world`` ranks."""
+    cfg = MoEConfig(dim=32, moe_hidden=16, n_experts=n_experts, top_k=2)
+    with fake_world(world):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        groups = {mesh.get_group(n).group_name: n for n in names}
+        torch.manual_seed(0)
+        layer = MoE(cfg)
+        style = ExpertParallel(tp_dim=tp_dim)
+        parallelize_module(layer, mesh, {"experts": style}, mesh_dim="ep")
+        x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+        with balanced_routing(), CollectiveRecorder() as rec:
+            layer(x).sum().backward()
+        issued = Counter((e["kind"], groups.get(e["group"], e["group"]), e["phase"], e["bytes"]) for e in rec.events)
+        ep = mesh["ep"].size()
+        tp = mesh[tp_dim].size() if tp_dim else 1
+        predicted = style.predicted_collectives(tokens=batch * seq, hidden=cfg.dim, ffn=cfg.moe_hidden,
+                                                top_k=cfg.top_k, experts=n_experts, dtype_bytes=4, ep=ep, tp=tp)
+    issued_rows = sorted(({"kind": k, "mesh_dim": d, "phase": p, "bytes": b, "count": n}
+                          for (k, d, p, b), n in issued.items()), key=lambda r: (r["kind"], r["mesh_dim"],
+                                                                                  r["phase"], r["bytes"]))
+    return issued_rows, merged_rows(predicted)
