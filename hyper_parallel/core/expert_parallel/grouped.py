@@ -3,8 +3,9 @@
 torch 2.13 ships ``torch._grouped_mm`` with a CPU kernel (float32/bfloat16/float16) that needs
 16-byte aligned row strides; its backward rejects a non-contiguous incoming gradient (e.g. the
 expanded gradient of ``.sum()``), so the output passes through :class:`_ContiguousGrad`. Where
-the kernel does not apply (float64, odd widths, other devices without it) a per-expert loop
-computes the same product; both are autograd-differentiable.
+the kernel does not apply (float64, odd widths, other devices) a per-expert loop computes the
+same product; both are autograd-differentiable. On CUDA only bfloat16 takes the kernel (the dtype
+torch's CUDA grouped GEMM is built for; not exercised on this CPU-only machine).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def grouped_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     fn = getattr(torch, "_grouped_mm", None)
     if fn is None or x.dtype != weight.dtype or x.dtype not in _GROUPED_DTYPES:
         return False
-    if x.device.type not in ("cpu", "cuda"):
+    if x.device.type not in ("cpu", "cuda") or (x.device.type == "cuda" and x.dtype != torch.bfloat16):
         return False
     return all(_aligned(n, x.dtype) for n in (weight.shape[1], weight.shape[2])) and x.shape[0] > 0
 

@@ -27,8 +27,8 @@ from hyper_parallel.errors import UnsupportedModuleError
 class ExpertsLayout:
     kind: str                  # "stacked" | "list"
     num_experts: int
-    hidden: int
-    ffn: int                   # F: the width tensor parallelism splits (gate_up has 2F)
+    hidden: int                # H (0 for a ModuleList: each expert knows its own)
+    ffn: int                   # F: the width tensor parallelism splits (gate_up has 2F); 0 for a ModuleList
     transposed: bool = False   # weights stored [in, out] per expert
     concatenated: bool = True  # [gate|up] halves (False: interleaved gate/up columns)
     biases: bool = False
@@ -73,23 +73,11 @@ def read_layout(module: nn.Module, where: str) -> ExpertsLayout:
         return ExpertsLayout("stacked", e, h, two_f // 2, transposed,
                              bool(getattr(module, "is_concatenated", True)), biases)
     lists = [(n, c) for n, c in module.named_children() if isinstance(c, nn.ModuleList)]
-    if len(lists) == 1 and len(lists[0][1]) > 0 and not params:
+    if len(lists) == 1 and not params and all(any(True for _ in e.parameters()) for e in lists[0][1]):
         name, experts = lists[0]
-        first = next(experts[0].parameters(), None)
-        h = _list_hidden(experts[0])
-        return ExpertsLayout("list", len(experts), h, 0, list_name=name) if first is not None else _bad(where, expected)
-    return _bad(where, expected)
-
-
-def _bad(where: str, expected: str):
-    raise UnsupportedModuleError(f"{where}: not an experts container; expected {expected}")
-
-
-def _list_hidden(expert: nn.Module) -> int:
-    for m in expert.modules():
-        if isinstance(m, nn.Linear):
-            return m.in_features
-    return 0
+        if len(experts):
+            return ExpertsLayout("list", len(experts), 0, 0, list_name=name)
+    raise UnsupportedModuleError(f"{where}: {type(module).__name__} is not an experts container; expected {expected}")
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
