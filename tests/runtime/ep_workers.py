@@ -11,6 +11,7 @@ all-to-alls already brought them every ep rank's tokens).
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 
 import torch
@@ -18,11 +19,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from autoplan.models.moe import MoE, MoEConfig, build_moe
 from hyper_parallel import ExpertParallel, balanced_routing, parallelize_module
 from hyper_parallel.core.collective import merged_rows
+from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.core.expert_parallel import balanced_assignment
 from hyper_parallel.errors import DivisibilityError, UnsupportedModuleError
 from hyper_parallel.local import CollectiveRecorder, cached_mesh, fake_world, grads_by_name
@@ -139,13 +142,7 @@ def run_case(model_name: str, case: str) -> dict:
     g_par = grads_by_name(par)
     _fill_list_experts(par, ref, g_par, mesh)
     g_ref = grads_by_name(ref)
-    bad = []
-    for name, gr in g_ref.items():
-        gp = g_par.get(name)
-        if gp is None:
-            bad.append(f"{name}: missing")
-        elif not torch.allclose(gp, gr, rtol=1e-4, atol=1e-6):
-            bad.append(f"{name}: max err {(gp - gr).abs().max().item():.3g} (max |g| {gr.abs().max().item():.3g})")
+    bad = _mismatches(g_ref, g_par)
     rl, pl = float(ref_loss.detach()), float(total)
     sharded = sorted(n for n, p in par.named_parameters() if isinstance(p, DTensor) or p.is_meta)
     return {"loss_ok": math.isclose(rl, pl, rel_tol=1e-5), "losses": (rl, pl), "bad": bad[:6],
@@ -172,9 +169,57 @@ def _module(model, fqn):
     return model.get_submodule(fqn)
 
 
+def run_fsdp(model_name: str) -> dict:
+    """dp=2 x ep=2 with FSDP2 doing the data-parallel averaging: the experts fully_shard over dp, every
+    decoder layer and the root over the flattened dp x ep mesh. FSDP averages expert gradients over dp
+    only while each already sums the tokens of its ep group, so they are divided by ep after backward
+    (on NCCL: ``experts.set_gradient_divide_factor(dp * ep)``; gloo has no PREMUL_SUM)."""
+    mesh = cached_mesh((2, 2), ("dp", "ep"))
+    ref, pattern = build(model_name)
+    par, _ = build(model_name)
+    parallelize_module(par, mesh, {pattern: ExpertParallel()}, mesh_dim="ep", strict=True)
+    flat = mesh["dp", "ep"]._flatten("dp_ep")
+    for _, experts in match_modules(par, pattern):
+        fully_shard(experts, mesh=mesh["dp"])
+    for name, layer in par.named_modules():
+        if re.search(r"(^|\.)layers\.\d+$", name):
+            fully_shard(layer, mesh=flat)
+    fully_shard(par, mesh=flat)
+    g = torch.Generator().manual_seed(7)
+    tokens, target = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
+    shard, n = _coord(mesh, ("dp", "ep"))
+    rows = slice(shard * BATCH // n, (shard + 1) * BATCH // n)
+    ref_loss = ce(logits(ref, tokens), target)
+    ref_loss.backward()
+    par_loss = ce(logits(par, tokens[rows]), target[rows])
+    par_loss.backward()
+    with torch.no_grad():
+        for name, p in par.named_parameters():
+            if _is_expert(name):
+                p.grad.div_(mesh["ep"].size())
+        total = par_loss.detach().clone()
+        dist.all_reduce(total)
+    bad = _mismatches(grads_by_name(ref), grads_by_name(par))
+    experts = [p for n, p in par.named_parameters() if _is_expert(n)]
+    return {"loss_ok": math.isclose(float(ref_loss.detach()), float(total) / n, rel_tol=1e-5), "bad": bad[:6],
+            "expert_mesh_dims": sorted({p.device_mesh.mesh_dim_names for p in experts})}
+
+
+def _mismatches(g_ref: dict, g_par: dict) -> list[str]:
+    bad = []
+    for name, gr in g_ref.items():
+        gp = g_par.get(name)
+        if gp is None:
+            bad.append(f"{name}: missing")
+        elif not torch.allclose(gp, gr, rtol=1e-4, atol=1e-6):
+            bad.append(f"{name}: max err {(gp - gr).abs().max().item():.3g} (max |g| {gr.abs().max().item():.3g})")
+    return bad
+
+
 def check_all(cases: list[tuple[str, str]], extras: bool = True) -> dict:
     """Every (model, mesh case); with ``extras`` (4 ranks) also the error and balanced-routing checks."""
-    out = {"errors": check_errors(), "balanced": check_balanced()} if extras else {}
+    out = {"errors": check_errors(), "balanced": check_balanced(),
+           "fsdp": {m: run_fsdp(m) for m in ("mixtral", "repo")}} if extras else {}
     for model_name, case in cases:
         try:
             out[f"{model_name}/{case}"] = run_case(model_name, case)

@@ -4,7 +4,8 @@ Qwen3-MoE, DeepSeek-V3 (MLA + shared experts + a dense first layer), GPT-OSS (bi
 transposed interleaved weights) and the repo MoE model (3-D and ModuleList experts) at ep=2,
 ep=4, ep=2 x tp=2, dp=2 x ep=2 (4 ranks) and dp=2 x ep=2 x tp=2 (8 ranks); the collectives
 it issues under balanced routing equal its prediction at world 8 and 64; bad plans are typed
-errors that leave the model as it was."""
+errors that leave the model as it was; FSDP2 over dp (experts) and dp x ep (the rest) composes
+with it."""
 import pytest
 import torch
 
@@ -37,6 +38,9 @@ def test_one_step_equals_one_device_on_4_ranks(pool4):
             "has no forward" in errors["wrong_module"]["message"], errors
         assert "needs 3-D expert weights" in errors["list_tp"]["message"], errors
         assert all(e["unchanged"] for e in errors.values()), errors
+        for model, r in rep["fsdp"].items():
+            assert r["loss_ok"] and not r["bad"], (rank, model, r)
+            assert r["expert_mesh_dims"] == [("dp", "ep")], (rank, model, r)
         assert rep["balanced"]["close"] and rep["balanced"]["counts"] == [4] * 8, rep["balanced"]
 
 
