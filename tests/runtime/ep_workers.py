@@ -36,13 +36,14 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attenti
 HF_EXPERTS = "model.layers.*.mlp.experts"
 REPO_EXPERTS = "layers.*.feed_forward.experts"
 
-# case name -> (mesh shape, dim names, token-sharding dims, tp dim)
+# case name -> (mesh shape, dim names, token-sharding dims, tp dim, split_tokens)
 MESHES = {
-    "ep2": ((2, 2), ("rep", "ep"), ("ep",), None),      # two independent ep=2 groups, same tokens
-    "ep4": ((4,), ("ep",), ("ep",), None),
-    "ep2xtp2": ((2, 2), ("ep", "tp"), ("ep",), "tp"),
-    "dp2xep2": ((2, 2), ("dp", "ep"), ("dp", "ep"), None),
-    "dp2xep2xtp2": ((2, 2, 2), ("dp", "ep", "tp"), ("dp", "ep"), "tp"),
+    "ep2": ((2, 2), ("rep", "ep"), ("ep",), None, False),      # two independent ep=2 groups, same tokens
+    "ep4": ((4,), ("ep",), ("ep",), None, False),
+    "ep2xtp2": ((2, 2), ("ep", "tp"), ("ep",), "tp", False),
+    "dp2xep2": ((2, 2), ("dp", "ep"), ("dp", "ep"), None, False),
+    "dp2xep2xtp2": ((2, 2, 2), ("dp", "ep", "tp"), ("dp", "ep"), "tp", False),
+    "ep4split": ((4,), ("ep",), (), None, True),                # ep borrowing from tp: every rank the same tokens
 }
 
 
@@ -114,11 +115,12 @@ def _is_expert(name: str) -> bool:
 
 
 def run_case(model_name: str, case: str) -> dict:
-    shape, names, token_dims, tp_dim = MESHES[case]
+    shape, names, token_dims, tp_dim, split = MESHES[case]
     mesh = cached_mesh(shape, names)
     ref, pattern = build(model_name)
     par, _ = build(model_name)
-    parallelize_module(par, mesh, {pattern: ExpertParallel(tp_dim=tp_dim)}, mesh_dim="ep", strict=True)
+    style = ExpertParallel(tp_dim=tp_dim, split_tokens=split)
+    parallelize_module(par, mesh, {pattern: style}, mesh_dim="ep", strict=True)
     g = torch.Generator().manual_seed(7)
     tokens, target = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
     shard, n = _coord(mesh, token_dims)
@@ -279,7 +281,7 @@ def _refused(model, mesh, plan, error, **kw) -> dict:
 
 
 def dry_run_collectives(world: int, shape: tuple, names: tuple, tp_dim: str | None, n_experts: int,
-                        batch: int, seq: int) -> tuple[list, list]:
+                        batch: int, seq: int, split_tokens: bool = False) -> tuple[list, list]:
     """(issued, predicted) rows {kind, dim, phase, bytes, count} for one forward+backward of one
     repo MoE layer under balanced routing, on the fake process group at ``world`` ranks."""
     cfg = MoEConfig(dim=32, moe_hidden=16, n_experts=n_experts, top_k=2)
@@ -288,7 +290,7 @@ def dry_run_collectives(world: int, shape: tuple, names: tuple, tp_dim: str | No
         groups = {mesh.get_group(n).group_name: n for n in names}
         torch.manual_seed(0)
         layer = MoE(cfg)
-        style = ExpertParallel(tp_dim=tp_dim)
+        style = ExpertParallel(tp_dim=tp_dim, split_tokens=split_tokens)
         parallelize_module(layer, mesh, {"experts": style}, mesh_dim="ep")
         x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
         with balanced_routing(), CollectiveRecorder() as rec:

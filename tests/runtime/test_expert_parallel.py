@@ -16,6 +16,7 @@ from tests.runtime import ep_workers
 
 MODELS4 = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "repo", "repo_list"]
 CASES4 = [(m, c) for m in MODELS4 for c in ("ep2", "ep4", "ep2xtp2", "dp2xep2") if (m, c) != ("repo_list", "ep2xtp2")]
+CASES4 += [(m, "ep4split") for m in ("mixtral", "deepseek_v3", "repo_list")]
 CASES8 = [(m, "dp2xep2xtp2") for m in ("deepseek_v3", "gpt_oss")]
 
 
@@ -48,20 +49,24 @@ def test_dp_ep_tp_on_8_ranks(pool8):
     _check_numerics(pool8.run(ep_workers.check_all, CASES8, False), CASES8)
 
 
-@pytest.mark.parametrize("world,shape,names,tp_dim,experts", [
-    (8, (2, 2, 2), ("dp", "ep", "tp"), "tp", 8),
-    (64, (4, 8, 2), ("dp", "ep", "tp"), "tp", 16),
-    (64, (8, 8), ("dp", "ep"), None, 16),
+@pytest.mark.parametrize("world,shape,names,tp_dim,experts,split", [
+    (8, (2, 2, 2), ("dp", "ep", "tp"), "tp", 8, False),
+    (64, (4, 8, 2), ("dp", "ep", "tp"), "tp", 16, False),
+    (64, (8, 8), ("dp", "ep"), None, 16, False),
+    (64, (8, 4, 2), ("dp", "ep", "tp"), "tp", 8, True),
 ])
-def test_predicted_collectives_equal_issued_in_a_dry_run(world, shape, names, tp_dim, experts):
-    issued, predicted = ep_workers.dry_run_collectives(world, shape, names, tp_dim, experts, batch=2, seq=8)
+def test_predicted_collectives_equal_issued_in_a_dry_run(world, shape, names, tp_dim, experts, split):
+    issued, predicted = ep_workers.dry_run_collectives(world, shape, names, tp_dim, experts, batch=2, seq=8,
+                                                       split_tokens=split)
     assert issued == predicted
+    assert any(r["kind"] == "all_gather" for r in issued) == split
     kinds = {(r["kind"], r["mesh_dim"]) for r in issued}
     assert ("all_to_all", "ep") in kinds and (("all_reduce", "tp") in kinds) == (tp_dim is not None)
 
 
 def test_style_is_data():
-    for style in (ExpertParallel(), ExpertParallel(tp_dim="tp"), ExpertParallel(ep_dim="e", balanced=True)):
+    for style in (ExpertParallel(), ExpertParallel(tp_dim="tp"), ExpertParallel(ep_dim="e", balanced=True),
+                  ExpertParallel(split_tokens=True)):
         assert style_from_dict(style.to_dict()) == style
     assert ExpertParallel(tp_dim="tp").to_dict() == {"style": "ExpertParallel", "args": {"tp_dim": "tp"}}
     with pytest.raises(StyleSpecError, match="unknown argument"):

@@ -111,3 +111,33 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class SplitTokens(torch.autograd.Function):
+    """Tokens replicated over the ep group -> this rank's 1/ep slice of them (``split_tokens``).
+
+    Every rank computes the same loss from the gathered output, so the gradient of the whole
+    input is the concatenation of the slices' gradients: an all-gather in backward."""
+
+    @staticmethod
+    def forward(ctx, x, rank, ep, group):
+        ctx.group = group
+        return x.chunk(ep, dim=0)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _wait(funcol.all_gather_tensor(grad.contiguous(), 0, ctx.group)), None, None, None
+
+
+class GatherTokens(torch.autograd.Function):
+    """The slices' outputs gathered back to every rank of the ep group; backward keeps this rank's
+    slice of the (identical on every rank) output gradient."""
+
+    @staticmethod
+    def forward(ctx, x, rank, ep, group):
+        ctx.rank, ctx.ep = rank, ep
+        return _wait(funcol.all_gather_tensor(x.contiguous(), 0, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.ep, dim=0)[ctx.rank].contiguous(), None, None, None

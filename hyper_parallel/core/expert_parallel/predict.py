@@ -12,9 +12,15 @@ backward
 - two all_to_all over ep (the reverse of dispatch and combine), ``T*k*H*b`` each;
 - with tp: all_reduce over tp of the expert input gradient, ``T*k*H*b``.
 
+With ``split_tokens`` (the ep group holds the same T tokens) each rank dispatches ``T/ep`` of
+them (so ``T/ep`` replaces ``T`` above) and adds, over ep: forward one all_gather of the outputs
+(``T*H*b``), backward one all_gather of the hidden-state gradient (``T*H*b``) and one of the
+routing-weight gradient (``T*k*w``, ``w = weight_bytes``: transformers' routers often keep their
+weights in float32).
+
 Bytes are one call's logical bytes (cost_models' convention: for an all-to-all the rank's whole
-send buffer). With ep == 1 nothing is sent over ep. Bytes assume the expert weights and the
-hidden states share one dtype (``dtype_bytes``).
+send buffer, for an all-gather the gathered tensor). With ep == 1 nothing is sent over ep. Bytes
+assume the expert weights and the hidden states share one dtype (``dtype_bytes``).
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ COUNT_BYTES = 8  # torch.bincount's int64
 
 
 def expert_parallel_collectives(style, *, tokens: int, hidden: int, ffn: int, top_k: int, experts: int,
-                                dtype_bytes: int, ep: int, tp: int = 1) -> list[Collective]:
+                                dtype_bytes: int, ep: int, tp: int = 1,
+                                weight_bytes: int | None = None) -> list[Collective]:
     """``style``: an ExpertParallel (its ep_dim / tp_dim name the mesh dimensions)."""
     for name, value in (("tokens", tokens), ("hidden", hidden), ("ffn", ffn), ("top_k", top_k),
                         ("experts", experts), ("dtype_bytes", dtype_bytes), ("ep", ep), ("tp", tp)):
@@ -33,14 +40,24 @@ def expert_parallel_collectives(style, *, tokens: int, hidden: int, ffn: int, to
             raise StyleSpecError(f"expert_parallel_collectives: {name} must be a positive int, got {value!r}")
     if experts % ep:
         raise DivisibilityError(f"expert_parallel_collectives: experts = {experts} is not divisible by ep = {ep}")
-    if (tokens * top_k) % experts:
-        raise DivisibilityError(f"expert_parallel_collectives: tokens x top_k = {tokens * top_k} is not divisible "
-                                f"by experts = {experts}, so routing cannot be balanced")
+    weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
+    split = style.split_tokens and ep > 1
+    if split and tokens % ep:
+        raise DivisibilityError(f"expert_parallel_collectives: split_tokens needs tokens = {tokens} divisible by "
+                                f"ep = {ep}")
+    routed = tokens // ep if split else tokens
+    if (routed * top_k) % experts:
+        raise DivisibilityError(f"expert_parallel_collectives: tokens x top_k = {routed * top_k} routed per rank is "
+                                f"not divisible by experts = {experts}, so routing cannot be balanced")
     if tp > 1 and (style.tp_dim is None or ffn % tp):
         raise DivisibilityError(f"expert_parallel_collectives: tp = {tp} needs the style's tp_dim (got "
                                 f"{style.tp_dim!r}) and ffn = {ffn} divisible by tp")
-    rows = tokens * top_k * hidden * dtype_bytes
+    rows = routed * top_k * hidden * dtype_bytes
     out: list[Collective] = []
+    if split:
+        out += [Collective("all_gather", "forward", tokens * hidden * dtype_bytes, 1, style.ep_dim),
+                Collective("all_gather", "backward", tokens * hidden * dtype_bytes, 1, style.ep_dim),
+                Collective("all_gather", "backward", tokens * top_k * weight_bytes, 1, style.ep_dim)]
     if ep > 1:
         out += [Collective("all_to_all", "forward", experts * COUNT_BYTES, 1, style.ep_dim),
                 Collective("all_to_all", "forward", rows, 2, style.ep_dim),

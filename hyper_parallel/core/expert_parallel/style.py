@@ -18,8 +18,10 @@ parallel (dp=2 x ep=2: four batch shards) -- and the ranks of a tp group the *sa
 caller then averages gradients over the token-sharding dimensions: non-expert parameters over
 dp x ep, expert parameters over dp only (the all-to-alls already brought them every ep rank's
 tokens). If the ranks of an ep group hold the same tokens (ep borrowing from tp), forward is
-still right but expert gradients come out ep times too large: divide them by ep, or shard the
-tokens over ep before the MoE layer and gather them after.
+still right but expert gradients come out ep times too large -- unless ``split_tokens=True``: each
+rank then takes its 1/ep slice of the tokens before dispatch and the outputs are all-gathered
+after combine (one all-gather over ep forward, two -- hidden and routing-weight gradients --
+backward), so no rank computes a token twice and no gradient needs rescaling.
 """
 from __future__ import annotations
 
@@ -31,7 +33,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.core.collective import Collective
-from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP, combine, dispatch
+from hyper_parallel.core.expert_parallel.dispatch import (
+    CopyToTP,
+    GatherTokens,
+    ReduceFromTP,
+    SplitTokens,
+    combine,
+    dispatch,
+)
 from hyper_parallel.core.expert_parallel.layouts import ExpertsLayout, list_experts, read_layout, stacked_experts
 from hyper_parallel.core.expert_parallel.predict import expert_parallel_collectives
 from hyper_parallel.core.expert_parallel.routing import balanced_assignment, balanced_routing_active
@@ -69,19 +78,23 @@ class ExpertParallel(ParallelStyle):
     ``ep_dim``: the mesh dimension the experts are split over. ``tp_dim``: the mesh dimension
     each expert's weights are split over (None: none). ``balanced``: always route by the
     deterministic balanced assignment (as inside ``balanced_routing()``; dry runs only).
+    ``split_tokens``: the ranks of the ep group hold the same tokens (ep borrowing from tp); each
+    dispatches its 1/ep slice and the outputs are all-gathered.
     """
 
-    _args = {"ep_dim": "ep", "tp_dim": None, "balanced": False}
+    _args = {"ep_dim": "ep", "tp_dim": None, "balanced": False, "split_tokens": False}
 
-    def __init__(self, *, ep_dim: str = "ep", tp_dim: str | None = None, balanced: bool = False):
+    def __init__(self, *, ep_dim: str = "ep", tp_dim: str | None = None, balanced: bool = False,
+                 split_tokens: bool = False):
         if not isinstance(ep_dim, str) or not ep_dim:
             raise StyleSpecError(f"ExpertParallel: ep_dim must be a mesh dimension name, got {ep_dim!r}")
         if tp_dim is not None and (not isinstance(tp_dim, str) or not tp_dim or tp_dim == ep_dim):
             raise StyleSpecError(f"ExpertParallel: tp_dim must be None or a mesh dimension name other than "
                                  f"ep_dim={ep_dim!r}, got {tp_dim!r}")
-        if not isinstance(balanced, bool):
-            raise StyleSpecError(f"ExpertParallel: balanced must be a bool, got {balanced!r}")
-        self.ep_dim, self.tp_dim, self.balanced = ep_dim, tp_dim, balanced
+        for name, value in (("balanced", balanced), ("split_tokens", split_tokens)):
+            if not isinstance(value, bool):
+                raise StyleSpecError(f"ExpertParallel: {name} must be a bool, got {value!r}")
+        self.ep_dim, self.tp_dim, self.balanced, self.split_tokens = ep_dim, tp_dim, balanced, split_tokens
 
     # ---- checks ---------------------------------------------------------------------------------
     def _where(self, fqn: str) -> str:
@@ -135,6 +148,16 @@ class ExpertParallel(ParallelStyle):
         style = self
 
         def forward(hidden_states, top_k_index, top_k_weights, *rest, **kwargs):
+            if style.split_tokens and ep > 1:
+                rank = first // local_n
+                if hidden_states.shape[0] % ep:
+                    raise DivisibilityError(f"{where}: split_tokens needs the token count "
+                                            f"{hidden_states.shape[0]} divisible by {style.ep_dim} = {ep}")
+                hidden = SplitTokens.apply(hidden_states, rank, ep, ep_group)
+                weights = SplitTokens.apply(top_k_weights, rank, ep, ep_group)
+                index = top_k_index.chunk(ep, dim=0)[rank]
+                out = style._forward(module, layout, hidden, index, weights, ep, first, ep_group, tp_group)
+                return GatherTokens.apply(out, rank, ep, ep_group)
             return style._forward(module, layout, hidden_states, top_k_index, top_k_weights, ep, first,
                                   ep_group, tp_group)
 
@@ -186,8 +209,10 @@ class ExpertParallel(ParallelStyle):
 
     # ---- predictions ----------------------------------------------------------------------------
     def predicted_collectives(self, *, tokens: int, hidden: int, ffn: int, top_k: int, experts: int,
-                              dtype_bytes: int, ep: int, tp: int = 1) -> list[Collective]:
+                              dtype_bytes: int, ep: int, tp: int = 1,
+                              weight_bytes: int | None = None) -> list[Collective]:
         """The collectives this style issues per MoE layer per training step under balanced
         routing (see :func:`expert_parallel_collectives`)."""
         return expert_parallel_collectives(self, tokens=tokens, hidden=hidden, ffn=ffn, top_k=top_k,
-                                           experts=experts, dtype_bytes=dtype_bytes, ep=ep, tp=tp)
+                                           experts=experts, dtype_bytes=dtype_bytes, ep=ep, tp=tp,
+                                           weight_bytes=weight_bytes)
