@@ -92,6 +92,19 @@ def logits(model, tokens):
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
+AUX_MODELS = ("mixtral", "repo", "repo_list")
+
+
+def loss_with_aux(model, tokens, target, aux: bool):
+    """Cross-entropy, plus 0.01 x the router's load-balancing loss when ``aux``."""
+    if not aux:
+        return ce(logits(model, tokens), target)
+    if hasattr(model, "aux_loss"):  # the repo model
+        return ce(model(tokens), target) + 0.01 * model.aux_loss()
+    out = model(tokens, output_router_logits=True)
+    return ce(out.logits, target) + 0.01 * out.aux_loss
+
+
 def ce(out, target):
     return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
 
@@ -126,9 +139,11 @@ def run_case(model_name: str, case: str) -> dict:
     shard, n = _coord(mesh, token_dims)
     rows = slice(shard * BATCH // n, (shard + 1) * BATCH // n)
 
-    ref_loss = ce(logits(ref, tokens), target)
+    # every rank sees every token (split_tokens): the load-balancing loss is a global one, so it joins in
+    aux = split and model_name in AUX_MODELS
+    ref_loss = loss_with_aux(ref, tokens, target, aux)
     ref_loss.backward()
-    par_loss = ce(logits(par, tokens[rows]), target[rows]) / n
+    par_loss = loss_with_aux(par, tokens[rows], target[rows], aux) / n
     par_loss.backward()
     total = par_loss.detach().clone()
     for d in token_dims:
@@ -148,7 +163,7 @@ def run_case(model_name: str, case: str) -> dict:
     rl, pl = float(ref_loss.detach()), float(total)
     sharded = sorted(n for n, p in par.named_parameters() if isinstance(p, DTensor) or p.is_meta)
     return {"loss_ok": math.isclose(rl, pl, rel_tol=1e-5), "losses": (rl, pl), "bad": bad[:6],
-            "n_grads": len(g_ref), "n_sharded": len(sharded)}
+            "n_grads": len(g_ref), "n_sharded": len(sharded), "aux": aux}
 
 
 def _fill_list_experts(par, ref, grads, mesh):

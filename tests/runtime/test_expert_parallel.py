@@ -27,6 +27,7 @@ def _check_numerics(reports, cases):
             assert "error" not in r, (rank, model, case, r)
             assert r["loss_ok"] and not r["bad"], (rank, model, case, r)
             assert r["n_sharded"] > 0 and r["n_grads"] > 10, (rank, model, case, r)
+            assert r["aux"] == (case == "ep4split" and model in ep_workers.AUX_MODELS), (model, case, r)
 
 
 def test_one_step_equals_one_device_on_4_ranks(pool4):
