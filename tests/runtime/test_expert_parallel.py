@@ -8,10 +8,13 @@ errors that leave the model as it was; FSDP2 over dp (experts) and dp x ep (the 
 with it."""
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
-from hyper_parallel import ExpertParallel, style_from_dict
+from autoplan.models.moe import build_moe
+from hyper_parallel import ExpertParallel, parallelize_module, style_from_dict
 from hyper_parallel.core.expert_parallel import balanced_assignment, expert_parallel_collectives, grouped_mm
-from hyper_parallel.errors import DivisibilityError, StyleSpecError
+from hyper_parallel.errors import DivisibilityError, MeshError, StyleSpecError
+from hyper_parallel.local import fake_world
 from tests.runtime import ep_workers
 
 MODELS4 = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "repo", "repo_list"]
@@ -104,3 +107,14 @@ def test_balanced_assignment_and_prediction_errors():
                                     dtype_bytes=2, ep=4)
     rows = ExpertParallel().predicted_collectives(tokens=16, hidden=8, ffn=8, top_k=2, experts=8, dtype_bytes=2, ep=1)
     assert rows == []
+
+
+def test_missing_mesh_dimensions_are_typed_errors_before_any_change():
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = build_moe()
+        for style, dim in ((ExpertParallel(), "ep"), (ExpertParallel(ep_dim="dp", tp_dim="mp"), "mp")):
+            with pytest.raises(MeshError, match=f"mesh dimension '{dim}' not found"):
+                parallelize_module(model, mesh, {"layers.*.feed_forward.experts": style}, mesh_dim="tp")
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        assert all(type(p) is torch.nn.Parameter for p in model.parameters())
