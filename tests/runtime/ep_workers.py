@@ -14,10 +14,12 @@ import math
 import re
 from collections import Counter
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -27,7 +29,7 @@ from hyper_parallel import ExpertParallel, balanced_routing, parallelize_module
 from hyper_parallel.core.collective import merged_rows
 from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.core.expert_parallel import balanced_assignment
-from hyper_parallel.errors import DivisibilityError, UnsupportedModuleError
+from hyper_parallel.errors import DivisibilityError, LayoutError, UnsupportedModuleError
 from hyper_parallel.local import CollectiveRecorder, cached_mesh, fake_world, grads_by_name
 
 VOCAB, BATCH, SEQ = 64, 4, 8
@@ -298,18 +300,23 @@ def _refused(model, mesh, plan, error, **kw) -> dict:
 def dry_run_collectives(world: int, shape: tuple, names: tuple, tp_dim: str | None, n_experts: int,
                         batch: int, seq: int, split_tokens: bool = False) -> tuple[list, list]:
     """(issued, predicted) rows {kind, dim, phase, bytes, count} for one forward+backward of one
-    repo MoE layer under balanced routing, on the fake process group at ``world`` ranks."""
+    repo MoE layer under balanced routing, on the fake process group at ``world`` ranks, the way
+    verify's dry run runs a plan: sharded on meta, then stepped under FakeTensorMode."""
     cfg = MoEConfig(dim=32, moe_hidden=16, n_experts=n_experts, top_k=2)
     with fake_world(world):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         groups = {mesh.get_group(n).group_name: n for n in names}
-        torch.manual_seed(0)
-        layer = MoE(cfg)
+        with torch.device("meta"):
+            layer = MoE(cfg)
         style = ExpertParallel(tp_dim=tp_dim, split_tokens=split_tokens)
         parallelize_module(layer, mesh, {"experts": style}, mesh_dim="ep")
-        x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
-        with balanced_routing(), CollectiveRecorder() as rec:
-            layer(x).sum().backward()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            layer.to_empty(device="cpu")
+            x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+            with pytest.raises(LayoutError, match="balanced_routing"):
+                layer(x)
+            with balanced_routing(), CollectiveRecorder() as rec:
+                layer(x).sum().backward()
         issued = Counter((e["kind"], groups.get(e["group"], e["group"]), e["phase"], e["bytes"]) for e in rec.events)
         ep = mesh["ep"].size()
         tp = mesh[tp_dim].size() if tp_dim else 1
@@ -319,3 +326,27 @@ def dry_run_collectives(world: int, shape: tuple, names: tuple, tp_dim: str | No
                           for (k, d, p, b), n in issued.items()), key=lambda r: (r["kind"], r["mesh_dim"],
                                                                                   r["phase"], r["bytes"]))
     return issued_rows, merged_rows(predicted)
+
+
+def hf_dry_run(name: str, world: int = 64, shape=(8, 4, 2)) -> tuple[dict, dict]:
+    """(issued, predicted x MoE layers) {(kind, dim, phase, bytes): count} for one step of a whole
+    HF MoE model, sharded on meta and stepped under FakeTensorMode on a fake dp x ep x tp world."""
+    names = ("dp", "ep", "tp")
+    with fake_world(world):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        groups = {mesh.get_group(n).group_name: n for n in names}
+        with torch.device("meta"):
+            model = _hf(name, 8)
+        style = ExpertParallel(tp_dim="tp")
+        parallelize_module(model, mesh, {HF_EXPERTS: style}, mesh_dim="ep", strict=True)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            with balanced_routing(), CollectiveRecorder() as rec:
+                model(torch.randint(0, VOCAB, (2, 8))).logits.sum().backward()
+    issued = Counter((e["kind"], groups.get(e["group"], e["group"]), e["phase"], e["bytes"]) for e in rec.events)
+    layers = sum(1 for n, _ in model.named_modules() if n.endswith("mlp.experts"))
+    predicted = Counter()
+    for c in style.predicted_collectives(tokens=16, hidden=COMMON["hidden_size"], ffn=16, top_k=2, experts=8,
+                                         dtype_bytes=4, ep=shape[1], tp=shape[2]):
+        predicted[c.kind, c.dim, c.phase, c.nbytes] += c.count * layers
+    return dict(issued), dict(predicted)

@@ -68,6 +68,12 @@ def test_predicted_collectives_equal_issued_in_a_dry_run(world, shape, names, tp
     assert ("all_to_all", "ep") in kinds and (("all_reduce", "tp") in kinds) == (tp_dim is not None)
 
 
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_whole_hf_models_dry_run_at_world_64_as_predicted(model):
+    issued, predicted = ep_workers.hf_dry_run(model)
+    assert issued == predicted and issued
+
+
 def test_style_is_data():
     for style in (ExpertParallel(), ExpertParallel(tp_dim="tp"), ExpertParallel(ep_dim="e", balanced=True),
                   ExpertParallel(split_tokens=True)):

@@ -34,43 +34,50 @@ class Dispatch:
     ungroup: torch.Tensor        # its inverse
 
 
-def exchange_counts(per_expert: torch.Tensor, ep: int, group: dist.ProcessGroup,
-                    known: torch.Tensor | None) -> torch.Tensor:
-    """[ep, L]: rows each source rank sends to each of my local experts.
-
-    The exchange is always issued (it is part of a step's traffic); ``known`` (balanced routing)
-    replaces its result, which a fake process group leaves undefined.
-    """
-    recv = _wait(funcol.all_to_all_single(per_expert, None, None, group))
-    if known is not None:
-        return known
-    return recv.view(ep, -1)
+def exchange_counts(per_expert: torch.Tensor, ep: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """[ep, L]: rows each source rank sends to each of my local experts."""
+    return _wait(funcol.all_to_all_single(per_expert, None, None, group)).view(ep, -1)
 
 
 def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, ep: int,
              group: dist.ProcessGroup, balanced: bool) -> tuple[torch.Tensor, Dispatch]:
     """Send every token copy to the rank that owns its expert; rows come back grouped by local expert."""
     top_k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token_of_copy = torch.div(order, top_k, rounding_mode="floor")
-    per_expert = torch.bincount(flat, minlength=num_experts)
     local = num_experts // ep
-    # balanced routing: every source sends every expert the same number of copies as this rank
-    known = torch.full((ep, local), flat.numel() // num_experts, dtype=per_expert.dtype,
-                       device=per_expert.device) if balanced else None
-    recv = exchange_counts(per_expert, ep, group, known)
-    send_splits = per_expert.view(ep, local).sum(1).tolist()
-    recv_splits = recv.sum(1).tolist()
+    if balanced:
+        order, send_splits, recv_splits, local_counts, regroup = _balanced_plan(
+            top_k_index.numel(), num_experts, ep, group, hidden.device)
+    else:
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        per_expert = torch.bincount(flat, minlength=num_experts)
+        recv = exchange_counts(per_expert, ep, group)
+        send_splits = per_expert.view(ep, local).sum(1).tolist()
+        recv_splits = recv.sum(1).tolist()
+        local_counts = recv.sum(0).tolist()
+        # received rows are ordered (source rank, local expert); regroup them by local expert
+        expert_of_row = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
+                                                recv.reshape(-1).to(hidden.device))
+        regroup = torch.argsort(expert_of_row, stable=True)
+    token_of_copy = torch.div(order, top_k, rounding_mode="floor")
     rows = hidden[token_of_copy]
     received = _wait(funcol.all_to_all_single_autograd(rows, recv_splits, send_splits, group))
-    # received rows are ordered (source rank, local expert); regroup them by local expert
-    expert_of_row = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
-                                            recv.reshape(-1).to(hidden.device))
-    regroup = torch.argsort(expert_of_row, stable=True)
-    ungroup = torch.argsort(regroup)
-    info = Dispatch(order, token_of_copy, send_splits, recv_splits, recv.sum(0).tolist(), regroup, ungroup)
+    info = Dispatch(order, token_of_copy, send_splits, recv_splits, local_counts, regroup, torch.argsort(regroup))
     return received[regroup], info
+
+
+def _balanced_plan(copies: int, num_experts: int, ep: int, group: dist.ProcessGroup, device):
+    """Dispatch bookkeeping under balanced routing (copy j -> expert j % E), from sizes alone.
+
+    Nothing here reads tensor values, so it runs on meta and fake tensors (verify's dry runs):
+    each expert gets c = copies / E copies from every rank; sorting copies by expert is a
+    transpose of [copies / E, E]; received rows (source, local expert, c) regroup by a transpose.
+    The count exchange is still issued -- it is part of a real step's traffic."""
+    c, local = copies // num_experts, num_experts // ep
+    exchange_counts(torch.full((num_experts,), c, dtype=torch.int64, device=device), ep, group)
+    order = torch.arange(copies, device=device).view(c, num_experts).t().reshape(-1)
+    regroup = torch.arange(copies, device=device).view(ep, local, c).transpose(0, 1).reshape(-1)
+    return order, [c * local] * ep, [c * local] * ep, [c * ep] * local, regroup
 
 
 def combine(expert_out: torch.Tensor, info: Dispatch, top_k_weights: torch.Tensor, num_tokens: int,

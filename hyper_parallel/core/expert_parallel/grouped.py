@@ -5,11 +5,13 @@ torch 2.13 ships ``torch._grouped_mm`` with a CPU kernel (float32/bfloat16/float
 expanded gradient of ``.sum()``), so the output passes through :class:`_ContiguousGrad`. Where
 the kernel does not apply (float64, odd widths, other devices) a per-expert loop computes the
 same product; both are autograd-differentiable. On CUDA only bfloat16 takes the kernel (the dtype
-torch's CUDA grouped GEMM is built for; not exercised on this CPU-only machine).
+torch's CUDA grouped GEMM is built for; not exercised on this CPU-only machine); meta and fake
+tensors (dry runs) take the loop, whose shapes are all a dry run needs.
 """
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,6 +38,8 @@ def grouped_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if fn is None or x.dtype != weight.dtype or x.dtype not in _GROUPED_DTYPES:
         return False
     if x.device.type not in ("cpu", "cuda") or (x.device.type == "cuda" and x.dtype != torch.bfloat16):
+        return False
+    if x.is_meta or is_fake(x):  # the op's shape function accepts bfloat16 only (CUDA's rule)
         return False
     return all(_aligned(n, x.dtype) for n in (weight.shape[1], weight.shape[2])) and x.shape[0] > 0
 

@@ -104,8 +104,8 @@ def stacked_experts(module: nn.Module, layout: ExpertsLayout, x: torch.Tensor, c
         gu, down = gu.transpose(-2, -1), down.transpose(-2, -1)
     expert_of_row = None
     if layout.biases:
-        expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                                torch.tensor(counts, device=x.device))
+        expert_of_row = torch.cat([torch.full((n,), e, dtype=torch.long, device=x.device)  # sizes only: fake-safe
+                                   for e, n in enumerate(counts)])
     h = grouped_mm(x, gu, counts)
     if layout.biases:
         h = h + local(module.gate_up_proj_bias)[expert_of_row]

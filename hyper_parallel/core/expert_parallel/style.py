@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -45,7 +46,7 @@ from hyper_parallel.core.expert_parallel.layouts import ExpertsLayout, list_expe
 from hyper_parallel.core.expert_parallel.predict import expert_parallel_collectives
 from hyper_parallel.core.expert_parallel.routing import balanced_assignment, balanced_routing_active
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle
-from hyper_parallel.errors import DivisibilityError, MeshError, StyleSpecError, UnsupportedModuleError
+from hyper_parallel.errors import DivisibilityError, LayoutError, MeshError, StyleSpecError, UnsupportedModuleError
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +181,15 @@ class ExpertParallel(ParallelStyle):
 
     def _forward(self, module, layout, hidden, top_k_index, top_k_weights, ep, first, ep_group, tp_group):
         tokens, top_k = top_k_index.shape[0], top_k_index.shape[-1]
-        if self.balanced or balanced_routing_active():
+        balanced = self.balanced or balanced_routing_active()
+        if balanced:
             top_k_index = balanced_assignment(tokens, top_k, layout.num_experts, hidden.device)
+        elif hidden.is_meta or is_fake(hidden):
+            raise LayoutError(f"ExpertParallel on {type(module).__name__}: the all-to-all sizes depend on the routing, "
+                              f"which meta/fake tensors do not have; run dry runs inside balanced_routing() "
+                              f"(or with ExpertParallel(balanced=True))")
         if ep > 1:
-            rows, info = dispatch(hidden, top_k_index, layout.num_experts, ep, ep_group,
-                                  self.balanced or balanced_routing_active())
+            rows, info = dispatch(hidden, top_k_index, layout.num_experts, ep, ep_group, balanced)
             counts = info.local_counts
         else:
             info = None
