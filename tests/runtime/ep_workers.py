@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from autoplan.models.moe import MoE, MoEConfig, build_moe
-from hyper_parallel import ExpertParallel, balanced_routing, parallelize_module
+from hyper_parallel import ColwiseParallel, ExpertParallel, RowwiseParallel, balanced_routing, parallelize_module
 from hyper_parallel.core.collective import merged_rows
 from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.core.expert_parallel import balanced_assignment
@@ -46,7 +46,10 @@ MESHES = {
     "dp2xep2": ((2, 2), ("dp", "ep"), ("dp", "ep"), None, False),
     "dp2xep2xtp2": ((2, 2, 2), ("dp", "ep", "tp"), ("dp", "ep"), "tp", False),
     "ep4split": ((4,), ("ep",), (), None, True),                # ep borrowing from tp: every rank the same tokens
+    "ep2xtp2attn": ((2, 2), ("ep", "tp"), ("ep",), "tp", False),  # + attention TP in the same plan
 }
+ATTENTION_TP = {**{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+                "model.layers.*.self_attn.o_proj": RowwiseParallel()}
 
 
 def build(name: str, seed: int = 0, n_experts: int = 8) -> tuple[nn.Module, str]:
@@ -135,7 +138,10 @@ def run_case(model_name: str, case: str) -> dict:
     ref, pattern = build(model_name)
     par, _ = build(model_name)
     style = ExpertParallel(tp_dim=tp_dim, split_tokens=split)
-    parallelize_module(par, mesh, {pattern: style}, mesh_dim="ep", strict=True)
+    if case.endswith("attn"):  # one plan, one call on the tp dimension: ExpertParallel finds ep in the root mesh
+        parallelize_module(par, mesh, {pattern: style, **ATTENTION_TP}, mesh_dim="tp", strict=True)
+    else:
+        parallelize_module(par, mesh, {pattern: style}, mesh_dim="ep", strict=True)
     g = torch.Generator().manual_seed(7)
     tokens, target = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
     shard, n = _coord(mesh, token_dims)

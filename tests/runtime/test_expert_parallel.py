@@ -19,7 +19,7 @@ from tests.runtime import ep_workers
 
 MODELS4 = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "repo", "repo_list"]
 CASES4 = [(m, c) for m in MODELS4 for c in ("ep2", "ep4", "ep2xtp2", "dp2xep2") if (m, c) != ("repo_list", "ep2xtp2")]
-CASES4 += [(m, "ep4split") for m in ("mixtral", "deepseek_v3", "repo_list")]
+CASES4 += [(m, "ep4split") for m in ("mixtral", "deepseek_v3", "repo_list")] + [("mixtral", "ep2xtp2attn")]
 CASES8 = [(m, "dp2xep2xtp2") for m in ("deepseek_v3", "gpt_oss")]
 
 
