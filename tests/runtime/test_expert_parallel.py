@@ -58,6 +58,7 @@ def test_dp_ep_tp_on_8_ranks(pool8):
     (64, (4, 8, 2), ("dp", "ep", "tp"), "tp", 16, False),
     (64, (8, 8), ("dp", "ep"), None, 16, False),
     (64, (8, 4, 2), ("dp", "ep", "tp"), "tp", 8, True),
+    (8, (4, 1, 2), ("dp", "ep", "tp"), "tp", 8, False),   # ep = 1: expert TP only, no all-to-all
 ])
 def test_predicted_collectives_equal_issued_in_a_dry_run(world, shape, names, tp_dim, experts, split):
     issued, predicted = ep_workers.dry_run_collectives(world, shape, names, tp_dim, experts, batch=2, seq=8,
@@ -65,7 +66,7 @@ def test_predicted_collectives_equal_issued_in_a_dry_run(world, shape, names, tp
     assert issued == predicted
     assert any(r["kind"] == "all_gather" for r in issued) == split
     kinds = {(r["kind"], r["mesh_dim"]) for r in issued}
-    assert ("all_to_all", "ep") in kinds and (("all_reduce", "tp") in kinds) == (tp_dim is not None)
+    assert (("all_to_all", "ep") in kinds) == (shape[1] > 1) and (("all_reduce", "tp") in kinds) == (tp_dim is not None)
 
 
 @pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
@@ -71,6 +72,16 @@ def _dims(mesh: DeviceMesh, ep_dim: str, tp_dim: str | None, where: str) -> tupl
         return ep_mesh, None, ep_mesh
     ordered = tuple(d for d in names if d in (ep_dim, tp_dim))
     return ep_mesh, root[tp_dim], root[ordered]
+
+
+def _local_order(top_k_index, num_experts: int, balanced: bool) -> tuple:
+    """ep == 1: (token copies sorted by expert, rows per expert); from sizes alone when balanced."""
+    copies = top_k_index.numel()
+    if balanced:
+        c = copies // num_experts
+        return torch.arange(copies, device=top_k_index.device).view(c, num_experts).t().reshape(-1), [c] * num_experts
+    flat = top_k_index.reshape(-1)
+    return flat.argsort(stable=True), flat.bincount(minlength=num_experts).tolist()
 
 
 class ExpertParallel(ParallelStyle):
@@ -193,9 +204,7 @@ class ExpertParallel(ParallelStyle):
             counts = info.local_counts
         else:
             info = None
-            flat = top_k_index.reshape(-1)
-            order = flat.argsort(stable=True)
-            counts = flat.bincount(minlength=layout.num_experts).tolist()
+            order, counts = _local_order(top_k_index, layout.num_experts, balanced)
             rows = hidden[order // top_k]
         if layout.kind == "stacked":
             if tp_group is not None:
