@@ -50,6 +50,8 @@ from hyper_parallel.core.tensor_parallel import (
     style_from_dict,
     vocab_parallel_cross_entropy,
 )
+# after tensor_parallel: its style registry imports ExpertParallel, whose module builds on tensor_parallel.base
+from hyper_parallel.core.expert_parallel import ExpertParallel, balanced_routing, expert_parallel_collectives
 from hyper_parallel.parallel_dims import ParallelDims
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "PrepareModuleInput", "PrepareHeadsInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-    "ScheduleZeroBubble", "ScheduleZBV", "split_model", "split_graph", "build_stages",
+    "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "balanced_routing", "expert_parallel_collectives",
+    "split_model", "split_graph", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
 ]
