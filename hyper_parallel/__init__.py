@@ -49,6 +49,16 @@ from hyper_parallel.core.tensor_parallel import (
     style_from_dict,
     vocab_parallel_cross_entropy,
 )
+# after tensor_parallel: its style registry imports ContextParallel, whose style base is tensor_parallel's
+from hyper_parallel.core.context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    average_gradients,
+    cp_cross_entropy,
+    local_positions,
+    shard_batch,
+    unshard_sequence,
+)
 
 __all__ = [
     "init_device_mesh", "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement",
@@ -59,4 +69,6 @@ __all__ = [
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "split_model", "split_graph", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
+    "ContextParallel", "apply_context_parallel", "shard_batch", "unshard_sequence", "local_positions",
+    "cp_cross_entropy", "average_gradients",
 ]

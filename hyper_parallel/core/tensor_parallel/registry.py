@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hyper_parallel.core.context_parallel.style import ContextParallel
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
 from hyper_parallel.core.tensor_parallel.head_styles import PrepareHeadsInput
 from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
@@ -21,7 +22,8 @@ from hyper_parallel.errors import StyleSpecError
 STYLES: dict[str, type[ParallelStyle]] = {
     cls.__name__: cls
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
-                PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput)
+                PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
+                ContextParallel)
 }
 
 
