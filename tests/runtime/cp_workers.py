@@ -3,7 +3,6 @@ under context parallelism (ring and all-gather), alone and with tp and FSDP, one
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard

@@ -13,7 +13,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from hyper_parallel.core.context_parallel.layout import positions_of_local
+from hyper_parallel.core.context_parallel.layout import global_order, local_spans
 
 
 class GatherSequence(torch.autograd.Function):
@@ -32,14 +32,21 @@ class GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q, k, v, group, rank: int, size: int, scale: float) -> torch.Tensor:
-    """Causal attention of local q over the gathered keys/values (load-balanced layout)."""
-    seq, hk = q.shape[2], k.shape[1]
-    kv = GatherSequence.apply(torch.cat([k, v], dim=1), group) if size > 1 else torch.cat([k, v], dim=1)
+    """Causal attention of local q over the gathered keys/values (load-balanced layout): the gathered
+    sequence is put in global order, and each local query chunk attends to the prefix of keys it can
+    see (its diagonal masked by global positions) -- so every rank does the same work."""
+    hk = k.shape[1]
+    kv = torch.cat([k, v], dim=1)
+    if size > 1:
+        kv = GatherSequence.apply(kv, group)
+        pieces = kv.chunk(2 * size, dim=2)
+        kv = torch.cat([pieces[i] for i in global_order(size)], dim=2)
     k_all, v_all = kv[:, :hk], kv[:, hk:]
-    q_pos = positions_of_local(seq, size, rank, q.device)
-    k_pos = torch.cat([positions_of_local(seq, size, r, q.device) for r in range(size)])
-    visible = q_pos[:, None] >= k_pos[None, :]
-    rep = q.shape[1] // hk
-    if rep > 1:
-        k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible, scale=scale)
+    outs, q0 = [], 0
+    for start, stop in local_spans(q.shape[2], size, rank):
+        n = stop - start
+        visible = (torch.arange(start, stop, device=q.device)[:, None] >= torch.arange(stop, device=q.device)[None, :])
+        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q0 + n], k_all[:, :, :stop], v_all[:, :, :stop],
+                                                   attn_mask=visible, scale=scale, enable_gqa=hk != q.shape[1]))
+        q0 += n
+    return torch.cat(outs, dim=2)

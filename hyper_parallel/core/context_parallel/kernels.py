@@ -4,9 +4,14 @@ Why by hand and not SDPA: ring attention merges partial results of several key/v
 every block must also return the log-sum-exp of its scores, and its backward must be computable
 from the *merged* output and log-sum-exp (flash attention's recomputation trick). SDPA's CPU
 kernel returns neither in a form we can use on every device, so the few lines of math live here,
-in fp32 whatever the input dtype. The causal mask is ``q_pos >= k_pos`` on global positions, which
-is what makes the load-balanced layout (non-contiguous chunks) exact. A query row with no visible
-key in a block (a head chunk against a later rank's keys) gets output 0 and log-sum-exp -inf, and
+in fp32 whatever the input dtype.
+
+Masking is by global positions: a shard is a list of *spans* (start, stop) of global positions
+(two per rank in the load-balanced layout, ``layout.spans``), and each (query span, key span) pair
+is either wholly visible (every query after every key: no mask), wholly hidden (skipped: no
+compute) or on the diagonal (the causal mask ``q_pos >= k_pos``). Skipping hidden pairs is what
+turns the load-balanced layout into equal work per rank; computing them masked would give every
+rank cp full blocks. A query row with no visible key gets output 0 and log-sum-exp -inf, and
 merges as "no contribution".
 
 Shapes: q (b, h, sq, d); k, v (b, hk, sk, d) with h a multiple of hk (grouped-query attention:
@@ -15,6 +20,8 @@ query head j reads key/value head j // (h / hk), as transformers' ``repeat_kv``)
 from __future__ import annotations
 
 import torch
+
+Spans = list[tuple[int, int]]   # global [start, stop) ranges, in local order
 
 
 def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
@@ -29,24 +36,26 @@ def _fold(grad: torch.Tensor, rep: int) -> torch.Tensor:
     return grad.view(b, h // rep, rep, s, d).sum(2)
 
 
-def _scores(q, k, q_pos, k_pos, scale):
+def _pairs(q_spans: Spans, k_spans: Spans):
+    """(local q slice, local k slice, causal mask or None) for every visible pair of spans."""
+    out, q0 = [], 0
+    for qa, qb in q_spans:
+        k0 = 0
+        for ka, kb in k_spans:
+            qs, ks = slice(q0, q0 + qb - qa), slice(k0, k0 + kb - ka)
+            if qa >= kb - 1:                    # every query at or after every key
+                out.append((qs, ks, None))
+            elif qb - 1 >= ka:                  # overlapping ranges: the causal diagonal
+                q_pos, k_pos = torch.arange(qa, qb), torch.arange(ka, kb)
+                out.append((qs, ks, q_pos[:, None] >= k_pos[None, :]))
+            k0 += kb - ka                       # else: every key after every query, hidden
+        q0 += qb - qa
+    return out
+
+
+def _scores(q, k, mask, scale):
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    visible = q_pos[:, None] >= k_pos[None, :]
-    return s.masked_fill(~visible, float("-inf")), visible
-
-
-def block_forward(q, k, v, q_pos, k_pos, scale: float):
-    """(out fp32 (b, h, sq, d), lse fp32 (b, h, sq)) of causal attention of q over this k/v block."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = _expand(k, rep), _expand(v, rep)
-    s, _ = _scores(q, k, q_pos, k_pos, scale)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)   # fully masked rows: avoid inf - inf
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    out = torch.matmul(p, v.float()) / l.clamp_min(torch.finfo(torch.float32).tiny)
-    lse = (m + torch.log(l)).squeeze(-1)                        # -inf where nothing is visible
-    return out, lse
+    return s if mask is None else s.masked_fill(~mask.to(s.device), float("-inf"))
 
 
 def merge(out, lse, out_i, lse_i):
@@ -59,18 +68,45 @@ def merge(out, lse, out_i, lse_i):
     return out * w + out_i * w_i, new
 
 
-def block_backward(q, k, v, q_pos, k_pos, scale: float, lse, dout, delta):
-    """(dq, dk, dv) of this block's share of the merged attention, from the merged log-sum-exp
+def _dense_forward(q, k, v, mask, scale):
+    s = _scores(q, k, mask, scale)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)   # fully masked rows: avoid inf - inf
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    out = torch.matmul(p, v.float()) / l.clamp_min(torch.finfo(torch.float32).tiny)
+    return out, (m + torch.log(l)).squeeze(-1)
+
+
+def block_forward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float):
+    """(out fp32 (b, h, sq, d), lse fp32 (b, h, sq)) of causal attention of q over this k/v block."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = _expand(k, rep), _expand(v, rep)
+    b, h, sq, d = q.shape
+    out = torch.zeros(b, h, sq, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    for qs, ks, mask in _pairs(q_spans, k_spans):
+        o_i, l_i = _dense_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, scale)
+        out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o_i, l_i)
+    return out, lse
+
+
+def block_backward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float, lse, dout, delta):
+    """(dq, dk, dv) fp32 of this block's share of the merged attention, from the merged log-sum-exp
     ``lse`` and ``delta`` = rowsum(dout * out); dk, dv on the hk key/value heads."""
     rep = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, rep), _expand(v, rep)
-    s, visible = _scores(q, ke, q_pos, k_pos, scale)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s - safe.unsqueeze(-1)) * visible                 # exact probabilities under the full softmax
     dout = dout.float()
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, ve.float().transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1)) * scale
-    dq = torch.matmul(ds, ke.float())
-    dk = torch.matmul(ds.transpose(-1, -2), q.float())
+    for qs, ks, mask in _pairs(q_spans, k_spans):
+        s = _scores(q[:, :, qs], ke[:, :, ks], mask, scale)
+        p = torch.exp(s - safe[:, :, qs].unsqueeze(-1))             # exact probabilities under the full softmax
+        do = dout[:, :, qs]
+        dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do)
+        ds = p * (torch.matmul(do, ve[:, :, ks].float().transpose(-1, -2)) - delta[:, :, qs].unsqueeze(-1)) * scale
+        dq[:, :, qs] += torch.matmul(ds, ke[:, :, ks].float())
+        dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), q[:, :, qs].float())
     return dq, _fold(dk, rep), _fold(dv, rep)

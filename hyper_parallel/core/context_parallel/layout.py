@@ -55,6 +55,15 @@ def positions_of_local(local_len: int, cp: int, rank: int, device=None) -> torch
     return local_positions(local_len * cp, cp, rank, device=device)
 
 
+def local_spans(local_len: int, cp: int, rank: int) -> list[tuple[int, int]]:
+    """The global [start, stop) ranges of a rank's local sequence of ``local_len`` tokens, in local
+    order: its head chunk, then its tail chunk (what the attention kernels mask by)."""
+    if local_len % 2:
+        positions_of_local(local_len, cp, rank)   # raises the DivisibilityError
+    c = local_len // 2
+    return [(i * c, (i + 1) * c) for i in chunk_ids(cp, rank)]
+
+
 def shard_sequence(x: torch.Tensor, cp: int, rank: int, seq_dim: int = 1) -> torch.Tensor:
     """Rank ``rank``'s part of the whole-sequence tensor ``x``: its head and tail chunks along ``seq_dim``."""
     seq_dim = seq_dim % x.ndim
@@ -97,11 +106,17 @@ def unshard_sequence(local: torch.Tensor, mesh: DeviceMesh, seq_dim: int = 1) ->
         return local
     gathered = all_gather_single_autograd(local.contiguous(), gather_dim=seq_dim, group=mesh.get_group())
     pieces = gathered.chunk(2 * cp, dim=seq_dim)  # rank r's head at 2r, its tail at 2r+1
+    return torch.cat([pieces[i] for i in global_order(cp)], dim=seq_dim)
+
+
+def global_order(cp: int) -> list[int]:
+    """Chunk indices of a gathered sequence (rank 0's head, rank 0's tail, rank 1's head, ...) in
+    global order: ``gathered.chunk(2·cp)[global_order(cp)[i]]`` is global chunk i."""
     order = [0] * (2 * cp)
     for r in range(cp):
         head, tail = chunk_ids(cp, r)
         order[head], order[tail] = 2 * r, 2 * r + 1
-    return torch.cat([pieces[i] for i in order], dim=seq_dim)
+    return order
 
 
 def group_rank_size(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, int, int]:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.context_parallel.kernels import block_backward, block_forward, merge
-from hyper_parallel.core.context_parallel.layout import positions_of_local
+from hyper_parallel.core.context_parallel.layout import local_spans
 
 
 class _Ring:
@@ -54,14 +54,14 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, rank: int, size: int, scale: float):
         ring = _Ring(group, rank, size)
         seq = q.shape[2]
-        q_pos = positions_of_local(seq, size, rank, q.device)
+        q_spans = local_spans(seq, size, rank)
         cur = _pack(k.contiguous(), v.contiguous())
         out = lse = None
         for step in range(size):
             pending = ring.start(cur) if step < size - 1 else None
             src = (rank - step) % size
             k_i, v_i = _unpack(cur, k.shape)
-            out_i, lse_i = block_forward(q, k_i, v_i, q_pos, positions_of_local(seq, size, src, q.device), scale)
+            out_i, lse_i = block_forward(q, k_i, v_i, q_spans, local_spans(seq, size, src), scale)
             out, lse = merge(out, lse, out_i, lse_i)
             if pending is not None:
                 cur = ring.wait(pending)
@@ -74,7 +74,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
         rank, size, seq = ring.rank, ring.size, q.shape[2]
-        q_pos = positions_of_local(seq, size, rank, q.device)
+        q_spans = local_spans(seq, size, rank)
         delta = (dout.float() * out).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur = _pack(k.contiguous(), v.contiguous())
@@ -83,8 +83,8 @@ class RingAttention(torch.autograd.Function):
             kv_pending = ring.start(cur) if step < size - 1 else None
             src = (rank - step) % size
             k_i, v_i = _unpack(cur, k.shape)
-            dq_i, dk_i, dv_i = block_backward(q, k_i, v_i, q_pos, positions_of_local(seq, size, src, q.device),
-                                              scale, lse, dout, delta)
+            dq_i, dk_i, dv_i = block_backward(q, k_i, v_i, q_spans, local_spans(seq, size, src), scale, lse, dout,
+                                              delta)
             dq += dq_i
             acc = _pack(dk_i, dv_i).to(k.dtype)
             if grad_pending is not None:        # the accumulator of this shard, from the ranks before us
@@ -98,8 +98,7 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, group, rank: int, size: int, scale: float) -> torch.Tensor:
     """Causal attention of local q over the keys/values of the whole cp ring (load-balanced layout)."""
-    if size == 1:
-        out, _ = block_forward(q, k, v, positions_of_local(q.shape[2], 1, 0, q.device),
-                               positions_of_local(q.shape[2], 1, 0, q.device), scale)
-        return out.to(q.dtype)  # (not reached through the styles, which need cp > 1; kept for completeness)
+    if size == 1:   # no ring: one device's causal attention
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                enable_gqa=q.shape[1] != k.shape[1])
     return RingAttention.apply(q, k, v, group, rank, size, scale)
