@@ -99,3 +99,31 @@ def test_predicted_collectives_equal_recorded_on_the_fake_group(world, shape):
     kv = 1 * 4 * 2048 * 128 * 2 * 2
     assert ring == [Collective("send_recv", "forward", kv, 2 * 3 * 32, "cp"),
                     Collective("send_recv", "backward", kv, 2 * 7 * 32, "cp")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_whole_model_dry_run_at_world_64_issues_exactly_the_predicted_cp_traffic(variant):
+    """Repo Llama, dp=8 x cp=4 x tp=2 on the fake group: every collective on the cp group in one
+    training step is a predicted one (per layer, heads sharded over tp), plus the loss's one all_reduce."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoplan.models import build_llama
+    from autoplan.models.llama_plans import EXPERT_PLANS
+    from hyper_parallel import apply_context_parallel, cp_cross_entropy, parallelize_module, shard_batch
+
+    layers, heads, kv_heads, dim, seq, cp, tp = 3, 4, 2, 32, 32, 4, 2
+    with fake_world(64, rank=13):
+        mesh = init_device_mesh("cpu", (8, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        model = build_llama(seed=0, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, vocab_size=64,
+                            ffn_hidden=64, max_seq_len=seq)
+        parallelize_module(model, mesh, EXPERT_PLANS["megatron"](), mesh_dim="tp")
+        apply_context_parallel(model, mesh, variant=variant)
+        tokens, targets, _ = shard_batch(mesh["cp"], torch.randint(0, 64, (1, seq)), torch.randint(0, 64, (1, seq)))
+        with CollectiveRecorder() as rec:
+            cp_cross_entropy(model(tokens), targets, mesh["cp"]).backward()
+        cp_group = mesh["cp"].get_group().group_name
+        seen = sorted((e["kind"], e["phase"], e["bytes"]) for e in rec.events if e["group"] == cp_group)
+    predicted = predicted_collectives(variant=variant, batch=1, seq_len=seq, n_kv_heads=kv_heads,
+                                      head_dim=dim // heads, cp=cp, tp=tp, calls=layers)
+    predicted.append(Collective("all_reduce", "forward", 16, 1, "cp"))   # cp_cross_entropy's sum and count
+    assert seen == sorted((c.kind, c.phase, c.nbytes) for c in predicted for _ in range(c.count))

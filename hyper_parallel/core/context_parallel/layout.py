@@ -99,7 +99,8 @@ def shard_batch(mesh: DeviceMesh, *tensors: torch.Tensor, seq_dim: int = 1):
 
 def unshard_sequence(local: torch.Tensor, mesh: DeviceMesh, seq_dim: int = 1) -> torch.Tensor:
     """The whole-sequence tensor from every cp rank's ``local`` part (an all-gather over cp, then the
-    chunks put back in order). Differentiable: its backward hands each rank its chunks' gradient."""
+    chunks put back in order). Differentiable: its backward reduce-scatters the whole-sequence gradient,
+    so each rank's chunks receive the sum over cp ranks of what flowed into them."""
     cp, _ = _cp_of(mesh)
     seq_dim = seq_dim % local.ndim
     if cp == 1:

@@ -7,6 +7,8 @@ Backward (hand-written, flash-style from the saved output and log-sum-exp): the 
 again (cp - 1 messages of [k|v]) and with each one an accumulator of its gradient [dk|dv]: every
 rank adds its contribution and passes it on, so after cp messages each accumulator is back home,
 complete. Key/value heads travel un-repeated, so grouped-query attention sends hk, not h, heads.
+Blocks compute in fp32; messages travel in the key/value dtype (the [dk|dv] accumulator too, so
+bf16 keys accumulate their gradient in bf16 across ranks -- what ``predict`` prices).
 """
 from __future__ import annotations
 
