@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 
+from hyper_parallel.core.context_parallel.kernels import SpanAttention
 from hyper_parallel.core.context_parallel.layout import global_order, local_spans
 
 
@@ -33,20 +33,15 @@ class GatherSequence(torch.autograd.Function):
 
 def allgather_attention(q, k, v, group, rank: int, size: int, scale: float) -> torch.Tensor:
     """Causal attention of local q over the gathered keys/values (load-balanced layout): the gathered
-    sequence is put in global order, and each local query chunk attends to the prefix of keys it can
-    see (its diagonal masked by global positions) -- so every rank does the same work."""
-    hk = k.shape[1]
+    sequence is put in global order and cut into its 2·cp chunks, so each local query chunk skips
+    the chunks after it, attends the ones before it whole and its own causally -- the same spans
+    and kernels as the ring (``kernels``), so every rank does the same work."""
+    hk, seq = k.shape[1], q.shape[2]
     kv = torch.cat([k, v], dim=1)
     if size > 1:
         kv = GatherSequence.apply(kv, group)
         pieces = kv.chunk(2 * size, dim=2)
         kv = torch.cat([pieces[i] for i in global_order(size)], dim=2)
-    k_all, v_all = kv[:, :hk], kv[:, hk:]
-    outs, q0 = [], 0
-    for start, stop in local_spans(q.shape[2], size, rank):
-        n = stop - start
-        visible = (torch.arange(start, stop, device=q.device)[:, None] >= torch.arange(stop, device=q.device)[None, :])
-        outs.append(F.scaled_dot_product_attention(q[:, :, q0:q0 + n], k_all[:, :, :stop], v_all[:, :, :stop],
-                                                   attn_mask=visible, scale=scale, enable_gqa=hk != q.shape[1]))
-        q0 += n
-    return torch.cat(outs, dim=2)
+    c = seq // 2
+    k_spans = [(i * c, (i + 1) * c) for i in range(2 * size)]
+    return SpanAttention.apply(q, kv[:, :hk], kv[:, hk:], local_spans(seq, size, rank), k_spans, scale)

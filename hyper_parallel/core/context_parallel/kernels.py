@@ -16,6 +16,11 @@ merges as "no contribution".
 
 Shapes: q (b, h, sq, d); k, v (b, hk, sk, d) with h a multiple of hk (grouped-query attention:
 query head j reads key/value head j // (h / hk), as transformers' ``repeat_kv``).
+
+Fast path: on CPU, wholly visible pairs and square diagonal pairs (every diagonal pair of the
+load-balanced layout) run torch's fused flash kernel, which returns the log-sum-exp and whose
+backward takes the merged output and log-sum-exp -- 3-5x faster than the math on this machine.
+Other devices and other pairs use the math below (``FUSED_CPU = False`` forces it; the tests run both).
 """
 from __future__ import annotations
 
@@ -68,6 +73,19 @@ def merge(out, lse, out_i, lse_i):
     return out * w + out_i * w_i, new
 
 
+FUSED_CPU = True
+
+
+def _fused(q, k, mask, q_slice: slice, k_slice: slice) -> bool | None:
+    """None: use the math; else the ``is_causal`` flag for torch's fused CPU flash kernel."""
+    if not FUSED_CPU or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return None
+    if mask is None:
+        return False
+    square = q_slice.stop - q_slice.start == k_slice.stop - k_slice.start
+    return True if square and bool(mask.diagonal().all()) and not bool(mask.triu(1).any()) else None
+
+
 def _dense_forward(q, k, v, mask, scale):
     s = _scores(q, k, mask, scale)
     m = s.amax(-1, keepdim=True)
@@ -86,22 +104,38 @@ def block_forward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float):
     out = torch.zeros(b, h, sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
     for qs, ks, mask in _pairs(q_spans, k_spans):
-        o_i, l_i = _dense_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, scale)
+        causal = _fused(q, k, mask, qs, ks)
+        if causal is None:
+            o_i, l_i = _dense_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, scale)
+        else:
+            o_i, l_i = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, qs], k[:, :, ks], v[:, :, ks], 0.0, causal, scale=scale)
+            o_i, l_i = o_i.float(), l_i.float()
         out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o_i, l_i)
     return out, lse
 
 
-def block_backward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float, lse, dout, delta):
-    """(dq, dk, dv) fp32 of this block's share of the merged attention, from the merged log-sum-exp
-    ``lse`` and ``delta`` = rowsum(dout * out); dk, dv on the hk key/value heads."""
+def block_backward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float, out, lse, dout, delta):
+    """(dq, dk, dv) fp32 of this block's share of the merged attention, from the merged output
+    ``out`` (in q's dtype), log-sum-exp ``lse`` and ``delta`` = rowsum(dout * out) (fp32); dk, dv on
+    the hk key/value heads."""
     rep = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, rep), _expand(v, rep)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    dout = dout.float()
+    dout_in, dout = dout, dout.float()
     for qs, ks, mask in _pairs(q_spans, k_spans):
+        causal = _fused(q, ke, mask, qs, ks)
+        if causal is not None:
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout_in[:, :, qs].contiguous(), q[:, :, qs], ke[:, :, ks], ve[:, :, ks], out[:, :, qs], lse[:, :, qs],
+                0.0, causal, scale=scale)
+            dq[:, :, qs] += gq.float()
+            dk[:, :, ks] += gk.float()
+            dv[:, :, ks] += gv.float()
+            continue
         s = _scores(q[:, :, qs], ke[:, :, ks], mask, scale)
         p = torch.exp(s - safe[:, :, qs].unsqueeze(-1))             # exact probabilities under the full softmax
         do = dout[:, :, qs]
@@ -110,3 +144,23 @@ def block_backward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float, lse, d
         dq[:, :, qs] += torch.matmul(ds, ke[:, :, ks].float())
         dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), q[:, :, qs].float())
     return dq, _fold(dk, rep), _fold(dv, rep)
+
+
+class SpanAttention(torch.autograd.Function):
+    """Causal attention of q over one k/v block by spans, with the hand-written backward above:
+    the all-gather variant's local attention (the ring merges several blocks itself)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_spans: Spans, k_spans: Spans, scale: float):
+        out, lse = block_forward(q, k, v, q_spans, k_spans, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spans, ctx.scale = (q_spans, k_spans), scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        delta = (dout.float() * out.float()).sum(-1)
+        dq, dk, dv = block_backward(q, k, v, *ctx.spans, ctx.scale, out, lse, dout, delta)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None

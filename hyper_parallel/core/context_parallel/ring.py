@@ -67,9 +67,10 @@ class RingAttention(torch.autograd.Function):
             out, lse = merge(out, lse, out_i, lse_i)
             if pending is not None:
                 cur = ring.wait(pending)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -77,7 +78,7 @@ class RingAttention(torch.autograd.Function):
         ring, scale = ctx.ring, ctx.scale
         rank, size, seq = ring.rank, ring.size, q.shape[2]
         q_spans = local_spans(seq, size, rank)
-        delta = (dout.float() * out).sum(-1)
+        delta = (dout.float() * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur = _pack(k.contiguous(), v.contiguous())
         grad_pending = None
@@ -85,8 +86,8 @@ class RingAttention(torch.autograd.Function):
             kv_pending = ring.start(cur) if step < size - 1 else None
             src = (rank - step) % size
             k_i, v_i = _unpack(cur, k.shape)
-            dq_i, dk_i, dv_i = block_backward(q, k_i, v_i, q_spans, local_spans(seq, size, src), scale, lse, dout,
-                                              delta)
+            dq_i, dk_i, dv_i = block_backward(q, k_i, v_i, q_spans, local_spans(seq, size, src), scale, out, lse,
+                                              dout, delta)
             dq += dq_i
             acc = _pack(dk_i, dv_i).to(k.dtype)
             if grad_pending is not None:        # the accumulator of this shard, from the ranks before us
