@@ -11,6 +11,7 @@ from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
 from hyper_parallel import (
     ColwiseParallel,
+    ContextParallel,
     RowwiseParallel,
     SequenceParallel,
     apply_context_parallel,
@@ -169,7 +170,8 @@ def check_layout_and_loss_parallel(variant: str = "ring") -> dict:
 
 def _snapshot(model: nn.Module):
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    attrs = {n: (m.__dict__.get("attention_kernel"), m.__dict__.get("_hp_cp_kernel"), len(m._forward_pre_hooks))
+    attrs = {n: (m.__dict__.get("attention_kernel"), m.__dict__.get("_hp_cp_kernel"), m.__dict__.get("_hp_parallelized"),
+                 len(m._forward_pre_hooks), len(m._forward_hooks))
              for n, m in model.named_modules()}
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return state, attrs, impl
@@ -209,4 +211,9 @@ def check_errors() -> dict:
     attempt("odd local length", llama,
             lambda: (apply_context_parallel(llama, mesh), llama(torch.randint(0, VOCAB, (2, 7)))), DivisibilityError)
     out["odd local length"] = (out["odd local length"][0], True)  # applied on purpose; the forward refused
+    tied = build_llama(seed=3, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_hidden=64,
+                       max_seq_len=32, tie_embeddings=True)   # a later style of the same call fails in apply
+    plan = {"": ContextParallel(), "tok_embeddings": ColwiseParallel(), "output": ColwiseParallel()}  # S(1) vs S(0)
+    attempt("rollback after a later style fails", tied,
+            lambda: parallelize_module(tied, mesh, plan, mesh_dim="cp"), StyleSpecError)
     return out
