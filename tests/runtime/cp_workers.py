@@ -96,8 +96,8 @@ def parallel(kind: str, layout: str, variant: str):
     model = build(kind)
     if "tp" in names:
         parallelize_module(model, mesh, tp_plan(kind), mesh_dim="tp")
-    target = model.lm if kind != "llama" else model
-    apply_context_parallel(target, mesh, cp_dim="cp", variant=variant)
+    root = model.lm if kind != "llama" else model     # the HF model itself, not our logits wrapper
+    apply_context_parallel(root, mesh, cp_dim="cp", variant=variant)
     cp_mesh = mesh["cp"]
     loss_group = cp_mesh
     if "dp" in names:   # FSDP2 over the flattened dp x cp mesh: cp ranks average their gradients there

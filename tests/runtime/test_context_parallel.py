@@ -48,7 +48,7 @@ def test_four_ranks_equal_one_device(pool4):
 
 
 def test_eight_ranks_dp_cp_tp_equal_one_device(pool8):
-    cases = [("llama", "dp2_cp2_tp2", "ring"), ("hf_qwen3", "dp2_cp2_tp2", "allgather")]
+    cases = [("llama", "dp2_cp2_tp2", "ring")]   # torchtitan TP+SP inside cp shards, FSDP2 on dp x cp
     _assert_reports(pool8.run(cp_workers.check_cases, cases), len(cases))
 
 
