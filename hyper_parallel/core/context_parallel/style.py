@@ -111,7 +111,8 @@ class ContextParallel(ParallelStyle):
 
 def _input_hook(arg: str, kernel: CPAttention, where: str, hf: bool):
     def hook(mod, args, kwargs):
-        tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("tokens", kwargs.get("inputs_embeds")))
+        given = [args[0]] if args else [kwargs.get(k) for k in ("input_ids", "tokens", "inputs_embeds")]
+        tokens = next((t for t in given if t is not None), None)
         if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2:
             raise LayoutError(f"{where}: expected the (batch, local seq) tokens as the first input")
         mask = kwargs.get("attention_mask")
