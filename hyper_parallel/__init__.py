@@ -50,8 +50,17 @@ from hyper_parallel.core.tensor_parallel import (
     style_from_dict,
     vocab_parallel_cross_entropy,
 )
-# after tensor_parallel: its style registry imports ExpertParallel, whose module builds on tensor_parallel.base
+# after tensor_parallel: its style registry imports ExpertParallel and ContextParallel, built on tensor_parallel.base
 from hyper_parallel.core.expert_parallel import ExpertParallel, balanced_routing, expert_parallel_collectives
+from hyper_parallel.core.context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    average_gradients,
+    cp_cross_entropy,
+    local_positions,
+    shard_batch,
+    unshard_sequence,
+)
 from hyper_parallel.parallel_dims import ParallelDims
 
 __all__ = [
@@ -65,4 +74,6 @@ __all__ = [
     "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "balanced_routing", "expert_parallel_collectives",
     "split_model", "split_graph", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
+    "ContextParallel", "apply_context_parallel", "shard_batch", "unshard_sequence", "local_positions",
+    "cp_cross_entropy", "average_gradients",
 ]

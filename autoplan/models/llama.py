@@ -75,6 +75,10 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    #: None: SDPA, causal. Context parallelism (hyper_parallel's ContextParallel style) sets a kernel
+    #: ``(q, k, v) -> out`` on (batch, heads, seq, head_dim) tensors, k/v with their own (GQA) head count.
+    attention_kernel = None
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -92,6 +96,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.attention_kernel is not None:  # un-repeated K/V heads: the kernel handles GQA
+            out = self.attention_kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
         rep = q.shape[2] // k.shape[2]  # grouped-query attention: query heads per KV head
         if rep > 1:
             k = k.repeat_interleave(rep, dim=2)
@@ -156,10 +163,12 @@ class Llama(nn.Module):
         self.rope = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the global positions of the tokens (1-D, one per token) when they are not
+        0..seq-1 -- a context-parallel shard holds a head and a tail chunk of the sequence."""
         h = self.tok_embeddings(tokens)
         seq = tokens.shape[1]
-        rope = self.rope[:seq]
+        rope = self.rope[:seq] if positions is None else self.rope[positions]
         for layer in self.layers.values():
             h = layer(h, rope)
         return self.output(self.norm(h))

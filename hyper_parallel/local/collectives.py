@@ -141,10 +141,26 @@ class CollectiveRecorder:
         return df.groupby(cols).size().reset_index(name="count").sort_values(cols).reset_index(drop=True)
 
 
+def _unboxed(a):
+    """c10d's point-to-point ops (send, recv_) receive their ProcessGroup boxed as a ScriptObject,
+    which has neither ``size()`` nor ``group_name``; unbox it so P2P is attributed to its group."""
+    import torch
+
+    if isinstance(a, torch.ScriptObject):
+        import torch.distributed as dist
+
+        try:
+            return dist.ProcessGroup.unbox(a)
+        except Exception:  # noqa: BLE001 - some other script object: leave it
+            return a
+    return a
+
+
 def _group_name(args) -> str | None:
     """The process group a collective ran on, by name: functional collectives pass it as their
     last string argument (after the reduce op), c10d ops pass a ProcessGroup object."""
     for a in reversed(args[1:]):
+        a = _unboxed(a)
         if isinstance(a, str):
             return a
         name = getattr(a, "group_name", None)
@@ -157,6 +173,7 @@ def _group_size(args, kind: str) -> int:
     """The group size of a collective call: a process-group argument, or the int functional
     collectives take, or a group name resolved through torch.distributed."""
     for a in args[1:]:
+        a = _unboxed(a)
         size = getattr(a, "size", None)
         if callable(size) and not hasattr(a, "shape"):
             try:
