@@ -79,6 +79,8 @@ def _decision_rows(ev: Evaluation, ctx: CostContext, search: TPSearch | None = N
             "compute_s": o.compute_s(ctx), "comm_s": o.comm_s(ctx), "memory_bytes": _bytes(sum(mem.values())),
             "module": search.unit_module(o.slot) if search is not None else o.slot,
         }
+        if o.strategy.extra.get("uneven"):
+            row["uneven"] = o.strategy.extra["uneven"]
         if search is not None and o.slot in search.slots:
             row["options"] = [
                 {"strategy": c.strategy.name, "stream": c.stream or "-", "compute_s": c.compute_s(ctx),
@@ -204,6 +206,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     for o in chosen.values():
         if o.strategy.extra.get("tp_excluded"):
             notes.append(f"{search.unit_module(o.slot)}: kept replicated: {o.strategy.extra['tp_excluded']}")
+        if o.strategy.extra.get("uneven"):
+            notes.append(f"{search.unit_module(o.slot)}: uneven shards, {o.strategy.extra['uneven']}")
     sharded = [o for o in chosen.values() if o.strategy.param_shard > 1 or o.strategy.compute_shard > 1]
     if tp > 1 and not sharded:
         others = [a for a in alternatives if a["name"] != "replicated"]

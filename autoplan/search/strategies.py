@@ -10,6 +10,7 @@ Bytes follow cost_models' convention: the full logical tensor (gathered / pre-sc
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hyper_parallel.core.collective import Collective
@@ -44,13 +45,28 @@ class Strategy:
     stream: str | None                      # the residual-stream layout it needs (None: any)
     styles: dict[str, ParallelStyle]
     collectives: list[Collective]
-    compute_shard: int = 1
-    param_shard: int = 1
+    compute_shard: float = 1     # tp, or vocab / ceil(vocab / tp) for an uneven shard (uneven_shard)
+    param_shard: float = 1
     activation_shard: float = 1.0
     reason: str = ""
     extra: dict = field(default_factory=dict)
     # compute_shard cuts the tokens (per-token work on a sequence shard), not the weights' N or K
     split_tokens: bool = False
+
+
+def uneven_shard(n: int, t: int) -> float:
+    """What a tensor-parallel degree ``t`` divides ``n`` rows by on the fullest rank. DTensor cuts a
+    dimension in chunks of ceil(n / t) (torch.chunk: 130 over 4 is 33, 33, 33, 31), so the step
+    waits for a rank with ceil(n / t) rows: the shard is n / ceil(n / t), t when t divides n."""
+    return t if n % t == 0 else n / math.ceil(n / t)
+
+
+def _uneven(what: str, n: int, t: int) -> dict:
+    """The plan's word on an uneven unit (empty when t divides n)."""
+    if n % t == 0:
+        return {}
+    return {"uneven": f"{what} {n} over tp={t}: {math.ceil(n / t)} on the fullest rank "
+                      f"({math.ceil(n / t) * t / n - 1:.1%} more work than an even split)"}
 
 
 def _ag_rs_pair(nbytes: int) -> list[Collective]:
@@ -179,12 +195,13 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         if layout != "R":
             return []
         out = [Strategy("replicate", "R", {}, [], reason="replicated (MLP linears sit directly in the block)")]
-        if t > 1 and m.linear and m.hidden and m.hidden % t == 0 and m.packed == 1:
+        if t > 1 and m.linear and m.hidden and m.packed == 1:
             styles = {u: ColwiseParallel() for u in m.up}
             styles[m.down] = RowwiseParallel(output_layouts=R)
-            out.append(Strategy("hidden_sharded", "R", styles, _ar_pair(h), compute_shard=t, param_shard=t,
-                                activation_shard=t, reason="up/gate column-wise, down row-wise (Megatron), "
-                                                           "on the linears in the block"))
+            k = uneven_shard(m.hidden, t)
+            out.append(Strategy("hidden_sharded", "R", styles, _ar_pair(h), compute_shard=k, param_shard=k,
+                                activation_shard=k, extra=_uneven("MLP hidden", m.hidden, t),
+                                reason="up/gate column-wise, down row-wise (Megatron), on the linears in the block"))
         return out
     if layout == "R":
         out = [Strategy("replicate", "R", {}, [], reason="replicated")]
@@ -196,7 +213,9 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
                                 _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t,
                                 reason="per-token MLP on the sequence shard, weights replicated",
                                 split_tokens=True))
-    if t > 1 and m.linear and m.hidden and m.hidden % t == 0:
+    # a packed [gate|up] needs whole rows of each projection per rank; a plain one may be uneven
+    if t > 1 and m.linear and m.hidden and (m.packed == 1 or m.hidden % t == 0):
+        k = uneven_shard(m.hidden, t)
         styles = {m.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,))}
         styles.update({u: ColwiseParallel(packed=m.packed) for u in m.up})
         styles[m.down] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
@@ -206,8 +225,8 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         packed = {"no_fsdp": "packed gate/up projection with a bias under FSDP"} \
             if m.packed > 1 and m.up_bias else {}
         if not (packed and fsdp):
-            out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=t, param_shard=t,
-                                activation_shard=t, extra=dict(packed),
+            out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=k, param_shard=k,
+                                activation_shard=k, extra=dict(packed, **_uneven("MLP hidden", m.hidden, t)),
                                 reason="up/gate column-wise, down row-wise (Megatron)" +
                                        (" with the fused [gate|up] rows sharded per projection"
                                         if m.packed > 1 else "")))
@@ -235,14 +254,16 @@ def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: i
     if e.shared_with:
         out[0].extra["tp_excluded"] = f"its weight is also used by {', '.join(e.shared_with)}"
         return out
-    if t > 1 and e.linear and e.vocab % t == 0:
+    if t > 1 and e.linear:
+        k, uneven = uneven_shard(e.vocab, t), _uneven("vocabulary", e.vocab, t)
         out.append(Strategy("vocab_sharded", "R", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=R)},
-                            [Collective("all_reduce", "forward", hidden_bytes)], param_shard=t,
+                            [Collective("all_reduce", "forward", hidden_bytes)], param_shard=k, extra=dict(uneven),
                             reason="vocabulary-sharded table, output all-reduced"))
         if e.shard_safe and seq_len % t == 0:
             out.append(Strategy("vocab_sharded", "S", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=S)},
                                 [Collective("reduce_scatter", "forward", hidden_bytes),
-                                 Collective("all_gather", "backward", hidden_bytes)], param_shard=t,
+                                 Collective("all_gather", "backward", hidden_bytes)], param_shard=k,
+                                extra=dict(uneven),
                                 reason="vocabulary-sharded table, output reduce-scattered into the sequence shard"))
     return out
 
@@ -259,22 +280,26 @@ def head_strategies(hd: HeadInfo, t: int, layout: str, hidden_bytes: int) -> lis
     if hd.shared_with:
         out[0].extra["tp_excluded"] = f"its weight is also used by {', '.join(hd.shared_with)}"
         return out
-    if t > 1 and hd.linear and hd.vocab % t == 0:
+    if t > 1 and hd.linear:
         enter = [Collective("all_gather", "forward", hidden_bytes),
                  Collective("reduce_scatter", "backward", hidden_bytes)] if layout == "S" else \
             [Collective("all_reduce", "backward", hidden_bytes)]
+        k, uneven = uneven_shard(hd.vocab, t), _uneven("vocabulary", hd.vocab, t)
+        # DTensor gathers uneven shards padded to ceil(vocab / t) each
+        gathered = hd.logits_bytes if hd.vocab % t == 0 else \
+            hd.logits_bytes // hd.vocab * math.ceil(hd.vocab / t) * t
         out.append(Strategy("vocab_sharded_gather", layout,
                             {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=R)},
-                            enter + [Collective("all_gather", "forward", hd.logits_bytes)],
-                            compute_shard=t, param_shard=t, activation_shard=t,
+                            enter + [Collective("all_gather", "forward", gathered)],
+                            compute_shard=k, param_shard=k, activation_shard=k, extra=dict(uneven),
                             reason="vocabulary-sharded head, logits gathered"))
         out.append(Strategy("loss_parallel", layout,
                             {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=Shard(-1),
                                                      use_local_output=False)},
                             enter + _loss_parallel_reductions(hd),
-                            compute_shard=t, param_shard=t, activation_shard=t,
+                            compute_shard=k, param_shard=k, activation_shard=k,
                             reason="vocabulary-sharded head and cross entropy (loss parallel)",
-                            extra={"loss_parallel": True}))
+                            extra=dict(uneven, loss_parallel=True)))
     return out
 
 

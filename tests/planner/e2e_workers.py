@@ -20,11 +20,15 @@ def build(name: str, device: str = "cpu"):
         return build_llama(seed=5, device=device, **SMALL_LLAMA)
     if name == "llama_tied":
         return build_llama(seed=5, device=device, tie_embeddings=True, **SMALL_LLAMA)
+    if name == "llama_uneven":   # vocabulary 130 and MLP hidden 90: neither divides tp=4
+        return build_llama(seed=5, device=device, **dict(SMALL_LLAMA, vocab_size=130, ffn_hidden=90))
     if name == "llama_kv2":
         return build_llama(seed=5, device=device, **dict(SMALL_LLAMA, n_kv_heads=2))
-    if name in ("hf_llama", "hf_qwen2", "hf_mistral", "hf_llama_tied"):
+    if name in ("hf_llama", "hf_qwen2", "hf_mistral", "hf_llama_tied", "hf_llama_uneven"):
         kind = name.split("_")[1]
         cfg = dict(HF_SMALL, tie_word_embeddings=name.endswith("tied"))
+        if name.endswith("uneven"):
+            cfg.update(vocab_size=130, intermediate_size=90)
         if kind == "mistral":
             cfg["sliding_window"] = None
         model = hf_model(kind, device=device, seed=5, **cfg)

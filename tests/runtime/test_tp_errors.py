@@ -112,11 +112,16 @@ def test_input_count_not_matching_layouts_caught_before_applying(world4):
 
 
 def test_dimension_that_does_not_divide(world4):
+    """Packed projections must split evenly (a strided uneven shard would mix them); a plain
+    Linear of 30 outputs over 4 ranks is sharded unevenly, as torch's ColwiseParallel does."""
     model = nn.Sequential(nn.Linear(16, 30))
     before = snapshot(model)
-    with pytest.raises(DivisibilityError, match=r"ColwiseParallel on 0: out_features = 30 .* mesh size 4"):
-        parallelize_module(model, world4["tp"], {"0": ColwiseParallel()})
+    with pytest.raises(DivisibilityError, match=r"ColwiseParallel on 0: out_features per packed projection = 15 .* "
+                                                r"mesh size 4"):
+        parallelize_module(model, world4["tp"], {"0": ColwiseParallel(packed=2)})
     assert_untouched(model, before)
+    parallelize_module(model, world4["tp"], {"0": ColwiseParallel()})
+    assert tuple(model[0].weight.shape) == (30, 16) and tuple(model[0].weight.to_local().shape) == (8, 16)
 
 
 def test_failure_while_applying_rolls_everything_back(world4):

@@ -7,6 +7,8 @@ Our styles also subclass torch's ParallelStyle, so torch's parallelize_module ac
 """
 from __future__ import annotations
 
+import math
+
 import json
 from typing import Any, ClassVar
 
@@ -216,14 +218,25 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, place
 
 
 def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Placement | None,
-               where: str) -> DTensor:
-    """Annotate a local tensor with ``layout`` (or take a DTensor as is), then move it to ``desired``."""
+               where: str, global_size: int | None = None) -> DTensor:
+    """Annotate a local tensor with ``layout`` (or take a DTensor as is), then move it to ``desired``.
+
+    ``global_size``: the whole size of the dimension ``layout`` shards, when the caller knows it
+    (a RowwiseParallel Linear: its in_features). DTensor cannot infer it from an uneven shard
+    (10 features over 4 ranks are 3, 3, 2, 2 locally; each rank would guess 4x its own), so it is
+    given explicitly and the shards may be uneven, as DTensor's own Shard allows."""
     for what, p in (("layout", layout), ("desired layout", desired)):
         if isinstance(p, Shard) and not -x.ndim <= p.dim < x.ndim:
             raise LayoutError(f"{where}: {what} Shard({p.dim}) names a dimension the {x.ndim}-D input of shape "
                               f"{tuple(x.shape)} does not have (valid: Shard(d) with {-x.ndim} <= d < {x.ndim})")
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+        shape = stride = None
+        if global_size is not None and isinstance(layout, Shard):
+            dims = list(x.shape)
+            dims[layout.dim % x.ndim] = int(global_size)
+            shape = torch.Size(dims)
+            stride = tuple(math.prod(dims[i + 1:]) for i in range(len(dims)))
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False, shape=shape, stride=stride)
     if desired is not None and x.placements != (desired,):
         if isinstance(desired, Shard) and not any(isinstance(p, Shard) for p in x.placements):
             dim = desired.dim % x.ndim

@@ -92,9 +92,15 @@ class _LinearStyle(ParallelStyle):
         desired = self._desired_input(kind)
         layout = self.input_layouts if self.input_layouts is not None else desired
 
+        # the whole width of a sharded input, so an uneven shard (from an uneven ColwiseParallel)
+        # is annotated with its true global shape
+        in_features = linear_features(module)[0] if kind != "embedding" else None
+
         def pre_hook(mod, inputs):
             x = _single_input(inputs, where)
-            return (to_dtensor(x, mesh, layout, desired, where),)
+            return (to_dtensor(x, mesh, layout, desired, where,
+                               global_size=in_features if isinstance(layout, Shard) and layout.dim in (-1, x.ndim - 1)
+                               else None),)
 
         record.add_hook(module.register_forward_pre_hook(pre_hook))
         record.add_hook(module.register_forward_hook(
@@ -131,10 +137,10 @@ class ColwiseParallel(_LinearStyle):
             if out_features % self.packed:
                 raise LayoutError(f"{where}: out_features {out_features} is not {self.packed} packed "
                                   f"projections of equal width")
-            if self.packed == 1:
-                check_divides(out_features, mesh, where, "out_features")
-            else:
+            if self.packed != 1:   # uneven strided shards would mix the packed projections
                 check_divides(out_features // self.packed, mesh, where, "out_features per packed projection")
+            # packed=1: out_features need not divide the mesh (DTensor's uneven Shard: the first ranks
+            # hold one row more), as with torch's ColwiseParallel
         else:
             if self.packed != 1:
                 raise UnsupportedModuleError(f"{where}: packed applies to nn.Linear and Conv1D only")
@@ -165,12 +171,10 @@ class RowwiseParallel(_LinearStyle):
     _args = {"input_layouts": None, "output_layouts": Replicate(), "use_local_output": True}
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
-        kind = self._kind(module, fqn)
-        where = f"RowwiseParallel on {fqn or '<root>'}"
-        if kind != "embedding":
-            check_divides(linear_features(module)[0], mesh, where, "in_features")
-        else:
-            check_divides(module.num_embeddings, mesh, where, "num_embeddings")
+        self._kind(module, fqn)   # a module kind the style supports
+        # in_features / num_embeddings need not divide the mesh: DTensor shards unevenly (the input
+        # is annotated with its whole width, see apply) and a vocabulary-parallel embedding masks
+        # each rank's own id range
 
     def _desired_input(self, kind: str) -> Placement:
         return Shard(-1) if kind != "embedding" else Replicate()
