@@ -179,6 +179,17 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
                                 comm, compute_shard=t, param_shard=t, activation_shard=t,
                                 reason=f"{reason}; the module's {counts} set to their local values",
                                 extra={**extra, "fallback_for": "heads_sharded"}))
+        if plain_why is None and layout == "R":
+            # the same shards with the module's inputs left plain tensors: for attention that
+            # also adds its input to its output inside the module (BERT's post-norm residual in
+            # BertSelfOutput: a DTensor input would meet the plain projection output there). Each
+            # column-parallel projection then reduces its own input gradient in backward.
+            out.append(Strategy("heads_sharded_plain_input", "R", rows,
+                                [Collective("all_reduce", "forward", h)] +
+                                [Collective("all_reduce", "backward", h) for _ in cols],
+                                compute_shard=t, param_shard=t, activation_shard=t,
+                                reason=f"{reason}; inputs stay plain tensors (the module adds its input to its "
+                                       "output)", extra={**extra, "fallback_for": "heads_sharded"}))
     if plain_why is not None:
         out[0].extra["tp_excluded"] = plain_why
     return out

@@ -21,7 +21,9 @@ SLICE = [
     ("t5", "tp4", "default", ()),
     ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
     ("mixtral", "tp4", "forced_R", ()),
-    ("bert", "dp2_tp2", "default", ()),
+    # BERT adds the attention input to its output inside the module (post-norm residual): sharded by
+    # heads with plain-tensor inputs
+    ("bert", "dp2_tp2", "default", ("attention:heads_sharded_plain_input", "mlp:hidden_sharded")),
     ("starcoder2", "tp4", "forced_S", ()),
 ]
 

@@ -205,3 +205,20 @@ def test_probe_sees_an_attention_core_that_is_not_head_sharded():
     assert run.error is None and prober.reference.cores
     found = prober.findings(run)
     assert any("attention core" in f.detail and f.dim is None for f in found), found
+
+
+def test_bert_attention_is_sharded_and_verifies_exactly():
+    """BERT's attention adds its input to its output inside the module (BertSelfOutput): the plan
+    shards it by heads with plain-tensor inputs, each column projection reducing its own input
+    gradient (three backward all-reduces, predicted and issued)."""
+    from autoplan import MeshSpec, autoplan
+    from autoplan.verify import verify
+    from autoplan.verify.corpus import real_model
+
+    model = real_model("bert")
+    plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(4, 512))
+    assert [d["strategy"] for d in plan.decisions if d["unit"].endswith("/attention")] == ["heads_sharded_plain_input"]
+    res = verify(plan, model)
+    assert res.passed, res.mismatches()
+    rows = res.collectives
+    assert int(rows[(rows["kind"] == "all_reduce") & (rows["phase"] == "backward")]["issued"].sum()) >= 3 * 2

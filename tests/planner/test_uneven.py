@@ -49,3 +49,4 @@ def test_uneven_plans_equal_one_device_on_4_ranks(plans, pool4):
             where = f"{name} {variant} rank {rank} stream {plan.stream_layout} loss_parallel {plan.loss_parallel}"
             assert r["par"] == pytest.approx(r["ref"], rel=1e-5), where
             assert not r["bad_grads"] and not r["bad_params"], (where, r)
+
