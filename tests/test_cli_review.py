@@ -76,7 +76,7 @@ def test_explain(files, capsys):
 
 
 @pytest.mark.parametrize("fmt,expect", [
-    ("json", '"schema_version": 2'),
+    ("json", '"schema_version": 3'),
     ("python", "parallelize_module(model, mesh, tp_plan, mesh_dim='tp')"),
     ("torch", "'layers.*.attention.wq': ColwiseParallel("),
     ("hf", '"not_expressible"'),

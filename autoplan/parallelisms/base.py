@@ -16,7 +16,7 @@ styles (collectives derived from the styles hyper_parallel applies, checked by t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch.nn as nn
 
@@ -38,10 +38,19 @@ class ApplyTarget:
     model: nn.Module
     mesh: Any
     roots: list[nn.Module] = field(default_factory=list)
-    blocks: list[nn.Module] = field(default_factory=list)
+    # the blocks, or a function finding them: looked up only by an entry that uses them (a plan
+    # without recomputation or FSDP applies to a model that lacks the plan's block container;
+    # whatever checks the model -- e.g. a checkpoint load -- then says so)
+    block_finder: Callable[[], list[nn.Module]] | list[nn.Module] = field(default_factory=list)
     ignored_params: set = field(default_factory=set)
     pipelined: bool = False
     state: dict = field(default_factory=dict)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        if callable(self.block_finder):
+            self.block_finder = list(self.block_finder())
+        return self.block_finder
 
 
 class Parallelism:

@@ -134,8 +134,8 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
                                activation_mesh=tp_mesh)
     blocks = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})
     target.roots = [st.module for st in stages]
-    target.blocks = [st.module.get_submodule(u) for st in stages for u in st.module.units
-                     if any(u.startswith(b + ".") for b in blocks)]
+    target.block_finder = [st.module.get_submodule(u) for st in stages for u in st.module.units
+                           if any(u.startswith(b + ".") for b in blocks)]
     mode = plan_dp_mode(plan)
     dp_mesh = plan_dp_mesh(plan, mesh)   # 2-D (dp_replicate, dp_shard) for HSDP
     use_dp = dp_mesh is not None and dp_mesh.size() > 1

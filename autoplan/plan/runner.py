@@ -96,7 +96,7 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     _check_mesh(plan, mesh)
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
         return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
-    target = ApplyTarget(model=model, mesh=mesh, roots=[model], blocks=block_modules(model, plan))
+    target = ApplyTarget(model=model, mesh=mesh, roots=[model], block_finder=lambda: block_modules(model, plan))
     apply_to_model(plan, target)
     apply_to_roots(plan, target)
     dp_mesh, mode = target.state.get("dp_mesh"), target.state.get("dp_mode")
