@@ -162,8 +162,15 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
                     "shard would fold heads into the sequence, silently)"
     if why is None:
         cols, reason, extra = column
-        comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
+        # a cross-attention's k and v (or fused kv) projections each annotate the encoder's states
+        # themselves (the module's input layouts cover its first input only): one backward
+        # all-reduce of those states per projection
+        kv_cols = [p for p in cols if p != a.q] if a.kv_input_bytes else []
+        kv_grads = [Collective("all_reduce", "backward", a.kv_input_bytes) for _ in kv_cols]
+        comm = (_ag_rs_pair(h) if layout == "S" else _ar_pair(h)) + kv_grads
         rows = {**cols, a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])}
+        if a.bias_table:   # each rank's heads' columns of the per-head bias table (T5)
+            rows[a.bias_table] = ColwiseParallel()
         if plain_why is None:
             out.append(Strategy("heads_sharded", layout,
                                 {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)), **rows},
@@ -186,7 +193,7 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             # column-parallel projection then reduces its own input gradient in backward.
             out.append(Strategy("heads_sharded_plain_input", "R", rows,
                                 [Collective("all_reduce", "forward", h)] +
-                                [Collective("all_reduce", "backward", h) for _ in cols],
+                                [Collective("all_reduce", "backward", h) for p in cols if p not in kv_cols] + kv_grads,
                                 compute_shard=t, param_shard=t, activation_shard=t,
                                 reason=f"{reason}; inputs stay plain tensors (the module adds its input to its "
                                        "output)", extra={**extra, "fallback_for": "heads_sharded"}))

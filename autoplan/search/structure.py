@@ -7,6 +7,8 @@ sizes, plus the FQNs the emitted plan will name.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
@@ -66,6 +68,13 @@ class AttentionUnit:
     qkv_bias: bool = False           # the fused q/k/v projection has a bias (1-D, strided when packed)
     # attributes its code may cut by, with their global values (structure.head_attributes)
     head_attrs: dict[str, int] = field(default_factory=dict)
+    # an embedding inside the module with one column per head (T5's relative position bias):
+    # sharded by heads along with the projections, so each rank adds its own heads' bias
+    bias_table: str = ""
+    # a cross-attention's k/v read another tensor than the module's first input (the encoder's
+    # states): its bytes. Each column projection annotates it on its own, so each reduces its
+    # input gradient in backward (0: k/v read the module's input, as self-attention does)
+    kv_input_bytes: int = 0
 
     @property
     def projections(self) -> list[str]:
@@ -141,6 +150,10 @@ class ModelStructure:
     # attention/MLP modules the planner found but cannot plan as units: (FQN, why); they stay
     # replicated (and keep the stream replicated where they would see a sequence shard)
     not_units: list[tuple[str, str]] = field(default_factory=list)
+    # attention units of different block groups that pass per-head state from one to the other
+    # (T5's position bias, computed by the first block's attention and added by every later
+    # one): (slot, slot, what flows). Their heads must be sharded in both or in neither.
+    head_links: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
@@ -257,6 +270,57 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
                          own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs)
 
 
+def _bias_table(graph: ModelGraph, rep: str, unit: AttentionUnit) -> str:
+    """The path (from the block) of an embedding inside the attention module with one column per
+    head -- a per-head position bias table (T5's relative_attention_bias) -- or ""."""
+    if not unit.rel:
+        return ""
+    inside = f"{rep}.{unit.rel}."
+    for fqn, info in graph.modules.items():
+        if fqn.startswith(inside) and info.role == "position_embedding" and _type(graph, fqn) == _EMBEDDING:
+            weight = info.params.get("weight")
+            if weight is not None and len(weight) == 2 and weight[1] == unit.n_heads:
+                return fqn[len(rep) + 1:]
+    return ""
+
+
+def _input_bytes(graph: ModelGraph, fqn: str) -> int:
+    """Bytes of the first tensor module ``fqn``'s first op reads (a projection's input)."""
+    for n in graph.nodes_in(fqn):
+        for t in n.inputs:
+            if "float" in t.dtype:
+                return dtype_size(t.dtype) * math.prod(t.shape)
+    return 0
+
+
+def head_links(graph: ModelGraph, blocks: list[BlockGroupInfo]) -> list[tuple[str, str, str]]:
+    """Pairs of attention slots in different block groups where a tensor made inside one
+    attention module (not its output projection's result, which leaves through the block) is
+    read inside the other: per-head state such as T5's position bias. Read from the captured
+    dataflow, so any model that hands a head-shaped tensor from layer to layer is covered."""
+    units = []
+    for b in blocks:
+        for name, u in (("attention", b.attention), ("cross_attention", b.cross_attention)):
+            if u is not None and u.rel:
+                units.append((f"{b.id}/{name}", f"{b.representative}.{u.rel}", f"{b.representative}.{u.o}"))
+
+    def unit_of(module: str) -> tuple[str, str, str] | None:
+        return next((x for x in units if module == x[1] or module.startswith(x[1] + ".")), None)
+
+    by_name = {n.name: n for n in graph.nodes}
+    links: dict[tuple[str, str], str] = {}
+    for e in graph.edges:
+        src, dst = by_name.get(e.src), by_name.get(e.dst)
+        if src is None or dst is None:
+            continue
+        a, b = unit_of(src.module), unit_of(dst.module)
+        if a is None or b is None or a[0] == b[0] or src.module == a[2] or src.module.startswith(a[2] + "."):
+            continue
+        key = tuple(sorted((a[0], b[0])))
+        links.setdefault(key, f"{src.module} -> {dst.module} {tuple(e.shape)}")
+    return [(x, y, why) for (x, y), why in sorted(links.items())]
+
+
 def _head_modules(graph: ModelGraph) -> list[str]:
     return [h["module"] for h in graph.roles.get("lm_head", [])[:1]]
 
@@ -299,10 +363,14 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
             unit = _attention_unit(graph, rep, a, work)
             if isinstance(unit, str):
                 not_units.append((where, unit))
-            elif att is None:
+                continue
+            unit.bias_table = _bias_table(graph, rep, unit)
+            if att is None:
                 att = unit
             elif cross is None and unit.rel:
                 cross = unit   # the block's second attention: cross-attention (BART, T5 decoders)
+                kv = unit.qkv or unit.k
+                cross.kv_input_bytes = _input_bytes(graph, f"{rep}.{kv}")
             else:
                 not_units.append((where, "a third attention in the block (or a second one with its projections "
                                          "directly in the block) is not planned"))
@@ -342,8 +410,11 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
                      (), max(whole.other_bytes - inner.other_bytes, 0))
-        out_shapes = rows[rep]["output_shapes"] if rep in rows else []
-        shape = tuple(out_shapes[0]) if out_shapes else (1, 1, 1)
+        # the residual stream: the output shaped like an input (a block may return more, first:
+        # T5's first block returns its position bias beside the hidden states)
+        out_shapes = [tuple(o) for o in rows[rep]["output_shapes"]] if rep in rows else []
+        in_shapes = {tuple(i) for i in rows[rep]["input_shapes"]} if rep in rows else set()
+        shape = next((o for o in out_shapes if o in in_shapes), out_shapes[0] if out_shapes else (1, 1, 1))
         hidden = 1
         for s in shape:
             hidden *= s
@@ -387,4 +458,4 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     if head is not None and head.tied and emb is not None:
         rest.params = max(rest.params, 0)
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
-                          graph.num_parameters, not_units)
+                          graph.num_parameters, not_units, head_links(graph, blocks))

@@ -418,6 +418,11 @@ class TPSearch:
             prob += (pulp.lpSum(x["embedding", o.rank] for o in self.slots["embedding"] if o.strategy.name == "replicate")
                      == pulp.lpSum(x["head", o.rank] for o in self.slots["head"] if o.strategy.name == "replicate")), \
                 "tied_embedding_head_same_layout"
+        for i, (a, b, _) in enumerate(st.head_links):   # per-head state passed between them: shard both or neither
+            if a in self.slots and b in self.slots:
+                prob += (pulp.lpSum(x[a, o.rank] for o in self.slots[a] if o.strategy.name != "replicate")
+                         == pulp.lpSum(x[b, o.rank] for o in self.slots[b] if o.strategy.name != "replicate")), \
+                    f"heads_linked_{i}"
         if memory_limit is not None and objective == "time":
             prob += pulp.lpSum(mem) <= memory_limit, "memory_limit"
         if objective == "time":  # exposed data-parallel traffic (cost_models.overlap), linearised

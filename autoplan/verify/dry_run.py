@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms.data import dp_degree
-from autoplan.plan.forward import lm_loss, output_logits
+from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
@@ -58,7 +58,7 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
             inputs, targets = dry_batch(plan, dp, inputs)
             with CollectiveRecorder() as rec:
                 rec.phase = "forward"
-                logits = output_logits(meta(inputs))
+                logits = output_logits(forward_tokens(meta, inputs))
                 if plan.loss_parallel:
                     with loss_parallel():
                         loss = lm_loss(logits, targets)

@@ -18,7 +18,8 @@ SLICE = [
     ("gpt_neox", "dp2_tp2", "forced_S", ()),
     ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
-    ("t5", "tp4", "default", ()),
+    ("t5", "tp4", "default", ("attention:heads_sharded_local", "cross_attention:heads_sharded_local",
+                              "mlp:hidden_sharded")),
     ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
     ("mixtral", "tp4", "forced_R", ()),
     # BERT adds the attention input to its output inside the module (post-norm residual): sharded by

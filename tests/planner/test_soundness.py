@@ -222,3 +222,27 @@ def test_bert_attention_is_sharded_and_verifies_exactly():
     assert res.passed, res.mismatches()
     rows = res.collectives
     assert int(rows[(rows["kind"] == "all_reduce") & (rows["phase"] == "backward")]["issued"].sum()) >= 3 * 2
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_attention_is_sharded_and_verifies_exactly(family):
+    """T5: the first block's attention computes a per-head position bias that every later block
+    adds (read from the dataflow: ``structure.head_links``), so its bias table is sharded by heads
+    with the projections and all linked attentions shard together. Both families: the decoder's
+    cross-attention k/v projections each reduce the gradient of the encoder's states (predicted,
+    and issued in the dry run -- which feeds the decoder as the runner does)."""
+    from autoplan import MeshSpec, autoplan
+    from autoplan.verify import verify
+    from autoplan.verify.corpus import real_model
+
+    model = real_model(family)
+    plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(4, 512))
+    kinds = {d["unit"].split("/")[-1]: d["strategy"] for d in plan.decisions}
+    assert kinds["attention"].startswith("heads_sharded") and kinds["cross_attention"].startswith("heads_sharded")
+    assert kinds["mlp"] == "hidden_sharded"
+    if family == "t5":
+        assert len({d["unit"] for d in plan.decisions if d["unit"].endswith("attention")}) == 6
+        assert any(k.endswith("relative_attention_bias") and v["style"] == "ColwiseParallel"
+                   for k, v in plan.styles.items())
+    res = verify(plan, model)
+    assert res.passed, res.mismatches()
