@@ -18,7 +18,7 @@ _ACT = ("silu", "gelu", "relu", "tanh", "sigmoid", "elu", "mish", "softplus")
 _NORM = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "rsqrt")
 # ops a value passes through without ceasing to be "the same tensor" for role tracing
 _PASS = (
-    "view", "reshape", "transpose", "permute", "contiguous", "clone", "to", "_to_copy", "expand",
+    "view", "reshape", "transpose", "permute", "contiguous", "clone", "to", "_to_copy", "expand", "broadcast_to",
     "unsqueeze", "squeeze", "getitem", "split", "chunk", "slice", "select", "cat", "stack", "mul",
     "add", "sub", "neg", "div", "dropout", "repeat", "index", "type_as", "float", "flatten",
     "unflatten", "alias", "t", "native_dropout", "masked_fill", "where", "_unsafe_view", "unbind",

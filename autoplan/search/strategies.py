@@ -243,11 +243,18 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         packed = {"no_fsdp": "packed gate/up projection with a bias under FSDP"} \
             if m.packed > 1 and m.up_bias else {}
         if not (packed and fsdp):
+            reason = "up/gate column-wise, down row-wise (Megatron)" + \
+                (" with the fused [gate|up] rows sharded per projection" if m.packed > 1 else "")
             out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=k, param_shard=k,
                                 activation_shard=k, extra=dict(packed, **_uneven("MLP hidden", m.hidden, t)),
-                                reason="up/gate column-wise, down row-wise (Megatron)" +
-                                       (" with the fused [gate|up] rows sharded per projection"
-                                        if m.packed > 1 else "")))
+                                reason=reason))
+            # the same for a block that modifies the MLP's output in place (Falcon: mlp_output +=
+            # attention_output): the down projection returns a copy it may modify
+            owned = dict(styles, **{m.down: RowwiseParallel(output_layouts=_PLACEMENT[layout], owned_output=True)})
+            out.append(Strategy("hidden_sharded_owned_output", layout, owned, comm, compute_shard=k, param_shard=k,
+                                activation_shard=k, reason=f"{reason}; its output copied for in-place use",
+                                extra=dict(packed, fallback_for="hidden_sharded",
+                                           **_uneven("MLP hidden", m.hidden, t))))
         elif layout == out[0].stream:
             out[0].extra["tp_excluded"] = _PACKED_BIAS_FSDP.format(what="[gate|up]")
     return out

@@ -224,6 +224,24 @@ def test_bert_attention_is_sharded_and_verifies_exactly():
     assert int(rows[(rows["kind"] == "all_reduce") & (rows["phase"] == "backward")]["issued"].sum()) >= 3 * 2
 
 
+def test_falcon_attention_and_mlp_are_sharded_and_verify_exactly():
+    """Falcon (new decoder architecture): k/v reach the core through ``broadcast_to`` of a fused
+    projection in KV groups (traced, sharded in whole groups with the head counts made local),
+    and its block adds the attention output into the MLP output in place (the down projection
+    returns a copy it may modify: ``owned_output``)."""
+    from autoplan import MeshSpec, autoplan
+    from autoplan.verify import verify
+    from autoplan.verify.corpus import real_model
+
+    model = real_model("falcon")
+    plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(4, 2048))
+    kinds = {d["unit"].split("/")[-1]: d["strategy"] for d in plan.decisions}
+    assert kinds["attention"] == "heads_sharded_local" and kinds["mlp"] == "hidden_sharded_owned_output"
+    assert plan.styles["transformer.h.*.mlp.dense_4h_to_h"]["args"]["owned_output"] is True
+    res = verify(plan, model)
+    assert res.passed, res.mismatches()
+
+
 @pytest.mark.parametrize("family", ["t5", "bart"])
 def test_encoder_decoder_attention_is_sharded_and_verifies_exactly(family):
     """T5: the first block's attention computes a per-head position bias that every later block

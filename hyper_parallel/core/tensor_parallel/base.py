@@ -245,10 +245,14 @@ def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Pl
     return x
 
 
-def finish_output(out, mesh: DeviceMesh, layout: Placement | None, use_local: bool, where: str):
-    """Redistribute a module output to ``layout`` and optionally return its local tensor."""
+def finish_output(out, mesh: DeviceMesh, layout: Placement | None, use_local: bool, where: str,
+                  owned: bool = False):
+    """Redistribute a module output to ``layout`` and optionally return its local tensor
+    (``owned``: a copy the caller may modify in place; DTensor's local view may not be)."""
     if not isinstance(out, DTensor):
         raise StyleSpecError(f"{where}: expected the module to return a DTensor, got {type(out).__name__}")
     if layout is not None and out.placements != (layout,):
         out = out.redistribute(placements=(layout,), async_op=True)
-    return out.to_local() if use_local else out
+    if not use_local:
+        return out
+    return out.to_local().clone() if owned else out.to_local()

@@ -104,7 +104,8 @@ class _LinearStyle(ParallelStyle):
 
         record.add_hook(module.register_forward_pre_hook(pre_hook))
         record.add_hook(module.register_forward_hook(
-            lambda mod, inputs, out: finish_output(out, mesh, self._output_layout(), self.use_local_output, where)
+            lambda mod, inputs, out: finish_output(out, mesh, self._output_layout(), self.use_local_output, where,
+                                                   owned=getattr(self, "owned_output", False))
         ))
         return module
 
@@ -168,7 +169,16 @@ class RowwiseParallel(_LinearStyle):
     Embedding (token ids) -- unlike torch, which annotates token ids as Shard(-1); output defaults to Replicate (all-reduce). Shard(1) gives a reduce-scatter.
     """
 
-    _args = {"input_layouts": None, "output_layouts": Replicate(), "use_local_output": True}
+    _args = {"input_layouts": None, "output_layouts": Replicate(), "use_local_output": True, "owned_output": False}
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = True, owned_output: bool = False):
+        """``owned_output`` (no torch equivalent): return a copy of the local result, which the
+        caller may modify in place -- Falcon's block adds the attention output into the MLP
+        output with ``+=``, which autograd forbids on DTensor's local view. Costs one copy of the
+        output; off by default."""
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
+        self.owned_output = bool(owned_output)
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         self._kind(module, fqn)   # a module kind the style supports

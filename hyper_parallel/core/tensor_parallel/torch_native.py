@@ -31,6 +31,9 @@ def to_torch_style(style: ParallelStyle, module: nn.Module | None = None) -> tp.
     if isinstance(style, ColwiseParallel) and style.packed > 1:
         raise StyleSpecError(f"no torch equivalent for {style!r}: torch's ColwiseParallel shards packed "
                              f"projections as one contiguous block")
+    if isinstance(style, RowwiseParallel) and style.owned_output:
+        raise StyleSpecError(f"no torch equivalent for {style!r}: torch's RowwiseParallel returns DTensor's local "
+                             f"view, which the module's caller may not modify in place")
     if isinstance(style, PrepareHeadsInput):
         raise StyleSpecError(f"no torch equivalent for {style!r}: torch's styles do not set a module's head "
                              f"counts to their local values")
