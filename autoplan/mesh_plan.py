@@ -123,8 +123,6 @@ def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dty
     tokens (context parallel: its head and tail chunks); argument errors are said in the user's terms."""
     if inputs is None and batch is None:
         raise MissingInputsError("autoplan: give batch=(global_batch, seq_len) or example inputs=")
-    if cp > 1:
-        _check_cp_model(model, batch, inputs, cp)
     cap_batch = None
     if batch is not None:
         gb, seq = A.check_batch(batch, "autoplan")
@@ -179,6 +177,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     cp = spec.degree(cp_dim) if cp_dim else 1
     # gradients (and FSDP) over dp, or over the flattened dp x cp under context parallelism
     red_dim, red = ("_".join(grad_dims(spec)), dp * cp) if cp > 1 else (dp_dim, dp)
+    if cp > 1:
+        _check_cp_model(model, batch, inputs, cp)
     if dtype is None:
         dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
     if graph is None:
@@ -186,8 +186,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     t_captured = time.perf_counter()
     structure = cp_structure(model_structure(graph), cp)
     pbytes = structure.dtype_bytes
-    ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=red_dim,
-                      dp=red, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
+    ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
+                      dp_dim=red_dim, dp=red, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
                       optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
     cp_args = None
     if cp > 1:
@@ -271,7 +271,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     use_fsdp = bool(fsdp and dp > 1)
     fsdp_rows = fsdp_collectives(shards, red, red_dim) if use_fsdp else []
     if red > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
-        fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, red, False)), dim=red_dim).to_row()]
+        fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, red, False)),
+                                dim=red_dim).to_row()]
     if cp_choice is not None:
         fsdp_rows += [c.to_row() for c in cp_choice.collectives]
     memory = dict(best.memory)

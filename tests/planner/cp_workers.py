@@ -1,6 +1,6 @@
 """Rank functions for tests/planner/test_context_plans.py: a plan with context parallelism,
-applied with ``plan.apply``, trains one step equal to one device (the e2e_workers comparison), for
-each attention variant."""
+applied with ``plan.apply``, trains one step equal to one device (the e2e_workers comparison), with
+the attention variant each case names."""
 from __future__ import annotations
 
 from autoplan.plan import Plan
@@ -15,11 +15,7 @@ def with_variant(plan_json: str, variant: str) -> str:
     return plan.to_json()
 
 
-def run_cases(cases: list[tuple[str, str, str]]) -> dict:
-    """{label: e2e_workers.run_case result} for (label, plan JSON, model name) cases, each plan
-    run with both variants ("ring", "allgather")."""
-    out = {}
-    for label, plan_json, model_name in cases:
-        for variant in ("ring", "allgather"):
-            out[f"{label}/{variant}"] = e2e_workers.run_case(with_variant(plan_json, variant), model_name)
-    return out
+def run_cases(cases: list[tuple[str, str, str, str]]) -> dict:
+    """{label: e2e_workers.run_case result} for (label, plan JSON, model name, variant) cases."""
+    return {f"{label}/{variant}": e2e_workers.run_case(with_variant(plan_json, variant), model_name)
+            for label, plan_json, model_name, variant in cases}

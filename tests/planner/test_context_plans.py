@@ -82,8 +82,10 @@ def test_cp_pricing_on_a_fixed_mesh():
     model = build_llama(device="meta", dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=32000,
                         ffn_hidden=3584, max_seq_len=1024)
     seq, cp = 1024, 4
-    base = autoplan(model, MeshSpec((2,), ("tp",)), batch=(1, seq), activation_checkpointing=False)
-    plan = autoplan(model, MeshSpec((cp, 2), ("cp", "tp")), batch=(1, seq), activation_checkpointing=False)
+    base = autoplan(model, MeshSpec((2,), ("tp",)), batch=(1, seq), activation_checkpointing=False,
+                    sequence_parallel=True)
+    plan = autoplan(model, MeshSpec((cp, 2), ("cp", "tp")), batch=(1, seq), activation_checkpointing=False,
+                    sequence_parallel=True)
     state = {"params", "grads", "optimizer"}
     assert {k: v for k, v in plan.predictions["memory_bytes"].items() if k in state} == \
         {k: v for k, v in base.predictions["memory_bytes"].items() if k in state}   # no dp: states unchanged
@@ -122,17 +124,20 @@ def test_cp_plans_verify_exactly_at_world_64(hardware, shape, variant):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_plans_apply_and_equal_one_device(world, request):
-    cases = {2: [("llama", (2,), ("cp",), {}), ("hf_llama", (2,), ("cp",), {})],
-             4: [("llama", (2, 2), ("dp", "cp"), {}),
-                 ("hf_llama", (2, 2), ("dp", "cp"), dict(fsdp=False)),
-                 ("llama", (2, 2), ("cp", "tp"), dict(allow_replicated_units=False, sequence_parallel=True)),
-                 ("hf_llama", (2, 2), ("cp", "tp"), dict(allow_replicated_units=False, sequence_parallel=False))]}
+    # each layout once per model, the variants alternating (the runtime's tests run both on every layout)
+    cases = {2: [("llama", (2,), ("cp",), "ring", {}), ("hf_llama", (2,), ("cp",), "allgather", {})],
+             4: [("llama", (2, 2), ("dp", "cp"), "ring", {}),
+                 ("hf_llama", (2, 2), ("dp", "cp"), "allgather", dict(fsdp=False)),
+                 ("llama", (2, 2), ("cp", "tp"), "allgather", dict(allow_replicated_units=False,
+                                                                  sequence_parallel=True)),
+                 ("hf_llama", (2, 2), ("cp", "tp"), "ring", dict(allow_replicated_units=False,
+                                                                sequence_parallel=False))]}
     plans = []
-    for name, shape, names, opts in cases[world]:
+    for name, shape, names, variant, opts in cases[world]:
         plan = _plan(name, shape, names, hardware="h100_sxm", **opts)
         if "tp" in names:
             assert plan.styles, f"{name} {names}: expected tensor-parallel styles"
-        plans.append((f"{name}/{'x'.join(f'{n}{s}' for n, s in zip(names, shape))}", plan.to_json(), name))
+        plans.append((f"{name}/{'x'.join(f'{n}{s}' for n, s in zip(names, shape))}", plan.to_json(), name, variant))
     results = request.getfixturevalue(f"pool{world}").run(cp_workers.run_cases, plans)
     for rank, per_rank in enumerate(results):
         for label, r in per_rank.items():
