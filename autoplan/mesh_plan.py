@@ -187,7 +187,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     structure = cp_structure(model_structure(graph), cp)
     pbytes = structure.dtype_bytes
     ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
-                      dp_dim=red_dim, dp=red, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
+                      dp_dim=red_dim, dp=red, fsdp=fsdp and red > 1, param_bytes_per_element=pbytes,
                       optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
     cp_args = None
     if cp > 1:
@@ -268,7 +268,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
             styles[pattern] = style.to_dict()
     styles = dict(sorted(_pad_to_signature(styles, model).items()))
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
-    use_fsdp = bool(fsdp and dp > 1)
+    use_fsdp = bool(fsdp and red > 1)   # under cp FSDP shards over dp x cp (or cp alone)
     fsdp_rows = fsdp_collectives(shards, red, red_dim) if use_fsdp else []
     if red > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
         fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, red, False)),
@@ -284,7 +284,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     t_end = time.perf_counter()
     plan = Plan.from_fields(
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
-        loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
+        loss_parallel=loss_par, fsdp={"enabled": use_fsdp, "dim": dp_dim if use_fsdp else None},
         activation_checkpointing=bool(ctx.checkpoint_blocks),
         decisions=_decision_rows(best, ctx, search),
         predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,

@@ -11,8 +11,8 @@ model's root (applied after tensor parallel, torchtitan's order TP -> CP -> AC -
 load-balanced batch shard (``shard_batch``: every rank a head and a tail chunk of 2*cp), and
 ``cp_cross_entropy`` (the exact mean over the global batch). Gradients are averaged over the cp
 ranks together with the dp ranks: FSDP2 shards over the flattened dp x cp mesh, as torchtitan
-folds cp into FSDP (``autoplan.parallelisms.data.grad_mesh``); without FSDP one flat all-reduce
-over that mesh (or over cp alone when the plan has no dp dimension).
+folds cp into FSDP (``autoplan.parallelisms.data.grad_mesh``), or over cp alone when the plan has no
+dp dimension; without FSDP one flat all-reduce over that mesh.
 """
 from __future__ import annotations
 

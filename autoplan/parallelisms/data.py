@@ -271,8 +271,9 @@ class DataParallel(Parallelism):
                                 f"expected {roles.get('dp')!r} or null)")
         if fsdp.get("dim") is not None and fsdp["dim"] != dim:
             raise section_error("dp", "fsdp/dim", f"{fsdp['dim']!r} is not the dp dimension {dim!r}")
-        if fsdp["enabled"] and dim is None:
-            raise section_error("dp", "fsdp/enabled", "true, but the plan has no dp dimension to shard over")
+        if fsdp["enabled"] and dim is None and not data["parallel"].get("cp"):
+            # (with context parallelism FSDP shards over cp alone, as torchtitan's dp_shard x cp with dp_shard=1)
+            raise section_error("dp", "fsdp/enabled", "true, but the plan has no dp (or cp) dimension to shard over")
 
     def active(self, plan) -> bool:
         return plan.dp_dim is not None

@@ -86,9 +86,9 @@ def test_cp_pricing_on_a_fixed_mesh():
                     sequence_parallel=True)
     plan = autoplan(model, MeshSpec((cp, 2), ("cp", "tp")), batch=(1, seq), activation_checkpointing=False,
                     sequence_parallel=True)
-    state = {"params", "grads", "optimizer"}
-    assert {k: v for k, v in plan.predictions["memory_bytes"].items() if k in state} == \
-        {k: v for k, v in base.predictions["memory_bytes"].items() if k in state}   # no dp: states unchanged
+    for k in ("params", "grads", "optimizer"):   # FSDP over cp alone (no dp dimension): states / cp
+        assert plan.predictions["memory_bytes"][k] == pytest.approx(base.predictions["memory_bytes"][k] / cp, rel=1e-3)
+    assert plan.fsdp["enabled"] and plan.dp_dim is None
     act0, act = (p.predictions["memory_bytes"]["activations"] for p in (base, plan))
     assert 0.2 * act0 <= act <= 0.3 * act0, (act0, act)
     assert plan.predictions["compute_s"] < base.predictions["compute_s"]   # fixed costs (optimizer, launches) stay
@@ -104,6 +104,19 @@ def test_cp_pricing_on_a_fixed_mesh():
     ring = [r for r in plan.predictions["collectives"] if r["mesh_dim"] == "cp" and r["kind"] == "send_recv"]
     assert {(r["phase"], r["bytes"], r["count"]) for r in ring} == {("forward", kv, 2 * (cp - 1) * 2),
                                                                     ("backward", kv, 2 * (2 * cp - 1) * 2)}
+
+
+def test_cp_plans_verify_fsdp_over_cp_and_replicated_dp_cp():
+    """FSDP2 over cp alone (no dp dimension) and the flat gradient all-reduce over dp x cp
+    (fsdp=False) dry-run exactly, the loss's all-reduce included."""
+    for shape, names, opts in [((4,), ("cp",), {}), ((2, 2), ("dp", "cp"), dict(fsdp=False))]:
+        plan = _plan("llama", shape, names, hardware="h100_sxm", **opts)
+        res = verify(plan, e2e_workers.build("llama", device="meta"))
+        assert res.passed, (names, res.error, res.mismatches().to_string())
+        grads = res.collectives[res.collectives["phase"] == "backward"]
+        dim = "cp" if names == ("cp",) else "dp_cp"
+        assert set(grads[grads["kind"] != "send_recv"]["mesh_dim"]) <= {dim}
+        assert (plan.fsdp["enabled"], dim) in {(True, "cp"), (False, "dp_cp")}
 
 
 @pytest.mark.parametrize("hardware,shape,variant", [("h100_sxm", (8, 4, 2), "ring"), ("cpu", (4, 4, 4), "allgather")])
@@ -124,8 +137,9 @@ def test_cp_plans_verify_exactly_at_world_64(hardware, shape, variant):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_plans_apply_and_equal_one_device(world, request):
-    # each layout once per model, the variants alternating (the runtime's tests run both on every layout)
-    cases = {2: [("llama", (2,), ("cp",), "ring", {}), ("hf_llama", (2,), ("cp",), "allgather", {})],
+    # each layout once per model, the variants alternating (the runtime's tests run both on every layout);
+    # gradients over cp (or dp x cp) by FSDP2 or, with fsdp=False, one flat all-reduce
+    cases = {2: [("llama", (2,), ("cp",), "ring", {}), ("hf_llama", (2,), ("cp",), "allgather", dict(fsdp=False))],
              4: [("llama", (2, 2), ("dp", "cp"), "ring", {}),
                  ("hf_llama", (2, 2), ("dp", "cp"), "allgather", dict(fsdp=False)),
                  ("llama", (2, 2), ("cp", "tp"), "allgather", dict(allow_replicated_units=False,
