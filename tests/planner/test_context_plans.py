@@ -14,6 +14,7 @@ from autoplan.parallelisms.registry import PARALLELISMS, traffic_owners
 from autoplan.verify.dry_run import verify
 from tests.planner import cp_workers, e2e_workers
 from autoplan.capture import capture
+from autoplan.context_search import context_meshes, plan_context
 from autoplan.models import build_llama
 from autoplan.search.context_cost import cp_structure
 from autoplan.search.structure import model_structure
@@ -160,3 +161,21 @@ def test_cp_plans_apply_and_equal_one_device(world, request):
             assert r["bad_grads"] == [], f"{where}: grads differ {r['bad_grads']}"
             assert r["bad_params"] == [], f"{where}: params after step differ {r['bad_params']}"
             assert r["n_grads"] > 0
+
+
+def test_plan_context_chooses_the_split_by_cost():
+    """dp x cp x tp for 4 devices at a long (for the model) sequence: every split planned, the
+    fastest that fits wins, the rest listed; a memory limit below what tp alone needs picks cp > 1."""
+    model = build_llama(device="meta", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                        ffn_hidden=512, max_seq_len=1024)
+    assert context_meshes(4, (1, 1024), 8) == [(1, 4, 1), (1, 2, 2), (1, 1, 4)]
+    best = plan_context(model, 4, batch=(1, 1024), activation_checkpointing=False)
+    others = [a for a in best.alternatives if a["name"].startswith("cp ")]
+    assert len(others) == 2 and all(best.predictions["step_s"] <= a["step_s"] for a in others)
+    tp4 = autoplan(model, MeshSpec((4,), ("tp",)), batch=(1, 1024), activation_checkpointing=False)
+    limit = 0.9 * tp4.predictions["memory_bytes"]["total"]
+    tight = plan_context(model, 4, batch=(1, 1024), activation_checkpointing=False, memory_limit=limit)
+    assert tight.parallel["cp"] and tight.parallel["cp"]["degree"] > 1
+    assert tight.predictions["memory_bytes"]["total"] <= limit
+    with pytest.raises(InvalidArgumentError, match="no dp x cp x tp split"):
+        plan_context(model, 4, batch=(3, 4095))
