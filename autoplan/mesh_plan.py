@@ -20,6 +20,7 @@ import torch
 from autoplan import arguments as A
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, InvalidArgumentError, MissingInputsError, PlanningError
+from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
 from autoplan.search.costing import CostContext
@@ -176,9 +177,12 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
     cp = spec.degree(cp_dim) if cp_dim else 1
     # gradients (and FSDP) over dp, or over the flattened dp x cp under context parallelism
-    red_dim, red = ("_".join(grad_dims(spec)), dp * cp) if cp > 1 else (dp_dim, dp)
+    red_dim, red = (flat_name(grad_dims(spec)), dp * cp) if cp > 1 else (dp_dim, dp)
     if cp > 1:
         _check_cp_model(model, batch, inputs, cp)
+        if dp_dim is not None and spec.names.index(cp_dim) != spec.names.index(dp_dim) + 1:
+            raise InvalidArgumentError(f"autoplan: mesh names {spec.names}: the cp dimension must follow the dp "
+                                       "dimension (gradients average over the flattened dp x cp mesh)")
     if dtype is None:
         dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
     if graph is None:

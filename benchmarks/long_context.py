@@ -1,6 +1,7 @@
 """Long context on H100s: Llama-3-8B and Llama-3-405B at 128K tokens per sequence, planned with cp.
 
-For each model autoplan prices every (dp x) cp x tp mesh of a device count (``autoplan`` on the
+For each model autoplan prices every (dp x) cp x tp mesh of a device count -- the splits
+``autoplan.context_search.plan_context`` searches (``context_meshes``), each by ``autoplan`` on the
 fixed mesh: activations per rank / cp, attention at 1/cp of the causal work, the ring or all-gather
 exchange on the cp link) and the cheapest plan that fits memory is the choice. The 405B published
 long-context layout (Llama 3 paper: TP8 CP16 PP16, DP4 on 8,192 GPUs) has a pipeline, which this
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from autoplan import MeshSpec, autoplan
+from autoplan.context_search import context_meshes
 from autoplan.errors import InfeasiblePlanError
 from autoplan.presets import build_preset
 from autoplan.verify import verify
@@ -37,6 +39,15 @@ def _row(label, spec_shape, names, plan=None, seconds=0.0, why=""):
     return (f"| {label} | {mesh} | {plan.predictions['step_s']:.3f} | {mem:.1f} | yes | {cp.get('variant', '-')} "
             f"| {cp.get('exposed_s', 0.0):.4f} / {cp.get('exchange_s', 0.0):.4f} | {seconds:.1f} | "
             f"ac={plan.parallel['ac']['mode']}, stream {plan.stream_layout} |")
+
+
+def _meshes(splits):
+    """(shape, names) of (dp, cp, tp) splits, size-1 dimensions left out (as plan_context does)."""
+    out = []
+    for split in splits:
+        kept = [(s, n) for s, n in zip(split, ("dp", "cp", "tp")) if s > 1]
+        out.append((tuple(s for s, _ in kept), tuple(n for _, n in kept)))
+    return out
 
 
 def sweep(model, meshes, batch):
@@ -67,8 +78,7 @@ def main(argv=None) -> int:
 
     # Llama-3-8B on one node (8 GPUs), one sequence of 128K per step
     m8 = build_preset("titan-llama3-8b", max_seq_len=SEQ)
-    meshes8 = [((8,), ("tp",))] + [((cp, 8 // cp), ("cp", "tp")) for cp in (2, 4)] + [((8,), ("cp",))]
-    rows8, best8 = sweep(m8, meshes8, (1, SEQ))   # dp=8 would need 8 sequences: not this batch
+    rows8, best8 = sweep(m8, _meshes(context_meshes(8, (1, SEQ), 8)), (1, SEQ))   # every split (dp needs 8 seqs)
     out += ["## Llama-3-8B (32 layers), batch 1 x 131072, 8 GPUs\n", HEADER, *rows8]
     if best8 is not None:
         t = time.perf_counter()
@@ -80,7 +90,7 @@ def main(argv=None) -> int:
 
     # Llama-3-405B at 8,192 GPUs (the published layout's count), global batch 128 x 128K (16M tokens)
     m405 = build_preset("titan-llama3-405b", num_layers=args.layers_405b, max_seq_len=SEQ)
-    meshes405 = [((8192 // (cp * 8), cp, 8), ("dp", "cp", "tp")) for cp in (16, 32, 64)]
+    meshes405 = _meshes(context_meshes(8192, (128, SEQ), 8, tp=[8], cp=[16, 32, 64]))
     rows405, best405 = sweep(m405, meshes405, (128, SEQ))
     out += [f"## Llama-3-405B ({args.layers_405b} layers), batch 128 x 131072, 8,192 GPUs\n", HEADER, *rows405]
 
@@ -94,7 +104,7 @@ def main(argv=None) -> int:
     mem = sp.predictions["memory_bytes"]
     act = mem["activations"] / m * pp
     est_mem = (mem["total"] - mem["activations"] + act) / GiB
-    out += ["", f"| published TP8 CP16 PP16 DP4 (estimate) | pp16 x dp4 x cp16 x tp8 | "
+    out += [f"| published TP8 CP16 PP16 DP4 (estimate) | pp16 x dp4 x cp16 x tp8 | "
             f"{sp.predictions['step_s'] * bubble:.3f} | {est_mem:.1f} | yes | {sp.parallel['cp']['variant']} | "
             f"{sp.parallel['cp']['exposed_s']:.4f} / {sp.parallel['cp']['exchange_s']:.4f} | "
             f"{time.perf_counter() - t:.1f} | one 8-layer stage x 1F1B bubble {bubble:.3f}; activations of {pp} "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from autoplan.parallelisms.data import flat_name
 from autoplan.search.costing import CostContext
 from autoplan.search.structure import ModelStructure, Work
 from cost_models.topology import MeshTopology, mesh_topology
@@ -41,7 +42,8 @@ LOSS_BYTES = 16   # cp_cross_entropy: (sum, count) in float64, all-reduced once 
 
 
 def grad_dims(spec: ParallelDims) -> tuple[str, ...]:
-    """The mesh dimensions gradients are averaged over under cp: dp (if any), then cp."""
+    """The mesh dimensions gradients are averaged over under cp: dp (if any), then cp (the
+    planner's view of ``autoplan.parallelisms.data.grad_dims``, from a mesh instead of a plan)."""
     return tuple(spec.dim(r) for r in ("dp", "cp") if spec.dim(r) is not None)
 
 
@@ -56,7 +58,7 @@ def cp_topology(spec: ParallelDims) -> MeshTopology:
     shape = spec.shape[:i] + (spec.shape[i] * spec.shape[i + 1],) + spec.shape[i + 2:]
     names = spec.names[:i] + ("dp",) + spec.names[i + 2:]
     merged = mesh_topology(ParallelDims(shape, names, spec.hardware, spec.devices_per_node))["dp"]
-    return MeshTopology(topo.dims + (dataclasses.replace(merged, name="_".join(dims)),))
+    return MeshTopology(topo.dims + (dataclasses.replace(merged, name=flat_name(dims)),))
 
 
 def cp_structure(structure: ModelStructure, cp: int) -> ModelStructure:
