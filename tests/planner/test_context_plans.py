@@ -140,14 +140,16 @@ def test_cp_plans_verify_exactly_at_world_64(hardware, shape, variant):
 def test_cp_plans_apply_and_equal_one_device(world, request):
     # each layout once per model, the variants alternating (the runtime's tests run both on every layout);
     # gradients over cp (or dp x cp) by FSDP2 or, with fsdp=False, one flat all-reduce
-    cases = {2: [("llama", (2,), ("cp",), "ring", {}), ("hf_llama", (2,), ("cp",), "allgather", dict(fsdp=False))],
+    cases = {2: [("llama", (2,), ("cp",), "ring", {}), ("hf_llama", (2,), ("cp",), "allgather", dict(fsdp=False)),
+                 ("hf_qwen3", (2,), ("cp",), "ring", {})],
              4: [("llama", (4,), ("cp",), "allgather", {}),
                  ("llama", (2, 2), ("dp", "cp"), "ring", {}),
                  ("hf_llama", (2, 2), ("dp", "cp"), "allgather", dict(fsdp=False)),
                  ("llama", (2, 2), ("cp", "tp"), "allgather", dict(allow_replicated_units=False,
                                                                   sequence_parallel=True)),
                  ("hf_llama", (2, 2), ("cp", "tp"), "ring", dict(allow_replicated_units=False,
-                                                                sequence_parallel=False))]}
+                                                                sequence_parallel=False)),
+                 ("hf_qwen3", (2, 2), ("cp", "tp"), "allgather", dict(allow_replicated_units=False))]}
     plans = []
     for name, shape, names, variant, opts in cases[world]:
         plan = _plan(name, shape, names, hardware="h100_sxm", **opts)
