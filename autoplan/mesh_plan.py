@@ -19,8 +19,10 @@ import torch
 
 from autoplan import arguments as A
 from autoplan.capture import capture
-from autoplan.errors import InfeasiblePlanError, MissingInputsError, PlanningError
+from autoplan.errors import InfeasiblePlanError, InvalidArgumentError, MissingInputsError, PlanningError
+from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
+from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
 from autoplan.search.costing import CostContext
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
@@ -29,8 +31,10 @@ from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
+from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.core.collective import Collective, merged_rows
+from hyper_parallel.errors import HyperParallelError
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +121,9 @@ def _summary(name: str, ev: Evaluation) -> dict:
             "memory_bytes": _bytes(ev.memory_total),
             "strategies": {o.slot: o.strategy.name for o in ev.options if o.slot != "rest" and not o.slot.endswith("/other")}}
 
-def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dtype: torch.dtype):
-    """The ModelGraph of one dp rank's share; argument errors are said in the user's terms."""
+def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dtype: torch.dtype, cp: int = 1):
+    """The ModelGraph of one rank's share: ``global_batch / dp`` sequences of ``seq_len / cp``
+    tokens (context parallel: its head and tail chunks); argument errors are said in the user's terms."""
     if inputs is None and batch is None:
         raise MissingInputsError("autoplan: give batch=(global_batch, seq_len) or example inputs=")
     cap_batch = None
@@ -129,8 +134,37 @@ def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dty
                                       f"give a multiple of {dp}")
         if inputs is None:
             A.check_batch_fits_model(model, seq, "autoplan")
-        cap_batch = (gb // dp, seq)
+        cap_batch = (gb // dp, seq // cp)
     return capture(model, inputs, batch=cap_batch, dtype=dtype)
+
+
+def _check_cp_model(model: torch.nn.Module, batch: Any, inputs: Any, cp: int) -> None:
+    """A cp plan needs a causal model the ContextParallel style can hook, and a batch shape whose
+    sequence splits into 2*cp equal chunks."""
+    if batch is None or inputs is not None:
+        raise InvalidArgumentError(f"autoplan: a mesh with cp={cp} needs batch=(global_batch, seq_len) (the whole "
+                                   "sequence), not inputs=")
+    seq = A.check_batch(batch, "autoplan")[1]
+    if seq % (2 * cp):
+        raise InvalidArgumentError(f"autoplan: batch seq_len={seq} is not divisible by 2*cp = {2 * cp} (context "
+                                   f"parallel cuts each sequence into 2*cp equal chunks); give a multiple of {2 * cp}")
+    try:
+        ContextParallel().check_model(model, "autoplan (cp)")
+    except HyperParallelError as e:
+        raise InvalidArgumentError(f"autoplan: the mesh has cp={cp}, but {e}") from None
+
+
+def _add_cp(ev: Evaluation, search: TPSearch, chosen: dict, cp_args: dict | None, limit: float):
+    """Price context parallelism for an evaluated assignment and add it in place: the exposed
+    exchange to the step, the extra saved K/V to activations. Returns the CPChoice (None: no cp)."""
+    if cp_args is None:
+        return None
+    choice = price_cp(search.structure, search.graph, search.ctx, chosen,
+                      memory_left=limit - ev.memory_total, **cp_args)
+    ev.step_s += choice.exposed_s
+    ev.comm_s += choice.exposed_s
+    ev.memory["activations"] = ev.memory.get("activations", 0.0) + choice.extra_memory
+    return choice
 
 
 def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None, batch: Any = None,
@@ -141,20 +175,33 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled)."""
     t_start = time.perf_counter()
     hw = load_hardware(spec.hardware)
-    tp_dim, dp_dim = spec.dim("tp"), spec.dim("dp")
+    tp_dim, dp_dim, cp_dim = spec.dim("tp"), spec.dim("dp"), spec.dim("cp")
     tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
+    cp = spec.degree(cp_dim) if cp_dim else 1
+    # gradients (and FSDP) over dp, or over the flattened dp x cp under context parallelism
+    red_dim, red = (flat_name(grad_dims(spec)), dp * cp) if cp > 1 else (dp_dim, dp)
+    if cp > 1:
+        _check_cp_model(model, batch, inputs, cp)
+        if dp_dim is not None and spec.names.index(cp_dim) != spec.names.index(dp_dim) + 1:
+            raise InvalidArgumentError(f"autoplan: mesh names {spec.names}: the cp dimension must follow the dp "
+                                       "dimension (gradients average over the flattened dp x cp mesh)")
     if dtype is None:
         dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
     if graph is None:
-        graph = _capture_graph(model, inputs, batch, dp, dtype)
+        graph = _capture_graph(model, inputs, batch, dp, dtype, cp)
     t_captured = time.perf_counter()
-    structure = model_structure(graph)
+    structure = cp_structure(model_structure(graph), cp)
     pbytes = structure.dtype_bytes
-    ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp", dp_dim=dp_dim,
-                      dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
+    ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
+                      dp_dim=red_dim, dp=red, fsdp=fsdp and red > 1, param_bytes_per_element=pbytes,
                       optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
+    cp_args = None
+    if cp > 1:
+        ctx = dataclasses.replace(ctx, topology=cp_topology(spec))
+        cp_args = dict(cp=cp, cp_dim=cp_dim, loss_dim=red_dim, local_batch=int(batch[0]) // dp, seq_len=int(batch[1]),
+                       dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
-    search = best = None
+    search = best = cp_choice = None
     info = None
     seq = structure.blocks[0].seq_len if structure.blocks else 1
     prober = Prober(model, graph.blocks, tp, (1, seq), dtype) if tp > 1 and graph.blocks else None
@@ -178,8 +225,9 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         if not chosen_ac:
             continue
         ev = s_ac.evaluate(chosen_ac, layout_ac)
+        cp_ac = _add_cp(ev, s_ac, chosen_ac, cp_args, limit)
         if best is None or ev.step_s < best.step_s:
-            search, best, chosen, layout, info, ctx = s_ac, ev, chosen_ac, layout_ac, info_ac, ctx_ac
+            search, best, chosen, layout, info, ctx, cp_choice = s_ac, ev, chosen_ac, layout_ac, info_ac, ctx_ac, cp_ac
     if best is None:
         ctx_min = dataclasses.replace(ctx, recompute="full" if ac_modes[-1] else "none")
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
@@ -196,13 +244,19 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         if lay not in search.layouts:
             continue
         try:
-            ev = search.evaluate(search.assignment(lay, prefer), lay)
+            ref = search.assignment(lay, prefer)
+            ev = search.evaluate(ref, lay)
         except InfeasiblePlanError:
             continue
+        _add_cp(ev, search, ref, cp_args, limit)
         alternatives.append(_summary(name, ev))
     alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
 
     notes = list(search.soundness.notes(structure))
+    if cp_choice is not None:
+        priced = ", ".join(f"{v}: exchange {d['exchange_s']:.3g}s, exposed {d['exposed_s']:.3g}s, extra memory "
+                           f"{d['extra_memory'] / 2**30:.3g} GiB" for v, d in sorted(cp_choice.candidates.items()))
+        notes.append(f"{OVERLAP_NOTE}; cp={cp} on {cp_dim}: chose {cp_choice.variant} ({priced})")
     for o in chosen.values():
         if o.strategy.extra.get("tp_excluded"):
             notes.append(f"{search.unit_module(o.slot)}: kept replicated: {o.strategy.extra['tp_excluded']}")
@@ -222,20 +276,23 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
             styles[pattern] = style.to_dict()
     styles = dict(sorted(_pad_to_signature(styles, model).items()))
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
-    use_fsdp = bool(fsdp and dp > 1)
-    fsdp_rows = fsdp_collectives(shards, dp, dp_dim) if use_fsdp else []
-    if dp > 1 and not use_fsdp:  # replicated DP: one all-reduce of the flattened local gradients
-        fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, dp, False)), dim=dp_dim).to_row()]
+    use_fsdp = bool(fsdp and red > 1)   # under cp FSDP shards over dp x cp (or cp alone)
+    fsdp_rows = fsdp_collectives(shards, red, red_dim) if use_fsdp else []
+    if red > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
+        fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, red, False)),
+                                dim=red_dim).to_row()]
+    if cp_choice is not None:
+        fsdp_rows += [c.to_row() for c in cp_choice.collectives]
     memory = dict(best.memory)
-    param_bytes = int(rank_param_bytes(shards, dp, use_fsdp))
+    param_bytes = int(rank_param_bytes(shards, red, use_fsdp))
     memory = {k: _bytes(v) for k, v in memory.items()}  # byte figures are exact integers in a plan
     memory.update(params=param_bytes, grads=param_bytes,
                   optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
     t_end = time.perf_counter()
-    return Plan.from_fields(
+    plan = Plan.from_fields(
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
-        loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
+        loss_parallel=loss_par, fsdp={"enabled": use_fsdp, "dim": dp_dim if use_fsdp else None},
         activation_checkpointing=bool(ctx.checkpoint_blocks),
         decisions=_decision_rows(best, ctx, search),
         predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
@@ -252,3 +309,6 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start,
                 "probe_s": search.soundness.seconds, "probe_runs": search.soundness.runs},
     )
+    if cp_choice is not None:
+        plan.parallel["cp"] = cp_choice.section()
+    return plan

@@ -49,6 +49,31 @@ def dp_mesh(plan, mesh):
     return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
 
 
+def grad_dims(plan) -> tuple[str, ...]:
+    """The mesh dimensions gradients are averaged over (and FSDP shards over): the dp dimensions,
+    and with context parallelism the cp dimension after them -- cp ranks hold the same parameters
+    and see different tokens, so torchtitan folds cp into FSDP's group."""
+    cp = plan.parallel.get("cp")
+    return dp_dims(plan) + ((cp["dim"],) if cp else ())
+
+
+def flat_name(dims: tuple[str, ...]) -> str:
+    """The name of the flattened mesh of ``dims`` (torch's default for ``DeviceMesh._flatten``):
+    "dp_cp"; a single dimension keeps its own name."""
+    return "_".join(dims)
+
+
+def grad_mesh(plan, mesh):
+    """The mesh FSDP shards over and gradients are averaged over: ``dp_mesh`` without context
+    parallelism; with it the 1-D flattened dp x cp mesh (or the cp mesh alone without dp)."""
+    if not plan.parallel.get("cp"):
+        return dp_mesh(plan, mesh)
+    dims = grad_dims(plan)
+    if any(d not in tuple(mesh.mesh_dim_names or ()) for d in dims):
+        return None
+    return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten(flat_name(dims))
+
+
 def dp_group(dp_mesh):
     """The process group of every dp rank: the 1-D mesh's own, or the flattened 2-D HSDP mesh's
     (what averages a loss or a shared parameter's gradient over all data-parallel ranks)."""
@@ -246,16 +271,25 @@ class DataParallel(Parallelism):
                                 f"expected {roles.get('dp')!r} or null)")
         if fsdp.get("dim") is not None and fsdp["dim"] != dim:
             raise section_error("dp", "fsdp/dim", f"{fsdp['dim']!r} is not the dp dimension {dim!r}")
-        if fsdp["enabled"] and dim is None:
-            raise section_error("dp", "fsdp/enabled", "true, but the plan has no dp dimension to shard over")
+        if fsdp["enabled"] and dim is None and not data["parallel"].get("cp"):
+            # (with context parallelism FSDP shards over cp alone, as torchtitan's dp_shard x cp with dp_shard=1)
+            raise section_error("dp", "fsdp/enabled", "true, but the plan has no dp (or cp) dimension to shard over")
 
     def active(self, plan) -> bool:
         return plan.dp_dim is not None
 
+    def traffic_dims(self, plan) -> tuple[str, ...]:
+        """The dp dimension and, under context parallelism, the flattened dp x cp one FSDP runs on."""
+        dims = super().traffic_dims(plan)
+        if dims and plan.parallel.get("cp"):
+            dims += (flat_name(grad_dims(plan)),)
+        return dims
+
     def apply_to_roots(self, plan, target: ApplyTarget) -> None:
-        mesh = dp_mesh(plan, target.mesh)   # 2-D (dp_replicate, dp_shard) for HSDP: FSDP2's HSDP
+        # 2-D (dp_replicate, dp_shard) for HSDP: FSDP2's HSDP; the flattened dp x cp with context parallel
+        mesh = grad_mesh(plan, target.mesh)
         mode = plan_dp_mode(plan)
-        target.state.update(dp_mesh=mesh, dp_mode=mode)
+        target.state.update(dp_mesh=mesh, dp_mode=mode, batch_mesh=dp_mesh(plan, target.mesh))
         if mode != "fsdp" or mesh is None or mesh.size() == 1:
             return
         kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced

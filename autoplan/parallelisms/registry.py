@@ -7,6 +7,7 @@ checks and place in the runners follow from the entry. See the README's "Adding 
 from __future__ import annotations
 
 from autoplan.parallelisms.base import Parallelism
+from autoplan.parallelisms.context import ContextParallelism
 from autoplan.parallelisms.data import DataParallel, HybridShardedDataParallel
 from autoplan.parallelisms.pipeline import PipelineParallel
 from autoplan.parallelisms.recompute import Recompute
@@ -17,6 +18,7 @@ from autoplan.parallelisms.tensor import TensorParallel
 PARALLELISMS: tuple[Parallelism, ...] = tuple(sorted((
     PipelineParallel(),
     TensorParallel(),
+    ContextParallelism(),
     Recompute(),
     DataParallel(),
     HybridShardedDataParallel(),
@@ -26,7 +28,7 @@ _BY_NAME = {p.name: p for p in PARALLELISMS}
 
 
 def parallelism(name: str) -> Parallelism:
-    """The registry entry ``name`` ("tp", "dp", "hsdp", "pp", "ac")."""
+    """The registry entry ``name`` ("tp", "cp", "dp", "hsdp", "pp", "ac")."""
     try:
         return _BY_NAME[name]
     except KeyError:

@@ -1,8 +1,8 @@
 """Apply a Plan with hyper_parallel and train: the one call between a plan file and a step.
 
 ``apply_plan`` checks the mesh against the plan, applies each parallelism the plan decides
-through its registry entry (tensor parallel on the tp dimension, recomputation, FSDP2 / HSDP on
-the dp dimensions), and returns a Runner whose ``step((inputs, targets))`` runs forward, loss (vocabulary-parallel
+through its registry entry (tensor parallel on the tp dimension, context parallel on cp,
+recomputation, FSDP2 / HSDP on the dp dimensions -- folded with cp), and returns a Runner whose ``step((inputs, targets))`` runs forward, loss (vocabulary-parallel
 when the plan chose loss parallel), backward and the optimizer step.
 """
 from __future__ import annotations
@@ -14,12 +14,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms import ApplyTarget
+from autoplan.parallelisms.context import cp_share
 from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_share, unique_params
 from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
-from hyper_parallel import loss_parallel
+from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.errors import MeshError
 
 log = logging.getLogger(__name__)
@@ -27,12 +29,14 @@ log = logging.getLogger(__name__)
 
 class Runner:
     def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
-                 replicate_dp: bool = False, zero1: Zero1 | None = None):
+                 replicate_dp: bool = False, zero1: Zero1 | None = None, batch_mesh=None, cp_mesh=None):
         self.model = model
         self.plan = plan
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.dp_mesh = dp_mesh
+        self.dp_mesh = dp_mesh            # gradients are averaged over it (dp, or dp x cp flattened)
+        self.batch_mesh = dp_mesh if batch_mesh is None and cp_mesh is None else batch_mesh  # splits batch rows
+        self.cp_mesh = cp_mesh            # context parallel: splits each sequence (head + tail chunks)
         self.replicate_dp = replicate_dp  # replicated data parallel: average gradients after backward
         self.zero1 = zero1                # ZeRO-1: sharded optimizer step after backward
 
@@ -48,8 +52,18 @@ class Runner:
         return False
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's share of a global batch along dim 0 (its dp coordinate)."""
-        return dp_share(inputs, targets, self.dp_mesh, "Runner")
+        """This rank's share of a global batch: rows by its dp coordinate, then (context
+        parallel) its head and tail chunks of each sequence."""
+        inputs, targets = dp_share(inputs, targets, self.batch_mesh, "Runner")
+        return cp_share(inputs, targets, self.cp_mesh)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The step's loss on this rank's tokens. Context parallel: ``cp_cross_entropy`` over the
+        gradient mesh -- the exact mean over the global batch, with a gradient scaled for the
+        averaging reduction over dp x cp that follows (FSDP's or the flat all-reduce)."""
+        if self.cp_mesh is not None:
+            return cp_cross_entropy(logits, targets, self.dp_mesh)
+        return self.loss_fn(logits, targets)
 
     def step(self, batch) -> float:
         """One training step on this rank's ``(inputs, targets)``; returns the loss."""
@@ -58,10 +72,10 @@ class Runner:
         logits = output_logits(forward_tokens(self.model, inputs))
         if isinstance(logits, DTensor):
             with loss_parallel():
-                loss = self.loss_fn(logits, targets)
+                loss = self.loss(logits, targets)
                 loss.backward()
         else:
-            loss = self.loss_fn(logits, targets)
+            loss = self.loss(logits, targets)
             loss.backward()
         if not self.data_parallel_step():
             self.optimizer.step()
@@ -100,8 +114,14 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     apply_to_model(plan, target)
     apply_to_roots(plan, target)
     dp_mesh, mode = target.state.get("dp_mesh"), target.state.get("dp_mode")
+    cp_mesh = target.state.get("cp_mesh")
+    if cp_mesh is not None and loss_fn is not lm_loss:
+        raise InvalidArgumentError(f"plan.apply: loss_fn={getattr(loss_fn, '__name__', loss_fn)!r} with context "
+                                   "parallelism; the loss of a cp plan is the token cross entropy over the global "
+                                   "batch (cp_cross_entropy); omit loss_fn")
     use_dp = dp_mesh is not None and dp_mesh.size() > 1
     zero1 = Zero1(unique_params(model), dp_mesh.get_group(), dp_mesh.size(), dp_mesh.get_local_rank()) \
         if mode == "zero1" and use_dp else None
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
-    return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=use_dp and mode == "replicate", zero1=zero1)
+    return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=use_dp and mode == "replicate", zero1=zero1,
+                  batch_mesh=target.state.get("batch_mesh"), cp_mesh=cp_mesh)

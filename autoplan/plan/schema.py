@@ -81,11 +81,12 @@ def _check_consistency(data: dict) -> None:
     degree = dict(zip(names, shape))
     for entry in PARALLELISMS:  # each parallelism checks its own section against the rest
         entry.check(data["parallel"][entry.name], data, roles, degree)
-    dims = set(names)
+    # a mesh dimension, or adjacent ones flattened ("dp_cp": FSDP over dp x cp under context parallel)
+    dims = {"_".join(names[i:j]) for i in range(len(names)) for j in range(i + 1, len(names) + 1)}
     for i, c in enumerate(data["predictions"]["collectives"]):
         if c["mesh_dim"] not in dims:
             raise PlanSchemaError(f"plan field predictions/collectives/{i}/mesh_dim: {c['mesh_dim']!r} is not a "
-                                  f"mesh dimension {names}")
+                                  f"mesh dimension {names} (or adjacent ones flattened, joined by '_')")
 
 
 def upgrade_plan_data(data: Any) -> Any:

@@ -19,8 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
+from autoplan.parallelisms.context import cp_share
 from autoplan.parallelisms.data import dp_degree
-from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
+from autoplan.plan.forward import forward_tokens, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
@@ -47,6 +48,8 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
         # shard on meta, then give this rank's shards fake CPU storage: the step runs under
         # FakeTensorMode, so no FLOPs, no parameter or activation memory
         runner = plan.apply(meta, mesh)
+        # flattened meshes the plan runs on (FSDP over dp x cp): named as the plan names them
+        groups.update({m.get_group().group_name: n for n, m in getattr(mesh, "_flatten_mapping", {}).items()})
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in meta.parameters())
         dp = dp_degree(plan)  # dp_replicate x dp_shard for HSDP
         fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -56,16 +59,17 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
             meta._get_fsdp_state()._lazy_init()
         with fake:
             inputs, targets = dry_batch(plan, dp, inputs)
+            inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # this rank's chunks, as Runner.local_batch
             with CollectiveRecorder() as rec:
                 rec.phase = "forward"
                 logits = output_logits(forward_tokens(meta, inputs))
                 if plan.loss_parallel:
                     with loss_parallel():
-                        loss = lm_loss(logits, targets)
+                        loss = runner.loss(logits, targets)
                         rec.phase = "backward"
                         loss.backward()
                 else:
-                    loss = lm_loss(logits, targets)
+                    loss = runner.loss(logits, targets)
                     rec.phase = "backward"
                     loss.backward()
                 runner.data_parallel_step()  # what Runner.step does after backward (all-reduce / ZeRO-1)

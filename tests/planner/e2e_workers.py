@@ -24,13 +24,15 @@ def build(name: str, device: str = "cpu"):
         return build_llama(seed=5, device=device, **dict(SMALL_LLAMA, vocab_size=130, ffn_hidden=90))
     if name == "llama_kv2":
         return build_llama(seed=5, device=device, **dict(SMALL_LLAMA, n_kv_heads=2))
-    if name in ("hf_llama", "hf_qwen2", "hf_mistral", "hf_llama_tied", "hf_llama_uneven"):
+    if name in ("hf_llama", "hf_qwen2", "hf_mistral", "hf_llama_tied", "hf_llama_uneven", "hf_qwen3"):
         kind = name.split("_")[1]
         cfg = dict(HF_SMALL, tie_word_embeddings=name.endswith("tied"))
         if name.endswith("uneven"):
             cfg.update(vocab_size=130, intermediate_size=90)
         if kind == "mistral":
             cfg["sliding_window"] = None
+        if kind == "qwen3":   # per-head q/k norms; head_dim is a config field (default 128)
+            cfg["head_dim"] = HF_SMALL["hidden_size"] // HF_SMALL["num_attention_heads"]
         model = hf_model(kind, device=device, seed=5, **cfg)
         if device != "meta":
             torch.manual_seed(5)

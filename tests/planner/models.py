@@ -18,6 +18,7 @@ def hf_model(kind: str, device: str = "meta", seed: int = 0, **cfg):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
            "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel)}[kind]
     config = cls[0](**cfg)
     torch.manual_seed(seed)

@@ -42,17 +42,20 @@ def _fold(grad: torch.Tensor, rep: int) -> torch.Tensor:
 
 
 def _pairs(q_spans: Spans, k_spans: Spans):
-    """(local q slice, local k slice, causal mask or None) for every visible pair of spans."""
+    """(local q slice, local k slice, causal mask or None, square diagonal) for every visible pair
+    of spans. ``square diagonal``: the same global range for queries and keys (the mask is exactly
+    lower-triangular) -- decided from the spans, not the mask's values, so that the kernels also
+    run under FakeTensorMode (verify's dry run), where a mask's values cannot be read."""
     out, q0 = [], 0
     for qa, qb in q_spans:
         k0 = 0
         for ka, kb in k_spans:
             qs, ks = slice(q0, q0 + qb - qa), slice(k0, k0 + kb - ka)
             if qa >= kb - 1:                    # every query at or after every key
-                out.append((qs, ks, None))
+                out.append((qs, ks, None, False))
             elif qb - 1 >= ka:                  # overlapping ranges: the causal diagonal
                 q_pos, k_pos = torch.arange(qa, qb), torch.arange(ka, kb)
-                out.append((qs, ks, q_pos[:, None] >= k_pos[None, :]))
+                out.append((qs, ks, q_pos[:, None] >= k_pos[None, :], qa == ka and qb == kb))
             k0 += kb - ka                       # else: every key after every query, hidden
         q0 += qb - qa
     return out
@@ -76,14 +79,13 @@ def merge(out, lse, out_i, lse_i):
 FUSED_CPU = True
 
 
-def _fused(q, k, mask, q_slice: slice, k_slice: slice) -> bool | None:
+def _fused(q, k, mask, diagonal: bool) -> bool | None:
     """None: use the math; else the ``is_causal`` flag for torch's fused CPU flash kernel."""
     if not FUSED_CPU or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return None
     if mask is None:
         return False
-    square = q_slice.stop - q_slice.start == k_slice.stop - k_slice.start
-    return True if square and bool(mask.diagonal().all()) and not bool(mask.triu(1).any()) else None
+    return True if diagonal else None
 
 
 def _dense_forward(q, k, v, mask, scale):
@@ -103,8 +105,8 @@ def block_forward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float):
     b, h, sq, d = q.shape
     out = torch.zeros(b, h, sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
-    for qs, ks, mask in _pairs(q_spans, k_spans):
-        causal = _fused(q, k, mask, qs, ks)
+    for qs, ks, mask, diagonal in _pairs(q_spans, k_spans):
+        causal = _fused(q, k, mask, diagonal)
         if causal is None:
             o_i, l_i = _dense_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask, scale)
         else:
@@ -126,8 +128,8 @@ def block_backward(q, k, v, q_spans: Spans, k_spans: Spans, scale: float, out, l
     dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     dout_in, dout = dout, dout.float()
-    for qs, ks, mask in _pairs(q_spans, k_spans):
-        causal = _fused(q, ke, mask, qs, ks)
+    for qs, ks, mask, diagonal in _pairs(q_spans, k_spans):
+        causal = _fused(q, ke, mask, diagonal)
         if causal is not None:
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout_in[:, :, qs].contiguous(), q[:, :, qs], ke[:, :, ks], ve[:, :, ks], out[:, :, qs], lse[:, :, qs],

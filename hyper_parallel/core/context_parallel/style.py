@@ -73,6 +73,11 @@ class ContextParallel(ParallelStyle):
         where = f"ContextParallel on {fqn or '<root>'}"
         if mesh.ndim != 1:
             raise MeshError(f"{where}: needs the 1-D cp mesh, got {mesh.ndim}-D; pass mesh_dim='cp'")
+        self.check_model(module, where)
+
+    def check_model(self, module: nn.Module, where: str) -> None:
+        """Everything ``check_module`` checks that needs no mesh: a causal model root this style can
+        hook (the planner calls it before choosing cp > 1, on a meta model)."""
         hf, layers = self._targets(module, where)
         arg = _position_arg(module)
         expected = "position_ids" if hf else "positions"
