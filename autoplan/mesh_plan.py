@@ -22,6 +22,7 @@ from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, MissingInputsError, PlanningError
 from autoplan.plan.plan import Plan
 from autoplan.search.costing import CostContext
+from autoplan.search.expert_plan import ExpertPlanning
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
@@ -134,17 +135,22 @@ def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dty
 def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None, batch: Any = None,
               memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
               allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
-              sequence_parallel: bool | None = None, graph=None, styles: dict | None = None) -> Plan:
+              sequence_parallel: bool | None = None, graph=None, styles: dict | None = None,
+              expert_parallel: bool | None = None) -> Plan:
     """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
-    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled)."""
+    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled). With an ep
+    dimension the experts are planned beside the TP search (``search.expert_plan``);
+    ``expert_parallel`` True/False restricts that choice (None: priced)."""
     t_start = time.perf_counter()
     hw = load_hardware(spec.hardware)
     tp_dim, dp_dim = spec.dim("tp"), spec.dim("dp")
     tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
+    ep_dim = spec.dim("ep")
+    ep = spec.degree(ep_dim) if ep_dim else 1   # shards the batch too (ep borrows from dp)
     if dtype is None:
         dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
     if graph is None:
-        graph = _capture_graph(model, inputs, batch, dp, dtype)
+        graph = _capture_graph(model, inputs, batch, dp * ep, dtype)
     t_captured = time.perf_counter()
     structure = model_structure(graph)
     pbytes = structure.dtype_bytes
@@ -152,6 +158,10 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
                       dp=dp, fsdp=fsdp and dp > 1, param_bytes_per_element=pbytes,
                       optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
+    experts = ExpertPlanning(model, graph, structure, ctx, spec, expert_parallel=expert_parallel) if ep > 1 else None
+    user_limit = limit
+    if experts is not None:  # the TP search counts experts replicated: give it the room EP frees
+        limit += experts.best_saving()
     search = best = None
     info = None
     seq = structure.blocks[0].seq_len if structure.blocks else 1
@@ -189,6 +199,9 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
             f"{dict(zip(spec.names, spec.shape))}; the minimum is {need / 2**30:.2f} GiB per rank "
             f"(solver status {info.status})")
 
+    limit = user_limit
+    if experts is not None:
+        experts.decide(best.memory_total, limit)
     alternatives = []
     for name, (lay, prefer) in REFERENCE_PLANS.items():
         if lay not in search.layouts:
@@ -218,6 +231,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
             styles[pattern] = style.to_dict()
     styles = dict(sorted(_pad_to_signature(styles, model).items()))
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
+    if experts is not None:
+        shards = experts.shard(shards)
     use_fsdp = bool(fsdp and dp > 1)
     fsdp_rows = fsdp_collectives(shards, dp, dp_dim) if use_fsdp else []
     if dp > 1 and not use_fsdp:  # replicated DP: one all-reduce of the flattened local gradients
@@ -228,15 +243,24 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     memory.update(params=param_bytes, grads=param_bytes,
                   optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
+    step_s, comm_s, compute_s = best.step_s, best.comm_s, best.compute_s
+    coll_rows = _collective_rows(best, spec, tp_dim, fsdp_rows)
+    decisions = _decision_rows(best, ctx, search)
+    if experts is not None:
+        extra = experts.finish(shards, use_fsdp, dp)
+        step_s, comm_s, compute_s = step_s + extra["step_s"], comm_s + extra["comm_s"], compute_s + extra["compute_s"]
+        coll_rows = merged_rows([Collective.from_row(r) for r in coll_rows] + extra["collectives"])
+        decisions += extra["decisions"]
+        notes = [n for n in notes if "mixture-of-experts layer" not in n] + extra["notes"]
     t_end = time.perf_counter()
-    return Plan.from_fields(
+    plan = Plan.from_fields(
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
         loss_parallel=loss_par, fsdp={"enabled": bool(fsdp and dp > 1), "dim": dp_dim if fsdp and dp > 1 else None},
         activation_checkpointing=bool(ctx.checkpoint_blocks),
-        decisions=_decision_rows(best, ctx, search),
-        predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
+        decisions=decisions,
+        predictions={"step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
                      "memory_bytes": dict(memory, total=sum(memory.values())),
-                     "collectives": _collective_rows(best, spec, tp_dim, fsdp_rows)},
+                     "collectives": coll_rows},
         alternatives=alternatives,
         solver={"name": info.solver, "status": info.status, "variables": info.variables,
                 "constraints": info.constraints},
@@ -248,3 +272,6 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start,
                 "probe_s": search.soundness.seconds, "probe_runs": search.soundness.runs},
     )
+    if experts is not None:
+        plan.parallel["ep"] = experts.section()
+    return plan

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from autoplan.parallelisms.base import Parallelism
 from autoplan.parallelisms.data import DataParallel, HybridShardedDataParallel
+from autoplan.parallelisms.expert import ExpertParallelism
 from autoplan.parallelisms.pipeline import PipelineParallel
 from autoplan.parallelisms.recompute import Recompute
 from autoplan.parallelisms.tensor import TensorParallel
@@ -17,6 +18,7 @@ from autoplan.parallelisms.tensor import TensorParallel
 PARALLELISMS: tuple[Parallelism, ...] = tuple(sorted((
     PipelineParallel(),
     TensorParallel(),
+    ExpertParallelism(),
     Recompute(),
     DataParallel(),
     HybridShardedDataParallel(),

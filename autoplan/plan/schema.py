@@ -143,3 +143,4 @@ def validate_plan_data(data: Any) -> None:
         raise PlanSchemaError(f"plan field {where}: {error.message}")
     _check_consistency(data)
     _check_styles(data["parallel"]["tp"]["styles"])
+    _check_styles((data["parallel"].get("ep") or {}).get("styles", {}))
