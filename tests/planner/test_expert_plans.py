@@ -55,11 +55,18 @@ def test_plan_records_the_expert_decision(mixtral):
     assert free.parallel["ep"]["styles"] == {} and free.parallel["ep"]["dim"] == "ep"
 
 
-def test_dense_and_moe_layers_get_different_strategies(mixtral):
-    plan = _plan(mixtral, (2, 2), ("ep", "tp"), hardware="h100_sxm", batch=(8, 64), expert_parallel=True)
+def test_dense_and_moe_layers_get_different_strategies():
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
+                           num_key_value_heads=8, intermediate_size=4096, num_local_experts=8, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = tf.MixtralForCausalLM(cfg)
+    plan = _plan(model, (2, 2), ("ep", "tp"), hardware="h100_sxm", batch=(8, 1024), expert_parallel=True)
     strategies = {d["unit"]: d["strategy"] for d in plan.decisions}
-    assert strategies["model.layers.*.mlp.experts/experts"].startswith("expert_parallel")
-    assert any(u.endswith("self_attn") for u in strategies)
+    assert strategies["model.layers.*.mlp.experts/experts"].startswith("expert_parallel"), strategies
+    assert strategies["model.layers/attention"] not in ("replicate", "replicated"), strategies
+    assert any(k.endswith("self_attn.o_proj") for k in plan.styles), plan.styles
 
 
 def test_section_checks(mixtral):
