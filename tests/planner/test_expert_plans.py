@@ -32,8 +32,13 @@ def qwen3():
     return build("qwen3_moe")[0]
 
 
-def test_plan_records_the_expert_decision(mixtral):
-    plan = _plan(mixtral, (2, 2), ("dp", "ep"), expert_parallel=True)
+@pytest.fixture(scope="module")
+def dp_ep_plan(mixtral):
+    return _plan(mixtral, (2, 2), ("dp", "ep"), expert_parallel=True)
+
+
+def test_plan_records_the_expert_decision(mixtral, dp_ep_plan):
+    plan = dp_ep_plan
     ep = plan.parallel["ep"]
     assert ep["dim"] == "ep" and ep["imbalance"] == 1.0
     assert ep["styles"] == {"model.layers.*.mlp.experts": ExpertParallel().to_dict()}
@@ -51,7 +56,7 @@ def test_plan_records_the_expert_decision(mixtral):
     back = Plan.from_json(plan.to_json())
     assert back.parallel == plan.parallel
     # the priced choice on a tiny model: latency-bound all-to-alls lose to one all-reduce
-    free = _plan(mixtral, (2, 2), ("dp", "ep"))
+    free = autoplan(mixtral, ParallelDims((2, 2), ("dp", "ep"), hardware="cpu"), batch=BATCH)
     assert free.parallel["ep"]["styles"] == {} and free.parallel["ep"]["dim"] == "ep"
 
 
@@ -69,8 +74,8 @@ def test_dense_and_moe_layers_get_different_strategies():
     assert any(k.endswith("self_attn.o_proj") for k in plan.styles), plan.styles
 
 
-def test_section_checks(mixtral):
-    plan = _plan(mixtral, (2, 2), ("dp", "ep"), expert_parallel=True)
+def test_section_checks(dp_ep_plan):
+    plan = dp_ep_plan
     data = plan.to_dict()
     bad = {**data, "parallel": {**data["parallel"], "ep": None}}
     with pytest.raises(PlanSchemaError, match="parallel/ep"):
@@ -94,19 +99,12 @@ def test_dry_run_matches_at_world_64(name, mixtral, qwen3):
     assert (result.collectives["kind"] == "all_to_all").any()
 
 
-def test_autoplan_accepts_an_ep_mesh(mixtral):
-    plan = autoplan(mixtral, ParallelDims((2, 2), ("dp", "ep"), hardware="cpu"), batch=BATCH)
-    assert plan.parallel["ep"]["dim"] == "ep"
-
-
-def test_plans_equal_one_device_on_4_ranks(pool4, mixtral):
-    cases = []
-    for shape, names in (((2, 2), ("dp", "ep")), ((2, 2), ("ep", "tp"))):
-        plan = _plan(mixtral, shape, names, expert_parallel=True)
-        assert plan.parallel["ep"]["styles"]
-        cases.append(("x".join(names), plan.to_json(), "mixtral"))
-        free = _plan(mixtral, shape, names, expert_parallel=False)   # ep as data parallel
-        cases.append(("x".join(names) + "/replicated", free.to_json(), "mixtral"))
+def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
+    ep_tp = _plan(mixtral, (2, 2), ("ep", "tp"), expert_parallel=True)
+    free = _plan(mixtral, (2, 2), ("dp", "ep"), expert_parallel=False)   # ep as data parallel, experts replicated
+    assert ep_tp.parallel["ep"]["styles"] and not free.parallel["ep"]["styles"]
+    cases = [("dpxep", dp_ep_plan.to_json(), "mixtral"), ("epxtp", ep_tp.to_json(), "mixtral"),
+             ("dpxep/replicated", free.to_json(), "mixtral")]
     reports = pool4.run(ep_plan_workers.run_all, cases)
     for rank, rep in enumerate(reports):
         for label, *_ in cases:
