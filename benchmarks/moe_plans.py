@@ -1,0 +1,77 @@
+"""Expert-parallel plans for MoE shapes on 8-64 H100s (h100_sxm, 80 GB): GPT-OSS-20B and
+Mixtral-8x7B (presets from their published configs), fixed meshes with an ep dimension, batch
+(global) x 4096 tokens, bf16 with fp32 master weights and AdamW. For each mesh: the expert
+option the planner picked (ExpertParallel, + expert TP, or replicated experts with ep as data
+parallel), predicted step time, memory per rank against the usable limit, and the
+all-to-all bytes per step. Infeasible meshes say their minimum. With ``--verify`` the first
+feasible expert-parallel plan of each model is also dry-run at its world size (balanced routing)
+and predicted == issued is reported.
+Writes benchmarks/results/moe_plans.md.
+
+    .venv/bin/python benchmarks/moe_plans.py [--layers N] [--verify]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from autoplan.errors import InfeasiblePlanError
+from autoplan.mesh_plan import plan_mesh
+from autoplan.presets import build_preset
+from autoplan.verify import verify
+from hyper_parallel import ParallelDims
+
+OUT = Path(__file__).parent / "results" / "moe_plans.md"
+MESHES = [((8,), ("ep",)), ((2, 4), ("dp", "ep")), ((4, 2), ("ep", "tp")), ((2, 8), ("dp", "ep")),
+          ((4, 8), ("dp", "ep")), ((2, 8, 2), ("dp", "ep", "tp")), ((8, 8), ("dp", "ep")),
+          ((4, 8, 2), ("dp", "ep", "tp"))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=None, help="override the depth (default: the preset's)")
+    ap.add_argument("--verify", action="store_true")
+    args = ap.parse_args(argv)
+    lines = []
+    for preset in ("gpt-oss-20b", "mixtral-8x7b"):
+        model = build_preset(preset, num_layers=args.layers)
+        verified = not args.verify
+        lines += [f"\n## {preset}\n", "| mesh | world | global batch | experts | step s | memory GiB / limit | "
+                  "all-to-all MB/step | fits | plan s |", "|---|---|---|---|---|---|---|---|---|"]
+        for shape, names in MESHES:
+            spec = ParallelDims(shape, names, hardware="h100_sxm")
+            world = spec.world_size
+            shards = world // (dict(zip(names, shape)).get("tp", 1))
+            batch = (max(shards, 8) * 1, 4096)
+            mesh = "x".join(f"{n}{s}" for n, s in zip(names, shape))
+            t = time.perf_counter()
+            try:
+                plan = plan_mesh(model, spec, batch=batch)
+            except InfeasiblePlanError as e:
+                lines.append(f"| {mesh} | {world} | {batch[0]} | - | - | {str(e).split('minimum is ')[-1][:30]} | - "
+                             f"| no | {time.perf_counter() - t:.1f} |")
+                continue
+            dt = time.perf_counter() - t
+            ep_rows = [d for d in plan.decisions if d["unit"].endswith("/experts")]
+            choice = ",".join(sorted({d["strategy"] for d in ep_rows})) or "-"
+            mem = plan.predictions["memory_bytes"]["total"] / 2**30
+            limit = 80 * 0.9
+            a2a = sum(r["bytes"] * r["count"] for r in plan.predictions["collectives"] if r["kind"] == "all_to_all")
+            lines.append(f"| {mesh} | {world} | {batch[0]} | {choice} | {plan.predictions['step_s']:.3f} | "
+                         f"{mem:.1f} | {a2a / 1e6:.1f} | yes | {dt:.1f} |")
+            if not verified and plan.parallel["ep"]["styles"]:
+                t = time.perf_counter()
+                r = verify(plan, model)
+                verified = True
+                lines.append(f"\nverify ({mesh}, world {world}): passed={r.passed}, "
+                             f"{len(r.collectives)} collective rows, {time.perf_counter() - t:.1f} s\n")
+            print(lines[-1], flush=True)
+    OUT.write_text("# MoE plans on H100s (h100_sxm)\n\n" + __doc__.split("Writes")[0].strip() + "\n" + "\n".join(lines)
+                   + "\n")
+    print(OUT.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
