@@ -60,18 +60,26 @@ def test_plan_records_the_expert_decision(mixtral, dp_ep_plan):
     assert free.parallel["ep"]["styles"] == {} and free.parallel["ep"]["dim"] == "ep"
 
 
-def test_dense_and_moe_layers_get_different_strategies():
+def test_dense_and_moe_layers_get_different_strategies_and_verify_at_world_64():
+    """A Mixtral shape wide enough for tensor parallelism to pay: attention sharded over tp by
+    the TP search, experts split over ep with expert TP; the dry run at 64 ranks issues exactly
+    the predicted collectives (all-to-alls on ep, expert and attention all-reduces on tp, FSDP on dp)."""
     import transformers as tf
 
     cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
-                           num_key_value_heads=8, intermediate_size=4096, num_local_experts=8, num_experts_per_tok=2)
+                           num_key_value_heads=8, intermediate_size=8192, num_local_experts=8, num_experts_per_tok=2)
     with torch.device("meta"):
         model = tf.MixtralForCausalLM(cfg)
-    plan = _plan(model, (2, 2), ("ep", "tp"), hardware="h100_sxm", batch=(8, 1024), expert_parallel=True)
+    plan = plan_mesh(model, ParallelDims((8, 4, 2), ("dp", "ep", "tp"), hardware="h100_sxm"), batch=(64, 1024),
+                     expert_parallel=True)
     strategies = {d["unit"]: d["strategy"] for d in plan.decisions}
-    assert strategies["model.layers.*.mlp.experts/experts"].startswith("expert_parallel"), strategies
+    assert strategies["model.layers.*.mlp.experts/experts"] == "expert_parallel_tp", strategies
     assert strategies["model.layers/attention"] not in ("replicate", "replicated"), strategies
-    assert any(k.endswith("self_attn.o_proj") for k in plan.styles), plan.styles
+    assert "model.layers.*.self_attn" in plan.styles or any("self_attn" in k for k in plan.styles), plan.styles
+    assert plan.parallel["ep"]["styles"]["model.layers.*.mlp.experts"]["args"] == {"tp_dim": "tp"}
+    result = verify(plan, model)
+    assert result.passed, (result.error, result.mismatches())
+    assert {"tp", "ep", "dp"} <= set(result.collectives["parallelism"])
 
 
 def test_section_checks(dp_ep_plan):
