@@ -51,7 +51,8 @@ def main(argv=None) -> int:
             try:
                 plan = plan_mesh(model, spec, batch=batch)
             except InfeasiblePlanError as e:
-                lines.append(f"| {mesh} | {world} | {batch[0]} | - | - | {str(e).split('minimum is ')[-1][:30]} | - "
+                need = str(e).split("minimum is ")[-1].split(" per rank")[0]
+                lines.append(f"| {mesh} | {world} | {batch[0]} | - | - | infeasible: min {need} | - "
                              f"| no | {time.perf_counter() - t:.1f} |")
                 continue
             dt = time.perf_counter() - t
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
             mem = plan.predictions["memory_bytes"]["total"] / 2**30
             a2a = sum(r["bytes"] * r["count"] for r in plan.predictions["collectives"] if r["kind"] == "all_to_all")
             lines.append(f"| {mesh} | {world} | {batch[0]} | {choice} | {plan.predictions['step_s']:.3f} | "
-                         f"{mem:.1f} | {a2a / 1e6:.1f} | yes | {dt:.1f} |")
+                         f"{mem:.1f} | {a2a / 1e6:.1f} | {'yes' if mem * 2**30 <= LIMIT else 'NO'} | {dt:.1f} |")
             if not verified and world == 64 and plan.parallel["ep"]["styles"]:
                 t = time.perf_counter()
                 r = verify(plan, model)

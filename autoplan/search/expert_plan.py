@@ -34,7 +34,7 @@ class ExpertPlanning:
         self.ep_dim, self.tp_dim = spec.dim("ep"), spec.dim("tp")
         self.ep = spec.degree(self.ep_dim)
         self.tp = spec.degree(self.tp_dim) if self.tp_dim else 1
-        self.groups = moe_groups(graph, model)
+        self.groups = moe_groups(graph, model, structure.dtype_bytes)
         b0 = structure.blocks[0] if structure.blocks else None
         self.tokens = int(b0.hidden_bytes // structure.dtype_bytes // max(b0.dim, 1)) if b0 else 1
         self.dtype_bytes = structure.dtype_bytes

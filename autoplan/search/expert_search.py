@@ -120,10 +120,11 @@ def _pattern(prefix: str, indices: list[str], siblings: int, rel: str) -> list[s
     return [f"{prefix}.{i}.{rel}" if prefix else f"{i}.{rel}" for i in indices]
 
 
-def moe_groups(graph: ModelGraph, model) -> list[MoEGroup]:
+def moe_groups(graph: ModelGraph, model, dtype_bytes: int) -> list[MoEGroup]:
     """Every MoE layer the capture recognised (roles ``moe``), one entry per block group (a
     group whose block indices are not all of its container's children gets one entry per block,
-    so no pattern names a dense layer)."""
+    so no pattern names a dense layer). ``dtype_bytes``: the planned parameter dtype's size (the
+    model given may hold another dtype, e.g. fp32 on meta for a bf16 plan)."""
     rows = None
     out = []
     for b in graph.blocks:
@@ -138,7 +139,7 @@ def moe_groups(graph: ModelGraph, model) -> list[MoEGroup]:
                 log.info("expert parallel: %s is not an experts container ExpertParallel takes: %s", fqn, exc)
                 continue
             siblings = len(list(model.get_submodule(b.prefix).children())) if b.prefix else 1
-            pbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+            pbytes = sum(p.numel() for p in module.parameters()) * dtype_bytes
             if rows is None:
                 rows = {r["fqn"]: r for r in module_summary(graph).to_dict("records")}
             work = module_work(graph, fqn, rows)
