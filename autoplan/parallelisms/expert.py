@@ -111,6 +111,11 @@ class ExpertParallelism(Parallelism):
         if section["dim"] != ep_name:
             raise section_error("ep", "dim", f"{section['dim']!r} is not the mesh's ep dimension (mesh names "
                                 f"{list(degree)}; expected {ep_name!r})")
+        pp = data["parallel"].get("pp")
+        if pp and int(pp.get("pp", 1)) > 1:
+            raise section_error("ep", "", "set in a pipelined plan: expert parallel runs on one pipeline stage "
+                                "only for now (the pipeline runner neither shards the batch over ep nor averages "
+                                "gradients over it)")
         tp_name = data["parallel"]["tp"]["dim"] or roles.get("tp")
         for pattern, spec in section["styles"].items():
             if not pattern or any(not atom for atom in pattern.split(".")):

@@ -200,8 +200,10 @@ def choose_experts(groups: list[MoEGroup], ctx, *, tokens: int, dtype_bytes: int
     for g in groups:
         opts = expert_options(g, ctx, tokens=tokens, dtype_bytes=dtype_bytes, ep_name=ep_name, ep=ep,
                               tp_name=tp_name, tp=tp, imbalance=imbalance)
-        runnable = [o for o in opts if o.excluded is None
-                    and (expert_parallel is None or (o.style is not None) == expert_parallel)] or opts[:1]
+        for o in opts:
+            if o.excluded is None and expert_parallel is not None and (o.style is not None) != expert_parallel:
+                o.excluded = f"expert_parallel={expert_parallel} was asked"
+        runnable = [o for o in opts if o.excluded is None] or opts[:1]
         room = None if memory_room is None else memory_room / max(len(groups), 1)
         fits = [o for o in runnable if room is None or o.state_bytes <= room]
         pick = min(fits, key=lambda o: (o.step_s, o.state_bytes)) if fits else \
