@@ -67,7 +67,8 @@ def main(argv=None) -> int:
                 r = verify(plan, model)
                 verified = True
                 lines.append(f"\nverify ({mesh}, world {world}): passed={r.passed}, "
-                             f"{len(r.collectives)} collective rows, {time.perf_counter() - t:.1f} s\n")
+                             f"{len(r.collectives)} collective rows, {time.perf_counter() - t:.1f} s"
+                             + (f", error: {r.error}" if r.error else "") + "\n")
             print(lines[-1], flush=True)
     OUT.write_text("# MoE plans on H100s (h100_sxm)\n\n" + __doc__.split("Writes")[0].strip() + "\n" + "\n".join(lines)
                    + "\n")

@@ -72,7 +72,7 @@ class ExpertOption:
     collectives: list[Collective]    # per step, every layer of the group, on mesh dimension names
     compute_s: float                 # expert compute per step (all layers)
     comm_s: float
-    state: dict[str, float]          # params / grads / optimizer bytes of the group's experts per rank
+    state: dict[str, float]          # params / grads / optimizer bytes of the group's experts per rank (all layers)
     reason: str
     excluded: str | None = None      # why it cannot run (then never chosen)
 
@@ -157,7 +157,7 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
     base = ctx.compute_time(group.work, 1) * n
     out = []
     ar = Collective("all_reduce", "backward", int(group.param_bytes), count=n, dim=ep_name)
-    out.append(ExpertOption("replicated", None, [ar], base, ctx.collective_time(ar), ctx.state_bytes(group.param_bytes, 1),
+    out.append(ExpertOption("replicated", None, [ar], base, ctx.collective_time(ar), ctx.state_bytes(group.param_bytes * n, 1),
                             f"every expert on every rank; their gradients all-reduced over {ep_name}"))
     for etp in ([1, tp] if tp > 1 else [1]):
         name = "expert_parallel" if etp == 1 else "expert_parallel_tp"
@@ -184,7 +184,7 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
         comm = sum(ctx.collective_time(c) for c in colls)
         reason = (f"{group.experts // ep if not group.experts % ep else '?'} of {group.experts} experts per rank, "
                   f"tokens by all-to-all over {ep_name}" + (f", expert weights split over {tp_name}" if etp > 1 else ""))
-        out.append(ExpertOption(name, style, colls, compute, comm, ctx.state_bytes(group.param_bytes, ep * etp),
+        out.append(ExpertOption(name, style, colls, compute, comm, ctx.state_bytes(group.param_bytes * n, ep * etp),
                                 reason, excluded))
     return out
 
