@@ -184,8 +184,14 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
         comm = sum(ctx.collective_time(c) for c in colls)
         reason = (f"{group.experts // ep if not group.experts % ep else '?'} of {group.experts} experts per rank, "
                   f"tokens by all-to-all over {ep_name}" + (f", expert weights split over {tp_name}" if etp > 1 else ""))
-        out.append(ExpertOption(name, style, colls, compute, comm, ctx.state_bytes(group.param_bytes * n, ep * etp),
-                                reason, excluded))
+        state = ctx.state_bytes(group.param_bytes * n, ep * etp)
+        local = max(group.experts // ep, 1)
+        if ctx.fsdp and ctx.dp > 1 and local % ctx.dp:
+            # FSDP2 shards dim 0 (the E/ep local experts) over dp, padded: with fewer local experts
+            # than dp ranks each rank still holds a whole expert (what the plan's exact bytes show)
+            pad = -(-local // ctx.dp) * ctx.dp / local
+            state = {k: v * pad for k, v in state.items()}
+        out.append(ExpertOption(name, style, colls, compute, comm, state, reason, excluded))
     return out
 
 
