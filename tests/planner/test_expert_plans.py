@@ -108,11 +108,17 @@ def test_dry_run_matches_at_world_64(name, mixtral, qwen3):
 
 
 def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
+    """HF Mixtral and the repo MoE model (dense first layer, shared expert, 3-D experts)."""
+    repo = build("repo")[0]
     ep_tp = _plan(mixtral, (2, 2), ("ep", "tp"), expert_parallel=True)
     free = _plan(mixtral, (2, 2), ("dp", "ep"), expert_parallel=False)   # ep as data parallel, experts replicated
+    repo_dp_ep = _plan(repo, (2, 2), ("dp", "ep"), expert_parallel=True)
+    repo_ep_tp = _plan(repo, (2, 2), ("ep", "tp"), expert_parallel=True)
     assert ep_tp.parallel["ep"]["styles"] and not free.parallel["ep"]["styles"]
+    assert repo_dp_ep.parallel["ep"]["styles"] == {"layers.1.feed_forward.experts": ExpertParallel().to_dict()}
     cases = [("dpxep", dp_ep_plan.to_json(), "mixtral"), ("epxtp", ep_tp.to_json(), "mixtral"),
-             ("dpxep/replicated", free.to_json(), "mixtral")]
+             ("dpxep/replicated", free.to_json(), "mixtral"), ("dpxep/repo", repo_dp_ep.to_json(), "repo"),
+             ("epxtp/repo", repo_ep_tp.to_json(), "repo")]
     reports = pool4.run(ep_plan_workers.run_all, cases)
     for rank, rep in enumerate(reports):
         for label, *_ in cases:
@@ -122,3 +128,17 @@ def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
             assert not r["bad_grads"] and not r["bad_params"], (rank, label, r)
             assert r["local_rows"] == (1 if label.startswith("dp") else 2), (rank, label, r)
             assert (r["ep_sharded"] > 0) == (not label.endswith("replicated")), (rank, label, r)
+
+
+def test_repo_moe_layer_is_captured_with_routed_flops():
+    """The repo model's experts (autoplan::expert_mm) are traced: an MoE layer with top-k routed
+    GEMM FLOPs (2 x rows x in x out per projection, rows = tokens x top_k), forward and backward."""
+    from autoplan.capture import capture
+    from autoplan.search.structure import module_work
+
+    graph = capture(build("repo")[0], None, batch=(2, 8), dtype=torch.float32)
+    moe = [e for b in graph.blocks for e in (b.roles or {}).get("moe", [])]
+    assert [m["experts"] for m in moe] == ["feed_forward.experts"] and moe[0]["top_k"] == 2
+    rows, h, f = 2 * 8 * 2, 32, 16
+    gemm = 2 * rows * h * 2 * f + 2 * rows * f * h
+    assert module_work(graph, "layers.1.feed_forward.experts").flops >= 3 * gemm
