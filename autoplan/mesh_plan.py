@@ -247,7 +247,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     coll_rows = _collective_rows(best, spec, tp_dim, fsdp_rows)
     decisions = _decision_rows(best, ctx, search)
     if experts is not None:
-        extra = experts.finish(shards, use_fsdp, dp)
+        extra = experts.finish(shards, use_fsdp, dp, recompute_blocks=bool(ctx.checkpoint_blocks))
         step_s, comm_s, compute_s = step_s + extra["step_s"], comm_s + extra["comm_s"], compute_s + extra["compute_s"]
         coll_rows = merged_rows([Collective.from_row(r) for r in coll_rows] + extra["collectives"])
         decisions += extra["decisions"]

@@ -83,16 +83,20 @@ class ExpertPlanning:
             out.append(dataclasses.replace(s, local_shape=tuple(shape)))
         return out
 
-    def finish(self, shards: list[ParamShard], use_fsdp: bool, dp: int) -> dict:
+    def finish(self, shards: list[ParamShard], use_fsdp: bool, dp: int, recompute_blocks: bool = False) -> dict:
         """Collectives, step-time terms, decision rows and notes of the choice (``shards``: the
-        plan's exact shapes, from :meth:`shard`)."""
+        plan's exact shapes, from :meth:`shard`). ``recompute_blocks``: full activation
+        checkpointing reruns every block's forward in backward, all-to-alls included."""
         ep_patterns = [g.pattern for g, _ in self._ep_groups()]
         d = dp if use_fsdp else 1
         sync_bytes = sum(s.fsdp_local_numel(d) * s.dtype_bytes for s in shards
                          if not any(_under(p, s.fqn) for p in ep_patterns))
         sync = Collective("all_reduce", "backward", int(sync_bytes), dim=self.ep_dim)
-        colls = [c for _, o in self._ep_groups() for c in o.collectives] + [sync]
-        ep_comm = sum(o.comm_s for _, o in self._ep_groups())
+        colls = [c for _, o in self._ep_groups() for c in o.collectives]
+        if recompute_blocks:
+            colls += [dataclasses.replace(c, phase="backward") for c in colls if c.phase == "forward"]
+        ep_comm = sum(self.ctx.collective_time(c) for c in colls)
+        colls.append(sync)
         compute = sum(o.compute_s for o in self.choice.chosen) - self.choice.base_compute_s
         comm = ep_comm + self.ctx.collective_time(sync)
         notes = list(self.choice.notes)
