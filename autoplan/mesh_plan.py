@@ -194,6 +194,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
                          sequence_parallel=sequence_parallel, prober=prober)
         least, lay2, _ = s_min.solve(objective="memory")
         need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
+        if experts is not None:  # the TP search counts the experts replicated
+            need -= experts.best_saving()
         raise InfeasiblePlanError(
             f"autoplan: no plan fits memory_limit={limit / 2**30:.2f} GiB per rank on mesh "
             f"{dict(zip(spec.names, spec.shape))}; the minimum is {need / 2**30:.2f} GiB per rank "

@@ -30,6 +30,22 @@ MESHES = [((8,), ("ep",)), ((2, 4), ("dp", "ep")), ((4, 2), ("ep", "tp")), ((2, 
           ((4, 8, 2), ("dp", "ep", "tp"))]
 
 
+READING = """
+## Reading
+
+- Every feasible mesh plans ep > 1 with ExpertParallel (expert TP where the mesh has tp): replicated experts lose
+  on memory (GPT-OSS-20B: 21B parameters, 16 bytes each with AdamW and fp32 master weights) and on the
+  all-reduce of their gradients over ep.
+- Mixtral-8x7B (46.7B parameters, ~700 GiB of weights + gradients + AdamW state) cannot train on 8 H100s (640 GB
+  in all) with any layout; on dp4 x ep8 and dp8 x ep8 every rank holds one expert of each layer and FSDP2 shards
+  dim 0 of the local expert weights over dp -- one row over 4 or 8 ranks pads to a whole expert per rank, so the
+  expert state does not shrink with dp (the planner prices this padding; sharding the local experts on another
+  dimension, as torchtitan does when dp x ep exceeds E, would fix it). With expert TP (ep8 x tp2) it fits.
+- "infeasible: min" is the least memory any plan of that mesh needs (experts at their smallest option).
+- Step times are the cost model's (h100_sxm profile), routing imbalance factor 1.0 (balanced).
+"""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=None, help="override the depth (default: the preset's)")
@@ -74,7 +90,7 @@ def main(argv=None) -> int:
                              + (f", error: {r.error}" if r.error else "") + "\n")
             print(lines[-1], flush=True)
     OUT.write_text("# MoE plans on H100s (h100_sxm)\n\n" + __doc__.split("Writes")[0].strip() + "\n" + "\n".join(lines)
-                   + "\n")
+                   + "\n" + READING)
     print(OUT.read_text())
     return 0
 
