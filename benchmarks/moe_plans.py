@@ -37,8 +37,8 @@ READING = """
   on memory (GPT-OSS-20B: 21B parameters, 16 bytes each with AdamW and fp32 master weights) and on the
   all-reduce of their gradients over ep.
 - Mixtral-8x7B (46.7B parameters, ~700 GiB of weights + gradients + AdamW state) cannot train on 8 H100s (640 GB
-  in all) with any layout; on dp4 x ep8 and dp8 x ep8 every rank holds one expert of each layer and FSDP2 shards
-  dim 0 of the local expert weights over dp -- one row over 4 or 8 ranks pads to a whole expert per rank, so the
+  in all) with any layout; on dp x ep8 meshes every rank holds one expert of each layer and FSDP2 shards
+  dim 0 of the local expert weights over dp -- one row over 2-8 ranks pads to a whole expert per rank, so the
   expert state does not shrink with dp (the planner prices this padding; sharding the local experts on another
   dimension, as torchtitan does when dp x ep exceeds E, would fix it). With expert TP (ep8 x tp2) it fits.
 - "infeasible: min" is the least memory any plan of that mesh needs (experts at their smallest option).
