@@ -97,13 +97,13 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     A.check_model(model, who)
     A.check_batch(batch, who, required=False)
     spec = _mesh_spec(mesh, A.check_hardware(hardware, who))
-    for role in ("pp", "ep"):
+    for role in ("pp",):
         name = spec.dim(role)
         if name is not None and spec.degree(name) > 1:
             raise InvalidArgumentError(
                 f"autoplan: mesh {dict(zip(spec.names, spec.shape))} has {name}={spec.degree(name)}; a mesh plan "
-                "covers tensor, context and data parallelism only; for pipeline parallelism give a device count "
-                "(autoplan(model, N, batch=..., constraints={'pp': ...})); expert parallelism is not planned")
+                "covers tensor, context, expert and data parallelism; for pipeline parallelism give a device count "
+                "(autoplan(model, N, batch=..., constraints={'pp': ...}))")
     return plan_mesh(model, spec, inputs=inputs, batch=batch, memory_limit=A.check_memory_limit(memory_limit, who),
                      dtype=A.check_dtype(dtype, who), fsdp=True if fsdp is None else A.optional_bool(fsdp, "fsdp", who),
                      allow_replicated_units=A.strict_bool(allow_replicated_units, "allow_replicated_units", who),

@@ -24,6 +24,7 @@ from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
 from autoplan.search.costing import CostContext
+from autoplan.search.expert_plan import ExpertPlanning
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
@@ -170,14 +171,19 @@ def _add_cp(ev: Evaluation, search: TPSearch, chosen: dict, cp_args: dict | None
 def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None, batch: Any = None,
               memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
               allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
-              sequence_parallel: bool | None = None, graph=None, styles: dict | None = None) -> Plan:
+              sequence_parallel: bool | None = None, graph=None, styles: dict | None = None,
+              expert_parallel: bool | None = None) -> Plan:
     """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
-    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled)."""
+    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled). With an ep
+    dimension the experts are planned beside the TP search (``search.expert_plan``);
+    ``expert_parallel`` True/False restricts that choice (None: priced)."""
     t_start = time.perf_counter()
     hw = load_hardware(spec.hardware)
     tp_dim, dp_dim, cp_dim = spec.dim("tp"), spec.dim("dp"), spec.dim("cp")
     tp, dp = spec.degree(tp_dim) if tp_dim else 1, spec.degree(dp_dim) if dp_dim else 1
     cp = spec.degree(cp_dim) if cp_dim else 1
+    ep_dim = spec.dim("ep")
+    ep = spec.degree(ep_dim) if ep_dim else 1   # shards the batch too (ep borrows from dp)
     # gradients (and FSDP) over dp, or over the flattened dp x cp under context parallelism
     red_dim, red = (flat_name(grad_dims(spec)), dp * cp) if cp > 1 else (dp_dim, dp)
     if cp > 1:
@@ -188,7 +194,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     if dtype is None:
         dtype = torch.float32 if hw.device_type == "cpu" else torch.bfloat16
     if graph is None:
-        graph = _capture_graph(model, inputs, batch, dp, dtype, cp)
+        graph = _capture_graph(model, inputs, batch, dp * ep, dtype, cp)
     t_captured = time.perf_counter()
     structure = cp_structure(model_structure(graph), cp)
     pbytes = structure.dtype_bytes
@@ -201,6 +207,10 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         cp_args = dict(cp=cp, cp_dim=cp_dim, loss_dim=red_dim, local_batch=int(batch[0]) // dp, seq_len=int(batch[1]),
                        dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
+    experts = ExpertPlanning(model, graph, structure, ctx, spec, expert_parallel=expert_parallel) if ep > 1 else None
+    user_limit = limit
+    if experts is not None:  # the TP search counts experts replicated: give it the room EP frees
+        limit += experts.best_saving()
     search = best = cp_choice = None
     info = None
     seq = structure.blocks[0].seq_len if structure.blocks else 1
@@ -234,11 +244,16 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
                          sequence_parallel=sequence_parallel, prober=prober)
         least, lay2, _ = s_min.solve(objective="memory")
         need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
+        if experts is not None:  # the TP search counts the experts replicated
+            need -= experts.best_saving()
         raise InfeasiblePlanError(
             f"autoplan: no plan fits memory_limit={limit / 2**30:.2f} GiB per rank on mesh "
             f"{dict(zip(spec.names, spec.shape))}; the minimum is {need / 2**30:.2f} GiB per rank "
             f"(solver status {info.status})")
 
+    limit = user_limit
+    if experts is not None:
+        experts.decide(best.memory_total, limit)
     alternatives = []
     for name, (lay, prefer) in REFERENCE_PLANS.items():
         if lay not in search.layouts:
@@ -276,6 +291,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
             styles[pattern] = style.to_dict()
     styles = dict(sorted(_pad_to_signature(styles, model).items()))
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
+    if experts is not None:
+        shards = experts.shard(shards)
     use_fsdp = bool(fsdp and red > 1)   # under cp FSDP shards over dp x cp (or cp alone)
     fsdp_rows = fsdp_collectives(shards, red, red_dim) if use_fsdp else []
     if red > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
@@ -289,15 +306,24 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     memory.update(params=param_bytes, grads=param_bytes,
                   optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
+    step_s, comm_s, compute_s = best.step_s, best.comm_s, best.compute_s
+    coll_rows = _collective_rows(best, spec, tp_dim, fsdp_rows)
+    decisions = _decision_rows(best, ctx, search)
+    if experts is not None:
+        extra = experts.finish(shards, use_fsdp, dp, recompute_blocks=bool(ctx.checkpoint_blocks))
+        step_s, comm_s, compute_s = step_s + extra["step_s"], comm_s + extra["comm_s"], compute_s + extra["compute_s"]
+        coll_rows = merged_rows([Collective.from_row(r) for r in coll_rows] + extra["collectives"])
+        decisions += extra["decisions"]
+        notes = [n for n in notes if "mixture-of-experts layer" not in n] + extra["notes"]
     t_end = time.perf_counter()
     plan = Plan.from_fields(
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
         loss_parallel=loss_par, fsdp={"enabled": use_fsdp, "dim": dp_dim if use_fsdp else None},
         activation_checkpointing=bool(ctx.checkpoint_blocks),
-        decisions=_decision_rows(best, ctx, search),
-        predictions={"step_s": best.step_s, "compute_s": best.compute_s, "comm_s": best.comm_s,
+        decisions=decisions,
+        predictions={"step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
                      "memory_bytes": dict(memory, total=sum(memory.values())),
-                     "collectives": _collective_rows(best, spec, tp_dim, fsdp_rows)},
+                     "collectives": coll_rows},
         alternatives=alternatives,
         solver={"name": info.solver, "status": info.status, "variables": info.variables,
                 "constraints": info.constraints},
@@ -311,4 +337,6 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     )
     if cp_choice is not None:
         plan.parallel["cp"] = cp_choice.section()
+    if experts is not None:
+        plan.parallel["ep"] = experts.section()
     return plan

@@ -68,6 +68,10 @@ _PRESETS: dict[str, Preset] = {
         Preset("mixtral-8x7b", "hf", "MixtralConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
                num_experts_per_tok=2)),
+        # openai/gpt-oss-20b config.json: 24 layers, 32 experts (top-4), alternating sliding/full attention
+        Preset("gpt-oss-20b", "hf", "GptOssConfig", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+               num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088, num_local_experts=32,
+               num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072)),
         Preset("phi3-mini", "hf", "Phi3Config", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, vocab_size=32064)),
         Preset("gemma2-9b", "hf", "Gemma2Config", dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,

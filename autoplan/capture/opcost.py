@@ -73,6 +73,13 @@ def register_flop_formulas() -> None:
     cpu_bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     _register("sdpa_cpu_bwd", cpu_bwd, _sdpa_cpu_bwd_flop)
     _register("grouped_mm", getattr(aten, "_grouped_mm", None), _grouped_mm_flop)
+    try:  # the repo MoE model's grouped expert GEMM (autoplan.models.moe), weights [E, out, in]
+        ns = torch.ops.autoplan
+        _register("autoplan_expert_mm", ns.expert_mm, lambda a, b, *r, out_shape=None, **k: 2 * a[0] * a[1] * b[1])
+        _register("autoplan_expert_mm_wgrad", ns.expert_mm_wgrad,
+                  lambda g, x, *r, out_shape=None, **k: 2 * g[0] * g[1] * x[1])
+    except (AttributeError, RuntimeError):
+        pass
     try:
         ns = torch.ops.transformers
         fwd, bwd = ns.grouped_mm_fallback, ns.grouped_mm_fallback_backward

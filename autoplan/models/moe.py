@@ -7,6 +7,12 @@ top_k_weights)`` (transformers 5.x's protocol) holding either 3-D weights (``lay
 ``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F]) or an ``nn.ModuleList`` of SwiGLU MLPs
 (``layout="list"``), an optional shared expert, and the Switch-Transformer load-balancing loss
 (``E * sum_e f_e * P_e``), which ``MoELlama.aux_loss()`` sums over layers after a forward.
+
+The 3-D experts run as transformers' grouped path does: token copies sorted by expert, per-expert
+offsets from a histogram (a fixed-size tensor), one ``autoplan::expert_mm`` call per projection.
+The op hides the data-dependent per-expert slicing from tracing (its fake kernel says only the
+output shape), so ``torch.export`` captures the layer -- the planner then recognises it as an MoE
+layer and prices its top-k routed GEMM FLOPs (``capture.opcost``).
 """
 from __future__ import annotations
 
@@ -46,6 +52,57 @@ class MoEConfig:
         return asdict(self)
 
 
+@torch.library.custom_op("autoplan::expert_mm", mutates_args=())
+def expert_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (expert e: rows ``offs[e-1]:offs[e]``) times ``weight[e].T``
+    (``weight`` [E, out, in], F.linear's orientation): [rows, out]."""
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ weight[e].t()
+        start = end
+    return out
+
+
+@expert_mm.register_fake
+def _(x, weight, offs):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("autoplan::expert_mm_wgrad", mutates_args=())
+def expert_mm_wgrad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The weight gradient of :func:`expert_mm`: [E, out, in]."""
+    out = grad.new_zeros(num_experts, grad.shape[1], x.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[e] = grad[start:end].t() @ x[start:end]
+        start = end
+    return out
+
+
+@expert_mm_wgrad.register_fake
+def _(grad, x, offs, num_experts):
+    return grad.new_empty(num_experts, grad.shape[1], x.shape[1])
+
+
+def _expert_mm_setup(ctx, inputs, output):
+    x, weight, offs = inputs
+    ctx.save_for_backward(x, weight, offs)
+
+
+def _expert_mm_backward(ctx, grad):
+    x, weight, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx = expert_mm(grad, weight.transpose(1, 2).contiguous(), offs) if ctx.needs_input_grad[0] else None
+    dw = expert_mm_wgrad(grad, x, offs, weight.shape[0]) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
+
+
 class StackedExperts(nn.Module):
     """E SwiGLU experts as two 3-D weights; a per-expert loop (the reference, as transformers')."""
 
@@ -64,7 +121,15 @@ class StackedExperts(nn.Module):
         return F.linear(self._apply_gate(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        return _loop(self.expert, self.num_experts, hidden_states, top_k_index, top_k_weights)
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offs = counts.cumsum(0).to(torch.int64)
+        token = order // k
+        h = self._apply_gate(expert_mm(hidden_states[token], self.gate_up_proj, offs))
+        y = expert_mm(h, self.down_proj, offs) * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype))
 
 
 class ListExperts(nn.Module):

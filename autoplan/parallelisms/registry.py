@@ -9,6 +9,7 @@ from __future__ import annotations
 from autoplan.parallelisms.base import Parallelism
 from autoplan.parallelisms.context import ContextParallelism
 from autoplan.parallelisms.data import DataParallel, HybridShardedDataParallel
+from autoplan.parallelisms.expert import ExpertParallelism
 from autoplan.parallelisms.pipeline import PipelineParallel
 from autoplan.parallelisms.recompute import Recompute
 from autoplan.parallelisms.tensor import TensorParallel
@@ -19,6 +20,7 @@ PARALLELISMS: tuple[Parallelism, ...] = tuple(sorted((
     PipelineParallel(),
     TensorParallel(),
     ContextParallelism(),
+    ExpertParallelism(),
     Recompute(),
     DataParallel(),
     HybridShardedDataParallel(),

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 class Runner:
     def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
-                 replicate_dp: bool = False, zero1: Zero1 | None = None, batch_mesh=None, cp_mesh=None):
+                 replicate_dp: bool = False, zero1: Zero1 | None = None, batch_mesh=None, cp_mesh=None,
+                 ep_mesh=None, ep_sync=None):
         self.model = model
         self.plan = plan
         self.optimizer = optimizer
@@ -39,11 +40,16 @@ class Runner:
         self.cp_mesh = cp_mesh            # context parallel: splits each sequence (head + tail chunks)
         self.replicate_dp = replicate_dp  # replicated data parallel: average gradients after backward
         self.zero1 = zero1                # ZeRO-1: sharded optimizer step after backward
+        self.ep_mesh = ep_mesh            # expert parallel: the ep dimension shards the batch too
+        self.ep_sync = ep_sync            # ... and averages gradients over it (parallelisms.expert)
 
     def data_parallel_step(self) -> bool:
         """What follows backward on the dp group: replicated dp all-reduces the gradients;
         ZeRO-1 reduce-scatters them, steps this rank's slice and all-gathers the parameters
-        (returns True: the optimizer has stepped). FSDP did its part inside backward."""
+        (returns True: the optimizer has stepped). FSDP did its part inside backward. Expert
+        parallel's ep dimension first averages the gradients over its batch shards."""
+        if self.ep_sync is not None:
+            self.ep_sync()
         if self.zero1 is not None:
             self.zero1.step(self.optimizer)
             return True
@@ -52,9 +58,11 @@ class Runner:
         return False
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's share of a global batch: rows by its dp coordinate, then (context
-        parallel) its head and tail chunks of each sequence."""
+        """This rank's share of a global batch: rows by its dp coordinate (then by its ep
+        coordinate when the plan's ep dimension shards the batch), then (context parallel) its
+        head and tail chunks of each sequence."""
         inputs, targets = dp_share(inputs, targets, self.batch_mesh, "Runner")
+        inputs, targets = dp_share(inputs, targets, self.ep_mesh, "Runner")
         return cp_share(inputs, targets, self.cp_mesh)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -124,4 +132,5 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
         if mode == "zero1" and use_dp else None
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
     return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=use_dp and mode == "replicate", zero1=zero1,
-                  batch_mesh=target.state.get("batch_mesh"), cp_mesh=cp_mesh)
+                  batch_mesh=target.state.get("batch_mesh"), cp_mesh=cp_mesh,
+                  ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"))

@@ -111,6 +111,8 @@ def upgrade_plan_data(data: Any) -> Any:
             "ac": ac,
             "pp": old.pop("pipeline", None),
         }
+        # parallelisms registered since (expert parallel): unused in a schema-2 file
+        old["parallel"] = {**{p.name: p.default() for p in PARALLELISMS}, **old["parallel"]}
     except (KeyError, TypeError, AttributeError) as e:
         raise PlanSchemaError(f"schema-2 plan cannot be upgraded: field {e} missing or malformed") from None
     old["schema_version"] = SCHEMA_VERSION
@@ -144,3 +146,4 @@ def validate_plan_data(data: Any) -> None:
         raise PlanSchemaError(f"plan field {where}: {error.message}")
     _check_consistency(data)
     _check_styles(data["parallel"]["tp"]["styles"])
+    _check_styles((data["parallel"].get("ep") or {}).get("styles", {}))

@@ -78,6 +78,25 @@ def _shape(x) -> tuple | None:
     return None
 
 
+def _routed_rows(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    """A shape-true stand-in for an MoE experts container on fake tensors: the real forward sizes
+    its work by the routing (data-dependent shapes fake tensors cannot run). The probe checks the
+    dense units' styles; the experts are planned by autoplan.search.expert_search."""
+    return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
+
+
+def _stand_in_experts(model: nn.Module, groups, short) -> None:
+    """Replace the forward of every experts container the capture recognised (roles ``moe``)."""
+    for b in groups:
+        for e in (b.roles or {}).get("moe", []):
+            if e.get("experts"):
+                try:
+                    module = model.get_submodule(short(f"{b.representative}.{e['experts']}"))
+                except AttributeError:
+                    continue
+                module.forward = _routed_rows
+
+
 class Prober:
     """Runs styled copies of ``model`` (cut to one block per group) at tensor-parallel degree
     ``tp`` on a fake process group. Build once per search; :meth:`run` per candidate set."""
@@ -101,6 +120,7 @@ class Prober:
             small = meta_model(model, dtype)
             self.small = copy.deepcopy(small) if small is model else small
         self.short_of = {real: short for short, real in rename.items()}
+        _stand_in_experts(self.small, groups, self.short)
         self.reference: ProbeRun | None = None
         self.verdicts: dict | None = None     # (unit, strategy, stream) -> checked Strategy, None if rejected
         self.report = None

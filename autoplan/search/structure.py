@@ -187,6 +187,17 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
                 gemms=gemms, other_bytes=other, core=core)
 
 
+def module_work(graph: ModelGraph, fqn: str, rows: dict | None = None) -> Work:
+    """Cost inputs of module ``fqn`` per call (``rows``: module_summary rows by FQN, computed
+    when not given), parameter bytes in the model's dtype -- what model_structure gives its units,
+    for modules that are no unit of the TP search (MoE experts containers)."""
+    rows = rows if rows is not None else {r["fqn"]: r for r in module_summary(graph).to_dict("records")}
+    w = _work(graph, fqn, rows)
+    float_dtypes = [o.dtype for n in graph.nodes for o in n.outputs if "float" in o.dtype]
+    w.param_bytes = w.params * (dtype_size(float_dtypes[0]) if float_dtypes else 4)
+    return w
+
+
 def _kept_inputs(fqn: str, nodes, core_nodes) -> int:
     """Bytes of the child modules' outputs (the q/k/v projections) that the attention core reads:
     selective recomputation (autoplan.parallelisms.recompute, as Megatron-LM's) keeps them saved to
@@ -379,8 +390,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
             not_units.append((where, f"an attention whose projections were not recognised ({u['why']})"))
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
-            not_units.append((where, "a mixture-of-experts layer: router and experts are not sharded yet "
-                                     "(no expert parallelism)"))
+            not_units.append((where, "a mixture-of-experts layer: router and experts are no tensor-parallel "
+                                     "unit (expert parallelism plans the experts on a mesh's ep dimension)"))
         mlp = None
         for m in roles.get("mlp", [])[1:]:
             not_units.append((f"{rep}.{m['module']}" if m["module"] else rep, "a second MLP in the block"))

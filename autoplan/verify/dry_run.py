@@ -20,14 +20,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms.context import cp_share
-from autoplan.parallelisms.data import dp_degree
+from autoplan.parallelisms.expert import batch_shards
 from autoplan.plan.forward import forward_tokens, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.pipeline_dry_run import verify_pipeline
 from autoplan.verify.shrink import ModelRecipe, recipe_for
-from hyper_parallel import loss_parallel
+from hyper_parallel import balanced_routing, loss_parallel
 from hyper_parallel.local import CollectiveRecorder, fake_world
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
         # flattened meshes the plan runs on (FSDP over dp x cp): named as the plan names them
         groups.update({m.get_group().group_name: n for n, m in getattr(mesh, "_flatten_mapping", {}).items()})
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in meta.parameters())
-        dp = dp_degree(plan)  # dp_replicate x dp_shard for HSDP
+        dp = batch_shards(plan)  # dp_replicate x dp_shard for HSDP, x ep where ep shards the batch
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             meta.to_empty(device="cpu")
@@ -60,7 +60,8 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
         with fake:
             inputs, targets = dry_batch(plan, dp, inputs)
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # this rank's chunks, as Runner.local_batch
-            with CollectiveRecorder() as rec:
+            # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
+            with CollectiveRecorder() as rec, balanced_routing():
                 rec.phase = "forward"
                 logits = output_logits(forward_tokens(meta, inputs))
                 if plan.loss_parallel:

@@ -1,0 +1,173 @@
+"""Expert parallelism: the experts of every MoE layer split over the mesh's ``ep`` dimension.
+
+Plan section ``parallel.ep``: null (no ep dimension, or one of size 1), or
+
+    {"dim": "ep",                       # the mesh's ep dimension
+     "styles": {"model.layers.*.mlp.experts": {"style": "ExpertParallel", "args": {...}}},
+     "imbalance": 1.0}                  # routing-imbalance factor the planner priced (>= 1)
+
+Tokens: the ep dimension shards the batch, as data parallel does (ep borrows from dp, the
+runtime's default mode: every rank of an ep group holds different tokens, the all-to-alls bring
+each expert its tokens from the whole group). So after backward every gradient of a parameter
+outside the experts is averaged over ep (one all-reduce of their flattened local gradients, as
+replicated data parallel does over dp), and expert gradients -- which already hold the ep
+group's tokens, each rank's loss being its shard's mean -- are divided by ep. With ``styles``
+empty the ep dimension is pure data parallel (experts replicated: the planner's alternative when
+expert parallelism does not pay); then every gradient is averaged over ep. Data parallel (FSDP,
+ZeRO-1 or replicated over ``dp``) runs as usual on top: each dp rank then holds an ep group's
+worth of batch shards.
+
+Applied to the whole model after tensor parallel (``parallelize_module`` of the styles on the ep
+dimension, strict); registry order between tp and ac.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
+from autoplan.parallelisms.data import allreduce_gradients, dp_degree, unique_params
+from hyper_parallel import parallelize_module, style_from_dict
+from hyper_parallel.core.tensor_parallel import match_modules
+
+_STYLE = {"type": "object", "required": ["style", "args"], "additionalProperties": False,
+          "properties": {"style": {"const": "ExpertParallel"}, "args": {"type": "object"}}}
+
+
+def ep_section(plan) -> dict | None:
+    return plan.parallel.get("ep")
+
+
+def ep_dim(plan) -> str | None:
+    """The plan's ep dimension when expert parallelism (or ep as data parallel) is active."""
+    section = ep_section(plan)
+    return section["dim"] if section else None
+
+
+def ep_degree(plan) -> int:
+    """How many ways the ep dimension shards the batch (1 without an active ep section)."""
+    dim = ep_dim(plan)
+    if dim is None:
+        return 1
+    return int(dict(zip(plan.mesh["names"], plan.mesh["shape"]))[dim])
+
+
+def batch_shards(plan) -> int:
+    """Ways the global batch is split: data parallel x the ep dimension."""
+    return dp_degree(plan) * ep_degree(plan)
+
+
+def expert_parameters(model: nn.Module, plan) -> list[nn.Parameter]:
+    """Parameters inside the experts containers the plan's ep styles name."""
+    out, seen = [], set()
+    for pattern in (ep_section(plan) or {}).get("styles", {}):
+        for _, module in match_modules(model, pattern):
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ExpertGradSync:
+    """What follows backward on the ep dimension (see the module docstring): one all-reduce over
+    ep of every non-expert gradient (averaged), expert gradients divided by ep."""
+
+    def __init__(self, model: nn.Module, plan, ep_mesh):
+        self.model, self.plan, self.group, self.ep = model, plan, ep_mesh.get_group(), ep_mesh.size()
+
+    def __call__(self) -> None:
+        # parameters looked up now: FSDP replaced them after this was built
+        experts = {id(p) for p in expert_parameters(self.model, self.plan)}
+        params = unique_params(self.model)
+        allreduce_gradients([p for p in params if id(p) not in experts], self.group, self.ep)
+        with torch.no_grad():
+            for p in params:
+                if id(p) in experts and p.grad is not None:
+                    _local(p.grad).div_(self.ep)
+
+
+class ExpertParallelism(Parallelism):
+    name = "ep"
+    roles = ("ep",)
+    order = 20
+    schema = {"oneOf": [{"type": "null"}, {
+        "type": "object", "required": ["dim", "styles", "imbalance"], "additionalProperties": False,
+        "properties": {"dim": {"$ref": "#/$defs/name"}, "styles": {"type": "object", "additionalProperties": _STYLE},
+                       "imbalance": {"type": "number", "minimum": 1}}}]}
+
+    def check(self, section, data, roles, degree) -> None:
+        ep_name = roles.get("ep")
+        if section is None:
+            if ep_name is not None and degree[ep_name] > 1:
+                raise section_error("ep", "", f"null, but the mesh has {ep_name}={degree[ep_name]}: the dimension "
+                                    "would carry nothing (give an ep section, styles may be empty)")
+            return
+        if section["dim"] != ep_name:
+            raise section_error("ep", "dim", f"{section['dim']!r} is not the mesh's ep dimension (mesh names "
+                                f"{list(degree)}; expected {ep_name!r})")
+        pp = data["parallel"].get("pp")
+        if pp and int(pp.get("pp", 1)) > 1:
+            raise section_error("ep", "", "set in a pipelined plan: expert parallel runs on one pipeline stage "
+                                "only for now (the pipeline runner neither shards the batch over ep nor averages "
+                                "gradients over it)")
+        tp_name = data["parallel"]["tp"]["dim"] or roles.get("tp")
+        for pattern, spec in section["styles"].items():
+            if not pattern or any(not atom for atom in pattern.split(".")):
+                raise section_error("ep", "styles", f"{pattern!r} is not a module pattern")
+            args = spec["args"]
+            unknown = sorted(set(args) - {"ep_dim", "tp_dim", "balanced", "split_tokens"})
+            if unknown:
+                raise section_error("ep", f"styles/{pattern}/args", f"unknown ExpertParallel argument(s) {unknown}")
+            if args.get("ep_dim", "ep") != ep_name:
+                raise section_error("ep", f"styles/{pattern}/args/ep_dim", f"{args.get('ep_dim', 'ep')!r} is not the "
+                                    f"ep dimension {ep_name!r}")
+            if args.get("tp_dim") is not None and args["tp_dim"] != tp_name:
+                raise section_error("ep", f"styles/{pattern}/args/tp_dim", f"{args['tp_dim']!r} is not the mesh's "
+                                    f"tp dimension {tp_name!r}")
+            if args.get("split_tokens"):
+                raise section_error("ep", f"styles/{pattern}/args/split_tokens", "true, but a plan's ep dimension "
+                                    "shards the batch (ep borrows from dp); split_tokens is for ep groups holding "
+                                    "the same tokens")
+            if args.get("balanced"):
+                raise section_error("ep", f"styles/{pattern}/args/balanced", "true: balanced routing ignores the "
+                                    "router and is for dry runs only (verify turns it on itself)")
+
+    def active(self, plan) -> bool:
+        return bool(ep_section(plan))
+
+    def traffic_dims(self, plan) -> tuple[str, ...]:
+        """The ep dimension, and the tp dimension where expert TP runs in a plan whose tensor
+        parallelism styles nothing else (otherwise tp owns that dimension)."""
+        if not self.active(plan):
+            return ()
+        dims = (ep_dim(plan),)
+        tp_dims = {s["args"].get("tp_dim") for s in ep_section(plan)["styles"].values()} - {None}
+        if tp_dims and not plan.styles:
+            dims += tuple(sorted(tp_dims))
+        return dims
+
+    def apply_to_model(self, plan, target: ApplyTarget) -> None:
+        """The ExpertParallel styles on the ep dimension (strict: a pattern matching nothing is
+        a plan for another model)."""
+        section = ep_section(plan)
+        target.state["ep_mesh"] = None
+        if not section:
+            return
+        names = tuple(target.mesh.mesh_dim_names or ())
+        if section["dim"] not in names:
+            return
+        if section["styles"]:
+            parallelize_module(target.model, target.mesh,
+                               {k: style_from_dict(v) for k, v in section["styles"].items()},
+                               mesh_dim=section["dim"], strict=True)
+        ep_mesh = target.mesh[section["dim"]]
+        if ep_mesh.size() > 1:
+            target.state["ep_mesh"] = ep_mesh
+            target.state["ep_sync"] = ExpertGradSync(target.model, plan, ep_mesh)
+

@@ -1,0 +1,242 @@
+"""Planning expert parallelism on a fixed mesh: per MoE block group, ExpertParallel against
+replicated experts, priced with the cost model.
+
+Integration chosen (the smallest clean one): the expert choice is made per MoE block group
+*beside* the tensor-parallel ILP, not inside it. The ILP keeps planning every dense unit
+(attention, dense MLPs, embedding, head) exactly as before -- the MoE layer is no unit of it
+(``structure.not_units``), its work stays replicated compute of the block -- and this module
+adds what the experts' strategy changes: all-to-all and expert-TP traffic, the expert compute
+under expert TP and the routing-imbalance factor, the expert weights' state per rank. Why beside:
+an experts container's choice does not change any dense unit's layout (ExpertParallel takes and
+returns the replicated token rows its router sees), so the joint optimum is the TP optimum plus
+the best expert option; the ILP stays as it is and fast.
+
+Tokens: the mesh's ep dimension shards the batch (ep borrows from dp; the runtime's default
+mode), so each rank routes ``T = global_batch / (dp x ep) x seq`` tokens; the captured graph is
+one rank's share, so its expert work is already that of T tokens with top-k routed rows (the
+grouped GEMMs' FLOPs). Candidates per group, on mesh (.., ep, .., tp):
+
+- ``expert_parallel``: ExpertParallel(ep_dim): E/ep experts per rank; the all-to-alls of
+  ``ExpertParallel.predicted_collectives`` priced on the ep dimension's link level (intra- or
+  inter-node, cost_models' alpha-beta); expert compute x imbalance; expert state / ep.
+- ``expert_parallel_tp`` (with a tp dimension, 3-D weights, F divisible by tp): + expert TP:
+  compute / tp, one all-reduce over tp forward and one backward; state / (ep x tp).
+- ``replicated``: every expert on every rank; ep is then pure data parallel: the expert
+  gradients are all-reduced over ep; state whole.
+
+Routing imbalance: a stated factor (default 1.0, balanced routing) multiplying the expert
+compute of the expert-parallel options (the busiest rank sets the step); written in the plan's notes.
+What the step time does not see: the ILP's data-parallel cost still counts expert parameters
+unsharded (FSDP bytes in the plan's *collectives* and memory are exact, from the sharded shapes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from autoplan.capture.ir import ModelGraph
+from autoplan.capture.views import module_summary
+from autoplan.search.structure import Work, module_work
+from hyper_parallel.core.collective import Collective
+from hyper_parallel.core.expert_parallel import ExpertParallel
+from hyper_parallel.core.expert_parallel.layouts import ExpertsLayout, read_layout
+from hyper_parallel.errors import HyperParallelError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MoEGroup:
+    """The MoE layer of one block group: its experts container and the shapes that price it."""
+
+    block_prefix: str
+    indices: list[str]
+    rel: str                    # experts container relative to a block, e.g. "mlp.experts"
+    pattern: str                # what the plan styles ("model.layers.*.mlp.experts")
+    count: int                  # MoE layers in the group
+    layout: ExpertsLayout
+    top_k: int
+    work: Work                  # the experts container per call (one rank's tokens)
+    param_bytes: int            # expert weights of one layer, whole
+
+    @property
+    def experts(self) -> int:
+        return self.layout.num_experts
+
+
+@dataclass
+class ExpertOption:
+    name: str
+    style: ExpertParallel | None     # None: replicated experts
+    collectives: list[Collective]    # per step, every layer of the group, on mesh dimension names
+    compute_s: float                 # expert compute per step (all layers)
+    comm_s: float
+    state: dict[str, float]          # params / grads / optimizer bytes of the group's experts per rank (all layers)
+    reason: str
+    excluded: str | None = None      # why it cannot run (then never chosen)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def state_bytes(self) -> float:
+        return sum(self.state.values())
+
+
+@dataclass
+class ExpertChoice:
+    """The expert decision of a plan: per group the chosen option and every candidate."""
+
+    ep_dim: str
+    groups: list[MoEGroup]
+    chosen: list[ExpertOption]
+    options: list[list[ExpertOption]]
+    imbalance: float
+    base_compute_s: float            # what the TP search already counts for the experts (replicated)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def styles(self) -> dict[str, dict]:
+        return {g.pattern: o.style.to_dict() for g, o in zip(self.groups, self.chosen) if o.style is not None}
+
+    def collectives(self) -> list[Collective]:
+        return [c for o in self.chosen for c in o.collectives]
+
+    @property
+    def extra_step_s(self) -> float:
+        """Seconds the experts' strategy adds to the TP search's step (which counts their
+        compute replicated and no expert traffic)."""
+        return sum(o.step_s for o in self.chosen) - self.base_compute_s
+
+    def state_saving(self, replicated_state: float) -> float:
+        return replicated_state - sum(o.state_bytes for o in self.chosen)
+
+
+def _pattern(prefix: str, indices: list[str], siblings: int, rel: str) -> list[str]:
+    if len(indices) == siblings and len(indices) > 1:
+        return [f"{prefix}.*.{rel}" if prefix else f"*.{rel}"]
+    return [f"{prefix}.{i}.{rel}" if prefix else f"{i}.{rel}" for i in indices]
+
+
+def moe_groups(graph: ModelGraph, model, dtype_bytes: int) -> list[MoEGroup]:
+    """Every MoE layer the capture recognised (roles ``moe``), one entry per block group (a
+    group whose block indices are not all of its container's children gets one entry per block,
+    so no pattern names a dense layer). ``dtype_bytes``: the planned parameter dtype's size (the
+    model given may hold another dtype, e.g. fp32 on meta for a bf16 plan)."""
+    rows = None
+    out = []
+    for b in graph.blocks:
+        for e in (b.roles or {}).get("moe", []):
+            if not e.get("experts"):
+                continue
+            fqn = f"{b.representative}.{e['experts']}"
+            try:
+                module = model.get_submodule(fqn)
+                layout = read_layout(module, fqn)
+            except (AttributeError, HyperParallelError) as exc:
+                log.info("expert parallel: %s is not an experts container ExpertParallel takes: %s", fqn, exc)
+                continue
+            siblings = len(list(model.get_submodule(b.prefix).children())) if b.prefix else 1
+            pbytes = sum(p.numel() for p in module.parameters()) * dtype_bytes
+            if rows is None:
+                rows = {r["fqn"]: r for r in module_summary(graph).to_dict("records")}
+            work = module_work(graph, fqn, rows)
+            for pattern in _pattern(b.prefix, list(b.indices), siblings, e["experts"]):
+                n = b.count if "*" in pattern else 1
+                out.append(MoEGroup(b.prefix, list(b.indices), e["experts"], pattern, n, layout,
+                                    int(e.get("top_k") or 1), work, pbytes))
+    return out
+
+
+def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_name: str, ep: int,
+                   tp_name: str | None, tp: int, imbalance: float) -> list[ExpertOption]:
+    """The candidates for one group (see the module docstring), priced per step."""
+    n = group.count
+    base = ctx.compute_time(group.work, 1) * n
+    out = []
+    ar = Collective("all_reduce", "backward", int(group.param_bytes), count=n, dim=ep_name)
+    out.append(ExpertOption("replicated", None, [ar], base, ctx.collective_time(ar), ctx.state_bytes(group.param_bytes * n, 1),
+                            f"every expert on every rank; their gradients all-reduced over {ep_name}"))
+    for etp in ([1, tp] if tp > 1 else [1]):
+        name = "expert_parallel" if etp == 1 else "expert_parallel_tp"
+        style = ExpertParallel(ep_dim=ep_name, tp_dim=tp_name if etp > 1 else None)
+        excluded = None
+        if group.experts % ep:
+            excluded = f"{group.experts} experts are not divisible by {ep_name}={ep}"
+        elif etp > 1 and (group.layout.kind != "stacked" or group.layout.ffn % etp):
+            excluded = (f"expert TP needs 3-D expert weights with F divisible by {tp_name}={etp} "
+                        f"(kind {group.layout.kind}, F={group.layout.ffn})")
+        elif group.layout.kind != "stacked":
+            excluded = "a ModuleList of experts: the planner shards only 3-D expert weights (FSDP cannot wrap " \
+                       "the meta parameters ExpertParallel leaves on the other ranks)"
+        colls: list[Collective] = []
+        if excluded is None:
+            try:
+                per_layer = style.predicted_collectives(tokens=tokens, hidden=group.layout.hidden,
+                                                        ffn=group.layout.ffn, top_k=group.top_k,
+                                                        experts=group.experts, dtype_bytes=dtype_bytes, ep=ep, tp=etp)
+                colls = [dataclasses.replace(c, count=c.count * n) for c in per_layer]
+            except HyperParallelError as exc:
+                excluded = str(exc)
+        compute = ctx.compute_time(group.work, etp) * n * imbalance
+        comm = sum(ctx.collective_time(c) for c in colls)
+        reason = (f"{group.experts // ep if not group.experts % ep else '?'} of {group.experts} experts per rank, "
+                  f"tokens by all-to-all over {ep_name}" + (f", expert weights split over {tp_name}" if etp > 1 else ""))
+        state = ctx.state_bytes(group.param_bytes * n, ep * etp)
+        local = max(group.experts // ep, 1)
+        if ctx.fsdp and ctx.dp > 1 and local % ctx.dp:
+            # FSDP2 shards dim 0 (the E/ep local experts) over dp, padded: with fewer local experts
+            # than dp ranks each rank still holds a whole expert (what the plan's exact bytes show)
+            pad = -(-local // ctx.dp) * ctx.dp / local
+            state = {k: v * pad for k, v in state.items()}
+        out.append(ExpertOption(name, style, colls, compute, comm, state, reason, excluded))
+    return out
+
+
+def choose_experts(groups: list[MoEGroup], ctx, *, tokens: int, dtype_bytes: int, ep_name: str, ep: int,
+                   tp_name: str | None, tp: int, imbalance: float = 1.0,
+                   memory_room: float | None = None, expert_parallel: bool | None = None) -> ExpertChoice:
+    """Per group the fastest option whose expert state fits ``memory_room`` (bytes left per rank
+    after everything else; None: no limit); the smallest-state option when none fits.
+    ``expert_parallel``: True keeps only the ExpertParallel options, False only replicated
+    experts (a constraint, as ``fsdp=`` is); None prices both."""
+    chosen, options, base = [], [], 0.0
+    for g in groups:
+        opts = expert_options(g, ctx, tokens=tokens, dtype_bytes=dtype_bytes, ep_name=ep_name, ep=ep,
+                              tp_name=tp_name, tp=tp, imbalance=imbalance)
+        for o in opts:
+            if o.excluded is None and expert_parallel is not None and (o.style is not None) != expert_parallel:
+                o.excluded = f"expert_parallel={expert_parallel} was asked"
+        runnable = [o for o in opts if o.excluded is None] or opts[:1]
+        room = None if memory_room is None else memory_room / max(len(groups), 1)
+        fits = [o for o in runnable if room is None or o.state_bytes <= room]
+        pick = min(fits, key=lambda o: (o.step_s, o.state_bytes)) if fits else \
+            min(runnable, key=lambda o: (o.state_bytes, o.step_s))
+        chosen.append(pick)
+        options.append(opts)
+        base += opts[0].compute_s
+    notes = [f"expert parallel: routing imbalance factor {imbalance:g} assumed (the busiest rank's expert "
+             f"compute / the balanced share; 1.0 = balanced routing)"]
+    for g, pick, opts in zip(groups, chosen, options):
+        others = ", ".join(f"{o.name} {o.step_s:.3g}s/{o.state_bytes / 2**30:.3g}GiB"
+                           + (f" (excluded: {o.excluded})" if o.excluded else "") for o in opts if o is not pick)
+        notes.append(f"{g.pattern}: {pick.name} ({pick.reason}): {pick.step_s:.3g}s per step, expert state "
+                     f"{pick.state_bytes / 2**30:.3g} GiB per rank; vs {others}")
+    return ExpertChoice(ep_name, groups, chosen, options, imbalance, base, notes)
+
+
+def expert_decision_rows(choice: ExpertChoice) -> list[dict]:
+    """One plan decision row per MoE group, with every candidate (for ``explain``)."""
+    rows = []
+    for g, pick, opts in zip(choice.groups, choice.chosen, choice.options):
+        rows.append({
+            "unit": f"{g.pattern}/experts", "block_prefix": g.block_prefix, "count": g.count,
+            "strategy": pick.name, "stream": "-", "reason": pick.reason, "modules": [g.pattern],
+            "compute_s": pick.compute_s, "comm_s": pick.comm_s, "memory_bytes": int(round(pick.state_bytes)),
+            "module": g.pattern,
+            "options": [{"strategy": o.name, "stream": "-", "compute_s": o.compute_s, "comm_s": o.comm_s,
+                         "memory_bytes": int(round(o.state_bytes)), "reason": o.reason, "excluded": o.excluded}
+                        for o in opts]})
+    return rows

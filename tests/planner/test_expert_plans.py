@@ -1,0 +1,147 @@
+"""Expert parallelism planned by autoplan (parallel.ep): MoE layers recognised, ExpertParallel
+priced against replicated experts, the decision in the plan with its exact collectives; the dry
+run (balanced routing) at world 64 issues exactly the predicted collectives; plans applied on 4
+gloo ranks equal one device for one training step."""
+import pytest
+import torch
+
+from autoplan import autoplan
+from autoplan.errors import PlanSchemaError
+from autoplan.mesh_plan import plan_mesh
+from autoplan.parallelisms import parallelism
+from autoplan.plan import Plan
+from autoplan.verify.dry_run import verify
+from hyper_parallel import ExpertParallel, ParallelDims
+from tests.planner import ep_plan_workers
+from tests.runtime.ep_workers import build
+
+BATCH = (4, 8)
+
+
+def _plan(model, shape, names, hardware="cpu", batch=BATCH, **kw):
+    return plan_mesh(model, ParallelDims(shape, names, hardware=hardware), batch=batch, dtype=torch.float32, **kw)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return build("mixtral")[0]
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return build("qwen3_moe")[0]
+
+
+@pytest.fixture(scope="module")
+def dp_ep_plan(mixtral):
+    return _plan(mixtral, (2, 2), ("dp", "ep"), expert_parallel=True)
+
+
+def test_plan_records_the_expert_decision(mixtral, dp_ep_plan):
+    plan = dp_ep_plan
+    ep = plan.parallel["ep"]
+    assert ep["dim"] == "ep" and ep["imbalance"] == 1.0
+    assert ep["styles"] == {"model.layers.*.mlp.experts": ExpertParallel().to_dict()}
+    rows = plan.predictions["collectives"]
+    a2a = [r for r in rows if r["kind"] == "all_to_all"]
+    # per layer: counts + dispatch + combine forward, two backward; 2 layers
+    assert sum(r["count"] for r in a2a) == 10 and {r["mesh_dim"] for r in a2a} == {"ep"}
+    tokens = BATCH[0] // 4 * BATCH[1]
+    assert {r["bytes"] for r in a2a} == {8 * 8, tokens * 2 * 32 * 4}
+    assert any(r["kind"] == "all_reduce" and r["mesh_dim"] == "ep" for r in rows)   # non-expert grads over ep
+    assert any("routing imbalance factor 1" in n for n in plan.notes)
+    expert_rows = [d for d in plan.decisions if d["unit"].endswith("/experts")]
+    assert [d["strategy"] for d in expert_rows] == ["expert_parallel"]
+    assert {o["strategy"] for o in expert_rows[0]["options"]} == {"replicated", "expert_parallel"}
+    back = Plan.from_json(plan.to_json())
+    assert back.parallel == plan.parallel
+    # the priced choice on a tiny model: latency-bound all-to-alls lose to one all-reduce
+    free = autoplan(mixtral, ParallelDims((2, 2), ("dp", "ep"), hardware="cpu"), batch=BATCH)
+    assert free.parallel["ep"]["styles"] == {} and free.parallel["ep"]["dim"] == "ep"
+
+
+def test_dense_and_moe_layers_get_different_strategies_and_verify_at_world_64():
+    """A Mixtral shape wide enough for tensor parallelism to pay: attention sharded over tp by
+    the TP search, experts split over ep with expert TP; the dry run at 64 ranks issues exactly
+    the predicted collectives (all-to-alls on ep, expert and attention all-reduces on tp, FSDP on dp)."""
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
+                           num_key_value_heads=8, intermediate_size=8192, num_local_experts=8, num_experts_per_tok=2)
+    with torch.device("meta"):
+        model = tf.MixtralForCausalLM(cfg)
+    plan = plan_mesh(model, ParallelDims((8, 4, 2), ("dp", "ep", "tp"), hardware="h100_sxm"), batch=(64, 1024),
+                     expert_parallel=True)
+    strategies = {d["unit"]: d["strategy"] for d in plan.decisions}
+    assert strategies["model.layers.*.mlp.experts/experts"] == "expert_parallel_tp", strategies
+    assert strategies["model.layers/attention"] not in ("replicate", "replicated"), strategies
+    assert "model.layers.*.self_attn" in plan.styles or any("self_attn" in k for k in plan.styles), plan.styles
+    assert plan.parallel["ep"]["styles"]["model.layers.*.mlp.experts"]["args"] == {"tp_dim": "tp"}
+    result = verify(plan, model)
+    assert result.passed, (result.error, result.mismatches())
+    assert {"tp", "ep", "dp"} <= set(result.collectives["parallelism"])
+
+
+def test_section_checks(dp_ep_plan):
+    plan = dp_ep_plan
+    data = plan.to_dict()
+    bad = {**data, "parallel": {**data["parallel"], "ep": None}}
+    with pytest.raises(PlanSchemaError, match="parallel/ep"):
+        Plan.from_dict(bad)
+    style = {"style": "ExpertParallel", "args": {"ep_dim": "ep", "split_tokens": True}}
+    bad = {**data, "parallel": {**data["parallel"], "ep": {**data["parallel"]["ep"],
+                                                           "styles": {"model.layers.*.mlp.experts": style}}}}
+    with pytest.raises(PlanSchemaError, match="split_tokens"):
+        Plan.from_dict(bad)
+    assert parallelism("ep").traffic_dims(plan) == ("ep",)
+
+
+@pytest.mark.parametrize("name,ac", [("mixtral", False), ("qwen3", False), ("mixtral", True)])
+def test_dry_run_matches_at_world_64(name, ac, mixtral, qwen3):
+    """With full recomputation the all-to-alls run again in backward (predicted so)."""
+    model = {"mixtral": mixtral, "qwen3": qwen3}[name]
+    model.config.use_cache = False   # a KV cache grows again under recomputation; training never reads it
+    plan = _plan(model, (8, 4, 2), ("dp", "ep", "tp"), hardware="h100_sxm", batch=(64, 16), expert_parallel=True,
+                 activation_checkpointing=ac)
+    assert plan.parallel["ep"]["styles"] and plan.activation_checkpointing == ac
+    result = verify(plan, model)
+    assert result.passed, (result.error, result.mismatches())
+    assert set(result.collectives["parallelism"]) >= {"ep", "dp"}
+    assert (result.collectives["kind"] == "all_to_all").any()
+
+
+def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
+    """HF Mixtral and the repo MoE model (dense first layer, shared expert, 3-D experts)."""
+    repo = build("repo")[0]
+    ep_tp = _plan(mixtral, (2, 2), ("ep", "tp"), expert_parallel=True)
+    free = _plan(mixtral, (2, 2), ("dp", "ep"), expert_parallel=False)   # ep as data parallel, experts replicated
+    repo_dp_ep = _plan(repo, (2, 2), ("dp", "ep"), expert_parallel=True)
+    repo_ep_tp = _plan(repo, (2, 2), ("ep", "tp"), expert_parallel=True)
+    assert ep_tp.parallel["ep"]["styles"] and not free.parallel["ep"]["styles"]
+    assert repo_dp_ep.parallel["ep"]["styles"] == {"layers.1.feed_forward.experts": ExpertParallel().to_dict()}
+    cases = [("dpxep", dp_ep_plan.to_json(), "mixtral"), ("epxtp", ep_tp.to_json(), "mixtral"),
+             ("dpxep/replicated", free.to_json(), "mixtral"), ("dpxep/repo", repo_dp_ep.to_json(), "repo"),
+             ("epxtp/repo", repo_ep_tp.to_json(), "repo")]
+    reports = pool4.run(ep_plan_workers.run_all, cases)
+    for rank, rep in enumerate(reports):
+        for label, *_ in cases:
+            r = rep[label]
+            assert "error" not in r, (rank, label, r)
+            assert abs(r["ref"] - r["par"]) <= 1e-5 * abs(r["ref"]), (rank, label, r)
+            assert not r["bad_grads"] and not r["bad_params"], (rank, label, r)
+            assert r["local_rows"] == (1 if label.startswith("dp") else 2), (rank, label, r)
+            assert (r["ep_sharded"] > 0) == (not label.endswith("replicated")), (rank, label, r)
+
+
+def test_repo_moe_layer_is_captured_with_routed_flops():
+    """The repo model's experts (autoplan::expert_mm) are traced: an MoE layer with top-k routed
+    GEMM FLOPs (2 x rows x in x out per projection, rows = tokens x top_k), forward and backward."""
+    from autoplan.capture import capture
+    from autoplan.search.structure import module_work
+
+    graph = capture(build("repo")[0], None, batch=(2, 8), dtype=torch.float32)
+    moe = [e for b in graph.blocks for e in (b.roles or {}).get("moe", [])]
+    assert [m["experts"] for m in moe] == ["feed_forward.experts"] and moe[0]["top_k"] == 2
+    rows, h, f = 2 * 8 * 2, 32, 16
+    gemm = 2 * rows * h * 2 * f + 2 * rows * f * h
+    assert module_work(graph, "layers.1.feed_forward.experts").flops >= 3 * gemm
