@@ -120,6 +120,12 @@ class Recompute(Parallelism):
     def apply_to_roots(self, plan, target: ApplyTarget) -> None:
         mode = plan.recompute_mode
         if mode == "full":
+            config = getattr(target.model, "config", None)
+            if getattr(config, "use_cache", False):
+                # a KV cache filled in forward would be filled again by the recomputation (keys
+                # twice as long); training never reads it (the selective path does the same)
+                log.info("full recomputation: setting %s.config.use_cache=False", type(target.model).__name__)
+                config.use_cache = False
             for block in target.blocks:
                 checkpoint_module(block)
         elif mode == "selective":
