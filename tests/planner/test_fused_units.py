@@ -133,7 +133,8 @@ def test_packed_projections_under_fsdp_only_without_bias(structures):
     names = [s.name for s in attention_strategies(phi.attention, phi, 4, "R", fsdp=True)]
     assert "heads_sharded" in names or "heads_sharded_local" in names
     mlp = mlp_strategies(phi.mlp, phi, 4, "R", [], fsdp=True)
-    assert [s.name for s in mlp] == ["replicate", "hidden_sharded"] and not mlp[1].extra.get("no_fsdp")
+    assert [s.name for s in mlp] == ["replicate", "hidden_sharded", "hidden_sharded_owned_output"]
+    assert not mlp[1].extra.get("no_fsdp") and mlp[2].extra["fallback_for"] == "hidden_sharded"
     gpt2 = structures["gpt2"].blocks[0]
     assert gpt2.attention.qkv_bias
     out = attention_strategies(gpt2.attention, gpt2, 4, "R", fsdp=True)
