@@ -52,11 +52,19 @@ def _titan_units(m: nn.Module) -> list[str]:
     return ["tok_embeddings"] + [f"layers.{k}" for k in m.layers.keys()] + ["norm", "output"]
 
 
+def _titan_context(stage, h, kwargs) -> dict:
+    """RoPE for the stage's blocks: the whole table, or -- when the step passes the tokens'
+    global ``positions`` (context parallel: a rank holds a head and a tail chunk of each sequence)
+    -- the table's rows at those positions, as the model's own forward indexes it."""
+    positions = kwargs.get("positions")
+    return {"rope": stage.rope if positions is None else stage.rope[positions]}
+
+
 def _titan_call(stage, fqn, module, h, ctx):
     if fqn.startswith("layers."):
-        # the whole table: h may be a local sequence shard (sequence parallel); attention slices
-        # the table to the length it sees after gathering
-        return module(h, stage.rope)
+        # the whole table (or its rows at the given positions): h may be a local sequence shard
+        # (sequence parallel); attention slices the table to the length it sees after gathering
+        return module(h, ctx.get("rope", stage.rope))
     return module(h)
 
 
@@ -99,7 +107,8 @@ def _hf_call(stage, fqn, module, h, ctx):
 
 
 SPINES: list[Spine] = [
-    Spine("torchtitan-llama", _titan_matches, _titan_units, _titan_call, buffers=lambda m: ["rope"]),
+    Spine("torchtitan-llama", _titan_matches, _titan_units, _titan_call, context=_titan_context,
+          buffers=lambda m: ["rope"]),
     Spine("hf-causal-lm", _hf_matches, _hf_units, _hf_call, context=_hf_context,
           shared=lambda m: ["model.rotary_emb"]),
 ]
