@@ -20,7 +20,7 @@ import torch
 
 from autoplan.api import autoplan
 from autoplan.errors import InfeasiblePlanError, InvalidArgumentError
-from autoplan.plan.plan import Plan
+from autoplan.plan.plan import Plan, fastest_of
 from cost_models.hardware import load_hardware
 from hyper_parallel.parallel_dims import ParallelDims
 
@@ -83,12 +83,7 @@ def plan_context(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             failures.append(f"dp{d} x cp{c} x tp{t}: {str(e).split(';')[0]}")
     if not plans:
         raise InfeasiblePlanError(f"plan_context: no split of {devices} devices fits: {failures}")
-    plans.sort(key=lambda p: p.predictions["step_s"])
-    best = plans[0]
-    best.alternatives = list(best.alternatives) + [
-        {"name": f"cp {dict(zip(p.mesh['names'], p.mesh['shape']))}", "step_s": p.predictions["step_s"],
-         "comm_s": p.predictions["comm_s"], "memory_bytes": p.predictions["memory_bytes"].get("total")}
-        for p in plans[1:]]
+    best = fastest_of(plans, "cp")
     best.notes = list(best.notes) + [f"plan_context: {len(plans)} dp x cp x tp splits fit, {len(failures)} did not"
                                      + (f" ({'; '.join(failures)})" if failures else "")]
     log.info("plan_context: %d splits priced, best %s at %.4g s/step", len(plans),

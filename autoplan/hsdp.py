@@ -29,7 +29,7 @@ import torch
 
 from autoplan.api import autoplan
 from autoplan.errors import InfeasiblePlanError, PlanningError
-from autoplan.plan.plan import Plan
+from autoplan.plan.plan import Plan, fastest_of
 from autoplan.search.mesh_search import (
     DP_REPLICATE, DP_SHARD, hsdp_replicate_rows, hsdp_replicate_time, hsdp_splits,
 )
@@ -117,12 +117,7 @@ def plan_hsdp(model: torch.nn.Module, devices: int, *, tp: int, batch: tuple[int
         plans.append(to_hsdp(sub, r, gb) if r > 1 else sub)
     if not plans:
         raise InfeasiblePlanError(f"plan_hsdp: no (replicate, shard) split of dp={dp} works: {failures}")
-    plans.sort(key=lambda p: p.predictions["step_s"])
-    best = plans[0]
-    best.alternatives = list(best.alternatives) + [
-        {"name": f"hsdp {dict(zip(p.mesh['names'], p.mesh['shape']))}", "step_s": p.predictions["step_s"],
-         "comm_s": p.predictions["comm_s"], "memory_bytes": p.predictions["memory_bytes"].get("total")}
-        for p in plans[1:]]
+    best = fastest_of(plans, "hsdp")
     log.info("plan_hsdp: %d splits priced, best %s at %.4g s/step", len(plans),
              dict(zip(best.mesh["names"], best.mesh["shape"])), best.predictions["step_s"])
     return best

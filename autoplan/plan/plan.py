@@ -354,3 +354,15 @@ class Plan:
         from autoplan.review import plot_timeline  # lazy: review is a layer above Plan
 
         return plot_timeline(self, **kwargs)
+
+
+def fastest_of(plans: list[Plan], label: str) -> Plan:
+    """The plan with the shortest predicted step among ``plans`` (meshes of one device count split
+    different ways), the others appended to its alternatives as ``"<label> {mesh}"`` rows."""
+    plans = sorted(plans, key=lambda p: p.predictions["step_s"])
+    best = plans[0]
+    best.alternatives = list(best.alternatives) + [
+        {"name": f"{label} {dict(zip(p.mesh['names'], p.mesh['shape']))}", "step_s": p.predictions["step_s"],
+         "comm_s": p.predictions["comm_s"], "memory_bytes": p.predictions["memory_bytes"].get("total")}
+        for p in plans[1:]]
+    return best
