@@ -70,6 +70,22 @@ class Parallelism:
         """Consistency of this section with the rest of the plan (mesh, other sections); raise
         PlanSchemaError naming the field. ``roles``: {role: mesh name}; ``degree``: {mesh name: size}."""
 
+    def check_own_dim(self, section, roles: dict[str, str], degree: dict[str, int], needs: str = "") -> bool:
+        """For an entry that owns one mesh dimension (its first role): a null section only where the
+        mesh lacks that dimension or has it of size 1 (``needs`` says what the section would give);
+        otherwise ``dim`` must name it. Returns False for a null section (nothing more to check)."""
+        role = self.roles[0]
+        name = roles.get(role)
+        size = degree.get(name, 1) if name else 1
+        if section is None:
+            if size > 1:
+                raise section_error(self.name, "", f"null, but the mesh has {name}={size}" + (f"; {needs}" if needs else ""))
+            return False
+        if section["dim"] != name:
+            raise section_error(self.name, "dim", f"{section['dim']!r} is not the mesh's {role} dimension (mesh names "
+                                f"{list(degree)}; expected {name!r})")
+        return True
+
     def active(self, plan) -> bool:
         """Whether ``plan`` uses this parallelism."""
         return bool(plan.parallel.get(self.name))

@@ -60,16 +60,11 @@ class ContextParallelism(Parallelism):
                        "exposed_s": {"$ref": _D + "seconds"}}}]}
 
     def check(self, section, data, roles, degree) -> None:
+        if not self.check_own_dim(section, roles, degree, "a plan on a cp dimension must say how its attention "
+                                  "runs (dim, variant)"):
+            return
         name = roles.get("cp")
         size = degree.get(name, 1) if name else 1
-        if section is None:
-            if size > 1:
-                raise section_error("cp", "", f"null, but the mesh has {name}={size}; a plan on a cp dimension "
-                                    "must say how its attention runs (dim, variant)")
-            return
-        if section["dim"] != name:
-            raise section_error("cp", "dim", f"{section['dim']!r} is not the mesh's cp dimension (mesh names "
-                                f"{list(degree)}; expected {name!r})")
         if size < 2:
             raise section_error("cp", "dim", f"{name}={size}: context parallelism needs a cp dimension of size >= 2 "
                                 "(use null for none)")

@@ -316,14 +316,9 @@ class HybridShardedDataParallel(Parallelism):
                        "shard": {"$ref": "#/$defs/positive"}}}]}
 
     def check(self, section, data, roles, degree) -> None:
-        rep_name = roles.get("dp_replicate")
-        if section is None:
-            if rep_name is not None and degree[rep_name] > 1:
-                raise section_error("hsdp", "", f"null, but the mesh has {rep_name}={degree[rep_name]}")
+        if not self.check_own_dim(section, roles, degree):
             return
-        if section["dim"] != rep_name:
-            raise section_error("hsdp", "dim", f"{section['dim']!r} is not the mesh's dp_replicate dimension "
-                                f"(mesh names {list(degree)})")
+        rep_name = roles.get("dp_replicate")
         dp = data["parallel"]["dp"]
         if section["replicate"] != degree[rep_name] or section["shard"] != degree.get(dp["dim"], 0):
             raise section_error("hsdp", "", f"replicate={section['replicate']} x shard={section['shard']} is not the "

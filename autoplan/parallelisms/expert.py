@@ -102,15 +102,10 @@ class ExpertParallelism(Parallelism):
                        "imbalance": {"type": "number", "minimum": 1}}}]}
 
     def check(self, section, data, roles, degree) -> None:
-        ep_name = roles.get("ep")
-        if section is None:
-            if ep_name is not None and degree[ep_name] > 1:
-                raise section_error("ep", "", f"null, but the mesh has {ep_name}={degree[ep_name]}: the dimension "
-                                    "would carry nothing (give an ep section, styles may be empty)")
+        if not self.check_own_dim(section, roles, degree, "the dimension would carry nothing (give an ep section, "
+                                  "styles may be empty)"):
             return
-        if section["dim"] != ep_name:
-            raise section_error("ep", "dim", f"{section['dim']!r} is not the mesh's ep dimension (mesh names "
-                                f"{list(degree)}; expected {ep_name!r})")
+        ep_name = roles.get("ep")
         pp = data["parallel"].get("pp")
         if pp and int(pp.get("pp", 1)) > 1:
             raise section_error("ep", "", "set in a pipelined plan: expert parallel runs on one pipeline stage "
