@@ -223,6 +223,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         if styles is not None:
             t_fix = time.perf_counter()
             chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
+            if not unmatched and not s_ac.checked(chosen_ac, layout_ac):  # a run rejected one: match again
+                chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
             info_ac = SolverInfo("none", "imported", time.perf_counter() - t_fix, 0, 0)
             if unmatched:
                 raise PlanningError(f"autoplan(styles=...): no strategy accounts for {unmatched}")

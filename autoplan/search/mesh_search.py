@@ -237,7 +237,12 @@ class ClusterSearch:
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self._tp[key] = None
                 return None
-            chosen, layout, info = search.solve(None)
+            try:
+                chosen, layout, info = search.solve(None)
+            except InfeasiblePlanError as e:  # the runs rejected what allow_replicated_units=False needs
+                log.info("plan_cluster: tp=%d skipped: %s", tp, e)
+                self._tp[key] = None
+                return None
             self.tp_solver[key] = info
             if not chosen:
                 self._tp[key] = None

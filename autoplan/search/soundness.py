@@ -1,13 +1,18 @@
 """Which candidate strategies survive a run on the model, and how they are repaired.
 
 :class:`~autoplan.search.probe.Prober` runs styled copies of the model; this module decides what
-to run and what the runs mean for the search's candidates (``slots``: unit -> options). For each
-residual-stream layout it first runs the *base* assignment (every unit replicated on that
-stream): on a sequence-sharded stream this alone shows whether modules the planner does not
-shard would see a sequence shard (then the layout is dropped). Then it runs sets of sharded
-options together (the k-th sharded option of every unit), and only when a set fails each of its
-options alone -- so a sound model costs a handful of runs. Rejections carry their reason
-(``Strategy.extra["rejected"]``) into the plan.
+to run and what the runs mean for the search's candidates (``slots``: unit -> options).
+
+Checking is lazy: the ILP solves over every candidate, and only what it *picks* is run
+(:func:`settle`). A probe can only remove an option or make it dearer (a repair adds
+collectives), so when the pick runs clean it is the optimum over the sound options too; when it
+does not, its stream layout goes down the careful path -- the *base* assignment (every unit
+replicated on that stream: on a sequence-sharded stream this alone shows whether modules the
+planner does not shard would see a sequence shard, and the layout is dropped), then sets of
+sharded options together (the k-th of every unit), each option of a failing set alone -- and the
+ILP solves again. A sound model costs one run per tensor-parallel degree plus the shared
+replicated reference. Verdicts are kept per degree (on the prober) for every later search.
+Rejections carry their reason into the plan's notes.
 """
 from __future__ import annotations
 
@@ -54,7 +59,8 @@ class SlotChecker:
     def __init__(self, search, prober: Prober):
         self.search = search
         self.prober = prober
-        self.report = SoundnessReport()
+        self.report = prober.report if prober.report is not None else SoundnessReport()
+        self.judged: set[tuple] = set()            # option keys the careful path decided
         self.units = self._unit_paths()
         self.repairs: dict[tuple, tuple] = {}   # option key -> (module -> dim, param bytes, forward collectives)
         self._base_assignment: dict = {}         # the layout's sound base, once found
@@ -93,30 +99,43 @@ class SlotChecker:
             styles.update(entry.styles)
         return styles
 
-    # -- the check --------------------------------------------------------------------------
-    def check(self, mesh) -> None:
+    # -- the runs ---------------------------------------------------------------------------
+    def reference_fails(self, mesh) -> bool:
+        """Run the unstyled copy once per model (shared by the probers of one search, see
+        Prober.sibling); every sharded option is rejected when even that fails."""
         p = self.prober
-        if p.reference is None:  # shared by the probers of one search (see Prober.sibling)
+        if p.reference is None:
             p.reference = p.run({}, mesh)
             self.report.runs += 1
         if p.reference.error:
-            self._reject_all(f"the model does not run replicated on fake tensors ({p.reference.error})")
+            self.reject_all(f"the model does not run replicated on fake tensors ({p.reference.error})")
+            return True
+        return False
+
+    def pick_is_clean(self, chosen: dict, layout: str, mesh) -> bool:
+        """One run of the solver's whole pick: clean (no error, nothing to repair or reject)
+        settles every option in it."""
+        styles = self.with_entry(chosen, layout)
+        if not styles:
+            return True
+        run = self.prober.run(styles, mesh)
+        self.report.runs += 1
+        return not run.error and not self.prober.findings(run)
+
+    def check_layout(self, layout: str, mesh) -> None:
+        """The careful path for one stream layout: find its sound base (every unit in its
+        simplest form), then run the options no run has judged yet in sets (the k-th of every
+        slot together), splitting a failing set into its options."""
+        everything = self._sharded(layout)
+        self.judged = {_key(slot, o) for slot, opts in everything.items() for o in opts}
+        if not self._base(layout, mesh):
             return
-        if "S" in self.search.layouts and self.search.structure.not_units:
-            where, why = self.search.structure.not_units[0]
-            self._drop_layout("S", f"{where} is not planned as a unit ({why}) and would see a sequence shard")
-        for layout in list(self.search.layouts):
-            sharded = self._sharded(layout)
-            first = self._trial(sharded, 0)
-            if self._optimistic(layout, first, mesh):
-                start = 1  # the base and the first set ran together, clean
-            else:
-                if not self._base(layout, mesh):
-                    continue
-                start = 0
-            depth = max((len(v) for v in sharded.values()), default=0)
-            for k in range(start, depth):
-                self._check_set(self._base_assignment, self._trial(sharded, k), layout, mesh)
+        self.judged |= {_key(slot, o) for slot, o in self._base_assignment.items()}
+        verdicts = self.prober.verdicts or {}
+        sharded = {slot: [o for o in opts if _key(slot, o) not in verdicts] for slot, opts in everything.items()}
+        depth = max((len(v) for v in sharded.values()), default=0)
+        for k in range(depth):
+            self._check_set(self._base_assignment, self._trial(sharded, k), layout, mesh)
 
     def _sharded(self, layout: str) -> dict:
         """Per slot, its sharded options on ``layout``, in the order they are tried."""
@@ -128,23 +147,6 @@ class SlotChecker:
     def _trial(self, sharded: dict, k: int) -> dict:
         """The k-th option of every slot that has one (fallbacks of live primaries left out)."""
         return {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k and not self._primary_alive(slot, opts[k])}
-
-    def _optimistic(self, layout: str, trial: dict, mesh) -> bool:
-        """Run the first base assignment with the first set of sharded options in one go. When that
-        run is clean (no error, no finding: nothing to repair or reject) both are sound and the two
-        separate runs are saved; otherwise nothing is concluded and the careful path runs."""
-        try:
-            base = self.search.assignment(layout, BASE_PREFERENCES[layout][0])
-        except InfeasiblePlanError:
-            return False
-        if not trial:
-            return False
-        run = self.prober.run(self.with_entry(dict(base, **trial), layout), mesh)
-        self.report.runs += 1
-        if run.error or self.prober.findings(run):
-            return False
-        self._base_assignment = base
-        return True
 
     def _base(self, layout: str, mesh) -> bool:
         """Find a sound base assignment for ``layout`` (the stream layout with every unit in its
@@ -251,9 +253,13 @@ class SlotChecker:
 
     def _drop_layout(self, layout: str, why: str) -> None:
         if layout == "R":  # the replicated stream with every unit replicated must run
-            self._reject_all(f"the replicated model fails under the planned styles ({why})")
+            self.reject_all(f"the replicated model fails under the planned styles ({why})")
             return
         self.report.dropped_layouts[layout] = why
+        self.drop_layout_options(layout)
+
+    def drop_layout_options(self, layout: str) -> None:
+        """Remove ``layout`` and every option that only exists on it from the search."""
         self.search.layouts = tuple(x for x in self.search.layouts if x != layout)
         for slot, opts in self.search.slots.items():
             keep = [o for o in opts if o.stream != layout or (slot == "embedding" and o.stream == "R")]
@@ -261,7 +267,16 @@ class SlotChecker:
                 keep = [o for o in opts if o.stream != layout]
             self.search.slots[slot] = keep
 
-    def _reject_all(self, why: str) -> None:
+    def mark_rejected(self) -> None:
+        """Say on each replicated fallback why the sharded options of its unit were rejected
+        (by this search's runs or an earlier search's at the same degree)."""
+        for unit, name, stream, why in self.report.rejected:
+            slot = next((x for x in self.search.slots if self.search.unit_module(x) == unit), unit)
+            for o in self.search.slots.get(slot, []):
+                if o.strategy.name == "replicate" and o.stream in (None, stream):
+                    o.strategy.extra.setdefault("tp_excluded", f"{name} rejected: {why}")
+
+    def reject_all(self, why: str) -> None:
         self.report.skipped = why
         for slot, opts in self.search.slots.items():
             for o in list(opts):
@@ -275,58 +290,97 @@ def _key(slot: str, o) -> tuple:
     return slot, o.strategy.name, o.stream
 
 
+def _batch(search) -> int:
+    """Sequences per micro-batch of ``search`` (the probe runs one sequence; repairs scale)."""
+    blk = search.structure.blocks[0] if search.structure.blocks else None
+    if blk is None:
+        return 1
+    return max(1, blk.hidden_bytes // max(blk.seq_len * blk.dim * search.structure.dtype_bytes, 1))
+
+
+def _shared(prober: Prober) -> tuple[dict, SoundnessReport]:
+    """The verdicts and report every search at the prober's degree shares (set on first use)."""
+    if prober.verdicts is None:
+        prober.verdicts, prober.report = {}, SoundnessReport()
+    return prober.verdicts, prober.report
+
+
 def check_search(search, prober: Prober | None) -> SoundnessReport:
-    """Check ``search.slots`` against the model. The first search of a prober runs the model
-    (one sequence per run); later searches at the same degree (other checkpointing or
-    micro-batch choices) reuse the verdicts, keyed by (unit, strategy, stream), with the
-    repairs' per-sequence collectives scaled to their micro-batch."""
+    """Prepare ``search.slots`` for lazy checking (:func:`settle` checks what the solver picks).
+
+    What needs no run is decided here: a sequence-sharded stream is dropped when a module the
+    planner does not plan would see a sequence shard, and the verdicts earlier searches at the
+    same degree reached are applied -- rejected options leave, repaired ones are rescaled to this
+    search's micro-batch. Options nobody has run stay candidates until the solver picks one."""
     if prober is None or search.tp <= 1:
         return SoundnessReport()
+    verdicts, report = _shared(prober)
     checker = SlotChecker(search, prober)
-    blk = search.structure.blocks[0] if search.structure.blocks else None
-    batch = max(1, blk.hidden_bytes // max(blk.seq_len * blk.dim * search.structure.dtype_bytes, 1)) if blk else 1
-    if prober.verdicts is None:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        t0 = time.perf_counter()
-        before = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
-        if dist.is_initialized():
-            checker._reject_all("a process group is already initialised in this process; plan before "
-                                "init_process_group (or in another process) to check strategies")
-        else:
-            with fake_world(search.tp):
-                checker.check(init_device_mesh("cpu", (search.tp,), mesh_dim_names=("tp",)))
-        after = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
-        prober.verdicts = {k: (checker.repairs.get(k, ()) if k in after else None) for k in before}
-        prober.report = checker.report
-        checker.report.seconds = time.perf_counter() - t0
-        if batch != 1:  # the runs were for one sequence: rescale the repairs
-            for slot, opts in search.slots.items():
-                for o in opts:
-                    fix = checker.repairs.get(_key(slot, o))
-                    if fix:
-                        o.strategy = checker.apply_repair(slot, _unrepaired(o.strategy), fix, batch)
-        return checker.report
+    if "S" in search.layouts and search.structure.not_units and "S" not in report.dropped_layouts:
+        where, why = search.structure.not_units[0]
+        report.dropped_layouts["S"] = f"{where} is not planned as a unit ({why}) and would see a sequence shard"
+    batch = _batch(search)
     for slot, opts in search.slots.items():
         kept = []
         for o in opts:
             k = _key(slot, o)
-            # an option the first search did not have was never run: only a style-free one is kept
-            verdict = prober.verdicts.get(k, () if not o.strategy.styles else None)
-            if verdict is None:
+            if k in verdicts and verdicts[k] is None:
                 continue
-            if verdict:
-                o.strategy = checker.apply_repair(slot, o.strategy, verdict, batch)
+            if verdicts.get(k):
+                o.strategy = checker.apply_repair(slot, o.strategy, verdicts[k], batch)
             kept.append(o)
         search.slots[slot] = kept
-    for unit, name, stream, why in prober.report.rejected:
-        slot = next((x for x in search.slots if search.unit_module(x) == unit), unit)
-        for o in search.slots.get(slot, []):
-            if o.strategy.name == "replicate" and o.stream in (None, stream):
-                o.strategy.extra.setdefault("tp_excluded", f"{name} rejected: {why}")
-    search.layouts = tuple(x for x in search.layouts if x not in prober.report.dropped_layouts)
-    return prober.report
+    checker.mark_rejected()
+    for layout in list(search.layouts):
+        if layout in report.dropped_layouts:
+            checker.drop_layout_options(layout)
+    return report
+
+
+def settle(search, chosen: dict, layout: str) -> bool:
+    """Check the options of the solver's pick that no run has judged yet. One run of the whole
+    pick settles a sound model; a pick that fails or needs a repair sends its stream layout down
+    the careful path (:meth:`SlotChecker.check_layout`). Returns whether ``search.slots`` changed
+    (then the ILP must be solved again: its pick is gone or costs more)."""
+    prober = search.prober
+    if prober is None or search.tp <= 1:
+        return False
+    verdicts, report = _shared(prober)
+    pending = {slot: o for slot, o in chosen.items() if o.strategy.styles and _key(slot, o) not in verdicts}
+    if not pending:
+        return False
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    checker = SlotChecker(search, prober)
+    before = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
+    t0 = time.perf_counter()
+    if dist.is_initialized():
+        checker.reject_all("a process group is already initialised in this process; plan before "
+                           "init_process_group (or in another process) to check strategies")
+    else:
+        with fake_world(search.tp):
+            mesh = init_device_mesh("cpu", (search.tp,), mesh_dim_names=("tp",))
+            if checker.reference_fails(mesh):
+                pass   # every sharded option rejected, the reason in the report
+            elif checker.pick_is_clean(chosen, layout, mesh):
+                verdicts.update({_key(slot, o): () for slot, o in pending.items()})
+            else:
+                checker.check_layout(layout, mesh)
+    report.seconds += time.perf_counter() - t0
+    after = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
+    for k in before - after:
+        verdicts[k] = None
+    for k in checker.judged & after:
+        verdicts.setdefault(k, checker.repairs.get(k, ()))
+    batch = _batch(search)
+    if batch != 1:  # the runs were for one sequence: rescale the repairs
+        for slot, opts in search.slots.items():
+            for o in opts:
+                fix = checker.repairs.get(_key(slot, o))
+                if fix:
+                    o.strategy = checker.apply_repair(slot, _unrepaired(o.strategy), fix, batch)
+    return before != after or bool(checker.repairs)
 
 
 def _unrepaired(strategy):

@@ -31,7 +31,7 @@ from autoplan.search.strategies import (
     norm_strategies,
 )
 from autoplan.search.probe import Prober
-from autoplan.search.soundness import SoundnessReport, check_search
+from autoplan.search.soundness import SoundnessReport, check_search, settle
 from autoplan.search.structure import ModelStructure, Work
 from cost_models.overlap import dp_overlap
 
@@ -228,12 +228,15 @@ class TPSearch:
                     self._add("head", s, "", 1, st.head.work, pb)
         self._add("rest", Strategy("replicate", None, {}, []), "", 1, st.rest, st.rest.param_bytes)
         self.soundness = check_search(self, self.prober)
+        self._held_fallbacks: list[Option] = []
         self._drop_unneeded_fallbacks()
+        self._check_sequence_parallel()
+        self._require_sharded()
+
+    def _check_sequence_parallel(self) -> None:
         if self.sequence_parallel is True and "S" not in self.layouts:
             raise InfeasiblePlanError(
                 f"sequence_parallel=True: {'; '.join(self.soundness.notes())}")
-        if not self.allow_replicated:
-            self._drop_replicated()
 
     def _owner(self, b) -> str:
         """Pattern(s) naming the members of block group ``b``. The largest group under a prefix
@@ -263,28 +266,49 @@ class TPSearch:
         return fixed.get(slot) or slot
 
     def _drop_unneeded_fallbacks(self) -> None:
-        """A strategy marked ``fallback_for`` another stays a candidate only if that one was
-        rejected: equal in cost, the two would otherwise tie."""
+        """A strategy marked ``fallback_for`` another stays a candidate only while that one is
+        not: equal in cost, the two would otherwise tie. Held back, it returns when its primary
+        is rejected (see ``solve``)."""
         for slot, opts in self.slots.items():
             names = {(o.strategy.name, o.stream) for o in opts}
-            self.slots[slot] = [o for o in opts
-                                if (o.strategy.extra.get("fallback_for"), o.stream) not in names]
+            held = [o for o in opts if (o.strategy.extra.get("fallback_for"), o.stream) in names]
+            self._held_fallbacks += held
+            self.slots[slot] = [o for o in opts if o not in held]
 
-    def _drop_replicated(self) -> None:
+    def _restore_fallbacks(self) -> None:
+        keep = []
+        for o in self._held_fallbacks:
+            opts = self.slots.get(o.slot)
+            if opts is None:
+                continue
+            if any(x.strategy.name == o.strategy.extra.get("fallback_for") and x.stream == o.stream for x in opts):
+                keep.append(o)
+            elif o.stream in (None,) + tuple(self.layouts) or o.slot == "embedding":
+                opts.append(o)
+                opts.sort(key=lambda x: x.rank)
+        self._held_fallbacks = keep
+
+    def _must_shard(self, slot: str) -> bool:
+        """With ``allow_replicated=False`` the ILP may not pick a replicated attention, MLP,
+        embedding or head (the options stay: the probe's base assignment runs them)."""
+        return not self.allow_replicated and (slot.endswith(("/attention", "/cross_attention", "/mlp"))
+                                              or slot in ("embedding", "head"))
+
+    def _require_sharded(self) -> None:
+        """Raise when ``allow_replicated=False`` leaves a unit without any sharded candidate."""
+        if self.allow_replicated:
+            return
         if self.structure.not_units:
             where, why = self.structure.not_units[0]
             raise InfeasiblePlanError(f"{where}: cannot be tensor-parallel at tp={self.tp}: {why}; "
                                       f"allow replicated units")
-        for slot in list(self.slots):
-            if slot.endswith(("/attention", "/cross_attention", "/mlp")) or slot in ("embedding", "head"):
-                sharded = [o for o in self.slots[slot] if o.strategy.name != "replicate"]
-                if not sharded:
-                    why = next((o.strategy.extra.get("tp_excluded") for o in self.slots[slot]
-                                if o.strategy.extra.get("tp_excluded")), "no sharded strategy applies")
-                    raise InfeasiblePlanError(
-                        f"{self.unit_module(slot)}: cannot be tensor-parallel at tp={self.tp}: {why}; "
-                        f"allow replicated units or choose another tp degree")
-                self.slots[slot] = sharded
+        for slot in self.slots:
+            if self._must_shard(slot) and all(o.strategy.name == "replicate" for o in self.slots[slot]):
+                why = next((o.strategy.extra.get("tp_excluded") for o in self.slots[slot]
+                            if o.strategy.extra.get("tp_excluded")), "no sharded strategy applies")
+                raise InfeasiblePlanError(
+                    f"{self.unit_module(slot)}: cannot be tensor-parallel at tp={self.tp}: {why}; "
+                    f"allow replicated units or choose another tp degree")
 
     def fsdp_latency(self) -> float:
         """Per-call cost of FSDP's collectives: one set per wrapped block plus the root, whatever
@@ -384,6 +408,24 @@ class TPSearch:
 
     # ------------------------------------------------------------------ ILP
     def solve(self, memory_limit: float | None = None, objective: str = "time") -> tuple[dict[str, Option], str, SolverInfo]:
+        """The cheapest assignment whose every option has run sound on the model (soundness.settle):
+        solve, run the pick, and solve again whenever the run removed or repaired an option."""
+        while True:
+            chosen, layout, info = self._solve_once(memory_limit, objective)
+            if not chosen or objective != "time" or not settle(self, chosen, layout):
+                return chosen, layout, info
+            self._restore_fallbacks()
+            self._check_sequence_parallel()
+            self._require_sharded()
+
+    def checked(self, chosen: dict[str, Option], layout: str) -> bool:
+        """Run ``chosen`` (e.g. a hand-written plan's options) on the model when no run has judged
+        it; False when that removed one of its options (the caller matches again)."""
+        settle(self, chosen, layout)
+        self._restore_fallbacks()
+        return all(any(o is x for x in self.slots.get(slot, [])) for slot, o in chosen.items())
+
+    def _solve_once(self, memory_limit: float | None, objective: str) -> tuple[dict[str, Option], str, SolverInfo]:
         prob = pulp.LpProblem("tp_styles", pulp.LpMinimize)
         z = {L: pulp.LpVariable(f"stream_{L}", cat="Binary") for L in self.layouts}
         prob += pulp.lpSum(z.values()) == 1, "one_stream_layout"
@@ -398,6 +440,10 @@ class TPSearch:
                     prob += pulp.lpSum(x[slot, o.rank] for o in opts if o.stream == L) == z[L], f"agree_{_safe(slot)}_{L}"
         cost, mem = [], []
         for slot, opts in self.slots.items():
+            if self._must_shard(slot):
+                for o in opts:
+                    if o.strategy.name == "replicate":
+                        x[slot, o.rank].upBound = 0
             for o in opts:
                 c = self.option_cost(o) if objective == "time" else 0.0
                 cost.append((c + TIE_EPS * o.rank) * x[slot, o.rank])
