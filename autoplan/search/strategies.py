@@ -160,6 +160,9 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     if why is None and a.fixed_head_count:
         plain_why = "q/k/v are reshaped by the global head count with another dimension inferred (a column " \
                     "shard would fold heads into the sequence, silently)"
+    if why is None and a.folded_heads:
+        plain_why = "it receives per-head tensors folded into the batch dimension (e.g. an ALiBi bias), which " \
+                    "must be cut to the rank's heads"
     if why is None:
         cols, reason, extra = column
         # a cross-attention's k and v (or fused kv) projections each annotate the encoder's states
@@ -182,9 +185,12 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             counts = ", ".join(sorted(a.head_attrs))
             out.append(Strategy("heads_sharded_local", layout,
                                 {a.rel: PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,),
-                                                          local_attributes=sorted(a.head_attrs)), **rows},
+                                                          local_attributes=sorted(a.head_attrs),
+                                                          folded_heads=a.folded_heads or None), **rows},
                                 comm, compute_shard=t, param_shard=t, activation_shard=t,
-                                reason=f"{reason}; the module's {counts} set to their local values",
+                                reason=f"{reason}; the module's {counts} set to their local values" +
+                                       (f"; per-head inputs folded into the batch cut by {a.folded_heads}"
+                                        if a.folded_heads else ""),
                                 extra={**extra, "fallback_for": "heads_sharded"}))
         if plain_why is None and layout == "R":
             # the same shards with the module's inputs left plain tensors: for attention that

@@ -75,6 +75,9 @@ class AttentionUnit:
     # states): its bytes. Each column projection annotates it on its own, so each reduces its
     # input gradient in backward (0: k/v read the module's input, as self-attention does)
     kv_input_bytes: int = 0
+    # the head-count attribute by which per-head tensors it receives with heads folded into the
+    # batch dimension are cut (Bloom's ALiBi bias, (batch * heads, 1, seq)); "" when none
+    folded_heads: str = ""
 
     @property
     def projections(self) -> list[str]:
@@ -261,24 +264,57 @@ def head_attributes(graph: ModelGraph, fqn: str, a: dict) -> dict[str, int]:
     return out
 
 
+def folded_head_inputs(graph: ModelGraph, where: str, first: str, n_heads: int) -> bool:
+    """Whether the attention module ``where`` reads a tensor made outside it whose leading
+    dimension is batch x ``n_heads`` (batch: the first projection ``first``'s input): per-head
+    rows folded into the batch, which must be cut to the rank's heads with them."""
+    inside = lambda m: m == where or m.startswith(where + ".")   # noqa: E731
+    module_of = {n.name: n.module for n in graph.nodes}
+    batch = next((n.inputs[0].shape[0] for n in graph.nodes if n.module == first and n.inputs
+                  and len(n.inputs[0].shape) == 3), 0)
+    if not batch:
+        return False
+    for n in graph.nodes:
+        if not inside(n.module):
+            continue
+        for meta, src in zip(n.inputs, n.input_nodes):
+            outside = src.startswith("input:") or (src in module_of and not inside(module_of[src]))
+            if outside and meta.shape and meta.shape[0] == batch * n_heads and n_heads > 1:
+                return True
+    return False
+
+
+def _folded_attr(graph: ModelGraph, rep: str, a: dict, where: str, attrs: dict[str, int]) -> str:
+    n = int(a["n_heads"])
+    counts = sorted(k for k, v in attrs.items() if v == n and "head" in k.rsplit(".", 1)[-1].lower()
+                    and not any(w in k.rsplit(".", 1)[-1].lower() for w in _WIDTH_WORDS))
+    if not counts or not a["module"]:
+        return ""
+    p = a["projections"]
+    first = f"{rep}.{p.get('qkv') or p.get('q')}"
+    return counts[0] if folded_head_inputs(graph, where, first, n) else ""
+
+
 def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit | str:
     """The planner unit of one attention found in block ``rep`` (roles), or why it is none."""
     p = a["projections"]
     where = f"{rep}.{a['module']}" if a["module"] else rep
     attrs = head_attributes(graph, where, a) if a["module"] else {}
+    folded = _folded_attr(graph, rep, a, where, attrs)
     own = work(f"{rep}.{a['module']}")   # nothing of its own when its projections sit in the block
     if "qkv" in p and "o" in p:
         lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
         return AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                              own, qkv=p["qkv"], qkv_layout=a.get("qkv_layout", "unknown"),
                              qkv_groups=int(a.get("qkv_groups", 0)), fixed_head_count=bool(a.get("fixed_head_count")),
-                             head_attrs=attrs, qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"))
+                             head_attrs=attrs, qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"), folded_heads=folded)
     if not all(k in p for k in "qkvo"):
         fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
         return f"its projections ({fused}) are incomplete (no output projection found)"
     lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in "qkvo")
     return AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
-                         own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs)
+                         own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs,
+                         folded_heads=folded)
 
 
 def _bias_table(graph: ModelGraph, rep: str, unit: AttentionUnit) -> str:

@@ -7,7 +7,8 @@ The slice covers one family per hazard: a norm over the full projection width on
 (GPT-NeoX), a fused [q|k|v] cut by the global head count its config stores (Phi-3: sharded with
 the count made local), Conv1D layers (GPT-2), relative position bias and two stacks
 (T5), a decoder's cross-attention sharded by heads beside its self-attention under FSDP (BART), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
-biases on the sequence-sharded stream (Starcoder2), Falcon's grouped fused q/k/v and in-place MLP output."""
+biases on the sequence-sharded stream (Starcoder2), Falcon's grouped fused q/k/v and in-place MLP output, Bloom's
+ALiBi bias (per-head rows folded into the batch)."""
 import pytest
 
 from autoplan.verify.corpus import run_case
@@ -28,6 +29,8 @@ SLICE = [
     ("starcoder2", "tp4", "forced_S", ()),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place
     ("falcon", "dp2_tp2", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded_owned_output")),
+    # Bloom: ALiBi bias built once by the model with heads folded into the batch, cut to the rank's heads
+    ("bloom", "dp2_tp2", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
 ]
 
 

@@ -4,6 +4,7 @@ import json
 import types
 
 import pytest
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -93,3 +94,41 @@ def test_failure_while_applying_restores_counts_and_config(mesh4):
     with pytest.raises(RuntimeError, match="boom"):
         parallelize_module(m, mesh4, {"attn": style("config.num_heads", "num_heads"), "attn.qkv": Boom()})
     assert m.attn.num_heads == 8 and m.attn.config is m.config and m.config.num_heads == 8
+
+
+def test_folded_heads_round_trips_and_must_name_a_local_attribute():
+    s = PrepareHeadsInput(input_layouts=R, desired_input_layouts=R, local_attributes=["num_heads"],
+                          folded_heads="num_heads")
+    back = style_from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back == s and back.folded_heads == "num_heads"
+    with pytest.raises(StyleSpecError, match="folded_heads='n_head' must be one of local_attributes"):
+        PrepareHeadsInput(input_layouts=R, desired_input_layouts=R, local_attributes=["num_heads"],
+                          folded_heads="n_head")
+
+
+class BiasedAttn(nn.Module):
+    """Adds a per-head bias passed in with heads folded into the batch (Bloom's ALiBi)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads = 8
+        self.seen = {}
+
+    def forward(self, x, bias, mask=None, *, alibi=None):
+        self.seen = {"bias": tuple(bias.shape), "alibi": tuple(alibi.shape), "mask": tuple(mask.shape)}
+        return x, bias, alibi
+
+
+def test_folded_inputs_keep_the_ranks_heads_rows(mesh4):
+    m = nn.Module()
+    m.attn = BiasedAttn()
+    parallelize_module(m, mesh4, {"attn": PrepareHeadsInput(input_layouts=R, desired_input_layouts=R,
+                                                            local_attributes=["num_heads"], folded_heads="num_heads")})
+    b, heads = 3, 8
+    bias = torch.arange(b * heads, dtype=torch.float32).reshape(b * heads, 1, 1)
+    mask = torch.zeros(b, 1, 5)       # leading dim is the batch, not batch x heads: untouched
+    _, got_bias, got_alibi = m.attn(torch.zeros(b, 5, 4), bias, mask, alibi=bias.clone())
+    rank = mesh4.get_local_rank()
+    want = bias.reshape(b, heads)[:, rank * 2:(rank + 1) * 2].reshape(b * 2, 1, 1)
+    assert torch.equal(got_bias, want) and torch.equal(got_alibi, want)
+    assert m.attn.seen["mask"] == (b, 1, 5)

@@ -10,13 +10,22 @@ private copy of an object it holds such as its ``config`` (shared by every layer
 the model, so never changed in place). The plan names attributes, not values, so one plan fits
 a model of any width (planned at full size, checked on a small copy); each attribute must exist,
 be an int and divide evenly, or nothing is applied.
+
+``folded_heads`` names the attribute holding the global head count when the module also receives
+per-head tensors with the heads folded into the batch dimension (Bloom's ALiBi bias, built once
+by the model as ``(batch * heads, 1, seq)`` and passed to every layer): any tensor input after
+the first -- positional or keyword -- whose leading dimension is ``batch * heads`` (batch: the
+first input's) keeps only this rank's heads' rows. Such inputs are built from the sequence, not
+learned, so the slice needs no gradient of its own; DTensor inputs are left to the layouts.
 """
 from __future__ import annotations
 
 import copy
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, check_divides
 from hyper_parallel.core.tensor_parallel.prepare_styles import PrepareModuleInput
@@ -40,11 +49,15 @@ class PrepareHeadsInput(PrepareModuleInput):
     ``object.name`` through one non-module object (``config.num_attention_heads``), which is
     then copied for this module."""
 
-    _args = {**PrepareModuleInput._args, "local_attributes": None}
+    _args = {**PrepareModuleInput._args, "local_attributes": None, "folded_heads": None}
 
-    def __init__(self, *, local_attributes: list[str] | None = None, **kwargs):
+    def __init__(self, *, local_attributes: list[str] | None = None, folded_heads: str | None = None, **kwargs):
         super().__init__(**kwargs)
         where = type(self).__name__
+        if folded_heads is not None and folded_heads not in (local_attributes or []):
+            raise StyleSpecError(f"{where}: folded_heads={folded_heads!r} must be one of local_attributes "
+                                 f"{local_attributes!r} (the head count the folded inputs are cut by)")
+        self.folded_heads = folded_heads
         if not isinstance(local_attributes, (list, tuple)) or not local_attributes:
             raise StyleSpecError(f"{where}: local_attributes must be a non-empty list of attribute paths, "
                                  f"got {local_attributes!r}")
@@ -79,4 +92,27 @@ class PrepareHeadsInput(PrepareModuleInput):
                 copied.add(hop)
             obj, name = _owner(module, path)
             record.set_attr(obj, name, getattr(obj, name) // size)
-        return super().apply(module, mesh, record, fqn)
+        out = super().apply(module, mesh, record, fqn)
+        if self.folded_heads is not None:   # runs after the layouts' hook: the first input is settled
+            record.add_hook(module.register_forward_pre_hook(self._unfold(module, mesh), with_kwargs=True))
+        return out
+
+    def _unfold(self, module: nn.Module, mesh: DeviceMesh):
+        obj, name = _owner(module, self.folded_heads)
+        size, rank = mesh.size(), mesh.get_local_rank()
+
+        def cut(x, batch: int):
+            local = getattr(obj, name)      # already the local count
+            heads = local * size
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() == 0 or x.shape[0] != batch * heads:
+                return x
+            rows = x.reshape(batch, heads, *x.shape[1:])[:, rank * local:(rank + 1) * local]
+            return rows.reshape(batch * local, *x.shape[1:])
+
+        def hook(mod, args, kwargs):
+            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() == 0:
+                return None
+            batch = args[0].shape[0]
+            return (args[0], *(cut(a, batch) for a in args[1:])), {k: cut(v, batch) for k, v in kwargs.items()}
+        return hook
+
