@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.errors import PlanSchemaError
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
 from hyper_parallel import fully_shard
-from hyper_parallel.core.dtensor import fsdp_shard_placement
+from hyper_parallel.core.dtensor import fsdp_shard_placement, fsdp_unshardable
 from hyper_parallel.errors import MeshError
 
 
@@ -293,7 +293,11 @@ class DataParallel(Parallelism):
         if mode != "fsdp" or mesh is None or mesh.size() == 1:
             return
         kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
-        ignored = target.ignored_params or None
+        # parameters FSDP2 cannot shard (a packed projection's bias) stay replicated over dp: the
+        # runner averages their gradients in one all-reduce after backward
+        unshardable = [p for root in target.roots for p in fsdp_unshardable(root)]
+        target.state["fsdp_replicated"] = unshardable
+        ignored = (set(target.ignored_params) | set(unshardable)) or None
         for block in target.blocks:
             fully_shard(block, mesh=mesh, ignored_params=ignored, **kw)
         for root in target.roots:

@@ -79,6 +79,8 @@ class PipelineRunner:
         if getattr(self, "replicate_dp", False):
             params = [p for st in self.stages for p in unique_params(st.module)]
             allreduce_gradients(params, self.dp_mesh.get_group(), self.dp_mesh.size())
+        elif getattr(self, "fsdp_replicated", None):   # left out of FSDP (parallelisms.data)
+            allreduce_gradients(self.fsdp_replicated, dp_group(self.dp_mesh), self.dp_mesh.size())
         return False
 
     def step(self, batch) -> float:
@@ -161,6 +163,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank,
                             dp_mesh if (use_dp or replicate_dp or zero1_dp) else None)
     runner.replicate_dp = replicate_dp
+    runner.fsdp_replicated = target.state.get("fsdp_replicated", []) if use_dp else []
     runner.zero1 = Zero1([p for st in stages for p in unique_params(st.module)], dp_mesh.get_group(),
                          dp_mesh.size(), dp_mesh.get_local_rank()) if zero1_dp else None
     return runner

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms import ApplyTarget
 from autoplan.parallelisms.context import cp_share
-from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_share, unique_params
+from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_share, unique_params
 from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class Runner:
     def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
                  replicate_dp: bool = False, zero1: Zero1 | None = None, batch_mesh=None, cp_mesh=None,
-                 ep_mesh=None, ep_sync=None):
+                 ep_mesh=None, ep_sync=None, fsdp_replicated=()):
         self.model = model
         self.plan = plan
         self.optimizer = optimizer
@@ -42,6 +42,7 @@ class Runner:
         self.zero1 = zero1                # ZeRO-1: sharded optimizer step after backward
         self.ep_mesh = ep_mesh            # expert parallel: the ep dimension shards the batch too
         self.ep_sync = ep_sync            # ... and averages gradients over it (parallelisms.expert)
+        self.fsdp_replicated = list(fsdp_replicated)   # left out of FSDP: gradients averaged over dp
 
     def data_parallel_step(self) -> bool:
         """What follows backward on the dp group: replicated dp all-reduces the gradients;
@@ -55,6 +56,8 @@ class Runner:
             return True
         if self.replicate_dp:
             allreduce_gradients(unique_params(self.model), self.dp_mesh.get_group(), self.dp_mesh.size())
+        elif self.fsdp_replicated:
+            allreduce_gradients(self.fsdp_replicated, dp_group(self.dp_mesh), self.dp_mesh.size())
         return False
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
@@ -133,4 +136,5 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
     return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=use_dp and mode == "replicate", zero1=zero1,
                   batch_mesh=target.state.get("batch_mesh"), cp_mesh=cp_mesh,
-                  ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"))
+                  ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"),
+                  fsdp_replicated=target.state.get("fsdp_replicated", ()) if mode == "fsdp" and use_dp else ())

@@ -172,8 +172,11 @@ def to_python(plan) -> str:
         # packed (strided) weights are FSDP-sharded on their other dimension, as plan.apply does
         packed = any((s.get("args") or {}).get("packed", 1) != 1 for s in styles.values())
         kw = ", shard_placement_fn=fsdp_shard_placement" if packed else ""
-        if packed:
-            lines.insert(3, "from hyper_parallel.core.dtensor import fsdp_shard_placement")
+        if packed:   # ... and a packed projection's bias stays replicated over dp (fsdp_unshardable)
+            kw += ", ignored_params=replicated"
+            lines.insert(3, "from hyper_parallel.core.dtensor import fsdp_shard_placement, fsdp_unshardable")
+            lines.append("replicated = set(fsdp_unshardable(model))  # average their gradients over dp after "
+                         "backward")
         prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix") is not None})
         for prefix in prefixes:
             lines += [f"for block in model.get_submodule({prefix!r}).children():",

@@ -33,6 +33,7 @@ from autoplan.search.pipeline_search import (
     time_choice,
 )
 from autoplan.search.probe import Prober
+from autoplan.search.strategies import PACKED_BIAS
 from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import TPSearch, exposed_dp
 from cost_models.hardware import load_hardware
@@ -276,8 +277,8 @@ class ClusterSearch:
             self._units[key] = None
             return None
         options, layout = sol
-        if fsdp == "fsdp" and dp > 1 and any(o.strategy.extra.get("no_fsdp") for o in options):
-            self._units[key] = None  # e.g. packed projections: see strategies.mlp_strategies
+        if fsdp == "fsdp" and dp > 1 and any(o.strategy.extra.get(PACKED_BIAS) for o in options):
+            self._units[key] = None  # FSDP mixed precision and a packed bias: see strategies._PACKED_BIAS
             return None
         ctx = self.ctx(dp, pp, tp, fsdp, ac)
         names = self.unit_names

@@ -56,12 +56,16 @@ class ParamShard:
     local_shape: tuple[int, ...]   # after tensor parallel, rank 0
     dtype_bytes: int
     # the dimension FSDP2 shards: 0, or 1 for a weight strided-sharded on dim 0 by a packed
-    # projection (hyper_parallel.core.dtensor.fsdp_shard_placement, what the runners pass)
-    fsdp_dim: int = 0
+    # projection (hyper_parallel.core.dtensor.fsdp_shard_placement, what the runners pass); None
+    # for a packed projection's bias, which FSDP leaves replicated (fsdp_unshardable): its
+    # gradient is all-reduced over dp after backward
+    fsdp_dim: int | None = 0
 
     def fsdp_local_numel(self, dp: int) -> int:
         if not self.local_shape:
             return 1
+        if self.fsdp_dim is None:
+            return math.prod(self.local_shape)
         d = self.local_shape[self.fsdp_dim]
         return math.ceil(d / dp) * math.prod(self.local_shape) // max(d, 1)
 
@@ -105,7 +109,9 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
             strided_rows = dim == 0 and tp > 1 and owner_packed.get(owner, 1) > 1 and len(shape) > 1
             unit = next((f"{p}.{rest.split('.')[0]}" for p in block_prefixes
                          if full.startswith(p + ".") and (rest := full[len(p) + 1:]).count(".") >= 1), "")
-            out.append(ParamShard(full, unit, tuple(local), dtype_bytes, 1 if strided_rows else 0))
+            strided_bias = dim == 0 and tp > 1 and owner_packed.get(owner, 1) > 1 and len(shape) == 1
+            out.append(ParamShard(full, unit, tuple(local), dtype_bytes,
+                                  None if strided_bias else 1 if strided_rows else 0))
     return out
 
 
@@ -127,11 +133,16 @@ def fsdp_collectives(shards: list[ParamShard], dp: int, dp_dim: str) -> list[dic
     """The collectives FSDP2 issues over ``dp_dim`` in one forward+backward: per block unit an
     all-gather in forward, another in backward (resharded after forward) and a reduce-scatter
     in backward; the root unit all-gathers once (it stays unsharded for backward) and
-    reduce-scatters at the end of backward."""
+    reduce-scatters at the end of backward; parameters FSDP cannot shard (``fsdp_dim`` None) are
+    averaged in one all-reduce."""
     units: dict[str, int] = {}
+    replicated = 0    # parameters FSDP leaves alone: one all-reduce of their gradients after backward
     for s in shards:
+        if s.fsdp_dim is None:
+            replicated += s.fsdp_local_numel(dp) * s.dtype_bytes
+            continue
         units[s.unit] = units.get(s.unit, 0) + s.fsdp_padded_numel(dp) * s.dtype_bytes
-    rows = []
+    rows = [("all_reduce", "backward", replicated)] if replicated else []
     for unit, nbytes in sorted(units.items()):
         if unit:
             rows += [("all_gather", "forward", nbytes), ("all_gather", "backward", nbytes),

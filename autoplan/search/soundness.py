@@ -173,7 +173,7 @@ class SlotChecker:
 
     def _primary_alive(self, slot: str, option) -> bool:
         """Whether ``option`` is a fallback whose primary (checked earlier: it comes first) is still
-        a candidate, so the fallback will be dropped unrun (TPSearch._drop_unneeded_fallbacks)."""
+        a candidate, so the ILP would not pick the fallback (TPSearch._held_back)."""
         primary = option.strategy.extra.get("fallback_for")
         return primary is not None and any(o.strategy.name == primary and o.stream == option.stream
                                            for o in self.search.slots.get(slot, []))

@@ -100,10 +100,11 @@ def _grad_all_reduces(param_bytes: list[int]) -> list[Collective]:
     return [Collective("all_reduce", "backward", b) for b in param_bytes]
 
 
-# FSDP2 shards a packed (strided) weight on its other dimension; a 1-D bias has none
-# (hyper_parallel.core.dtensor.fsdp_placement)
-_PACKED_BIAS_FSDP = ("a packed {what} projection with a bias is not sharded under FSDP (FSDP2 would shard its "
-                     "strided bias again on its only dimension and scramble its global view)")
+# FSDP2 shards a packed (strided) weight on its other dimension; a 1-D bias has none, so FSDP
+# leaves it replicated and the runner all-reduces its gradient over dp
+# (hyper_parallel.core.dtensor.fsdp_unshardable). Under FSDP mixed precision that bias would stay
+# in fp32 beside bf16 weights: the cluster search, which always casts, does not offer it then.
+PACKED_BIAS = "fsdp_replicated_bias"
 
 
 def _column_styles(a: AttentionUnit, t: int) -> tuple[dict[str, ParallelStyle], str, dict] | str:
@@ -129,12 +130,11 @@ def _column_styles(a: AttentionUnit, t: int) -> tuple[dict[str, ParallelStyle], 
             return "a fused [q|k|v] with fewer KV heads than query heads (unequal widths) is not sharded"
         return ({a.qkv: ColwiseParallel(packed=3)},
                 "fused [q|k|v] column-wise, each rank its slice of q, k and v (strided), o row-wise",
-                {"no_fsdp": "packed q/k/v projection with a bias under FSDP"} if a.qkv_bias else {})
+                {PACKED_BIAS: "packed q/k/v projection's bias"} if a.qkv_bias else {})
     return "the fused q/k/v projection's output layout was not recognised"
 
 
-def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str,
-                         fsdp: bool = False) -> list[Strategy]:
+def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
     if not a.rel:
@@ -154,8 +154,6 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     column = _column_styles(a, t) if why is None else why
     if isinstance(column, str):
         why = column
-    elif column[2].get("no_fsdp") and fsdp:
-        why = _PACKED_BIAS_FSDP.format(what="[q|k|v]")
     plain_why = why
     if why is None and a.fixed_head_count:
         plain_why = "q/k/v are reshaped by the global head count with another dimension inferred (a column " \
@@ -208,8 +206,7 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     return out
 
 
-def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int],
-                   fsdp: bool = False) -> list[Strategy]:
+def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
     if not m.rel:
@@ -245,24 +242,19 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         styles[m.down] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
         comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
         # packed [gate|up] rows are a strided tensor-parallel shard: FSDP2 shards such a weight on
-        # its other dimension (fsdp_shard_placement), a bias it cannot
-        packed = {"no_fsdp": "packed gate/up projection with a bias under FSDP"} \
-            if m.packed > 1 and m.up_bias else {}
-        if not (packed and fsdp):
-            reason = "up/gate column-wise, down row-wise (Megatron)" + \
-                (" with the fused [gate|up] rows sharded per projection" if m.packed > 1 else "")
-            out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=k, param_shard=k,
-                                activation_shard=k, extra=dict(packed, **_uneven("MLP hidden", m.hidden, t)),
-                                reason=reason))
-            # the same for a block that modifies the MLP's output in place (Falcon: mlp_output +=
-            # attention_output): the down projection returns a copy it may modify
-            owned = dict(styles, **{m.down: RowwiseParallel(output_layouts=_PLACEMENT[layout], owned_output=True)})
-            out.append(Strategy("hidden_sharded_owned_output", layout, owned, comm, compute_shard=k, param_shard=k,
-                                activation_shard=k, reason=f"{reason}; its output copied for in-place use",
-                                extra=dict(packed, fallback_for="hidden_sharded",
-                                           **_uneven("MLP hidden", m.hidden, t))))
-        elif layout == out[0].stream:
-            out[0].extra["tp_excluded"] = _PACKED_BIAS_FSDP.format(what="[gate|up]")
+        # its other dimension (fsdp_shard_placement), its bias not at all (PACKED_BIAS)
+        packed = {PACKED_BIAS: "packed gate/up projection's bias"} if m.packed > 1 and m.up_bias else {}
+        reason = "up/gate column-wise, down row-wise (Megatron)" + \
+            (" with the fused [gate|up] rows sharded per projection" if m.packed > 1 else "")
+        out.append(Strategy("hidden_sharded", layout, styles, comm, compute_shard=k, param_shard=k,
+                            activation_shard=k, extra=dict(packed, **_uneven("MLP hidden", m.hidden, t)),
+                            reason=reason))
+        # the same for a block that modifies the MLP's output in place (Falcon: mlp_output +=
+        # attention_output): the down projection returns a copy it may modify
+        owned = dict(styles, **{m.down: RowwiseParallel(output_layouts=_PLACEMENT[layout], owned_output=True)})
+        out.append(Strategy("hidden_sharded_owned_output", layout, owned, comm, compute_shard=k, param_shard=k,
+                            activation_shard=k, reason=f"{reason}; its output copied for in-place use",
+                            extra=dict(packed, fallback_for="hidden_sharded", **_uneven("MLP hidden", m.hidden, t))))
     return out
 
 

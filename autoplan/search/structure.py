@@ -274,12 +274,18 @@ def folded_head_inputs(graph: ModelGraph, where: str, first: str, n_heads: int) 
                   and len(n.inputs[0].shape) == 3), 0)
     if not batch:
         return False
+    folded = batch * n_heads
     for n in graph.nodes:
-        if not inside(n.module):
+        if not inside(n.module) or n_heads <= 1:
             continue
+        # the op combines it with per-head tensors in the same folded (batch * heads, ...) layout
+        # (Bloom: baddbmm(alibi, q, k)); a table that only happens to have batch * heads rows
+        # (RoPE frequencies when seq == batch * heads) meets (batch, seq, heads, ...) tensors instead
+        folded_peers = [m for m, src in zip(n.inputs, n.input_nodes)
+                        if len(m.shape) == 3 and m.shape[0] == folded and src in module_of and inside(module_of[src])]
         for meta, src in zip(n.inputs, n.input_nodes):
             outside = src.startswith("input:") or (src in module_of and not inside(module_of[src]))
-            if outside and meta.shape and meta.shape[0] == batch * n_heads and n_heads > 1:
+            if outside and meta.shape and meta.shape[0] == folded and folded_peers:
                 return True
     return False
 

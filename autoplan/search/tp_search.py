@@ -199,11 +199,11 @@ class TPSearch:
             for layout in self.layouts:
                 for name, unit in (("attention", b.attention), ("cross_attention", b.cross_attention)):
                     if unit is not None:
-                        for s in attention_strategies(unit, b, t, layout, fsdp=self.ctx.fsdp):
+                        for s in attention_strategies(unit, b, t, layout):
                             self._add(f"{b.id}/{name}", s, owner, b.count, unit.work, unit.work.param_bytes)
                 if b.mlp is not None:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)
-                    for s in mlp_strategies(b.mlp, b, t, layout, pt, fsdp=self.ctx.fsdp):
+                    for s in mlp_strategies(b.mlp, b, t, layout, pt):
                         self._add(f"{b.id}/mlp", s, owner, b.count, b.mlp.work, b.mlp.work.param_bytes)
                 pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
                 for s in norm_strategies(b.norms, t, layout, pt):
@@ -228,8 +228,6 @@ class TPSearch:
                     self._add("head", s, "", 1, st.head.work, pb)
         self._add("rest", Strategy("replicate", None, {}, []), "", 1, st.rest, st.rest.param_bytes)
         self.soundness = check_search(self, self.prober)
-        self._held_fallbacks: list[Option] = []
-        self._drop_unneeded_fallbacks()
         self._check_sequence_parallel()
         self._require_sharded()
 
@@ -265,28 +263,14 @@ class TPSearch:
         fixed = {"embedding": st.embedding.fqn if st.embedding else None, "head": st.head.fqn if st.head else None}
         return fixed.get(slot) or slot
 
-    def _drop_unneeded_fallbacks(self) -> None:
-        """A strategy marked ``fallback_for`` another stays a candidate only while that one is
-        not: equal in cost, the two would otherwise tie. Held back, it returns when its primary
-        is rejected (see ``solve``)."""
-        for slot, opts in self.slots.items():
-            names = {(o.strategy.name, o.stream) for o in opts}
-            held = [o for o in opts if (o.strategy.extra.get("fallback_for"), o.stream) in names]
-            self._held_fallbacks += held
-            self.slots[slot] = [o for o in opts if o not in held]
-
-    def _restore_fallbacks(self) -> None:
-        keep = []
-        for o in self._held_fallbacks:
-            opts = self.slots.get(o.slot)
-            if opts is None:
-                continue
-            if any(x.strategy.name == o.strategy.extra.get("fallback_for") and x.stream == o.stream for x in opts):
-                keep.append(o)
-            elif o.stream in (None,) + tuple(self.layouts) or o.slot == "embedding":
-                opts.append(o)
-                opts.sort(key=lambda x: x.rank)
-        self._held_fallbacks = keep
+    def _held_back(self, slot: str, o: Option) -> bool:
+        """A strategy marked ``fallback_for`` another is not picked while that one is still a
+        candidate: equal in cost, the two would otherwise tie. It stays in ``slots`` -- the probe
+        runs it when the primary fails (OLMo-2's post-norm blocks need their stream norms'
+        local-output form) -- and becomes pickable once the primary is rejected."""
+        primary = o.strategy.extra.get("fallback_for")
+        return primary is not None and any(x.strategy.name == primary and x.stream == o.stream
+                                           for x in self.slots.get(slot, []))
 
     def _must_shard(self, slot: str) -> bool:
         """With ``allow_replicated=False`` the ILP may not pick a replicated attention, MLP,
@@ -414,7 +398,6 @@ class TPSearch:
             chosen, layout, info = self._solve_once(memory_limit, objective)
             if not chosen or objective != "time" or not settle(self, chosen, layout):
                 return chosen, layout, info
-            self._restore_fallbacks()
             self._check_sequence_parallel()
             self._require_sharded()
 
@@ -422,7 +405,6 @@ class TPSearch:
         """Run ``chosen`` (e.g. a hand-written plan's options) on the model when no run has judged
         it; False when that removed one of its options (the caller matches again)."""
         settle(self, chosen, layout)
-        self._restore_fallbacks()
         return all(any(o is x for x in self.slots.get(slot, [])) for slot, o in chosen.items())
 
     def _solve_once(self, memory_limit: float | None, objective: str) -> tuple[dict[str, Option], str, SolverInfo]:
@@ -440,10 +422,9 @@ class TPSearch:
                     prob += pulp.lpSum(x[slot, o.rank] for o in opts if o.stream == L) == z[L], f"agree_{_safe(slot)}_{L}"
         cost, mem = [], []
         for slot, opts in self.slots.items():
-            if self._must_shard(slot):
-                for o in opts:
-                    if o.strategy.name == "replicate":
-                        x[slot, o.rank].upBound = 0
+            for o in opts:
+                if (self._must_shard(slot) and o.strategy.name == "replicate") or self._held_back(slot, o):
+                    x[slot, o.rank].upBound = 0
             for o in opts:
                 c = self.option_cost(o) if objective == "time" else 0.0
                 cost.append((c + TIE_EPS * o.rank) * x[slot, o.rank])

@@ -7,7 +7,7 @@ import transformers
 
 from autoplan.capture import capture
 from autoplan.search.sharding import _shard_dim
-from autoplan.search.strategies import attention_strategies, mlp_strategies
+from autoplan.search.strategies import PACKED_BIAS, attention_strategies, mlp_strategies
 from autoplan.search.structure import model_structure
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
@@ -42,28 +42,32 @@ def structures():
     return out
 
 
-@pytest.mark.parametrize("name,layout,groups,packed", [
-    ("gpt_neox", "interleaved", 8, 1),    # view(b, s, -1, 3 * head_dim): q, k, v of one head side by side
-    ("bloom", "interleaved", 8, 1),       # view(b, s, heads, 3, head_dim)
-    ("gpt2", "concat", 0, 3),             # Conv1D output split into [q|k|v]
+@pytest.mark.parametrize("name,layout,groups,packed,strategy", [
+    ("gpt_neox", "interleaved", 8, 1, "heads_sharded"),    # view(b, s, -1, 3 * head_dim): q, k, v of one head side by side
+    # view(b, s, heads, 3, head_dim), and an ALiBi bias with heads folded into the batch: the heads
+    # count made local and the bias cut to the rank's heads
+    ("bloom", "interleaved", 8, 1, "heads_sharded_local"),
+    ("gpt2", "concat", 0, 3, "heads_sharded"),             # Conv1D output split into [q|k|v]
 ])
-def test_fused_attention_is_a_unit_with_its_layout(structures, name, layout, groups, packed):
+def test_fused_attention_is_a_unit_with_its_layout(structures, name, layout, groups, packed, strategy):
     st = structures[name]
     assert not [w for w, why in st.not_units if "attn" in w or "attention" in w], st.not_units
     a = st.blocks[0].attention
     assert (a.qkv_layout, a.qkv_groups, a.linear) == (layout, groups, True)
     assert a.projections == [a.qkv] and a.q == ""
-    sharded = [s for s in attention_strategies(a, st.blocks[0], 4, "R") if s.name == "heads_sharded"]
-    assert len(sharded) == 1
+    offered = attention_strategies(a, st.blocks[0], 4, "R")
+    sharded = [s for s in offered if s.name == strategy]
+    assert len(sharded) == 1, [s.name for s in offered]
     assert sharded[0].styles[a.qkv].packed == packed
     assert set(sharded[0].styles) == {a.rel, a.qkv, a.o}
+    assert (sharded[0].styles[a.rel].to_dict()["args"].get("folded_heads") is not None) == (name == "bloom")
 
 
-def test_packed_qkv_is_not_offered_under_fsdp_and_groups_must_divide(structures):
+def test_packed_qkv_bias_is_marked_fsdp_replicated_and_groups_must_divide(structures):
     st = structures["gpt2"]
     a = st.blocks[0].attention
-    under_fsdp = attention_strategies(a, st.blocks[0], 4, "R", fsdp=True)
-    assert [s.name for s in under_fsdp] == ["replicate"] and "FSDP" in under_fsdp[0].extra["tp_excluded"]
+    sharded = [s for s in attention_strategies(a, st.blocks[0], 4, "R") if s.name == "heads_sharded"]
+    assert sharded and sharded[0].extra.get(PACKED_BIAS)   # FSDP leaves that bias replicated
     st = structures["gpt_neox"]
     a = st.blocks[0].attention
     a.qkv_groups = 6    # e.g. GQA groups not divisible by tp
@@ -124,21 +128,22 @@ def test_reshape_by_the_global_head_count_is_sharded_only_with_the_count_made_lo
     assert not structures["gpt_neox"].blocks[0].attention.fixed_head_count
 
 
-def test_packed_projections_under_fsdp_only_without_bias(structures):
+def test_packed_projections_mark_only_a_packed_bias_fsdp_replicated(structures):
     """FSDP2 shards a packed weight on its other dimension (fsdp_shard_placement); a packed bias
-    has only one: Phi-3 (no biases) keeps its packed [q|k|v] and [gate|up] shards under FSDP,
-    GPT-2 (biased c_attn) keeps its attention replicated there, saying why."""
+    has only one and stays replicated over dp (fsdp_unshardable): Phi-3 (no biases) has nothing
+    to mark, GPT-2's biased c_attn is marked (the cluster search, which casts to bf16 under
+    FSDP, leaves such options out there)."""
     phi = structures["phi3"].blocks[0]
     assert not phi.attention.qkv_bias and not phi.mlp.up_bias and phi.mlp.packed == 2
-    names = [s.name for s in attention_strategies(phi.attention, phi, 4, "R", fsdp=True)]
+    names = [s.name for s in attention_strategies(phi.attention, phi, 4, "R")]
     assert "heads_sharded" in names or "heads_sharded_local" in names
-    mlp = mlp_strategies(phi.mlp, phi, 4, "R", [], fsdp=True)
+    mlp = mlp_strategies(phi.mlp, phi, 4, "R", [])
     assert [s.name for s in mlp] == ["replicate", "hidden_sharded", "hidden_sharded_owned_output"]
-    assert not mlp[1].extra.get("no_fsdp") and mlp[2].extra["fallback_for"] == "hidden_sharded"
+    assert not mlp[1].extra.get(PACKED_BIAS) and mlp[2].extra["fallback_for"] == "hidden_sharded"
     gpt2 = structures["gpt2"].blocks[0]
     assert gpt2.attention.qkv_bias
-    out = attention_strategies(gpt2.attention, gpt2, 4, "R", fsdp=True)
-    assert [s.name for s in out] == ["replicate"] and "with a bias" in out[0].extra["tp_excluded"]
+    out = attention_strategies(gpt2.attention, gpt2, 4, "R")
+    assert all(s.extra.get(PACKED_BIAS) for s in out if s.name != "replicate")
 
 
 def test_attention_whose_projections_are_not_traced_is_no_mlp(structures):

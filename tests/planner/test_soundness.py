@@ -264,3 +264,18 @@ def test_encoder_decoder_attention_is_sharded_and_verifies_exactly(family):
                    for k, v in plan.styles.items())
     res = verify(plan, model)
     assert res.passed, res.mismatches()
+
+
+def test_gpt3_packed_qkv_bias_under_fsdp_stays_replicated_and_verifies_exactly():
+    """dp=2 x tp=2 with FSDP: GPT-2-style modules (Conv1D, one packed [q|k|v] with a bias). The
+    bias is strided-sharded by tp on its only dimension, so FSDP leaves it replicated and the
+    runner averages its gradient in one all-reduce over dp: attention stays sharded, the dry run
+    issues exactly the predicted rows (that all-reduce included) and the snippet says so."""
+    model, plan = plan_case("gpt3", "dp2_tp2", "default")
+    assert plan.fsdp.get("enabled")
+    assert plan.styles["transformer.h.*.attn.c_attn"]["args"]["packed"] == 3
+    rows = [r for r in plan.predictions["collectives"] if r["mesh_dim"] == "dp" and r["kind"] == "all_reduce"]
+    assert rows and rows[0]["phase"] == "backward"
+    result = verify(plan, model)
+    assert result.passed, result
+    assert "ignored_params=replicated" in plan.to_python()

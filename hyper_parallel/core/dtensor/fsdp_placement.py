@@ -8,7 +8,9 @@ rank's local data is what it should be), but the parameter's global view is not:
 distributed checkpoints and any comparison with one device see its rows scrambled (measured on
 torch 2.13, dp=2 x tp=2). Sharding such a weight on its other dimension keeps both placements
 exact. A 1-D parameter strided by tensor parallelism (a packed projection's bias) has no other
-dimension: it is refused, with the reason, instead of being checkpointed scrambled.
+dimension: FSDP must leave it alone (``fsdp_unshardable`` lists such parameters for
+``ignored_params``; their gradients are then averaged over dp by the caller, one all-reduce), and
+``fsdp_shard_placement`` refuses one that reaches it instead of checkpointing it scrambled.
 """
 from __future__ import annotations
 
@@ -26,6 +28,17 @@ def strided_dims(param: nn.Parameter) -> set[int]:
     return {p.dim % param.ndim for p in param.placements if isinstance(p, _StridedShard)}
 
 
+def fsdp_unshardable(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters of ``module`` strided-sharded by tensor parallelism on every dimension (a packed
+    projection's bias): FSDP2 cannot shard them without scrambling their global view."""
+    seen, out = set(), []
+    for p in module.parameters():
+        if id(p) not in seen and p.ndim and strided_dims(p) >= set(range(p.ndim)):
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     """``shard_placement_fn`` for ``fully_shard``: dim 0 (None, FSDP2's default) unless the
     parameter is strided-sharded on dim 0, then the first other dimension."""
@@ -37,5 +50,5 @@ def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
         raise LayoutError(
             f"fully_shard: a parameter of shape {tuple(param.shape)} with placements {tuple(param.placements)} is "
             f"strided-sharded by tensor parallelism on its only dimension (a packed projection's bias); FSDP2 "
-            f"would scramble its global view. Keep that projection unpacked or its dp replicated")
+            f"would scramble its global view. Pass it in ignored_params (fsdp_unshardable) and average its gradient")
     return Shard(free[0])
