@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from fnmatch import fnmatchcase
 
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -29,14 +28,10 @@ from torch.distributed._composable import checkpoint as checkpoint_module
 
 from autoplan.errors import PlanSchemaError
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
+from hyper_parallel.core.fqn_pattern import fqn_matches
 
 log = logging.getLogger(__name__)
 _SAVE_ALWAYS = ("_c10d_functional", "c10d.", "wait_tensor")
-
-
-def _matches(pattern: str, fqn: str) -> bool:
-    a, b = pattern.split("."), fqn.split(".")
-    return len(a) == len(b) and all(fnmatchcase(y, x) for x, y in zip(a, b))
 
 
 class _CorePolicy:
@@ -82,7 +77,7 @@ def recompute_attention_core(model: nn.Module, patterns: list[str], strict: bool
         config.use_cache = False
     wrapped = []
     for pattern in patterns:
-        hits = [(fqn, m) for fqn, m in model.named_modules() if fqn and _matches(pattern, fqn)]
+        hits = [(fqn, m) for fqn, m in model.named_modules() if fqn and fqn_matches(pattern, fqn)]
         if not hits and strict:
             raise PlanSchemaError(f"plan.recompute.modules: pattern {pattern!r} matches no module of "
                                   f"{type(model).__name__} (expected e.g. 'layers.*.attention')")

@@ -11,20 +11,18 @@ search's step.
 from __future__ import annotations
 
 import dataclasses
-from fnmatch import fnmatchcase
 
 from autoplan.search.expert_search import ExpertChoice, choose_experts, expert_decision_rows, moe_groups
 from autoplan.search.sharding import ParamShard
 from hyper_parallel.core.collective import Collective
+from hyper_parallel.core.fqn_pattern import fqn_matches
 
 IMBALANCE = 1.0   # default routing-imbalance factor: balanced routing
 
 
 def _under(pattern: str, param_fqn: str) -> bool:
     """``param_fqn`` is a parameter held directly by a module matching ``pattern``."""
-    owner = param_fqn.rsplit(".", 1)[0]
-    a, b = pattern.split("."), owner.split(".")
-    return len(a) == len(b) and all(fnmatchcase(y, x) for x, y in zip(a, b))
+    return fqn_matches(pattern, param_fqn.rsplit(".", 1)[0])
 
 
 class ExpertPlanning:

@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 from hyper_parallel.core.collective import Collective
+from hyper_parallel.core.fqn_pattern import fqn_matches, wildcards
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
-
-
-def _matches(pattern: str, fqn: str) -> bool:
-    if pattern == "":
-        return fqn == ""
-    a, b = pattern.split("."), fqn.split(".") if fqn else []
-    return len(a) == len(b) and all(fnmatchcase(x, y) for y, x in zip(a, b))
 
 
 def _layer(info) -> str:
@@ -84,8 +77,8 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
     for fqn in graph.modules:
         best = None
         for pattern, spec in styles.items():
-            if _matches(pattern, fqn):
-                wild = sum(any(c in x for c in "*?[") for x in pattern.split("."))
+            if fqn_matches(pattern, fqn):
+                wild = wildcards(pattern)
                 if best is None or wild < best[0]:
                     best = (wild, spec["style"], spec)
         if best:

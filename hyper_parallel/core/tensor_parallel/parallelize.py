@@ -19,13 +19,13 @@ from __future__ import annotations
 import difflib
 import logging
 import warnings
-from fnmatch import fnmatchcase
 from typing import Mapping
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.fqn_pattern import fqn_matches, wildcards
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_mesh_1d
 from hyper_parallel.errors import AlreadyParallelizedError, MeshError, PlanPatternError, PlanTypeError
 
@@ -63,18 +63,7 @@ def match_modules(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]
     """(fqn, submodule) pairs whose FQN matches ``pattern`` atom by atom."""
     if pattern == "":
         return [("", module)]
-    atoms = pattern.split(".")
-    found = []
-    for fqn, sub in module.named_modules():
-        parts = fqn.split(".") if fqn else []
-        if len(parts) == len(atoms) and all(fnmatchcase(p, a) for p, a in zip(parts, atoms)):
-            found.append((fqn, sub))
-    return found
-
-
-def _wildcards(pattern: str) -> int:
-    """How unspecific a pattern is: the number of its atoms that contain a wildcard."""
-    return sum(any(c in atom for c in "*?[") for atom in pattern.split("."))
+    return [(fqn, sub) for fqn, sub in module.named_modules() if fqn and fqn_matches(pattern, fqn)]
 
 
 _MARK = "_hp_parallelized"  # set on every module a parallelize_module call styled (rolled back on failure)
@@ -158,11 +147,11 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         for fqn, sub in matches:
             if fqn in chosen:
                 other = chosen[fqn][0]
-                if _wildcards(pattern) == _wildcards(other):
+                if wildcards(pattern) == wildcards(other):
                     raise PlanPatternError(
                         f"module {fqn!r} is matched by both {other!r} and {pattern!r}; give it one style"
                     )
-                if _wildcards(pattern) > _wildcards(other):
+                if wildcards(pattern) > wildcards(other):
                     continue  # the more specific pattern already owns this module
             chosen[fqn] = (pattern, sub, style)
     assignments = [(fqn, sub, style) for fqn, (_, sub, style) in chosen.items()]
