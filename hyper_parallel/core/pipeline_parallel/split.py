@@ -40,6 +40,7 @@ class Spine:
     context: Callable[..., dict] = lambda stage, h, kwargs: {}
     shared: Callable[[nn.Module], list[str]] = lambda model: []
     buffers: Callable[[nn.Module], list[str]] = lambda model: []
+    context_on_input: bool = False  # also build the context before the first stage's first unit
 
 
 # ---- the repo's torchtitan-style Llama -------------------------------------------------------
@@ -66,6 +67,40 @@ def _titan_call(stage, fqn, module, h, ctx):
         # (sequence parallel); attention slices the table to the length it sees after gathering
         return module(h, ctx.get("rope", stage.rope))
     return module(h)
+
+
+# ---- a vision-language model: the repo Llama plus a ``visual`` tower (autoplan.models.vision_language) ----
+# The tower is not a unit: MPipe (mpipe.py) runs it and hands its output to stage 0 as the step
+# kwarg ``vision`` (a tensor, or a tuple of embeddings and DeepStack levels). The model's
+# parameterless ``image_merge`` module, kept by every stage, puts the features at image tokens.
+
+def _vl_matches(m: nn.Module) -> bool:
+    return _titan_matches(m) and hasattr(m, "visual") and hasattr(m, "image_merge")
+
+
+def _vl_context(stage, h, kwargs) -> dict:
+    return {**_titan_context(stage, h, kwargs), "vision": kwargs.get("vision")}
+
+
+def _vl_call(stage, fqn, module, h, ctx):
+    if fqn == "tok_embeddings":
+        vision = ctx.get("vision")
+        if vision is None:
+            raise StageSplitError("vision-language stage 0: no tower output; run the tower with MPipe "
+                                  "(Preprocess(into='vision')) or pass vision= to the step")
+        emb, *levels = vision if isinstance(vision, (tuple, list)) else (vision,)
+        ctx.update(tokens=h, levels=levels)
+        return stage.image_merge.merge(module(h), h, emb)
+    out = _titan_call(stage, fqn, module, h, ctx)
+    if fqn.startswith("layers."):
+        i = int(fqn.split(".")[1])
+        levels = ctx.get("levels")
+        if levels is None and i < stage.deepstack_levels:
+            raise StageSplitError(f"vision-language: {fqn} adds DeepStack level {i} but sits on stage "
+                                  f"{stage.stage_index}; the first {stage.deepstack_levels} layers must be on stage 0")
+        if levels is not None and i < len(levels):
+            out = stage.image_merge.add_level(out, ctx["tokens"], levels[i])
+    return out
 
 
 # ---- HF decoder-only *ForCausalLM ------------------------------------------------------------
@@ -107,6 +142,8 @@ def _hf_call(stage, fqn, module, h, ctx):
 
 
 SPINES: list[Spine] = [
+    Spine("vision-language", _vl_matches, _titan_units, _vl_call, context=_vl_context,
+          buffers=lambda m: ["rope"], shared=lambda m: ["image_merge"], context_on_input=True),
     Spine("torchtitan-llama", _titan_matches, _titan_units, _titan_call, context=_titan_context,
           buffers=lambda m: ["rope"]),
     Spine("hf-causal-lm", _hf_matches, _hf_units, _hf_call, context=_hf_context,
@@ -143,6 +180,8 @@ class StageModule(nn.Module):
         self.stage_index = stage_index
         self.n_stages = n_stages
         self.config = getattr(model, "config", None)
+        visual = getattr(model, "visual", None)
+        self.deepstack_levels = len(getattr(visual, "deepstack", ()))
         for fqn in list(units) + spine.shared(model):
             self._attach(fqn, model.get_submodule(fqn))
         for name in spine.buffers(model):
@@ -168,7 +207,8 @@ class StageModule(nn.Module):
     def forward(self, x, **kwargs):
         h, ctx = x, None
         for i, fqn in enumerate(self.units):
-            if ctx is None and not (self.is_first and i == 0):  # side inputs need the hidden state
+            if ctx is None and (self.spine.context_on_input or not (self.is_first and i == 0)):
+                # side inputs need the hidden state (or, context_on_input, only the step's kwargs)
                 ctx = self.spine.context(self, h, kwargs)
             h = self.spine.call(self, fqn, self.get_submodule(fqn), h, ctx or {})
         return h
