@@ -1,0 +1,94 @@
+"""Rank functions for MPipe (issue 20): the tiny VL model's vision tower spread over the pipeline
+ranks, one training step vs one device -- loss and every gradient, the tower's included."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.core.pipeline_parallel import Preprocess, build_stages, schedule_facts
+from hyper_parallel.local import full
+from tests.pipeline.workers import lm_loss
+
+
+@functools.lru_cache(maxsize=None)
+def _built(levels: int, level_grad: bool, n_layers: int):
+    from autoplan.models.vision_language import build_vision_language
+    model = build_vision_language(seed=0, deepstack_levels=levels, deepstack_grad=level_grad, n_layers=n_layers)
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def vl_model(levels: int = 0, level_grad: bool = True, n_layers: int = 4):
+    return copy.deepcopy(_built(levels, level_grad, n_layers))
+
+
+def vl_tp_plan() -> dict:
+    """Megatron TP for the decoder blocks and for the tower's attention and MLP."""
+    from hyper_parallel import ColwiseParallel, RowwiseParallel
+    block = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+             "feed_forward.w2": RowwiseParallel()}
+    vit = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+           "attn.o_proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    return {"layers.*": block, "visual.blocks.*": vit}
+
+
+def _errors(named, ref_grads) -> tuple[float, int]:
+    """Largest gradient error over ``named`` parameters and how many were compared."""
+    worst, n = 0.0, 0
+    for name, p in named:
+        ref = ref_grads[name]
+        if ref is None:  # no gradient on one device (a detached DeepStack level): zero or none here
+            ref = torch.zeros(p.shape)
+        got = full(p.grad) if p.grad is not None else torch.zeros_like(ref)
+        # scaled so that err < 1e-4 exactly when every element meets rtol 1e-4 / atol 1e-6 (a k_proj
+        # bias has a true gradient of 0 -- softmax ignores a per-row shift -- so relative-to-max fails)
+        err = ((got - ref).abs() / (1e-6 + 1e-4 * ref.abs())).max().item() * 1e-4
+        worst, n = max(worst, err), n + 1
+    return worst, n
+
+
+def run_mpipe(cases, tp: int = 1) -> list[dict]:
+    """cases: (schedule name, n_microbatches, deepstack levels, levels need grad, placement, batch).
+    tp=1: pp = world; tp=2: a (pp, tp) mesh with TP in the tower and the decoder."""
+    from autoplan.models.vision_language import vl_batch
+    from hyper_parallel import parallelize_module
+    from hyper_parallel.local import cached_mesh
+    world = dist.get_world_size()
+    pp = world // tp
+    if tp > 1:
+        mesh = cached_mesh((pp, tp), ("pp", "tp"))
+        group, tp_mesh = mesh["pp"].get_group(), mesh["tp"]
+    else:
+        group, tp_mesh = None, None
+    out = []
+    for name, m, levels, level_grad, placement, batch in cases:
+        cls = schedule_facts(name).schedule_class
+        n_layers = max(4, cls.ir(pp, m).n_stages)
+        ref = vl_model(levels, level_grad, n_layers)
+        x, pv, y = vl_batch(ref, batch, 12)
+        ref_loss = lm_loss(ref(x, pv), y)
+        ref_loss.backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        model = vl_model(levels, level_grad, n_layers)
+        if tp > 1:
+            parallelize_module(model, tp_mesh, vl_tp_plan(), src_data_rank=None)
+        stages = build_stages(model, cls.ir(pp, m), group=group, activation_mesh=tp_mesh)
+        pre = Preprocess(model.visual, inputs=("pixel_values",), into="vision", placement=placement)
+        sched = cls(stages, m, lm_loss, preprocess=pre)
+        losses: list = []
+        loss = sched.step(x, target=y, pixel_values=pv, losses=losses)
+        stage_err, n_stage = _errors([(n, p) for st in stages for n, p in st.module.named_parameters()], ref_grads)
+        tower_err, n_tower = _errors([("visual." + n, p) for n, p in model.visual.named_parameters()], ref_grads)
+        loss_err = None if loss is None else abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        out.append(dict(case=(name, m, levels, level_grad, placement), loss_err=loss_err, grad_err=stage_err,
+                        tower_err=tower_err, n_params=n_stage, n_tower=n_tower, n_losses=len(losses),
+                        ir=sched.ir.name))
+    return out
