@@ -55,19 +55,32 @@ def _errors(named, ref_grads) -> tuple[float, int]:
     return worst, n
 
 
-def run_mpipe(cases, tp: int = 1) -> list[dict]:
+def _fsdp(stages, dp_mesh) -> None:
+    from hyper_parallel import fully_shard
+    for st in stages:
+        for layer in [u for u in st.module.units if u.startswith("layers.")]:
+            fully_shard(st.module.get_submodule(layer), mesh=dp_mesh)
+        fully_shard(st.module, mesh=dp_mesh)
+
+
+def run_mpipe(cases, tp: int = 1, dp: int = 1, overlap: bool = False, second_step: bool = False) -> list[dict]:
     """cases: (schedule name, n_microbatches, deepstack levels, levels need grad, placement, batch).
-    tp=1: pp = world; tp=2: a (pp, tp) mesh with TP in the tower and the decoder."""
+    tp=1, dp=1: pp = world; tp=2: a (pp, tp) mesh with TP in the tower and the decoder; dp=2: a
+    (dp, pp) mesh, FSDP on the decoder stages, each dp rank on its half of the batch. With
+    ``second_step`` a second step runs without zeroing: every gradient must then be twice one
+    device's (the tower's sum over pipeline ranks must add this step's contribution only)."""
     from autoplan.models.vision_language import vl_batch
     from hyper_parallel import parallelize_module
     from hyper_parallel.local import cached_mesh
     world = dist.get_world_size()
-    pp = world // tp
+    pp = world // (tp * dp)
+    group, tp_mesh, dp_mesh = None, None, None
     if tp > 1:
         mesh = cached_mesh((pp, tp), ("pp", "tp"))
         group, tp_mesh = mesh["pp"].get_group(), mesh["tp"]
-    else:
-        group, tp_mesh = None, None
+    elif dp > 1:
+        mesh = cached_mesh((dp, pp), ("dp", "pp"))
+        group, dp_mesh = mesh["pp"].get_group(), mesh["dp"]
     out = []
     for name, m, levels, level_grad, placement, batch in cases:
         cls = schedule_facts(name).schedule_class
@@ -81,13 +94,27 @@ def run_mpipe(cases, tp: int = 1) -> list[dict]:
         if tp > 1:
             parallelize_module(model, tp_mesh, vl_tp_plan(), src_data_rank=None)
         stages = build_stages(model, cls.ir(pp, m), group=group, activation_mesh=tp_mesh)
+        if dp > 1:
+            _fsdp(stages, dp_mesh)
+            r, per = dp_mesh.get_local_rank(), batch // dp
+            x, pv, y = x[r * per:(r + 1) * per], pv[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
         pre = Preprocess(model.visual, inputs=("pixel_values",), into="vision", placement=placement)
-        sched = cls(stages, m, lm_loss, preprocess=pre)
+        sched = cls(stages, m, lm_loss, preprocess=pre, overlap=overlap,
+                    dp_group=dp_mesh.get_group() if dp > 1 else None)
         losses: list = []
         loss = sched.step(x, target=y, pixel_values=pv, losses=losses)
+        if second_step:
+            sched.step(x, target=y, pixel_values=pv)
+            ref_grads = {n: None if g is None else 2 * g for n, g in ref_grads.items()}
         stage_err, n_stage = _errors([(n, p) for st in stages for n, p in st.module.named_parameters()], ref_grads)
         tower_err, n_tower = _errors([("visual." + n, p) for n, p in model.visual.named_parameters()], ref_grads)
-        loss_err = None if loss is None else abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        loss_err = None
+        if loss is not None:
+            if dp > 1:   # each dp rank's loss is its half's mean; the global mean is their mean
+                loss = loss.detach().clone()
+                dist.all_reduce(loss, group=dp_mesh.get_group())
+                loss /= dp
+            loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
         out.append(dict(case=(name, m, levels, level_grad, placement), loss_err=loss_err, grad_err=stage_err,
                         tower_err=tower_err, n_params=n_stage, n_tower=n_tower, n_losses=len(losses),
                         ir=sched.ir.name))

@@ -31,3 +31,11 @@ def test_mpipe_pp4_equals_one_device(pool4):
 
 def test_mpipe_pp2_tp2_equals_one_device(pool4):
     _check(pool4.run(run_mpipe, PP2_TP2, tp=2))
+
+
+def test_mpipe_dp2_pp2_fsdp_overlap_and_accumulation(pool4):
+    """FSDP on the decoder stages over dp=2 (the tower's gradients: summed over pp, averaged over
+    dp), receives posted ahead (overlap), and a second step without zero_grad: twice one device."""
+    _check(pool4.run(run_mpipe, [("1F1B", 4, 1, True, "front", 8), ("ZeroBubble", 2, 0, True, "timed", 8)],
+                     dp=2, overlap=True))
+    _check(pool4.run(run_mpipe, [("1F1B", 4, 1, False, "front", 8)], second_step=True))

@@ -9,7 +9,9 @@ Gradients: the tower's parameter gradients of *this step* are summed over the pi
 (each rank computed the contribution of the micro-batches it owns). Gradients already present
 before the step (accumulation over steps) are set aside at the start and added back after the
 sum, so they are not multiplied by the number of ranks. With TP inside the tower the sum runs on
-the local shards (pipeline peers shard the tower the same way), as for shared parameters.
+the local shards (pipeline peers shard the tower the same way), as for shared parameters. With
+data parallel (the runtime's ``dp_group``) the tower is a plain replica on every dp rank too: its
+summed gradients are then averaged over the dp group, as FSDP averages the stages'.
 """
 from __future__ import annotations
 
@@ -76,11 +78,11 @@ class PreprocessState:
     mb_inputs: list[dict[str, Any] | None]
     outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     metas: list[TensorMeta] | None = None
-    grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)   # for local handover
+    dp_group: Any = None
     _saved: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def begin(cls, pre: Preprocess, kwargs: dict, n_mb: int) -> "PreprocessState":
+    def begin(cls, pre: Preprocess, kwargs: dict, n_mb: int, dp_group=None) -> "PreprocessState":
         """Take the tower inputs out of the step's ``kwargs`` (in place), split them, and set
         this rank's existing tower gradients aside."""
         given = {k: kwargs.pop(k) for k in pre.inputs if k in kwargs}
@@ -96,7 +98,7 @@ class PreprocessState:
                                       f"{sorted(shapes)}; stage 0 allocates every transposed receive alike -- "
                                       f"use a batch divisible by {n_mb}")
             mb_inputs = parts
-        st = cls(pre, mb_inputs)
+        st = cls(pre, mb_inputs, dp_group=dp_group)
         for p in pre.module.parameters():
             if p.grad is not None:
                 st._saved[id(p)] = p.grad
@@ -158,6 +160,9 @@ class PreprocessState:
                               for p in ps])
             if dist.is_initialized():
                 dist.all_reduce(flat, group=group)
+                if self.dp_group is not None:
+                    dist.all_reduce(flat, group=self.dp_group)
+                    flat /= dist.get_world_size(self.dp_group)
             offset = 0
             for p in ps:
                 n = _local(p).numel()

@@ -88,7 +88,7 @@ class PipelineScheduleRuntime:
             if s.num_stages != schedule.n_stages:
                 raise ScheduleError(f"{schedule.name}: stage {s.stage_index} says {s.num_stages} stages, "
                                     f"the schedule has {schedule.n_stages}")
-        self.preprocess = preprocess
+        self.preprocess, self.dp_group = preprocess, dp_group
         if preprocess is not None:
             if not isinstance(preprocess, Preprocess):
                 raise PipelineError(f"{type(self).__name__}: preprocess must be a Preprocess, got "
@@ -134,7 +134,8 @@ class PipelineScheduleRuntime:
         ``losses`` with the per-micro-batch losses there.
         """
         m = self.n_microbatches
-        pre = PreprocessState.begin(self.preprocess, kwargs, m) if self.preprocess is not None else None
+        pre = PreprocessState.begin(self.preprocess, kwargs, m, self.dp_group) \
+            if self.preprocess is not None else None
         mb_args, mb_kwargs = split_microbatches(args, kwargs, m, self.arg_specs, self.kwarg_specs)
         last = self.ir.n_stages - 1
         targets = [None] * m
