@@ -128,9 +128,10 @@ class ImageMerge(nn.Module):
 class VisionLanguageModel(Llama):
     """The repo Llama with a ``visual`` tower; ``forward(tokens, pixel_values) -> logits``."""
 
-    def __init__(self, cfg: LlamaConfig, vision: VisionConfig, image_token_id: int = 0):
+    def __init__(self, cfg: LlamaConfig, vision: VisionConfig, image_token_id: int = 0, n_patches: int = 4):
         super().__init__(cfg)
         self.image_token_id = image_token_id
+        self.n_patches = n_patches
         self.image_merge = ImageMerge(image_token_id)
         self.visual = VisionTower(vision, cfg.dim)
         if vision.deepstack_levels > cfg.n_layers:
@@ -151,6 +152,13 @@ class VisionLanguageModel(Llama):
     def forward(self, tokens: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.decode(tokens, self.visual(pixel_values))
 
+    def extra_inputs(self, tokens: torch.Tensor) -> dict:
+        """Images for token ids (the planner's probes run the model from tokens alone): one
+        image of ``n_patches`` patches per sequence; on fake/meta tensors only shapes matter."""
+        dtype = self.visual.patch_embed.weight.dtype
+        return {"pixel_values": torch.zeros(tokens.shape[0], self.n_patches, self.visual.config.patch_dim,
+                                            dtype=dtype, device=tokens.device)}
+
 
 def build_vision_language(seed: int = 0, deepstack_levels: int = 0, deepstack_grad: bool = True,
                           n_layers: int = 4, n_patches: int = 4, **overrides) -> VisionLanguageModel:
@@ -158,9 +166,8 @@ def build_vision_language(seed: int = 0, deepstack_levels: int = 0, deepstack_gr
     cfg = LlamaConfig(**{"dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 96,
                          "ffn_hidden": 64, "max_seq_len": 32, **overrides})
     vcfg = VisionConfig(deepstack_levels=deepstack_levels, deepstack_grad=deepstack_grad)
-    model = VisionLanguageModel(cfg, vcfg)
+    model = VisionLanguageModel(cfg, vcfg, n_patches=n_patches)
     model.init_weights(seed)
-    model.n_patches = n_patches
     return model
 
 
