@@ -10,9 +10,9 @@ are posted before the compute in between runs.
 MPipe (mpipe.py, mpipe_ir.py): PRE_F / PRE_B run the tower on its owner; stage 0 gets the tower
 output as fresh leaves (locally, or from RECV_PRE). On tagged backends (``post_ahead``) a rank
 posts *all* its transposed receives of the step in one ``batch_isend_irecv`` as soon as the
-shapes are known (stage 0's rank: after its own PRE_F of micro-batch 0; an owner: after its
-first PRE_F) and each RECV_PRE / RECV_PRE_B action then only waits, so the transfers overlap
-each other and stage 0's forwards.
+shapes are known (after its first PRE_F: stage 0's rank always owns micro-batch 0) and each
+RECV_PRE / RECV_PRE_B action then only waits, so the transfers overlap each other and stage 0's
+forwards. Untagged backends (``fifo``) post each where the program has it.
 """
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ class Executor:
         self.s2r = schedule.stage_to_rank
         self.post_ahead = post_ahead
         self.pre_recvs = [a for a in self.program if a.kind in (K.RECV_PRE, K.RECV_PRE_B)]
+        self._pre_posted = not post_ahead   # the step's transposed receives go out once, together
 
     # ---- communication ---------------------------------------------------------------------
     def _ops_for(self, a: Action, st: StepState) -> list:
@@ -151,7 +152,8 @@ class Executor:
 
     def _post(self, batch: list[Action], st: StepState) -> None:
         ops, owners = [], []
-        if self.post_ahead and any(a.kind in (K.RECV_PRE, K.RECV_PRE_B) and a not in st.recv for a in batch):
+        if not self._pre_posted and any(a.kind in (K.RECV_PRE, K.RECV_PRE_B) for a in batch):
+            self._pre_posted = True
             batch = list(batch) + [a for a in self.pre_recvs if a not in batch]  # all of them, once
         for a in batch:
             if a.kind in RECV_KINDS and a in st.recv:
@@ -263,6 +265,8 @@ class Executor:
                 self._backward(a, st, "weight")
             elif a.kind is K.PRE_F:
                 st.pre.forward(a.microbatch)
+                if not self._pre_posted and self.pre_recvs:  # shapes known now: post them all at once
+                    self._post(list(self.pre_recvs), st)
             elif a.kind is K.PRE_B:
                 self._tower_backward(a.microbatch, st)
             elif a.kind is K.REDUCE_PRE:
