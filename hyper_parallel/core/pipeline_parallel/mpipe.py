@@ -90,13 +90,9 @@ class PreprocessState:
             raise MicrobatchError(f"MPipe: the tower takes {list(pre.inputs)}; got only {sorted(given)}")
         mb_inputs: list = [None] * n_mb
         if given:
+            # an uneven split is refused there: every micro-batch's tower output has one shape, so
+            # stage 0 can allocate every transposed receive from micro-batch 0's
             _, parts = split_microbatches((), given, n_mb, None, pre.specs)
-            shapes = {tuple((k, tuple(v.shape)) for k, v in sorted(p.items()) if isinstance(v, torch.Tensor))
-                      for p in parts}
-            if len(shapes) > 1:
-                raise MicrobatchError(f"MPipe: tower inputs split into micro-batches of different shapes "
-                                      f"{sorted(shapes)}; stage 0 allocates every transposed receive alike -- "
-                                      f"use a batch divisible by {n_mb}")
             mb_inputs = parts
         st = cls(pre, mb_inputs, dp_group=dp_group)
         for p in pre.module.parameters():
