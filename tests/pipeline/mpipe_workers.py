@@ -119,3 +119,52 @@ def run_mpipe(cases, tp: int = 1, dp: int = 1, overlap: bool = False, second_ste
                         tower_err=tower_err, n_params=n_stage, n_tower=n_tower, n_losses=len(losses),
                         ir=sched.ir.name))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _llava():
+    import transformers
+    vc = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=8, patch_size=4, num_channels=3, projection_dim=16)
+    tc = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc, image_token_id=95, vision_feature_layer=-2,
+                                   vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def run_llava_mpipe(cases) -> list[dict]:
+    """transformers' LLaVA (CLIP tower + projector, Llama decoder) under MPipe at pp = world.
+    cases: (schedule name, n_microbatches)."""
+    from hyper_parallel.core.pipeline_parallel import HFVisionTower
+    pp = dist.get_world_size()
+    out = []
+    for name, m in cases:
+        ref = copy.deepcopy(_llava())
+        g = torch.Generator().manual_seed(3)
+        x = torch.randint(0, 90, (8, 12), generator=g)
+        x[:, 1:5] = 95     # 2x2 patches, CLS dropped: 4 image tokens per sequence
+        y = torch.randint(0, 96, (8, 12), generator=g)
+        pv = torch.randn(8, 3, 8, 8, generator=g)
+        ref_loss = lm_loss(ref(input_ids=x, pixel_values=pv).logits, y)
+        ref_loss.backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        model = copy.deepcopy(_llava())
+        cls = schedule_facts(name).schedule_class
+        stages = build_stages(model, cls.ir(pp, m))
+        sched = cls(stages, m, lm_loss, preprocess=Preprocess(HFVisionTower(model), ("pixel_values",)))
+        loss = sched.step(x, target=y, pixel_values=pv)
+        stage_err, n_stage = _errors([(n, p) for st in stages for n, p in st.module.named_parameters()], ref_grads)
+        tower = [(n, p) for n, p in model.named_parameters() if n.startswith(("model.vision_tower.",
+                                                                              "model.multi_modal_projector."))]
+        tower_err, n_tower = _errors(tower, ref_grads)
+        loss_err = None if loss is None else abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+        out.append(dict(case=(name, m), loss_err=loss_err, grad_err=stage_err, tower_err=tower_err,
+                        n_params=n_stage, n_tower=n_tower, n_losses=m if loss is not None else 0))
+    return out

@@ -3,7 +3,7 @@ owner rank, its output is transposed to stage 0 and its gradient back; one train
 one device (loss rtol 1e-5, every gradient -- the tower's included -- rtol 1e-4 / atol 1e-6):
 pp=4 under 1F1B, ZeroBubble and Interleaved1F1B, and pp=2 x tp=2 (TP in the tower and the decoder),
 with a tensor-valued and a tuple-valued tower output (DeepStack levels, with and without grad)."""
-from tests.pipeline.mpipe_workers import run_mpipe
+from tests.pipeline.mpipe_workers import run_llava_mpipe, run_mpipe
 
 # (schedule, micro-batches, DeepStack levels, levels need grad, placement, batch)
 PP4 = [("1F1B", 4, 0, True, "front", 8), ("1F1B", 8, 1, True, "timed", 8),
@@ -39,3 +39,9 @@ def test_mpipe_dp2_pp2_fsdp_overlap_and_accumulation(pool4):
     _check(pool4.run(run_mpipe, [("1F1B", 4, 1, True, "front", 8), ("ZeroBubble", 2, 0, True, "timed", 8)],
                      dp=2, overlap=True))
     _check(pool4.run(run_mpipe, [("1F1B", 4, 1, False, "front", 8)], second_step=True))
+
+
+def test_mpipe_transformers_llava_equals_one_device(pool4):
+    """transformers' LLaVA: the CLIP tower + projector (HFVisionTower) under MPipe, the Llama decoder cut
+    over pp=4 by the hf-llava spine."""
+    _check(pool4.run(run_llava_mpipe, [("ZeroBubble", 4)]))

@@ -28,7 +28,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_facts import (
 )
 from hyper_parallel.core.pipeline_parallel.simulator import SimResult, StageCost, simulate
 from hyper_parallel.core.pipeline_parallel.split import (
-    Spine, StageModule, even_cuts, register_spine, split_model, stage_units, tied_parameters,
+    HFVisionTower, Spine, StageModule, even_cuts, register_spine, split_model, stage_units, tied_parameters,
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
@@ -37,7 +37,7 @@ __all__ = [
     # runtime
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
-    "split_microbatches", "Preprocess",
+    "split_microbatches", "Preprocess", "HFVisionTower",
     # stage split
     "split_model", "split_graph", "even_cuts", "stage_units", "tied_parameters", "StageModule",
     "GraphStageModule", "Spine", "register_spine",

@@ -141,11 +141,87 @@ def _hf_call(stage, fqn, module, h, ctx):
     return module(h)
 
 
+# ---- transformers' LLaVA-style VL models: ``model.vision_tower`` + ``model.multi_modal_projector`` (the
+# tower, run by MPipe through HFVisionTower) and ``model.language_model`` (a decoder) + ``lm_head`` --------
+
+def _hf_vl_matches(m: nn.Module) -> bool:
+    base = getattr(m, "model", None)
+    lm = getattr(base, "language_model", None)
+    return (hasattr(m, "lm_head") and all(hasattr(base, a) for a in ("vision_tower", "multi_modal_projector"))
+            and lm is not None and all(hasattr(lm, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
+
+
+def _hf_vl_units(m: nn.Module) -> list[str]:
+    p = "model.language_model"
+    return [f"{p}.embed_tokens"] + [f"{p}.layers.{i}" for i in range(len(m.model.language_model.layers))] + \
+        [f"{p}.norm", "lm_head"]
+
+
+def _hf_vl_layer_context(stage, h, kwargs) -> dict:
+    from transformers.masking_utils import create_causal_mask
+
+    config = getattr(stage.config, "text_config", stage.config)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    mask_kwargs = dict(config=config, inputs_embeds=h, attention_mask=kwargs.get("attention_mask"),
+                       position_ids=position_ids)
+    params = inspect.signature(create_causal_mask).parameters
+    mask_kwargs["cache" if "cache" in params else "past_key_values"] = None
+    rope = stage.get_submodule("model.language_model.rotary_emb")(h, position_ids=position_ids)
+    return dict(attention_mask=create_causal_mask(**mask_kwargs), position_embeddings=rope, position_ids=position_ids)
+
+
+def _hf_vl_call(stage, fqn, module, h, ctx):
+    if fqn.endswith("embed_tokens"):
+        vision = ctx.get("vision")
+        if vision is None:
+            raise StageSplitError("LLaVA-style stage 0: no tower output; run the tower with MPipe "
+                                  "(Preprocess(HFVisionTower(model), ('pixel_values',)))")
+        emb = module(h)
+        mask = (h == stage.config.image_token_id).unsqueeze(-1).expand_as(emb)
+        return emb.masked_scatter(mask, vision.to(emb.dtype))
+    if ".layers." in fqn:
+        if "attention_mask" not in ctx:   # built lazily: stage 0 only knows the hidden state after embedding
+            ctx.update(_hf_vl_layer_context(stage, h, ctx.get("kwargs", {})))
+        return module(h, attention_mask=ctx["attention_mask"], position_ids=ctx["position_ids"],
+                      position_embeddings=ctx["position_embeddings"], use_cache=False)
+    return module(h)
+
+
+class HFVisionTower(nn.Module):
+    """The tower of a transformers LLaVA-style model as one module for MPipe: vision encoder, the
+    configured feature layer and selection (``default`` drops CLS), then the projector.
+    ``forward(pixel_values) -> (batch, image tokens, text hidden)``; shares the model's modules."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        if not _hf_vl_matches(model):
+            raise StageSplitError(f"HFVisionTower: {type(model).__name__} has no model.vision_tower / "
+                                  "model.multi_modal_projector / model.language_model")
+        self.vision_tower = model.model.vision_tower
+        self.multi_modal_projector = model.model.multi_modal_projector
+        self.feature_layer = model.config.vision_feature_layer
+        self.strategy = model.config.vision_feature_select_strategy
+        if not isinstance(self.feature_layer, int):
+            raise StageSplitError(f"HFVisionTower: vision_feature_layer={self.feature_layer!r}; only one layer "
+                                  "(an int) is supported")
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        hidden = self.vision_tower(pixel_values, output_hidden_states=True).hidden_states[self.feature_layer]
+        if self.strategy == "default":
+            hidden = hidden[:, 1:]
+        return self.multi_modal_projector(hidden)
+
+
 SPINES: list[Spine] = [
     Spine("vision-language", _vl_matches, _titan_units, _vl_call, context=_vl_context,
           buffers=lambda m: ["rope"], shared=lambda m: ["image_merge"], context_on_input=True),
     Spine("torchtitan-llama", _titan_matches, _titan_units, _titan_call, context=_titan_context,
           buffers=lambda m: ["rope"]),
+    Spine("hf-llava", _hf_vl_matches, _hf_vl_units, _hf_vl_call,
+          context=lambda stage, h, kwargs: {"vision": kwargs.get("vision"), "kwargs": kwargs},
+          shared=lambda m: ["model.language_model.rotary_emb"], context_on_input=True),
     Spine("hf-causal-lm", _hf_matches, _hf_units, _hf_call, context=_hf_context,
           shared=lambda m: ["model.rotary_emb"]),
 ]
