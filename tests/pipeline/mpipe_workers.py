@@ -8,7 +8,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.core.pipeline_parallel import Preprocess, build_stages, schedule_facts
+from hyper_parallel.core.pipeline_parallel import HFVisionTower, Preprocess, build_stages, schedule_facts
 from hyper_parallel.local import full
 from tests.pipeline.workers import lm_loss
 
@@ -142,7 +142,6 @@ def _llava():
 def run_llava_mpipe(cases) -> list[dict]:
     """transformers' LLaVA (CLIP tower + projector, Llama decoder) under MPipe at pp = world.
     cases: (schedule name, n_microbatches)."""
-    from hyper_parallel.core.pipeline_parallel import HFVisionTower
     pp = dist.get_world_size()
     out = []
     for name, m in cases:
