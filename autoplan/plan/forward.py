@@ -18,11 +18,14 @@ def output_logits(out):
 
 def forward_tokens(model: nn.Module, tokens: torch.Tensor):
     """The model's output for token ids. Encoder-decoder models (T5, BART) get the tokens as
-    the decoder's input too: one call trains both stacks, as a denoising step would."""
+    the decoder's input too: one call trains both stacks, as a denoising step would. A model with
+    inputs besides tokens (a VL model's images) says what they are for given tokens through
+    ``model.extra_inputs(tokens) -> dict`` of keyword arguments."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         return model(input_ids=tokens, decoder_input_ids=tokens)
-    return model(tokens)
+    extra = getattr(model, "extra_inputs", None)
+    return model(tokens, **(extra(tokens) if callable(extra) else {}))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

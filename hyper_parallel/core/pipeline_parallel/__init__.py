@@ -14,8 +14,10 @@ from hyper_parallel.core.pipeline_parallel.generators import (
 )
 from hyper_parallel.core.pipeline_parallel.graph_split import GraphStageModule, split_graph
 from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, split_microbatches
+from hyper_parallel.core.pipeline_parallel.mpipe import Preprocess
+from hyper_parallel.core.pipeline_parallel.mpipe_ir import mpipe
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
-    Action, ActionKind, PipelineSchedule, from_orders, lower,
+    Action, ActionKind, PipelineSchedule, from_orders, lower, preprocess_owner,
 )
 from hyper_parallel.core.pipeline_parallel.schedules import (
     PipelineScheduleRuntime, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBV,
@@ -26,7 +28,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_facts import (
 )
 from hyper_parallel.core.pipeline_parallel.simulator import SimResult, StageCost, simulate
 from hyper_parallel.core.pipeline_parallel.split import (
-    Spine, StageModule, even_cuts, register_spine, split_model, stage_units, tied_parameters,
+    HFVisionTower, Spine, StageModule, even_cuts, register_spine, split_model, stage_units, tied_parameters,
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
@@ -35,14 +37,14 @@ __all__ = [
     # runtime
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
-    "split_microbatches",
+    "split_microbatches", "Preprocess", "HFVisionTower",
     # stage split
     "split_model", "split_graph", "even_cuts", "stage_units", "tied_parameters", "StageModule",
     "GraphStageModule", "Spine", "register_spine",
     # schedule IR, generators, validator, simulator (torch-free)
     "Action", "ActionKind", "PipelineSchedule", "from_orders", "lower",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zbv", "build_schedule",
-    "validate_schedule", "simulate", "StageCost", "SimResult",
+    "validate_schedule", "simulate", "StageCost", "SimResult", "mpipe", "preprocess_owner",
     # the table of per-schedule facts the planner and the cost model read
     "SCHEDULES", "SCHEDULE_NAMES", "ScheduleFacts", "schedule_facts",
 ]

@@ -5,6 +5,11 @@ blocks (it is posted and waited at the end of the step); a receive blocks until 
 send has been posted; compute needs its inputs (a receive on this rank, or the neighbouring
 stage's compute if that stage lives on the same rank). If no rank can move and some have actions
 left, the order deadlocks; the error names every stuck rank, its step and the action.
+
+MPipe (``meta["preprocess"]``): stage 0's forward needs the tower output (PRE_F on this rank or
+RECV_PRE), the tower backward (PRE_B) needs its forward and the gradient (stage 0's B/I on this
+rank or RECV_PRE_B). REDUCE_PRE is a collective: it starts when every rank has reached it and
+lasts ``duration(REDUCE_PRE)``.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
-    Action, ActionKind, PipelineSchedule, matching, peer_of,
+    RECV_KINDS, SEND_KINDS, Action, ActionKind, PipelineSchedule, matching, peer_of, preprocess_owner,
 )
 from hyper_parallel.errors import ScheduleError
 
@@ -28,12 +33,23 @@ class Event:
     end: float
 
 
-def _needs(action: Action, s2r, rank: int, last: int) -> list[Action]:
+def _needs(action: Action, s2r, rank: int, last: int, pre: bool = False) -> list[Action]:
     """Actions that must have run before ``action`` on this rank (local dependencies)."""
     s, mb = action.stage, action.microbatch
+    if action.kind in (K.PRE_F, K.REDUCE_PRE):
+        return []
+    if action.kind is K.PRE_B:
+        local = preprocess_owner(s2r, mb) == s2r[0]
+        return [Action(K.PRE_F, 0, mb), Action("grad", 0, mb) if local else Action(K.RECV_PRE_B, 0, mb)]
+    if action.kind is K.SEND_PRE:
+        return [Action(K.PRE_F, 0, mb)]
+    if action.kind is K.SEND_PRE_B:
+        return [Action("grad", 0, mb)]
     if action.kind is K.FORWARD:
         if s == 0:
-            return []
+            if not pre:
+                return []
+            return [Action(K.PRE_F, 0, mb) if preprocess_owner(s2r, mb) == rank else Action(K.RECV_PRE, 0, mb)]
         return [Action(K.FORWARD, s - 1, mb) if s2r[s - 1] == rank else Action(K.RECV_F, s, mb)]
     if action.kind in (K.BACKWARD, K.BACKWARD_INPUT):
         deps = [Action(K.FORWARD, s, mb)]
@@ -53,6 +69,7 @@ def play(schedule: PipelineSchedule, duration: Callable[[Action], float] | None 
          p2p_time: float = 0.0) -> list[list[Event]]:
     """Timed events per rank. Raises ScheduleError on a missing dependency or a deadlock."""
     s2r, last = schedule.stage_to_rank, schedule.n_stages - 1
+    pre = bool(schedule.meta.get("preprocess"))
     duration = duration or (lambda a: 0.0)
     progs = schedule.actions
     n = len(progs)
@@ -63,6 +80,8 @@ def play(schedule: PipelineSchedule, duration: Callable[[Action], float] | None 
     events: list[list[Event]] = [[] for _ in range(n)]
     # where each local dependency appears, to tell "later on this rank" from "never"
     index = [{a: i for i, a in enumerate(prog)} for prog in progs]
+    reducers = {r for r, prog in enumerate(progs) if any(a.kind is K.REDUCE_PRE for a in prog)}
+    arrived: dict[int, float] = {}                    # rank -> when it reached REDUCE_PRE
 
     def satisfied(rank: int, dep: Action):
         if dep.kind == "grad":
@@ -93,23 +112,30 @@ def play(schedule: PipelineSchedule, duration: Callable[[Action], float] | None 
                 step, a = ptr[r], progs[r][ptr[r]]
                 ready = clock[r]
                 blocked = False
-                for dep in _needs(a, s2r, r, last):
+                for dep in _needs(a, s2r, r, last, pre):
                     t = satisfied(r, dep)
                     if t is None:
                         raise missing(r, step, a, dep)
                     ready = max(ready, t)
-                if a.kind in (K.RECV_F, K.RECV_B):
+                if a.kind in RECV_KINDS:
                     send = matching(a)
                     if send not in posted:
                         blocked = True
                     else:
                         start, end = clock[r], max(clock[r], posted[send])
+                elif a.kind is K.REDUCE_PRE:
+                    arrived.setdefault(r, ready)
+                    if len(arrived) < len(reducers):
+                        blocked = True
+                    else:
+                        start = max(arrived.values())
+                        end = start + duration(a)
                 if blocked:
                     break
-                if a.kind not in (K.RECV_F, K.RECV_B):
+                if a.kind not in RECV_KINDS and a.kind is not K.REDUCE_PRE:
                     start = ready
                     end = start + (duration(a) if a.is_compute else 0.0)
-                if a.kind in (K.SEND_F, K.SEND_B):
+                if a.kind in SEND_KINDS:
                     posted[a] = end + p2p_time
                 done[r][a] = end
                 clock[r] = end
@@ -118,8 +144,9 @@ def play(schedule: PipelineSchedule, duration: Callable[[Action], float] | None 
                 remaining -= 1
                 moved = True
         if not moved and remaining:
-            stuck = [f"rank {r} step {ptr[r]}: {progs[r][ptr[r]]} waits for "
-                     f"{matching(progs[r][ptr[r]])} from rank {peer_of(progs[r][ptr[r]], s2r)}"
+            stuck = [f"rank {r} step {ptr[r]}: {progs[r][ptr[r]]} waits for " + (
+                     "every rank to reach REDUCE_PRE" if progs[r][ptr[r]].kind is K.REDUCE_PRE else
+                     f"{matching(progs[r][ptr[r]])} from rank {peer_of(progs[r][ptr[r]], s2r)}")
                      for r in range(n) if ptr[r] < len(progs[r])]
             raise ScheduleError(f"{schedule.name}: deadlock, no rank can proceed: " + "; ".join(stuck))
     return events

@@ -27,11 +27,26 @@ class ActionKind(str, enum.Enum):
     UNSHARD = "UNSHARD"     # FSDP: all-gather the stage's parameters
     RESHARD = "RESHARD"     # FSDP: free the gathered parameters
     REDUCE_GRAD = "REDUCE_GRAD"  # FSDP/DP: reduce the accumulated gradients of the stage
+    # MPipe (mpipe.py): the preprocess tower of micro-batch mb runs on its owner rank
+    # (preprocess_owner), which "transposes" the output to stage 0's rank and gets its gradient back
+    PRE_F = "PF"                 # tower forward of micro-batch mb, on its owner; graph kept there
+    PRE_B = "PB"                 # tower backward of micro-batch mb, on its owner
+    SEND_PRE = "SEND_PRE"        # owner -> stage 0's rank: the tower output
+    RECV_PRE = "RECV_PRE"        # stage 0's rank <- owner
+    SEND_PRE_B = "SEND_PRE_B"    # stage 0's rank -> owner: the gradient of the tower output
+    RECV_PRE_B = "RECV_PRE_B"    # owner <- stage 0's rank
+    REDUCE_PRE = "REDUCE_PRE"    # every rank: sum this step's tower gradients over the pipeline ranks
 
 
+PRE_KINDS = frozenset({ActionKind.PRE_F, ActionKind.PRE_B})
+PRE_COMM_KINDS = frozenset({ActionKind.SEND_PRE, ActionKind.RECV_PRE, ActionKind.SEND_PRE_B,
+                            ActionKind.RECV_PRE_B})
 COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD,
-                           ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
-COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
+                           ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT}) | PRE_KINDS
+COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}) \
+    | PRE_COMM_KINDS
+RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.RECV_PRE, ActionKind.RECV_PRE_B})
+SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.SEND_PRE, ActionKind.SEND_PRE_B})
 FSDP_KINDS = frozenset({ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.REDUCE_GRAD})
 
 
@@ -45,6 +60,8 @@ class Action:
 
     def __str__(self) -> str:
         mb = "" if self.microbatch is None else str(self.microbatch)
+        if self.kind in PRE_KINDS:
+            return f"{self.kind.value}{mb}"
         return f"{self.stage}{self.kind.value}{mb}" if self.kind in COMPUTE_KINDS else \
             f"{self.kind.value}(s{self.stage}{'' if self.microbatch is None else ',mb' + mb})"
 
@@ -58,6 +75,10 @@ class Action:
     @property
     def is_comm(self) -> bool:
         return self.kind in COMM_KINDS
+
+    @property
+    def is_preprocess(self) -> bool:
+        return self.kind in PRE_KINDS
 
 
 # Actions are immutable values; the planner builds schedules with hundreds of thousands of
@@ -80,6 +101,26 @@ def I(stage: int, mb: int) -> Action:  # noqa: E743 - the literature's name for 
 @functools.lru_cache(maxsize=None)
 def W(stage: int, mb: int) -> Action:
     return Action(ActionKind.BACKWARD_WEIGHT, stage, mb)
+
+
+@functools.lru_cache(maxsize=None)
+def PF(mb: int) -> Action:
+    """Tower forward of micro-batch mb (stage field 0: the stage it feeds)."""
+    return Action(ActionKind.PRE_F, 0, mb)
+
+
+@functools.lru_cache(maxsize=None)
+def PB(mb: int) -> Action:
+    """Tower backward of micro-batch mb."""
+    return Action(ActionKind.PRE_B, 0, mb)
+
+
+def preprocess_owner(stage_to_rank: Sequence[int], mb: int) -> int:
+    """MPipe's owner of micro-batch mb: round-robin over the pipeline ranks, starting at stage 0's
+    rank (so micro-batch 0's tower is local to stage 0 and its output shapes are known there
+    before any transposed receive is posted)."""
+    n = max(stage_to_rank) + 1
+    return (stage_to_rank[0] + mb) % n
 
 
 def loop_placement(n_ranks: int, n_stages: int) -> tuple[int, ...]:
@@ -146,6 +187,10 @@ class PipelineSchedule:
 
 def peer_of(action: Action, stage_to_rank: Sequence[int]) -> int:
     """The rank a communication action talks to."""
+    if action.kind in (ActionKind.SEND_PRE, ActionKind.RECV_PRE_B):
+        return stage_to_rank[0]
+    if action.kind in (ActionKind.RECV_PRE, ActionKind.SEND_PRE_B):
+        return preprocess_owner(stage_to_rank, action.microbatch)
     if action.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
         return stage_to_rank[action.stage + 1]
     if action.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
@@ -157,7 +202,9 @@ def matching(action: Action) -> Action:
     """The action on the peer rank that pairs with a send or receive."""
     k, s, mb = action.kind, action.stage, action.microbatch
     pairs = {ActionKind.SEND_F: (ActionKind.RECV_F, s + 1), ActionKind.RECV_F: (ActionKind.SEND_F, s - 1),
-             ActionKind.SEND_B: (ActionKind.RECV_B, s - 1), ActionKind.RECV_B: (ActionKind.SEND_B, s + 1)}
+             ActionKind.SEND_B: (ActionKind.RECV_B, s - 1), ActionKind.RECV_B: (ActionKind.SEND_B, s + 1),
+             ActionKind.SEND_PRE: (ActionKind.RECV_PRE, s), ActionKind.RECV_PRE: (ActionKind.SEND_PRE, s),
+             ActionKind.SEND_PRE_B: (ActionKind.RECV_PRE_B, s), ActionKind.RECV_PRE_B: (ActionKind.SEND_PRE_B, s)}
     if k not in pairs:
         raise ScheduleError(f"{action} is not a communication action")
     kind, stage = pairs[k]
@@ -169,9 +216,13 @@ def lower(schedule: PipelineSchedule, fsdp: bool = False) -> PipelineSchedule:
 
     Stages that sit on the same rank (the bottom of ZBV's V) hand tensors over locally, with no
     communication action. With ``fsdp`` each stage gets UNSHARD before its first compute action,
-    and REDUCE_GRAD then RESHARD after its last backward.
+    and REDUCE_GRAD then RESHARD after its last backward. With MPipe (``meta["preprocess"]``) the
+    tower output travels owner -> stage 0's rank right after PRE_F and is received right before
+    stage 0's forward; its gradient goes back right after stage 0's B (or I) and is received
+    right before PRE_B; every rank ends with REDUCE_PRE.
     """
     s2r, last = schedule.stage_to_rank, schedule.n_stages - 1
+    pre = bool(schedule.meta.get("preprocess"))
     out: list[list[Action]] = []
     for rank, prog in enumerate(schedule.actions):
         compute = [a for a in prog if a.is_compute]
@@ -179,11 +230,24 @@ def lower(schedule: PipelineSchedule, fsdp: bool = False) -> PipelineSchedule:
         first_use = {}
         last_bwd = {}
         for i, a in enumerate(compute):
+            if a.kind in PRE_KINDS:
+                continue  # the tower is not a stage: no FSDP bookkeeping, no stage-0 ownership
             first_use.setdefault(a.stage, i)
             if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
                 last_bwd[a.stage] = i
         for i, a in enumerate(compute):
             s, mb = a.stage, a.microbatch
+            if a.kind in PRE_KINDS:
+                remote = preprocess_owner(s2r, mb) != s2r[0]
+                if a.kind is ActionKind.PRE_B and remote:
+                    lowered.append(Action(ActionKind.RECV_PRE_B, 0, mb))
+                lowered.append(a)
+                if a.kind is ActionKind.PRE_F and remote:
+                    lowered.append(Action(ActionKind.SEND_PRE, 0, mb))
+                continue
+            remote_pre = pre and s == 0 and preprocess_owner(s2r, mb) != rank
+            if remote_pre and a.kind is ActionKind.FORWARD:
+                lowered.append(Action(ActionKind.RECV_PRE, 0, mb))
             if fsdp and first_use.get(s) == i:
                 lowered.append(Action(ActionKind.UNSHARD, s))
             if a.kind is ActionKind.FORWARD and s > 0 and s2r[s - 1] != rank:
@@ -195,8 +259,12 @@ def lower(schedule: PipelineSchedule, fsdp: bool = False) -> PipelineSchedule:
                 lowered.append(Action(ActionKind.SEND_F, s, mb))
             if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and s > 0 and s2r[s - 1] != rank:
                 lowered.append(Action(ActionKind.SEND_B, s, mb))
+            if remote_pre and a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
+                lowered.append(Action(ActionKind.SEND_PRE_B, 0, mb))
             if fsdp and last_bwd.get(s) == i:
                 lowered += [Action(ActionKind.REDUCE_GRAD, s), Action(ActionKind.RESHARD, s)]
+        if pre:
+            lowered.append(Action(ActionKind.REDUCE_PRE, 0))
         out.append(lowered)
     return schedule._with(out)
 

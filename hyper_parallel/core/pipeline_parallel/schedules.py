@@ -17,6 +17,8 @@ from hyper_parallel.core.pipeline_parallel import generators
 from hyper_parallel.core.pipeline_parallel.executor import StepState, run_program
 from hyper_parallel.core.pipeline_parallel.fsdp_actions import fsdp_hooks, has_fsdp, prepare_fsdp_backward
 from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, split_microbatches
+from hyper_parallel.core.pipeline_parallel.mpipe import Preprocess, PreprocessState
+from hyper_parallel.core.pipeline_parallel.mpipe_ir import mpipe
 from hyper_parallel.core.pipeline_parallel.schedule_ir import PipelineSchedule, lower
 from hyper_parallel.core.pipeline_parallel.shape_inference import infer_boundaries, signature
 from hyper_parallel.core.pipeline_parallel.shared_params import SharedParameters
@@ -45,6 +47,10 @@ class PipelineScheduleRuntime:
     vocabulary-parallel cross entropy needs its context in forward and backward alike).
     ``boundary_metas``: the boundary descriptions ({stage: [TensorMeta]}, see
     ``shape_inference.local_boundaries``) to use instead of the first step's exchange.
+    ``preprocess``: a :class:`~mpipe.Preprocess` tower (a VL model's vision encoder) run with
+    MPipe: the schedule becomes ``mpipe(schedule)``, the tower's inputs are step keywords, stage 0
+    gets its output under ``preprocess.into``, and the tower's gradients are summed over the
+    pipeline ranks at the end of the step.
     """
 
     generator: Callable[..., PipelineSchedule] | None = None
@@ -58,7 +64,8 @@ class PipelineScheduleRuntime:
                  schedule: PipelineSchedule | None = None, fifo: bool | None = None,
                  dp_group: dist.ProcessGroup | None = None,
                  loss_context: Callable[[], ContextManager] | None = None,
-                 boundary_metas: dict[int, list] | None = None, **gen_kwargs):
+                 boundary_metas: dict[int, list] | None = None, preprocess: Preprocess | None = None,
+                 **gen_kwargs):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
             raise PipelineError(f"{type(self).__name__}: no stages given")
@@ -81,12 +88,22 @@ class PipelineScheduleRuntime:
             if s.num_stages != schedule.n_stages:
                 raise ScheduleError(f"{schedule.name}: stage {s.stage_index} says {s.num_stages} stages, "
                                     f"the schedule has {schedule.n_stages}")
+        self.preprocess, self.dp_group = preprocess, dp_group
+        if preprocess is not None:
+            if not isinstance(preprocess, Preprocess):
+                raise PipelineError(f"{type(self).__name__}: preprocess must be a Preprocess, got "
+                                    f"{type(preprocess).__name__}")
+            if not schedule.meta.get("preprocess"):
+                schedule = mpipe(schedule.compute_only(), placement=preprocess.placement)
+        elif schedule.meta.get("preprocess"):
+            raise ScheduleError(f"{schedule.name} runs a preprocess tower: give preprocess=Preprocess(...)")
         self.fsdp = has_fsdp(self.stages)
         lowered = lower(schedule.compute_only(), fsdp=self.fsdp) if not schedule.is_lowered else schedule
         if fifo is None:  # only gloo honours message tags; elsewhere sends must be received in order
             # (a fake group, used by dry runs, carries no messages: order cannot matter there)
             fifo = dist.is_initialized() and dist.get_backend(self.group) not in ("gloo", "fake")
         self.ir = validate_schedule(lowered, n_microbatches, fifo=fifo)
+        self.fifo = fifo
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.arg_specs, self.kwarg_specs, self.target_spec = arg_specs, kwarg_specs, target_spec
@@ -117,6 +134,8 @@ class PipelineScheduleRuntime:
         ``losses`` with the per-micro-batch losses there.
         """
         m = self.n_microbatches
+        pre = PreprocessState.begin(self.preprocess, kwargs, m, self.dp_group) \
+            if self.preprocess is not None else None
         mb_args, mb_kwargs = split_microbatches(args, kwargs, m, self.arg_specs, self.kwarg_specs)
         last = self.ir.n_stages - 1
         targets = [None] * m
@@ -128,16 +147,20 @@ class PipelineScheduleRuntime:
                 targets = [t[0] for t in split]
         key = self._agreed_signature(mb_args[0], mb_kwargs[0])
         if key not in self._metas:
+            kw0 = mb_kwargs[0]
+            if pre is not None and 0 in self.stages and self.boundary_metas is None:
+                with torch.no_grad():  # stage 0 needs a tower output to describe its own output
+                    kw0 = {**kw0, self.preprocess.into: self.preprocess.module(**pre.inputs_of(0))}
             self._metas[key] = self.boundary_metas if self.boundary_metas is not None else \
-                infer_boundaries(self.stages, self.ir.stage_to_rank, self.group, mb_args[0], mb_kwargs[0])
+                infer_boundaries(self.stages, self.ir.stage_to_rank, self.group, mb_args[0], kw0)
         for s in self.stages.values():
             s.clear()
         if self.fsdp:
             prepare_fsdp_backward(self.stages)
         st = StepState(self.stages, mb_args, mb_kwargs, targets, self.loss_fn,
-                       1.0 / m if self.scale_grads else 1.0, self._metas[key], m, self.loss_context)
+                       1.0 / m if self.scale_grads else 1.0, self._metas[key], m, self.loss_context, pre)
         out = run_program(self.ir, self.pp_rank, self.group, st, self.overlap,
-                          fsdp_hooks(self.stages) if self.fsdp else None)
+                          fsdp_hooks(self.stages) if self.fsdp else None, post_ahead=not self.fifo)
         if self.shared is not None:
             self.shared.reduce_grads(next(iter(self.stages.values())).device)
         if last not in self.stages or self.loss_fn is None:

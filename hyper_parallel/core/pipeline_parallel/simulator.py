@@ -10,6 +10,11 @@ for ZB-H1 when T_F = T_B = T_W (with p2p_time = 0).
 
 In-flight micro-batches: on each rank, the (stage, micro-batch) chunks whose forward has run and
 whose last backward piece (B, or W when split) has not: the activations the rank must hold.
+
+MPipe schedules (mpipe_ir.py) also take ``preprocess_cost``: the tower's StageCost per micro-batch
+(PRE_F costs ``forward``, PRE_B ``backward``), and ``reduce_time``: the tower-gradient all-reduce
+(REDUCE_PRE, a collective that starts when every rank reaches it). The step-time formulas of MPipe
+vs the tower on stage 0 are in mpipe_ir.py and checked in tests/pipeline/test_mpipe_ir.py.
 """
 from __future__ import annotations
 
@@ -84,17 +89,32 @@ def _costs(stage_costs, n_stages: int) -> list[StageCost]:
 
 
 def simulate(schedule: PipelineSchedule, stage_costs: StageCost | Sequence[StageCost],
-             p2p_time: float = 0.0) -> SimResult:
+             p2p_time: float = 0.0, preprocess_cost: StageCost | None = None,
+             reduce_time: float = 0.0) -> SimResult:
     """Validate, then time ``schedule``; ``stage_costs`` is one StageCost or one per stage."""
     import pandas as pd
 
     lowered = validate_schedule(schedule)
     costs = _costs(stage_costs, lowered.n_stages)
+    if lowered.meta.get("preprocess") and preprocess_cost is None:
+        raise ScheduleError(f"simulate: {lowered.name} runs a preprocess tower; give preprocess_cost="
+                            "StageCost(tower forward, tower backward)")
+    if preprocess_cost is not None and not isinstance(preprocess_cost, StageCost):
+        raise ScheduleError(f"simulate: preprocess_cost={preprocess_cost!r} must be a StageCost")
+    if isinstance(reduce_time, bool) or not isinstance(reduce_time, numbers.Real) or \
+            not math.isfinite(reduce_time) or reduce_time < 0:
+        raise ScheduleError(f"simulate: reduce_time={reduce_time!r} must be a finite number >= 0")
     if isinstance(p2p_time, bool) or not isinstance(p2p_time, numbers.Real) or not math.isfinite(p2p_time) \
             or p2p_time < 0:
         raise ScheduleError(f"simulate: p2p_time={p2p_time!r} must be a finite number >= 0")
 
     def duration(a) -> float:
+        if a.kind is K.PRE_F:
+            return preprocess_cost.forward
+        if a.kind is K.PRE_B:
+            return preprocess_cost.backward
+        if a.kind is K.REDUCE_PRE:
+            return reduce_time
         c = costs[a.stage]
         return {K.FORWARD: c.forward, K.BACKWARD: c.backward, K.BACKWARD_INPUT: c.backward_input,
                 K.BACKWARD_WEIGHT: c.backward_weight}.get(a.kind, 0.0)

@@ -40,6 +40,7 @@ class Spine:
     context: Callable[..., dict] = lambda stage, h, kwargs: {}
     shared: Callable[[nn.Module], list[str]] = lambda model: []
     buffers: Callable[[nn.Module], list[str]] = lambda model: []
+    context_on_input: bool = False  # also build the context before the first stage's first unit
 
 
 # ---- the repo's torchtitan-style Llama -------------------------------------------------------
@@ -66,6 +67,40 @@ def _titan_call(stage, fqn, module, h, ctx):
         # (sequence parallel); attention slices the table to the length it sees after gathering
         return module(h, ctx.get("rope", stage.rope))
     return module(h)
+
+
+# ---- a vision-language model: the repo Llama plus a ``visual`` tower (autoplan.models.vision_language) ----
+# The tower is not a unit: MPipe (mpipe.py) runs it and hands its output to stage 0 as the step
+# kwarg ``vision`` (a tensor, or a tuple of embeddings and DeepStack levels). The model's
+# parameterless ``image_merge`` module, kept by every stage, puts the features at image tokens.
+
+def _vl_matches(m: nn.Module) -> bool:
+    return _titan_matches(m) and hasattr(m, "visual") and hasattr(m, "image_merge")
+
+
+def _vl_context(stage, h, kwargs) -> dict:
+    return {**_titan_context(stage, h, kwargs), "vision": kwargs.get("vision")}
+
+
+def _vl_call(stage, fqn, module, h, ctx):
+    if fqn == "tok_embeddings":
+        vision = ctx.get("vision")
+        if vision is None:
+            raise StageSplitError("vision-language stage 0: no tower output; run the tower with MPipe "
+                                  "(Preprocess(into='vision')) or pass vision= to the step")
+        emb, *levels = vision if isinstance(vision, (tuple, list)) else (vision,)
+        ctx.update(tokens=h, levels=levels)
+        return stage.image_merge.merge(module(h), h, emb)
+    out = _titan_call(stage, fqn, module, h, ctx)
+    if fqn.startswith("layers."):
+        i = int(fqn.split(".")[1])
+        levels = ctx.get("levels")
+        if levels is None and i < stage.deepstack_levels:
+            raise StageSplitError(f"vision-language: {fqn} adds DeepStack level {i} but sits on stage "
+                                  f"{stage.stage_index}; the first {stage.deepstack_levels} layers must be on stage 0")
+        if levels is not None and i < len(levels):
+            out = stage.image_merge.add_level(out, ctx["tokens"], levels[i])
+    return out
 
 
 # ---- HF decoder-only *ForCausalLM ------------------------------------------------------------
@@ -106,9 +141,87 @@ def _hf_call(stage, fqn, module, h, ctx):
     return module(h)
 
 
+# ---- transformers' LLaVA-style VL models: ``model.vision_tower`` + ``model.multi_modal_projector`` (the
+# tower, run by MPipe through HFVisionTower) and ``model.language_model`` (a decoder) + ``lm_head`` --------
+
+def _hf_vl_matches(m: nn.Module) -> bool:
+    base = getattr(m, "model", None)
+    lm = getattr(base, "language_model", None)
+    return (hasattr(m, "lm_head") and all(hasattr(base, a) for a in ("vision_tower", "multi_modal_projector"))
+            and lm is not None and all(hasattr(lm, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
+
+
+def _hf_vl_units(m: nn.Module) -> list[str]:
+    p = "model.language_model"
+    return [f"{p}.embed_tokens"] + [f"{p}.layers.{i}" for i in range(len(m.model.language_model.layers))] + \
+        [f"{p}.norm", "lm_head"]
+
+
+def _hf_vl_layer_context(stage, h, kwargs) -> dict:
+    from transformers.masking_utils import create_causal_mask
+
+    config = getattr(stage.config, "text_config", stage.config)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+    mask_kwargs = dict(config=config, inputs_embeds=h, attention_mask=kwargs.get("attention_mask"),
+                       position_ids=position_ids)
+    params = inspect.signature(create_causal_mask).parameters
+    mask_kwargs["cache" if "cache" in params else "past_key_values"] = None
+    rope = stage.get_submodule("model.language_model.rotary_emb")(h, position_ids=position_ids)
+    return dict(attention_mask=create_causal_mask(**mask_kwargs), position_embeddings=rope, position_ids=position_ids)
+
+
+def _hf_vl_call(stage, fqn, module, h, ctx):
+    if fqn.endswith("embed_tokens"):
+        vision = ctx.get("vision")
+        if vision is None:
+            raise StageSplitError("LLaVA-style stage 0: no tower output; run the tower with MPipe "
+                                  "(Preprocess(HFVisionTower(model), ('pixel_values',)))")
+        emb = module(h)
+        mask = (h == stage.config.image_token_id).unsqueeze(-1).expand_as(emb)
+        return emb.masked_scatter(mask, vision.to(emb.dtype))
+    if ".layers." in fqn:
+        if "attention_mask" not in ctx:   # built lazily: stage 0 only knows the hidden state after embedding
+            ctx.update(_hf_vl_layer_context(stage, h, ctx.get("kwargs", {})))
+        return module(h, attention_mask=ctx["attention_mask"], position_ids=ctx["position_ids"],
+                      position_embeddings=ctx["position_embeddings"], use_cache=False)
+    return module(h)
+
+
+class HFVisionTower(nn.Module):
+    """The tower of a transformers LLaVA-style model as one module for MPipe: vision encoder, the
+    configured feature layer and selection (``default`` drops CLS), then the projector.
+    ``forward(pixel_values) -> (batch, image tokens, text hidden)``; shares the model's modules."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        if not _hf_vl_matches(model):
+            raise StageSplitError(f"HFVisionTower: {type(model).__name__} has no model.vision_tower / "
+                                  "model.multi_modal_projector / model.language_model")
+        self.vision_tower = model.model.vision_tower
+        self.multi_modal_projector = model.model.multi_modal_projector
+        self.feature_layer = model.config.vision_feature_layer
+        self.strategy = model.config.vision_feature_select_strategy
+        if not isinstance(self.feature_layer, int):
+            raise StageSplitError(f"HFVisionTower: vision_feature_layer={self.feature_layer!r}; only one layer "
+                                  "(an int) is supported")
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        hidden = self.vision_tower(pixel_values, output_hidden_states=True).hidden_states[self.feature_layer]
+        if self.strategy == "default":
+            hidden = hidden[:, 1:]
+        return self.multi_modal_projector(hidden)
+
+
 SPINES: list[Spine] = [
+    Spine("vision-language", _vl_matches, _titan_units, _vl_call, context=_vl_context,
+          buffers=lambda m: ["rope"], shared=lambda m: ["image_merge"], context_on_input=True),
     Spine("torchtitan-llama", _titan_matches, _titan_units, _titan_call, context=_titan_context,
           buffers=lambda m: ["rope"]),
+    Spine("hf-llava", _hf_vl_matches, _hf_vl_units, _hf_vl_call,
+          context=lambda stage, h, kwargs: {"vision": kwargs.get("vision"), "kwargs": kwargs},
+          shared=lambda m: ["model.language_model.rotary_emb"], context_on_input=True),
     Spine("hf-causal-lm", _hf_matches, _hf_units, _hf_call, context=_hf_context,
           shared=lambda m: ["model.rotary_emb"]),
 ]
@@ -143,6 +256,8 @@ class StageModule(nn.Module):
         self.stage_index = stage_index
         self.n_stages = n_stages
         self.config = getattr(model, "config", None)
+        visual = getattr(model, "visual", None)
+        self.deepstack_levels = len(getattr(visual, "deepstack", ()))
         for fqn in list(units) + spine.shared(model):
             self._attach(fqn, model.get_submodule(fqn))
         for name in spine.buffers(model):
@@ -168,7 +283,8 @@ class StageModule(nn.Module):
     def forward(self, x, **kwargs):
         h, ctx = x, None
         for i, fqn in enumerate(self.units):
-            if ctx is None and not (self.is_first and i == 0):  # side inputs need the hidden state
+            if ctx is None and (self.spine.context_on_input or not (self.is_first and i == 0)):
+                # side inputs need the hidden state (or, context_on_input, only the step's kwargs)
                 ctx = self.spine.context(self, h, kwargs)
             h = self.spine.call(self, fqn, self.get_submodule(fqn), h, ctx or {})
         return h

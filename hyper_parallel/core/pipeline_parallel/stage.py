@@ -118,6 +118,9 @@ class PipelineStage:
         self.outputs: dict[int, list[torch.Tensor]] = {}
         self.input_grads: dict[int, list[torch.Tensor | None]] = {}
         self._pending_w: dict[int, tuple] = {}
+        # MPipe (stage 0 only): the tower output as leaves, and the gradients they collect
+        self._pre: dict[int, list[torch.Tensor]] = {}
+        self.pre_grads: dict[int, list[torch.Tensor | None]] = {}
 
     def leaf_inputs(self, values: Sequence[Any]) -> list[Any]:
         """Detach received tensors into leaves that collect the input gradient."""
@@ -130,8 +133,17 @@ class PipelineStage:
             out.append(v)
         return out
 
-    def forward(self, mb: int, args: Sequence[Any], kwargs: dict) -> list[torch.Tensor]:
+    def forward(self, mb: int, args: Sequence[Any], kwargs: dict,
+                pre: tuple[str, Sequence[torch.Tensor], Sequence[bool]] | None = None) -> list[torch.Tensor]:
+        """``pre`` (MPipe, stage 0): (keyword, tower output tensors, which need a gradient); they
+        enter as fresh leaves, so the tower's graph stays on its owner and ``pre_grads[mb]`` gets
+        the gradient of each (None where none is needed) at the B or I of this micro-batch."""
         inputs = list(args) if self.is_first else self.leaf_inputs(args)
+        if pre is not None:
+            into, tensors, needs_grad = pre
+            leaves = [t.detach().requires_grad_(bool(g)) for t, g in zip(tensors, needs_grad)]
+            self._pre[mb] = leaves
+            kwargs = {**kwargs, into: leaves[0] if len(leaves) == 1 else tuple(leaves)}
         out = self.module(*inputs, **kwargs)
         flat = flatten(out, f"stage {self.stage_index} micro-batch {mb}")
         self._inputs[mb] = inputs
@@ -157,12 +169,17 @@ class PipelineStage:
             pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
             roots, grads = [p[0] for p in pairs], [p[1] for p in pairs]
         inputs = self._inputs[mb]
+        pre = self._pre.get(mb, [])
         needs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        n_inputs = len(needs)
+        needs += [x for x in pre if x.requires_grad]
         if mode == "full":
             if roots:
                 torch.autograd.backward(roots, grad_tensors=grads)
             self.input_grads[mb] = [_like(x.grad, x) if isinstance(x, torch.Tensor) else None
                                     for x in inputs]
+            if pre:
+                self.pre_grads[mb] = [_like(x.grad, x) if x.requires_grad else None for x in pre]
             self._free(mb)
         elif mode == "input":
             deferred = None
@@ -172,11 +189,14 @@ class PipelineStage:
                 got = torch.autograd.grad(roots, needs, grad_outputs=grads, retain_graph=True,
                                           allow_unused=True)
             else:
-                got = []
+                got = [None] * len(needs)
             self._pending_w[mb] = (roots, grads, deferred)
-            it = iter(got)
+            it = iter(got[:n_inputs])
             self.input_grads[mb] = [_like(next(it), x) if (isinstance(x, torch.Tensor) and x.requires_grad)
                                     else None for x in inputs]
+            if pre:
+                it = iter(got[n_inputs:])
+                self.pre_grads[mb] = [_like(next(it), x) if x.requires_grad else None for x in pre]
         elif mode == "weight":
             if deferred is not None:
                 deferred.run()
@@ -201,6 +221,7 @@ class PipelineStage:
 
     def _free(self, mb: int) -> None:
         self._inputs.pop(mb, None)
+        self._pre.pop(mb, None)
         self._roots.pop(mb, None)
         self.outputs.pop(mb, None)
 

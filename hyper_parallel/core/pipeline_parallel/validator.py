@@ -5,6 +5,10 @@ Checks, each error naming the rank and the step at fault:
 - every (stage, micro-batch) runs one forward and one backward (B, or I followed by W);
 - every send has exactly one matching receive on the peer rank (and vice versa);
 - playing the order forward (sends post, receives block) finishes: no deadlock;
+- MPipe (``meta["preprocess"]``): every micro-batch runs one tower forward (PRE_F) and one tower
+  backward (PRE_B) on its owner rank (``preprocess_owner``), transposed sends/receives pair up
+  between the owner and stage 0's rank, every rank runs REDUCE_PRE once, after its last PRE_B;
+  a schedule without the flag has no MPipe action;
 - optionally (``fifo=True``, for backends without message tags such as NCCL/HCCL) the sends from
   rank a to rank b are received by b in the order a sent them.
 """
@@ -14,11 +18,22 @@ from collections import Counter, defaultdict
 
 from hyper_parallel.core.pipeline_parallel.playback import _needs, play
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
-    ActionKind, PipelineSchedule, lower, matching, peer_of,
+    PRE_COMM_KINDS, PRE_KINDS, RECV_KINDS, SEND_KINDS, ActionKind, PipelineSchedule, lower, matching, peer_of,
+    preprocess_owner,
 )
 from hyper_parallel.errors import ScheduleError
 
 K = ActionKind
+_ON_OWNER = frozenset({K.PRE_F, K.PRE_B, K.SEND_PRE, K.RECV_PRE_B})
+
+
+def _home(a, s2r) -> int | None:
+    """The rank an action must run on (None: any rank, REDUCE_PRE runs on every one)."""
+    if a.kind is K.REDUCE_PRE:
+        return None
+    if a.kind in _ON_OWNER:
+        return preprocess_owner(s2r, a.microbatch)
+    return s2r[a.stage]
 
 
 def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = None,
@@ -34,6 +49,7 @@ def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = N
     s2r, n_stages = lowered.stage_to_rank, lowered.n_stages
     if len(set(s2r)) != lowered.n_ranks or max(s2r) >= lowered.n_ranks:
         raise ScheduleError(f"{name}: stage_to_rank {list(s2r)} does not cover ranks 0..{lowered.n_ranks - 1}")
+    pre = bool(lowered.meta.get("preprocess"))
     counts: Counter = Counter()
     unmatched = None  # raised after the per-micro-batch counts, which name the root cause
     for r, prog in enumerate(lowered.actions):
@@ -42,9 +58,19 @@ def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = N
             if not 0 <= a.stage < n_stages:
                 raise ScheduleError(f"{name}: rank {r} step {step}: {a} names stage {a.stage}, "
                                     f"but there are {n_stages} stages")
-            if s2r[a.stage] != r:
-                raise ScheduleError(f"{name}: rank {r} step {step}: {a} runs stage {a.stage}, "
-                                    f"which lives on rank {s2r[a.stage]}")
+            is_pre = a.kind in PRE_KINDS or a.kind in PRE_COMM_KINDS or a.kind is K.REDUCE_PRE
+            if is_pre and not pre:
+                raise ScheduleError(f"{name}: rank {r} step {step}: {a} is an MPipe action but the schedule "
+                                    "is not an MPipe schedule (meta['preprocess'] unset; build it with mpipe())")
+            if is_pre and a.stage != 0:
+                raise ScheduleError(f"{name}: rank {r} step {step}: {a} must name stage 0 (the stage the "
+                                    "tower feeds)")
+            if is_pre and a.kind is not K.REDUCE_PRE and a.microbatch is None:
+                raise ScheduleError(f"{name}: rank {r} step {step}: {a} needs a micro-batch")
+            home = _home(a, s2r) if a.microbatch is not None or not is_pre else None
+            if home is not None and home != r:
+                what = "its micro-batch's tower owner" if a.kind in _ON_OWNER else f"stage {a.stage}'s rank"
+                raise ScheduleError(f"{name}: rank {r} step {step}: {a} must run on {what}, rank {home}")
             if a.microbatch is not None and not 0 <= a.microbatch < m:
                 raise ScheduleError(
                     f"{name}: rank {r} step {step}: {a} names micro-batch {a.microbatch}, but the "
@@ -73,6 +99,8 @@ def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = N
                 raise ScheduleError(
                     f"{name}: rank {r}: stage {s} micro-batch {mb} has B x{full}, I x{dx}, W x{dw}; "
                     "needs one B, or one I and one W")
+    if pre:
+        _check_preprocess(lowered, m, counts)
     if unmatched is not None:
         raise unmatched
     _check_local_order(lowered)
@@ -82,13 +110,31 @@ def validate_schedule(schedule: PipelineSchedule, n_microbatches: int | None = N
     return lowered
 
 
+def _check_preprocess(s: PipelineSchedule, m: int, counts: Counter) -> None:
+    for mb in range(m):
+        owner = preprocess_owner(s.stage_to_rank, mb)
+        for kind in (K.PRE_F, K.PRE_B):
+            if counts[(kind, 0, mb)] != 1:
+                raise ScheduleError(f"{s.name}: rank {owner}: the tower {'forward' if kind is K.PRE_F else 'backward'}"
+                                    f" of micro-batch {mb} runs {counts[(kind, 0, mb)]} times (needs exactly 1)")
+    for r, prog in enumerate(s.actions):
+        at = [i for i, a in enumerate(prog) if a.kind is K.REDUCE_PRE]
+        if len(at) != 1:
+            raise ScheduleError(f"{s.name}: rank {r} runs REDUCE_PRE {len(at)} times (needs exactly 1: the "
+                                "tower gradient sum is collective)")
+        late = [i for i, a in enumerate(prog) if a.kind is K.PRE_B and i > at[0]]
+        if late:
+            raise ScheduleError(f"{s.name}: rank {r} step {late[0]}: {prog[late[0]]} comes after REDUCE_PRE "
+                                f"(step {at[0]}); its gradient would miss the reduction")
+
+
 def _check_fifo(s: PipelineSchedule) -> None:
     sends, recvs = defaultdict(list), defaultdict(list)
     for r, prog in enumerate(s.actions):
         for step, a in enumerate(prog):
-            if a.kind in (K.SEND_F, K.SEND_B):
+            if a.kind in SEND_KINDS:
                 sends[(r, peer_of(a, s.stage_to_rank))].append((step, a))
-            elif a.kind in (K.RECV_F, K.RECV_B):
+            elif a.kind in RECV_KINDS:
                 recvs[(peer_of(a, s.stage_to_rank), r)].append((step, a))
     for (src, dst), out in sends.items():
         inn = recvs[(src, dst)]
@@ -101,11 +147,11 @@ def _check_fifo(s: PipelineSchedule) -> None:
 
 def _check_local_order(s: PipelineSchedule) -> None:
     """A compute action whose same-rank compute input comes after it can never run."""
-    last = s.n_stages - 1
+    last, pre = s.n_stages - 1, bool(s.meta.get("preprocess"))
     for r, prog in enumerate(s.actions):
         pos = {a: i for i, a in enumerate(prog)}
         for step, a in enumerate(prog):
-            for dep in _needs(a, s.stage_to_rank, r, last):
+            for dep in _needs(a, s.stage_to_rank, r, last, pre):
                 if dep.kind == "grad":
                     cands = [pos.get(x) for x in (dep._replace_kind(K.BACKWARD), dep._replace_kind(K.BACKWARD_INPUT))]
                     later = [c for c in cands if c is not None]
@@ -113,6 +159,6 @@ def _check_local_order(s: PipelineSchedule) -> None:
                         raise ScheduleError(f"{s.name}: rank {r} step {step}: {a} needs the input-gradient "
                                             f"of stage {dep.stage} micro-batch {dep.microbatch}, which comes "
                                             "later on the same rank")
-                elif dep.kind in (K.FORWARD, K.BACKWARD_INPUT) and pos.get(dep, -1) > step:
+                elif dep.kind in (K.FORWARD, K.BACKWARD_INPUT, K.PRE_F) and pos.get(dep, -1) > step:
                     raise ScheduleError(f"{s.name}: rank {r} step {step}: {a} needs {dep} which comes "
                                         "later on the same rank")
