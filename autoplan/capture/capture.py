@@ -18,7 +18,7 @@ import torch.nn as nn
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device
 from autoplan.capture.fallback import capture_with_hooks
-from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_model, resolve_inputs
+from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_view, resolve_inputs
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.opcost import register_flop_formulas
 from autoplan.capture.roles import recognise_roles
@@ -63,14 +63,14 @@ def capture(
         raise CaptureError(f"capture(model=...): expected an nn.Module, got {type(model).__name__}")
     args, kwargs = resolve_inputs(model, inputs, batch, dtype)
     register_flop_formulas()
-    mm = meta_model(model, dtype, max_copy_bytes)
-    modes = [(m, m.training) for m in mm.modules()]
-    mm.train()  # training-time graph: dropout present, caches off
-    try:
-        return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
-    finally:
-        for m, training in modes:
-            m.training = training
+    with meta_view(model, dtype, max_copy_bytes) as mm:
+        modes = [(m, m.training) for m in mm.modules()]
+        mm.train()  # training-time graph: dropout present, caches off
+        try:
+            return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
+        finally:
+            for m, training in modes:
+                m.training = training
 
 
 def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallback: bool) -> ModelGraph:

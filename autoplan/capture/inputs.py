@@ -7,10 +7,11 @@ copied for real, which is why a size limit guards the copy.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -163,6 +164,39 @@ def meta_model(
         return copy.deepcopy(model, memo)
     except Exception as exc:  # a module holding an uncopyable object (lock, file handle)
         raise CaptureError(f"cannot copy {type(model).__name__} to meta for capture: {exc}") from exc
+
+
+@contextlib.contextmanager
+def meta_view(model: nn.Module, dtype: torch.dtype | None = None,
+              max_copy_bytes: int | None = DEFAULT_MAX_COPY_BYTES) -> Iterator[nn.Module]:
+    """``model`` on meta in ``dtype`` for the duration of the block, without copying it when it is
+    already entirely on meta: its floating parameters and buffers are swapped for ``dtype`` meta
+    tensors in place and swapped back on exit (a deep copy of a 126-layer model costs more than
+    the capture that reads it). A model with real-device tensors gets a meta copy
+    (:func:`meta_model`)."""
+    if model_real_bytes(model) or dtype is None:
+        yield meta_model(model, dtype, max_copy_bytes)
+        return
+    saved: list[tuple[Any, str, torch.Tensor]] = []
+    try:
+        for mod in model.modules():
+            for store in (mod._parameters, mod._buffers):
+                for name, t in store.items():
+                    if t is None or not t.is_floating_point() or t.dtype == dtype:
+                        continue
+                    if isinstance(t, nn.Parameter):
+                        saved.append((t, "", t.data))
+                        t.data = torch.empty(t.shape, dtype=dtype, device="meta")
+                    else:
+                        saved.append((store, name, t))
+                        store[name] = torch.empty(t.shape, dtype=dtype, device="meta")
+        yield model
+    finally:
+        for owner, name, t in reversed(saved):
+            if name:
+                owner[name] = t
+            else:   # a tied parameter was swapped once (its second sight had the dtype already)
+                owner.data = t
 
 
 def resolve_inputs(model: nn.Module, inputs: Any, batch: Any, dtype: torch.dtype | None):
