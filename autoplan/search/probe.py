@@ -212,7 +212,7 @@ class Prober:
         attention cores that see anything but fewer heads (a reshape by the global head count
         can fold heads into the sequence and still run: OPT's ``view(b, -1, heads, hd)``)."""
         ref = self.reference
-        found = self._core_findings(run)
+        found = self._core_findings(run) + self._global_shape_findings(run)
         for name in run.plain_param_modules:
             got, want = run.inputs.get(name), ref.inputs.get(name) if ref else None
             if got is None or want is None or got == want:
@@ -224,6 +224,25 @@ class Prober:
                 found.append(Finding(name, dims, f"{name} receives a shard on dim {dims} of {want}"))
         return found
 
+
+    def _global_shape_findings(self, run: ProbeRun) -> list[Finding]:
+        """Modules that receive a DTensor whose *global* shape differs from what the replicated run
+        gave them: a local tensor annotated as a shard it is not (SequenceParallel on a norm that
+        sees the whole sequence: Bloom's embedding norm before the first block would count the
+        sequence tp times and over-reduce its weight gradients). Sound styles keep every DTensor's
+        global shape equal to the replicated tensor's."""
+        ref = self.reference.inputs if self.reference else {}
+        out = []
+        for name, got in run.inputs.items():
+            want = ref.get(name)
+            if want is None or len(got) != len(want):
+                continue
+            for g, w in zip(got, want):
+                if g[:1] == ("dtensor",) and w[:1] != ("dtensor",) and tuple(g[1:]) != tuple(w):
+                    out.append(Finding(name, None, f"{name} receives a DTensor of global shape {tuple(g[1:])} "
+                                                   f"where the replicated model has {tuple(w)}"))
+                    break
+        return out
 
     def _core_findings(self, run: ProbeRun) -> list[Finding]:
         ref = self.reference.cores if self.reference else run.cores

@@ -279,3 +279,12 @@ def test_gpt3_packed_qkv_bias_under_fsdp_stays_replicated_and_verifies_exactly()
     result = verify(plan, model)
     assert result.passed, result
     assert "ignored_params=replicated" in plan.to_python()
+
+
+def test_a_norm_annotated_as_a_shard_it_is_not_is_refused():
+    """Bloom's embedding norm sits before the first block, on the replicated stream: sequence
+    parallel there would annotate the whole sequence as a shard (its weight gradients summed tp
+    times). The probe sees the DTensor's global shape differ from the replicated run's and
+    refuses the sequence-sharded stream rather than emitting that plan."""
+    with pytest.raises(InfeasiblePlanError, match=r"word_embeddings_layernorm receives a DTensor of global shape"):
+        plan_case("bloom", "tp4", "forced_S")
