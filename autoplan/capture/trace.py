@@ -152,10 +152,11 @@ def to_nodes(
         name = spec.arg.name
         kind = spec.kind.name
         if kind == "PARAMETER":
-            producer_of[name] = f"param:{_join(prefix, spec.target)}"
+            # a shortened block's parameters are named by their real FQN, as its modules are
+            producer_of[name] = f"param:{remap_fqn(_join(prefix, spec.target), rename)}"
             requires_grad[producer_of[name]] = True
         elif kind == "BUFFER":
-            producer_of[name] = f"buffer:{_join(prefix, spec.target)}"
+            producer_of[name] = f"buffer:{remap_fqn(_join(prefix, spec.target), rename)}"
         elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ", "TOKEN"):
             producer_of[name] = f"const:{_join(prefix, spec.target or name)}"
         elif sub is not None and isinstance(getattr(spec.arg, "name", None), str) and _is_tensor_placeholder(ep, name):
