@@ -246,6 +246,10 @@ def to_nodes(
             if not is_view(fxn.target):
                 node.bytes_read = sum(m.nbytes for m in walker.metas)
                 node.bytes_written = sum(m.nbytes for m in outputs)
+        if is_view(fxn.target) and walker.producers and not any(_is_activation(p) for p in walker.producers):
+            # a view of a parameter (a transposed expert weight fed to a grouped GEMM) is that
+            # parameter to its users: what they save of it is no activation
+            producer_of[fxn.name] = walker.producers[0]
         requires_grad[node.name] = node.requires_grad
         block_at[node.name] = node.block
         from_input[node.name] = any(from_input.get(p) for p in node.input_nodes)

@@ -1,0 +1,111 @@
+"""Context (cp) and expert (ep) parallelism inside the cluster search (``plan_cluster`` /
+``autoplan(model, N)``): which degrees the search tries, what it prices, and plans at world 64
+that verify exactly in the dry run (fake process group)."""
+import math
+
+import pytest
+import torch
+
+from autoplan import autoplan, plan_cluster
+from autoplan.capture import capture
+from autoplan.errors import InvalidConstraintError
+from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
+from autoplan.search.expert_search import moe_groups
+from autoplan.models import build_llama
+from autoplan.search.mesh_search import ClusterSearch, mesh_factorizations
+from autoplan.verify.dry_run import verify
+from tests.planner.models import repo_llama_8b
+from tests.runtime.ep_workers import build
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    model = build("mixtral")[0]
+    model.config.use_cache = False
+    return model
+
+
+def _llama_8b(layers: int, seq: int):
+    return build_llama(device="meta", dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                       ffn_hidden=14336, max_seq_len=seq)
+
+
+def test_dense_short_sequences_search_only_dp_pp_tp():
+    """Below CP_MIN_SEQ tokens and without MoE layers the search is the dp x pp x tp one it was:
+    every mesh has cp = ep = 1 (plans on them: tests/search_pp); from CP_MIN_SEQ on, cp is tried."""
+    model = repo_llama_8b(2)
+    search = ClusterSearch(model, 16, hardware="h100_sxm", batch=(16, 4096), microbatch_sizes=(1,))
+    meshes = search.meshes()
+    assert meshes and all(cp == 1 and ep == 1 for *_, cp, ep in meshes)
+    assert {(dp, pp, tp) for dp, pp, tp, _, _ in meshes} == set(mesh_factorizations(16, 8, len(search.unit_names)))
+    assert cp_degrees(model, 4096, 16, {}) == [1]
+    assert cp_degrees(model, CP_MIN_SEQ, 16, {}) == [1, 2, 4, 8]     # chunks of >= 4096 tokens
+    assert cp_degrees(model, 4096, 16, {"cp": 2}) == [2]
+
+
+def test_long_sequence_plan_chooses_cp_fits_and_verifies_at_world_64():
+    """64 H100s, 8 sequences of 64K tokens: the cluster search prices cp (one sequence per
+    micro-batch), picks cp > 1, fits memory, and the plan dry-runs exactly at world 64."""
+    seq = 65536
+    model = _llama_8b(2, seq)
+    plan = autoplan(model, 64, batch=(8, seq), hardware="h100_sxm", constraints={"microbatches": 1})
+    mesh = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+    assert math.prod(plan.mesh["shape"]) == 64 and mesh.get("cp", 1) > 1, mesh
+    assert plan.parallel["cp"]["degree"] == mesh["cp"]
+    assert plan.predictions["memory_bytes"]["total"] <= 80 * 2**30
+    assert any(a["mesh"].get("cp", 1) == 1 for a in plan.alternatives) or len(plan.alternatives) >= 1
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    assert set(res.collectives[res.collectives["mesh_dim"] == "cp"]["kind"]) <= {"send_recv", "all_gather",
+                                                                                   "reduce_scatter"}
+
+
+def test_moe_search_tries_ep_and_a_plan_with_ep_verifies_at_world_64(mixtral):
+    """A MoE model: the search enumerates ep (borrowed from dp, no pipeline) beside dp x pp x tp;
+    a plan with ep fixed at 4 on 64 devices dry-runs exactly (balanced routing)."""
+    search = ClusterSearch(mixtral, 64, hardware="h100_sxm", batch=(64, 16), dtype=torch.float32)
+    meshes = search.meshes()
+    eps = {ep for *_, ep in meshes}
+    assert {1, 2, 4, 8} <= eps and all(pp == 1 for _, pp, _, _, ep in meshes if ep > 1)
+    plan = plan_cluster(mixtral, 64, batch=(64, 16), hardware="h100_sxm", dtype=torch.float32,
+                        constraints={"ep": 4, "pp": 1, "microbatches": 1})
+    mesh = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+    assert mesh["ep"] == 4 and plan.parallel["ep"]["dim"] == "ep" and plan.parallel["ep"]["styles"], mesh
+    res = verify(plan, mixtral)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    assert "all_to_all" in set(res.collectives[res.collectives["mesh_dim"] == "ep"]["kind"])
+
+
+def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral):
+    """ep changes the per-unit price (all-to-alls, expert state / ep) and ``evaluate`` prices ep
+    with a pipeline (a published layout) although the search does not emit one."""
+    search = ClusterSearch(mixtral, 16, hardware="h100_sxm", batch=(16, 16), dtype=torch.float32)
+    dense, _ = search.unit_costs(4, 1, 1, "fsdp", "none", 1)
+    ep4, _ = search.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=4)
+    assert sum(u.state_bytes for u in ep4) != sum(u.state_bytes for u in dense)
+    assert sum(u.forward for u in ep4) > sum(u.forward for u in dense)   # the forward all-to-alls
+    cand = search.evaluate(2, 2, 1, "1F1B", 1, "fsdp", "none", ep=4)
+    assert cand.ep == 4 and cand.pp == 2 and cand.step_s > 0 and cand.mesh == {"dp": 2, "ep": 4, "pp": 2, "tp": 1}
+
+
+def test_deepseek_v3_moe_capture_finds_routed_experts_and_top_k():
+    """DeepSeek-V3 (first layer dense, group-limited routing): the MoE group is the routed
+    experts (not the shared expert), top_k is the final top-k, one pattern for all MoE layers,
+    and a transposed expert weight is not saved as an activation."""
+    model = build("deepseek_v3")[0]
+    graph = capture(model, None, batch=(1, 8), dtype=torch.float32)
+    groups = moe_groups(graph, model, 4)
+    assert [g.pattern for g in groups] == ["model.layers.*.mlp.experts"]
+    assert groups[0].top_k == model.config.num_experts_per_tok
+    moe_block = next(b for b in graph.blocks if (b.roles or {}).get("moe"))
+    saved = [n for n in graph.nodes if n.block == moe_block.id and n.module.endswith("mlp.experts")
+             and n.op == "aten.transpose.int" and n.saved_for_backward]
+    assert not saved
+
+
+def test_cp_and_ep_constraints_are_checked():
+    model = repo_llama_8b(2)
+    with pytest.raises(InvalidConstraintError, match="2\\*cp"):
+        plan_cluster(model, 8, batch=(8, 4100), constraints={"cp": 4})
+    with pytest.raises(InvalidConstraintError, match="not both"):
+        plan_cluster(model, 8, batch=(8, 4096), constraints={"cp": 2, "ep": 2})
