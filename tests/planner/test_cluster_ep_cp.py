@@ -10,8 +10,9 @@ from autoplan import autoplan, plan_cluster
 from autoplan.capture import capture
 from autoplan.errors import InvalidConstraintError
 from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
-from autoplan.search.expert_search import moe_groups
+from autoplan.search.expert_search import _pattern, moe_groups
 from autoplan.models import build_llama
+from autoplan.presets import build_preset
 from autoplan.search.mesh_search import ClusterSearch, mesh_factorizations
 from autoplan.verify.dry_run import verify
 from tests.planner.models import repo_llama_8b
@@ -21,6 +22,14 @@ from tests.runtime.ep_workers import build
 @pytest.fixture(scope="module")
 def mixtral():
     model = build("mixtral")[0]
+    model.config.use_cache = False
+    return model
+
+
+@pytest.fixture(scope="module")
+def mixtral_8x7b():
+    """Mixtral-8x7B's shape, 2 layers (one repeated block group), on meta."""
+    model = build_preset("mixtral-8x7b", num_layers=2)
     model.config.use_cache = False
     return model
 
@@ -60,32 +69,35 @@ def test_long_sequence_plan_chooses_cp_fits_and_verifies_at_world_64():
                                                                                    "reduce_scatter"}
 
 
-def test_moe_search_tries_ep_and_a_plan_with_ep_verifies_at_world_64(mixtral):
+def test_moe_search_tries_ep_and_a_plan_with_ep_verifies_at_world_64(mixtral, mixtral_8x7b):
     """A MoE model: the search enumerates ep (borrowed from dp, no pipeline) beside dp x pp x tp;
-    a plan with ep fixed at 4 on 64 devices dry-runs exactly (balanced routing)."""
+    Mixtral-8x7B's layer shape (2 layers) with ep fixed at 8 on 64 H100s plans ExpertParallel with
+    expert TP and dry-runs exactly (balanced routing; bf16 with FSDP mixed precision: the ep
+    gradient all-reduce in fp32)."""
     search = ClusterSearch(mixtral, 64, hardware="h100_sxm", batch=(64, 16), dtype=torch.float32)
     meshes = search.meshes()
     eps = {ep for *_, ep in meshes}
     assert {1, 2, 4, 8} <= eps and all(pp == 1 for _, pp, _, _, ep in meshes if ep > 1)
-    plan = plan_cluster(mixtral, 64, batch=(64, 16), hardware="h100_sxm", dtype=torch.float32,
-                        constraints={"ep": 4, "pp": 1, "microbatches": 1})
+    model = mixtral_8x7b
+    plan = plan_cluster(model, 64, batch=(64, 1024), hardware="h100_sxm",
+                        constraints={"ep": 8, "pp": 1, "microbatches": 1})
     mesh = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
-    assert mesh["ep"] == 4 and plan.parallel["ep"]["dim"] == "ep" and plan.parallel["ep"]["styles"], mesh
-    res = verify(plan, mixtral)
+    assert mesh["ep"] == 8 and plan.parallel["ep"]["dim"] == "ep" and plan.parallel["ep"]["styles"], mesh
+    res = verify(plan, model)
     assert res.passed, (res.error, res.mismatches().to_string())
     assert "all_to_all" in set(res.collectives[res.collectives["mesh_dim"] == "ep"]["kind"])
 
 
-def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral):
-    """ep changes the per-unit price (all-to-alls, expert state / ep) and ``evaluate`` prices ep
-    with a pipeline (a published layout) although the search does not emit one."""
-    search = ClusterSearch(mixtral, 16, hardware="h100_sxm", batch=(16, 16), dtype=torch.float32)
-    dense, _ = search.unit_costs(4, 1, 1, "fsdp", "none", 1)
-    ep4, _ = search.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=4)
-    assert sum(u.state_bytes for u in ep4) != sum(u.state_bytes for u in dense)
-    assert sum(u.forward for u in ep4) > sum(u.forward for u in dense)   # the forward all-to-alls
-    cand = search.evaluate(2, 2, 1, "1F1B", 1, "fsdp", "none", ep=4)
-    assert cand.ep == 4 and cand.pp == 2 and cand.step_s > 0 and cand.mesh == {"dp": 2, "ep": 4, "pp": 2, "tp": 1}
+def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
+    """ep changes the per-unit price (all-to-alls in forward, expert state / ep) and ``evaluate``
+    prices ep with a pipeline (a published layout) although the search does not emit one."""
+    search = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
+    dense, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1)      # 8 data-parallel replicas
+    ep8, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1, ep=8)  # the same x ep8: experts / 8
+    assert sum(u.state_bytes for u in ep8) < sum(u.state_bytes for u in dense)
+    assert sum(u.forward for u in ep8) > sum(u.forward for u in dense)   # the forward all-to-alls
+    cand = search.evaluate(4, 2, 1, "1F1B", 1, "fsdp", "none", ep=8)
+    assert cand.step_s > 0 and cand.mesh == {"dp": 4, "ep": 8, "pp": 2, "tp": 1}
 
 
 def test_deepseek_v3_moe_capture_finds_routed_experts_and_top_k():
@@ -95,7 +107,11 @@ def test_deepseek_v3_moe_capture_finds_routed_experts_and_top_k():
     model = build("deepseek_v3")[0]
     graph = capture(model, None, batch=(1, 8), dtype=torch.float32)
     groups = moe_groups(graph, model, 4)
-    assert [g.pattern for g in groups] == ["model.layers.*.mlp.experts"]
+    assert [g.rel for g in groups] == ["mlp.experts"]          # the routed experts, not mlp.shared_experts
+    # MoE layers after dense ones: one pattern when no other layer has the experts module
+    assert _pattern("model.layers", ["3", "4"], 5, "mlp.experts", others_have=False) == ["model.layers.*.mlp.experts"]
+    assert _pattern("model.layers", ["3", "4"], 5, "mlp.experts") == ["model.layers.3.mlp.experts",
+                                                                      "model.layers.4.mlp.experts"]
     assert groups[0].top_k == model.config.num_experts_per_tok
     moe_block = next(b for b in graph.blocks if (b.roles or {}).get("moe"))
     saved = [n for n in graph.nodes if n.block == moe_block.id and n.module.endswith("mlp.experts")
