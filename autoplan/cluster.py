@@ -126,7 +126,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
     for o in options:
-        targets = ClusterSearch._targets(o, names, index, emb_i, norm_i, head_i)
+        targets = ClusterSearch._targets(o, names, index, emb_i, norm_i, head_i, ClusterSearch.members(st))
         if not targets:
             continue
         k = sum(1 for t in targets if t in mine)

@@ -322,11 +322,12 @@ class ClusterSearch:
         acc = [[0.0] * 8 for _ in names]  # F, I, W, state, act, dp_comm, one dp all-gather, optimizer
         st = self.structure(b, cp)
         all_targets = []
+        members = self.members(st)
         head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
         emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
         norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
         for o in options:
-            targets = self._targets(o, names, index, emb_i, norm_i, head_i)
+            targets = self._targets(o, names, index, emb_i, norm_i, head_i, members)
             all_targets.append(targets)
             if not targets:
                 continue
@@ -350,7 +351,8 @@ class ClusterSearch:
         if ctx.fsdp:  # per-call latency: one set of FSDP collectives per wrapped unit
             unit_lat = ctx.fsdp_latency_time(1)
             gather_lat = ctx.fsdp_latency_time(1) / 3.0   # one all-gather of the three calls
-            blocks = {i for o in options if o.in_block for i in self._targets(o, names, index, emb_i, norm_i, head_i)}
+            blocks = {i for o in options if o.in_block for i in self._targets(o, names, index, emb_i, norm_i, head_i,
+                                                                               members)}
             for i in blocks:
                 acc[i][5] += unit_lat
                 acc[i][6] += gather_lat
@@ -373,13 +375,21 @@ class ClusterSearch:
         return self._units[key]
 
     @staticmethod
-    def _targets(o, names, index, emb_i, norm_i, head_i) -> list[int]:
+    def members(structure) -> dict[str, set[str]]:
+        """Block group id -> its members' unit names: a ``prefix.*`` owner covers only its own
+        group's blocks when two groups share a prefix (DeepSeek-V3's dense and MoE layers)."""
+        return {b.id: {f"{b.prefix}.{i}" if b.prefix else str(i) for i in b.indices} for b in structure.blocks}
+
+    @staticmethod
+    def _targets(o, names, index, emb_i, norm_i, head_i, members: dict | None = None) -> list[int]:
         if o.in_block:
             out = []
+            mine = (members or {}).get(o.slot.split("/")[0])
             for pat in o.owner.split(","):
                 if pat.endswith(".*"):
                     pre = pat[:-1]
-                    out += [i for i, n in enumerate(names) if n.startswith(pre) and "." not in n[len(pre):]]
+                    out += [i for i, n in enumerate(names) if n.startswith(pre) and "." not in n[len(pre):]
+                            and (mine is None or n in mine)]
                 elif pat in index:
                     out.append(index[pat])
             return out
