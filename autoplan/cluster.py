@@ -22,6 +22,7 @@ from autoplan.arguments import (
 )
 from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
+from autoplan.search.context_cost import LOSS_BYTES
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
@@ -53,7 +54,7 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
             if any(sh.fqn.startswith(u + ".") for u in names[a:b]):
                 unit_stage[sh.unit] = s
                 key = (1, sh.unit) if sh.unit else (0, f"stage{s}")
-                units[key] = units.get(key, 0) + sh.fsdp_padded_numel(best.dp) * sh.dtype_bytes
+                units[key] = units.get(key, 0) + sh.fsdp_padded_numel(best.dp * best.cp) * sh.dtype_bytes
     gathers = fsdp_gathers(c.schedule, c.p, c.m, c.v)
     rows = []
     for (is_block, unit), nbytes in sorted(units.items()):
@@ -62,7 +63,8 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
         # root stays unsharded for the whole step
         rows += [("all_gather", "forward", nbytes, gathers[stage] if is_block else 1),
                  ("reduce_scatter", "backward", nbytes, 1)]
-    return [Collective(k, p, b, n, "dp").to_row() for k, p, b, n in rows]
+    dim = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep).dp_dim  # dp_cp under cp
+    return [Collective(k, p, b, n, dim).to_row() for k, p, b, n in rows]
 
 
 def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
@@ -122,7 +124,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     # and the weight pass (W) as a whole backward again (FSDP's own hooks must reduce the weight
     # gradients), so a stage whose inputs need gradients (every stage but the first) issues its
     # backward TP collectives twice
-    twice = schedule_facts(c.schedule).split_backward and best.fsdp and best.dp > 1
+    twice = schedule_facts(c.schedule).split_backward and best.fsdp and best.dp * best.cp > 1
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
     for o in options:
@@ -162,7 +164,9 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         # the runtime agrees on the input signature and the schedule's shape once per step
         # (one small int64 all-reduce on pp)
         agg[("all_reduce", "pp", "forward", AGREEMENT_BYTES)] += 1
-        if best.dp > 1:
+        if best.cp > 1:
+            _add_cp_rows(agg, search, best, rank, mine, stage_of, twice)
+        if best.dp * best.cp > 1:
             rows = _fsdp_rows(search, best, rank, styles) if best.fsdp else _flat_dp_rows(search, best, rank, styles)
             for row in rows:
                 agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
@@ -170,6 +174,27 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     mem["activations"] *= inflight
     rows = merged_rows(Collective(k, p, b, n, d) for (k, d, p, b), n in agg.items())
     return rows, dict(mem)
+
+
+def _add_cp_rows(agg: dict, search: ClusterSearch, best: Candidate, rank: int, mine: set, stage_of: dict,
+                 twice: bool) -> None:
+    """Context parallel on pipeline rank ``rank``: each of its blocks' attention exchange per
+    micro-batch (backward twice where split-backward FSDP stages run it twice, as the TP rows),
+    and ``cp_cross_entropy``'s 16-byte all-reduce per micro-batch on the rank of the last stage."""
+    c = best.choice
+    per_layer, loss_dim = search.cp_rows(best)
+    names = search.unit_names
+    index = {n: i for i, n in enumerate(names)}
+    members = ClusterSearch.members(search.structure(best.b, best.cp))
+    for gid, rows in per_layer.items():
+        units = [index[u] for u in members.get(gid, ()) if u in index and index[u] in mine]
+        for col in rows:
+            w = sum(2 if twice and col.phase == "backward" and stage_of[t] > 0 else 1 for t in units)
+            if w:
+                agg[(col.kind, col.dim, col.phase, int(col.nbytes))] += col.count * w * c.m
+    s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
+    if s2r[-1] == rank:
+        agg[("all_reduce", loss_dim, "forward", LOSS_BYTES)] += c.m
 
 
 def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int], hardware: str | None = None,

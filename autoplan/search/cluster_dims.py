@@ -128,6 +128,22 @@ def add_cp(acc: list[list[float]], names: list[str], structure, graph, ctx, chos
     return choice
 
 
+def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, *, cp: int, b: int, seq: int, tp: int,
+                  dtype_bytes: int) -> dict[str, list[Collective]]:
+    """Block group id -> the cp exchange of ONE of its layers for one micro-batch of ``b``
+    sequences, in ``variant`` (what a pipeline rank issues per block it holds)."""
+    kw = dict(cp=cp, cp_dim="cp", loss_dim=ctx.dp_dim, local_batch=b, seq_len=seq, dtype_bytes=dtype_bytes, tp=tp)
+    out = {}
+    for g in structure.blocks:
+        if g.attention is None:
+            continue
+        one = price_cp(dataclasses.replace(structure, blocks=[g]), graph, ctx, chosen, memory_left=float("inf"),
+                       variants=[variant], **kw)
+        out[g.id] = [dataclasses.replace(c, count=c.count // g.count) for c in one.collectives
+                     if c.dim == "cp"]
+    return out
+
+
 def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: ExpertPlanning) -> None:
     """Add expert parallelism's price to the units of ``acc`` (rows F, I, W, state, act, dp_comm,
     dp_gather, optimizer): per MoE layer the chosen option's compute beyond the replicated experts

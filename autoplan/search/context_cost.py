@@ -114,11 +114,11 @@ def _head_dim(graph, block, attention) -> int:
 
 def price_cp(structure: ModelStructure, graph, ctx: CostContext, chosen: dict, *, cp: int, cp_dim: str,
              loss_dim: str, local_batch: int, seq_len: int, dtype_bytes: int, tp: int,
-             memory_left: float) -> CPChoice:
+             memory_left: float, variants=None) -> CPChoice:
     """Price both variants for the chosen tensor-parallel options and pick the cheaper one that
     fits ``memory_left`` bytes (ring when neither does: it adds nothing)."""
     cands = {}
-    for variant in sorted(VARIANTS):
+    for variant in sorted(variants or VARIANTS):   # ``variants``: restrict (a choice already made)
         rows, exchange, exposed, extra, exposed_fwd = [], 0.0, 0.0, 0.0, 0.0
         for b in structure.blocks:
             a = b.attention
@@ -159,7 +159,7 @@ def price_cp(structure: ModelStructure, graph, ctx: CostContext, chosen: dict, *
         rows.append(Collective("all_reduce", "forward", LOSS_BYTES, 1, loss_dim))
         cands[variant] = {"collectives": rows, "exchange_s": exchange, "exposed_s": exposed, "extra_memory": extra,
                           "exposed_forward_s": exposed_fwd}
-    fits = [v for v in cands if cands[v]["extra_memory"] <= memory_left] or ["ring"]
+    fits = [v for v in cands if cands[v]["extra_memory"] <= memory_left] or (["ring"] if "ring" in cands else list(cands))
     best = min(fits, key=lambda v: (cands[v]["exposed_s"], v != "ring"))
     c = cands[best]
     summary = {v: {"exchange_s": d["exchange_s"], "exposed_s": d["exposed_s"], "extra_memory": d["extra_memory"],

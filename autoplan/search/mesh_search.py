@@ -27,7 +27,7 @@ from autoplan.capture import capture
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.search.cluster_dims import (
-    CP_MIN_SEQ, add_cp, add_ep, cluster_spec, cp_degrees, ep_degrees, model_moe_groups,
+    CP_MIN_SEQ, add_cp, add_ep, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees, model_moe_groups,
 )
 from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
 from autoplan.search.costing import CostContext
@@ -50,7 +50,7 @@ from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
 MESH_NAMES = ("dp", "pp", "tp")
-CP_WITH_PP = False   # cp inside pipelined plans (the pipeline runner shards sequences over cp)
+CP_WITH_PP = True    # cp inside pipelined plans (the pipeline runner shards sequences over cp)
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -373,6 +373,18 @@ class ClusterSearch:
         p2p = ctx.topology.collective_time("pp", "send_recv", p2p_bytes) if pp > 1 else 0.0
         self._units[key] = (units, p2p)
         return self._units[key]
+
+    def cp_rows(self, cand) -> tuple[dict[str, list[Collective]], str]:
+        """(block group id -> the cp exchange of one layer per micro-batch, the gradient / loss
+        dimension) of candidate ``cand`` with cp > 1: what ``plan_cluster`` writes per pipeline rank."""
+        key = (cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.b, cand.cp, cand.ep)
+        self.unit_costs(*key)
+        ctx = self.ctx(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.cp, cand.ep)
+        st = self.structure(cand.b, cand.cp)
+        chosen = self._chosen[_tp_key(cand.tp, cand.b, cand.recompute) + (cand.cp,)]
+        rows = cp_layer_rows(st, self.graph(cand.b, cand.cp), ctx, chosen, self.cp_choices[key].variant, cp=cand.cp,
+                             b=cand.b, seq=self.seq, tp=cand.tp, dtype_bytes=st.dtype_bytes)
+        return rows, ctx.dp_dim
 
     @staticmethod
     def members(structure) -> dict[str, set[str]]:
