@@ -17,6 +17,7 @@ from autoplan.search.mesh_search import ClusterSearch, mesh_factorizations
 from autoplan.verify.dry_run import verify
 from tests.planner.models import repo_llama_8b
 from tests.runtime.ep_workers import build
+from tests.search_pp.workers import build as build_pp, run_pipeline_case
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +126,34 @@ def test_cp_and_ep_constraints_are_checked():
         plan_cluster(model, 8, batch=(8, 4100), constraints={"cp": 4})
     with pytest.raises(InvalidConstraintError, match="not both"):
         plan_cluster(model, 8, batch=(8, 4096), constraints={"cp": 2, "ep": 2})
+
+
+def test_cp_with_pp_plan_verifies_on_every_pipeline_rank_at_world_64():
+    """cp inside a pipeline: plan_cluster with cp=2, pp=2 on 64 devices writes each pipeline rank's
+    exact rows (its blocks' ring exchange per micro-batch, the loss's all-reduce on the last stage,
+    FSDP over dp x cp) and the dry run of every pipeline rank issues exactly those."""
+    model = build_llama(device="meta", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden=512,
+                        max_seq_len=1024)
+    plan = autoplan(model, 64, batch=(16, 1024), hardware="cpu", dtype=torch.float32,
+                    constraints={"cp": 2, "pp": 2, "schedule": "1F1B"})
+    mesh = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+    assert mesh["cp"] == 2 and mesh["pp"] == 2 and plan.parallel["cp"]["degree"] == 2, mesh
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    cp_rows = res.collectives[res.collectives["mesh_dim"] == "cp"]
+    assert set(cp_rows["pp_rank"]) == {0, 1} and (cp_rows["issued"] > 0).all()
+    loss = res.collectives[(res.collectives["kind"] == "all_reduce") & (res.collectives["bytes"] == 16)]
+    assert list(loss["pp_rank"]) == [1]   # cp_cross_entropy on the last stage only
+
+
+def test_cp_with_pp_plan_equals_one_device(pool4):
+    """pp=2 x cp=2 on 4 gloo ranks, planned by plan_cluster and applied by the pipeline runner
+    (sequences sharded head+tail, positions passed to every stage, cp_cross_entropy, FSDP over
+    dp x cp): loss and every gradient and SGD-updated parameter equal one device."""
+    plan = plan_cluster(build_pp("llama", device="meta"), 4, hardware="cpu", batch=(8, 16), devices_per_node=4,
+                        constraints={"pp": 2, "cp": 2, "tp": 1, "dp": 1, "fsdp": True})
+    assert plan.parallel["cp"]["degree"] == 2 and plan.pipeline["pp"] == 2
+    for r in pool4.run(run_pipeline_case, plan.to_json(), "llama", 8, 16):
+        assert r["n_params"] > 0, r
+        assert r["par"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert not r["bad_grads"] and not r["bad_params"], r
