@@ -29,6 +29,7 @@ from hyper_parallel import ParallelDims
 LIMIT = float(load_hardware("h100_sxm").usable_memory())
 OUT = Path(__file__).parent / "results" / "moe_plans.md"
 OUT_DS = Path(__file__).parent / "results" / "moe_deepseek_v3.md"
+DS_SCHEDULES = ["1F1B", "ZBV"]   # ZBV: the closest of ours to DeepSeek's DualPipe
 DS_BATCH = (15360, 4096)   # DeepSeek-V3 pre-training: batch 15,360 sequences of 4K tokens (final)
 MESHES = [((8,), ("ep",)), ((2, 4), ("dp", "ep")), ((4, 2), ("ep", "tp")), ((2, 8), ("dp", "ep")),
           ((4, 8), ("dp", "ep")), ((2, 8, 2), ("dp", "ep", "tp")), ((8, 8), ("dp", "ep")),
@@ -91,7 +92,7 @@ def deepseek(layers: int | None = None) -> str:
             "| layout | mesh | dp mode | recompute | schedule | step s | GiB/rank | bubble | note |",
             "|:--|:--|:--|:--|:--|--:|--:|--:|:--|"]
     best = None
-    for sched in ("1F1B", "ZBV"):
+    for sched in DS_SCHEDULES:
         for cuts in ("even", "balanced"):
             try:
                 c = search.evaluate(2, 16, 1, sched, 1, "zero1", None, cuts=cuts, ep=64)
