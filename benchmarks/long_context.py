@@ -135,12 +135,16 @@ def main(argv=None) -> int:
         out += ["", f"**405B on 8,192 GPUs: autoplan(model, 8192) chooses "
                 f"{dict(zip(p405.mesh['names'], p405.mesh['shape']))} at {p405.predictions['step_s']:.3f} s/step; the "
                 f"published TP8 CP16 PP16 DP4 layout is priced at {pub.step_s:.3f} s/step** "
-                f"({max(pub.choice.rank_memory) / GiB:.1f} GiB on its fullest rank). Why they differ under this cost "
-                "model: the pipeline's 1F1B bubble (15 of 32+15 slots idle per rank) and its in-flight activations, "
-                "which the cp x tp plan without a pipeline avoids -- its parameters, gradients and optimizer state are "
-                "sharded by FSDP over dp x cp instead, and at 128K tokens per sequence each rank's compute per "
-                "all-gathered layer hides that traffic. Meta's layout also had to fit 8K-context pre-training on the "
-                "same mesh; the cost model does not price that.\n"]
+                f"({max(pub.choice.rank_memory) / GiB:.1f} GiB on its fullest rank, 1F1B bubble "
+                f"{pub.choice.bubble_fraction:.3f}, recompute {pub.recompute}; the choice: pp={p405.pipeline['pp']}, "
+                f"{p405.pipeline['microbatches']} micro-batches, bubble {p405.pipeline['bubble_fraction']:.3f}, "
+                f"recompute {p405.parallel['ac']['mode']}). Why they differ under this cost model: with 32 micro-batches "
+                "per step PP16 idles a third or more of each rank's time in the 1F1B bubble; a shallow pipeline (or "
+                "none) keeps the bubble small, FSDP over dp x cp shards the parameters, gradients and optimizer state "
+                "the deep pipeline would have split, and at 128K tokens per sequence each rank's compute per "
+                "all-gathered layer hides that traffic; a pipeline of 2 halves each rank's layers, so the activations "
+                "of one sequence fit without recomputation. Meta's layout also had to serve 8K-context pre-training "
+                "on the same mesh and ran with real overlap and memory limits; the cost model prices neither.\n"]
 
     # planning time at 16,384 GPUs: the cluster search above, and one fixed mesh
     p16, dt16 = choices[("Llama-3-405B", 16384)]
