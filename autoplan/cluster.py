@@ -1,6 +1,7 @@
 """plan_cluster(model, devices, ...) -> Plan: the whole plan for N devices.
 
-Given only a device count, a hardware profile and a global batch, choose dp x pp x tp, FSDP or
+Given only a device count, a hardware profile and a global batch, choose dp x pp x tp (and cp for
+long sequences or ep for MoE models: ``autoplan/search/cluster_dims.py``), FSDP or
 replicated data parallel, activation checkpointing, the micro-batch size and count, the pipeline
 schedule and its cuts, and every module's tensor-parallel style, and say what the runners-up
 would cost. The search is ``autoplan.search.mesh_search``; this module turns its winner into a

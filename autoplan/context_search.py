@@ -7,9 +7,10 @@ tokens of every op; adds the attention exchange, priced by ``autoplan.search.con
 data parallel (needs a sequence per replica). Every split ``devices = dp * cp * tp`` with tp
 inside a node, a sequence that cuts into 2*cp chunks and a global batch dp divides is planned by
 ``autoplan`` on its fixed mesh (dp, cp, tp) -- FSDP over dp x cp -- and the fastest plan that
-fits memory wins; the others are listed in ``plan.alternatives`` ("cp <mesh>"). Pipelines are
-not combined with cp here (the pipeline runner does not shard sequences yet): ``plan_cluster``
-plans dp x pp x tp.
+fits memory wins; the others are listed in ``plan.alternatives`` ("cp <mesh>"). This is a sweep
+of fixed meshes (each plan priced for the whole local batch by ``autoplan``); the cluster search
+``plan_cluster`` / ``autoplan(model, N)`` prices cp the same way (``context_cost.price_cp``) inside
+its dp x cp x pp x tp search, with micro-batches and pipelines (``autoplan/search/cluster_dims.py``).
 """
 from __future__ import annotations
 
