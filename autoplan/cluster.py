@@ -282,9 +282,11 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
                       "constraints": solver.constraints}
     ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
-    if best.cp == 1:   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
+    if best.cp == 1:
         with_dp_mode(tp_plan, search.graph(best.b, best.cp), search.structure(best.b, best.cp), best.dp_mode,
                      ctx.optimizer_bytes_per_element)
+    elif tp_plan.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
+        tp_plan.fsdp = dict(tp_plan.fsdp, mode="fsdp")
     with_recompute(tp_plan, search.structure(best.b, best.cp), best.recompute)
     names = search.unit_names
     stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]

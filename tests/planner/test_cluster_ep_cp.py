@@ -146,13 +146,16 @@ def test_cp_with_pp_plan_verifies_on_every_pipeline_rank_at_world_64():
     assert list(loss["pp_rank"]) == [1]   # cp_cross_entropy on the last stage only
 
 
-def test_cp_with_pp_plan_equals_one_device(pool4):
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBV"])
+def test_cp_with_pp_plan_equals_one_device(pool4, schedule):
     """pp=2 x cp=2 on 4 gloo ranks, planned by plan_cluster and applied by the pipeline runner
     (sequences sharded head+tail, positions passed to every stage, cp_cross_entropy, FSDP over
-    dp x cp): loss and every gradient and SGD-updated parameter equal one device."""
+    dp x cp; ZBV: split backward, two stages per rank): loss and every gradient and SGD-updated
+    parameter equal one device."""
     plan = plan_cluster(build_pp("llama", device="meta"), 4, hardware="cpu", batch=(8, 16), devices_per_node=4,
-                        constraints={"pp": 2, "cp": 2, "tp": 1, "dp": 1, "fsdp": True})
-    assert plan.parallel["cp"]["degree"] == 2 and plan.pipeline["pp"] == 2
+                        constraints={"pp": 2, "cp": 2, "tp": 1, "dp": 1, "fsdp": True, "schedule": schedule})
+    assert plan.parallel["cp"]["degree"] == 2 and plan.pipeline["pp"] == 2 and plan.pipeline["schedule"] == schedule
+    assert plan.fsdp["mode"] == "fsdp"
     for r in pool4.run(run_pipeline_case, plan.to_json(), "llama", 8, 16):
         assert r["n_params"] > 0, r
         assert r["par"] == pytest.approx(r["ref"], rel=1e-5), r
