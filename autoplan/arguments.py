@@ -151,7 +151,7 @@ def check_styles(styles: Any, who: str) -> dict | None:
 
 
 # ------------------------------------------------------------------ plan_cluster's own arguments
-CONSTRAINT_KEYS = ("dp", "pp", "tp", "schedule", "microbatches", "microbatch_size", "fsdp",
+CONSTRAINT_KEYS = ("dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute")
 
 
@@ -183,18 +183,26 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
     if unknown:
         raise InvalidConstraintError(f"{who}: unknown constraints {unknown}; valid keys: {list(CONSTRAINT_KEYS)}")
     gb = batch[0]
-    for key in ("dp", "pp", "tp"):
+    for key in ("dp", "pp", "tp", "cp", "ep"):
         if key in cons:
             v = positive_int(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)
             if devices % v:
                 raise InvalidConstraintError(f"{who}: constraints[{key!r}]={v} does not divide devices={devices}; "
                                            f"valid: one of {[d for d in range(1, devices + 1) if devices % d == 0]}")
-    fixed = [cons[k] for k in ("dp", "pp", "tp") if k in cons]
+    fixed = [cons[k] for k in ("dp", "pp", "tp", "cp", "ep") if k in cons]
     product = 1
     for v in fixed:
         product *= v
-    if devices % product or (len(fixed) == 3 and product != devices):
-        raise InvalidConstraintError(f"{who}: constraints dp x pp x tp = {product} cannot make devices={devices}")
+    whole = all(k in cons for k in ("dp", "pp", "tp"))
+    if devices % product or (whole and product != devices):
+        raise InvalidConstraintError(f"{who}: constraints dp x pp x tp (x cp x ep) = {product} cannot make "
+                                     f"devices={devices} (with dp, pp and tp all fixed, give cp or ep too)")
+    if "cp" in cons and batch[1] % (2 * cons["cp"]):
+        raise InvalidConstraintError(f"{who}: constraints['cp']={cons['cp']}: the sequence {batch[1]} is not "
+                                     f"divisible by 2*cp = {2 * cons['cp']} (context parallel cuts it into 2*cp chunks)")
+    if "cp" in cons and "ep" in cons and cons["cp"] > 1 and cons["ep"] > 1:
+        raise InvalidConstraintError(f"{who}: constraints cp={cons['cp']} and ep={cons['ep']}: a plan has one of "
+                                     "context or expert parallelism, not both (not yet)")
     if "dp" in cons and gb % cons["dp"]:
         raise InvalidConstraintError(f"{who}: global batch {gb} is not divisible by constraints['dp']={cons['dp']}")
     if "schedule" in cons and cons["schedule"] not in SCHEDULE_NAMES:

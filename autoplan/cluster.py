@@ -1,6 +1,7 @@
 """plan_cluster(model, devices, ...) -> Plan: the whole plan for N devices.
 
-Given only a device count, a hardware profile and a global batch, choose dp x pp x tp, FSDP or
+Given only a device count, a hardware profile and a global batch, choose dp x pp x tp (and cp for
+long sequences or ep for MoE models: ``autoplan/search/cluster_dims.py``), FSDP or
 replicated data parallel, activation checkpointing, the micro-batch size and count, the pipeline
 schedule and its cuts, and every module's tensor-parallel style, and say what the runners-up
 would cost. The search is ``autoplan.search.mesh_search``; this module turns its winner into a
@@ -22,8 +23,8 @@ from autoplan.arguments import (
 )
 from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
+from autoplan.search.context_cost import LOSS_BYTES
 from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
-from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.sharding import param_shards
@@ -41,8 +42,8 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
     """FSDP2 traffic of pipeline rank ``rank``, exactly as the pipeline runner wraps it: every
     block of its stages is a unit, each stage root holds the rest (embedding, norm, head)."""
     c = best.choice
-    st = search.structure(best.b)
-    shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
+    st = search.structure(best.b, best.cp)
+    shards = param_shards(search.graph(best.b, best.cp), styles, best.tp, [g.prefix for g in st.blocks])
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     units: dict[tuple, int] = {}
@@ -54,7 +55,7 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
             if any(sh.fqn.startswith(u + ".") for u in names[a:b]):
                 unit_stage[sh.unit] = s
                 key = (1, sh.unit) if sh.unit else (0, f"stage{s}")
-                units[key] = units.get(key, 0) + sh.fsdp_padded_numel(best.dp) * sh.dtype_bytes
+                units[key] = units.get(key, 0) + sh.fsdp_padded_numel(best.dp * best.cp) * sh.dtype_bytes
     gathers = fsdp_gathers(c.schedule, c.p, c.m, c.v)
     rows = []
     for (is_block, unit), nbytes in sorted(units.items()):
@@ -63,19 +64,20 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
         # root stays unsharded for the whole step
         rows += [("all_gather", "forward", nbytes, gathers[stage] if is_block else 1),
                  ("reduce_scatter", "backward", nbytes, 1)]
-    return [Collective(k, p, b, n, "dp").to_row() for k, p, b, n in rows]
+    dim = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep).dp_dim  # dp_cp under cp
+    return [Collective(k, p, b, n, dim).to_row() for k, p, b, n in rows]
 
 
 def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
     """Parameter bytes each pipeline rank holds after TP and FSDP (tied parameters once), one
     pass over the parameter shards for all ranks."""
     c = best.choice
-    st = search.structure(best.b)
-    shards = param_shards(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks])
+    st = search.structure(best.b, best.cp)
+    shards = param_shards(search.graph(best.b, best.cp), styles, best.tp, [g.prefix for g in st.blocks])
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     rank_of = {u: s2r[s] for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) for u in names[a:b]}
-    d = best.dp if best.fsdp else 1
+    d = best.dp * best.cp if best.fsdp else 1
     out = [0] * c.p
     for sh in shards:
         owners = {r for u, r in rank_of.items() if sh.fqn.startswith(u + ".")}
@@ -91,8 +93,8 @@ def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dic
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     mine = [u for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) if s2r[s] == rank for u in names[a:b]]
-    st = search.structure(best.b)
-    rows, n = zero1_rows(search.graph(best.b), styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine)
+    st = search.structure(best.b, best.cp)
+    rows, n = zero1_rows(search.graph(best.b, best.cp), styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine)
     if best.dp_mode == "zero1":
         return rows
     return [Collective("all_reduce", "backward", n * st.dtype_bytes, dim="dp").to_row()]
@@ -105,11 +107,11 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     from collections import defaultdict
 
     c = best.choice
-    options, layout = search.tp_solution(best.tp, best.b, best.recompute)
-    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
+    options, layout = search.tp_solution(best.tp, best.b, best.recompute, best.cp)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
     names = search.unit_names
     index = {n: i for i, n in enumerate(names)}
-    st = search.structure(best.b)
+    st = search.structure(best.b, best.cp)
     head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
     emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
     norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
@@ -123,11 +125,11 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     # and the weight pass (W) as a whole backward again (FSDP's own hooks must reduce the weight
     # gradients), so a stage whose inputs need gradients (every stage but the first) issues its
     # backward TP collectives twice
-    twice = schedule_facts(c.schedule).split_backward and best.fsdp and best.dp > 1
+    twice = schedule_facts(c.schedule).split_backward and best.fsdp and best.dp * best.cp > 1
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
     for o in options:
-        targets = ClusterSearch._targets(o, names, index, emb_i, norm_i, head_i)
+        targets = ClusterSearch._targets(o, names, index, emb_i, norm_i, head_i, ClusterSearch.members(st))
         if not targets:
             continue
         k = sum(1 for t in targets if t in mine)
@@ -146,7 +148,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         for key, v in o.memory(ctx).items():
             mem[key] += v * k / len(targets)
     if c.p > 1:
-        units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b)
+        units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b, best.cp, best.ep)
         hidden = st.blocks[0].hidden_bytes if st.blocks else 0
         nbytes = int(hidden / (best.tp if layout == "S" else 1))
         for s in range(len(s2r)):
@@ -163,7 +165,9 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         # the runtime agrees on the input signature and the schedule's shape once per step
         # (one small int64 all-reduce on pp)
         agg[("all_reduce", "pp", "forward", AGREEMENT_BYTES)] += 1
-        if best.dp > 1:
+        if best.cp > 1:
+            _add_cp_rows(agg, search, best, rank, mine, stage_of, twice)
+        if best.dp * best.cp > 1:
             rows = _fsdp_rows(search, best, rank, styles) if best.fsdp else _flat_dp_rows(search, best, rank, styles)
             for row in rows:
                 agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
@@ -171,6 +175,27 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     mem["activations"] *= inflight
     rows = merged_rows(Collective(k, p, b, n, d) for (k, d, p, b), n in agg.items())
     return rows, dict(mem)
+
+
+def _add_cp_rows(agg: dict, search: ClusterSearch, best: Candidate, rank: int, mine: set, stage_of: dict,
+                 twice: bool) -> None:
+    """Context parallel on pipeline rank ``rank``: each of its blocks' attention exchange per
+    micro-batch (backward twice where split-backward FSDP stages run it twice, as the TP rows),
+    and ``cp_cross_entropy``'s 16-byte all-reduce per micro-batch on the rank of the last stage."""
+    c = best.choice
+    per_layer, loss_dim = search.cp_rows(best)
+    names = search.unit_names
+    index = {n: i for i, n in enumerate(names)}
+    members = ClusterSearch.members(search.structure(best.b, best.cp))
+    for gid, rows in per_layer.items():
+        units = [index[u] for u in members.get(gid, ()) if u in index and index[u] in mine]
+        for col in rows:
+            w = sum(2 if twice and col.phase == "backward" and stage_of[t] > 0 else 1 for t in units)
+            if w:
+                agg[(col.kind, col.dim, col.phase, int(col.nbytes))] += col.count * w * c.m
+    s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
+    if s2r[-1] == rank:
+        agg[("all_reduce", loss_dim, "forward", LOSS_BYTES)] += c.m
 
 
 def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int], hardware: str | None = None,
@@ -244,20 +269,25 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     t_search = time.perf_counter()
     best = cands[0]
     c = best.choice
-    spec = ParallelDims((best.dp, best.pp, best.tp), MESH_NAMES, hardware, search.dpn)
+    spec = search.spec(best.dp, best.pp, best.tp, best.cp, best.ep)
     # the styles the search priced (its TP ILP), written into the plan by the mesh planner: solving
-    # again on the whole mesh can pick another head or stream, and the rows would then not match
-    searched, solver = search.tp_styles(best.tp, best.b, best.recompute)
-    tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b), memory_limit=UNBOUNDED,
+    # again on the whole mesh can pick another head or stream, and the rows would then not match.
+    # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
+    # by the same objects the search priced them with (autoplan/search/cluster_dims.py)
+    searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp)
+    tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp), memory_limit=UNBOUNDED,
                        dtype=search.dtype, fsdp=best.fsdp, activation_checkpointing=best.recompute == "full",
                        allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
                        styles=searched)
     tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
                       "constraints": solver.constraints}
-    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
-    with_dp_mode(tp_plan, search.graph(best.b), search.structure(best.b), best.dp_mode,
-                 ctx.optimizer_bytes_per_element)
-    with_recompute(tp_plan, search.structure(best.b), best.recompute)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
+    if best.cp == 1:
+        with_dp_mode(tp_plan, search.graph(best.b, best.cp), search.structure(best.b, best.cp), best.dp_mode,
+                     ctx.optimizer_bytes_per_element)
+    elif tp_plan.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
+        tp_plan.fsdp = dict(tp_plan.fsdp, mode="fsdp")
+    with_recompute(tp_plan, search.structure(best.b, best.cp), best.recompute)
     names = search.unit_names
     stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
     s2r = list(schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank)
@@ -266,6 +296,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     if c.p == 1:  # one stage: the TP planner's exact rows (one micro-batch; dry_run.verify checks them)
         collectives = tp_plan.predictions["collectives"]
     _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles) if rank else (None, mem)
+    if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
+        worst_mem = {k: v for k, v in tp_plan.predictions["memory_bytes"].items() if k != "total"}
     busy = max(c.busy_s)
     tp_plan.pipeline = {
         "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
@@ -291,7 +323,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                             for a in ranked_alternatives(cands, names, alternatives)]
     tp_plan.solver = dict(tp_plan.solver, simulations=search.simulations, candidates=len(cands))
     tp_plan.notes = list(tp_plan.notes) + [
-        f"mesh dp={best.dp} x pp={best.pp} x tp={best.tp} ({best.dp_mode} data parallel, "
+        f"mesh {' x '.join(f'{k}={v}' for k, v in best.mesh.items())} ({best.dp_mode} data parallel, "
         f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
         f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
         "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "

@@ -1,15 +1,15 @@
 """plan_context(model, devices, batch=...) -> Plan: dp x cp x tp for long sequences, chosen by cost.
 
-Why a search of its own: at 32K-128K tokens per sequence what fits in memory and what is fast
+Why a helper of its own: at 32K-128K tokens per sequence what fits in memory and what is fast
 depend on how the devices are split between tensor parallel (divides weights and, with sequence
 parallel, activations; its collectives grow with the tokens), context parallel (divides the
 tokens of every op; adds the attention exchange, priced by ``autoplan.search.context_cost``) and
-data parallel (needs a sequence per replica). Every split ``devices = dp * cp * tp`` with tp
-inside a node, a sequence that cuts into 2*cp chunks and a global batch dp divides is planned by
-``autoplan`` on its fixed mesh (dp, cp, tp) -- FSDP over dp x cp -- and the fastest plan that
-fits memory wins; the others are listed in ``plan.alternatives`` ("cp <mesh>"). Pipelines are
-not combined with cp here (the pipeline runner does not shard sequences yet): ``plan_cluster``
-plans dp x pp x tp.
+data parallel (needs a sequence per replica). It is the cluster search (``plan_cluster``, which
+searches cp itself: ``autoplan/search/cluster_dims.py``) restricted to one split at a time and no
+pipeline: every split ``devices = dp * cp * tp`` with tp inside a node, a sequence that cuts into
+2*cp chunks and a global batch dp divides is planned by ``plan_cluster`` with those degrees fixed,
+and the fastest plan that fits memory wins; the others are listed in ``plan.alternatives``
+("cp <mesh>"). ``tp=`` / ``cp=`` restrict the degrees tried.
 """
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ from typing import Any, Sequence
 
 import torch
 
-from autoplan.api import autoplan
+from autoplan.cluster import plan_cluster
 from autoplan.errors import InfeasiblePlanError, InvalidArgumentError
 from autoplan.plan.plan import Plan, fastest_of
 from cost_models.hardware import load_hardware
-from hyper_parallel.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +73,10 @@ def plan_context(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                                    "into 2*cp chunks and dp must divide the global batch)")
     plans, failures = [], []
     for d, c, t in splits:
-        kept = [(s, n) for s, n in zip((d, c, t), ("dp", "cp", "tp")) if s > 1] or [(1, "dp")]
-        spec = ParallelDims(tuple(s for s, _ in kept), tuple(n for _, n in kept), hardware, dpn)
         try:
-            plans.append(autoplan(model, spec, batch=tuple(batch), memory_limit=memory_limit, dtype=dtype,
-                                  **autoplan_kwargs))
+            plans.append(plan_cluster(model, devices, batch=tuple(batch), hardware=hardware, devices_per_node=dpn,
+                                      memory_limit=memory_limit, dtype=dtype,
+                                      constraints={"dp": d, "cp": c, "tp": t, "pp": 1}, **autoplan_kwargs))
         except InfeasiblePlanError as e:
             failures.append(f"dp{d} x cp{c} x tp{t}: {str(e).split(';')[0]}")
     if not plans:

@@ -6,7 +6,7 @@ GPUs that is inter-node traffic on every layer. HSDP shards parameters within a 
 all-reduce of the sharded gradients across replicas per step instead. Which split is best
 depends on the links and on memory (parameters, gradients and optimizer state are divided by
 dp_shard only), so the candidates are the splits whose shard groups respect node boundaries
-(``mesh_search.hsdp_splits``), each priced by the cost model:
+(``hsdp_splits.hsdp_splits``), each priced by the cost model:
 
 - the TP styles, TP collectives, FSDP traffic over dp_shard and per-rank memory come from
   ``autoplan()`` on the mesh (dp_shard, tp) with the batch of one replica (global / replicate):
@@ -30,7 +30,7 @@ import torch
 from autoplan.api import autoplan
 from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.plan.plan import Plan, fastest_of
-from autoplan.search.mesh_search import (
+from autoplan.search.hsdp_splits import (
     DP_REPLICATE, DP_SHARD, hsdp_replicate_rows, hsdp_replicate_time, hsdp_splits,
 )
 from cost_models.hardware import load_hardware

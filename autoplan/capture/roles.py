@@ -328,7 +328,10 @@ def recognise_roles(graph: ModelGraph) -> None:
         if not routers:
             continue
         r = routers[0]
-        if r.module in claimed:  # a second top-k on the same scores (group-limited routing)
+        if r.module in claimed:  # a later top-k on the same scores (group-limited routing): it selects the experts
+            for entry in per_block[n.block]["moe"]:
+                if entry["router"] == _rel(r.module, rep_of.get(n.block, "")):
+                    entry["top_k"] = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else entry["top_k"]
             continue
         top_k = n.args[1] if len(n.args) > 1 and isinstance(n.args[1], int) else n.kwargs.get("k")
         parent = r.module.rpartition(".")[0]

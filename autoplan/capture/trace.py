@@ -152,10 +152,11 @@ def to_nodes(
         name = spec.arg.name
         kind = spec.kind.name
         if kind == "PARAMETER":
-            producer_of[name] = f"param:{_join(prefix, spec.target)}"
+            # a shortened block's parameters are named by their real FQN, as its modules are
+            producer_of[name] = f"param:{remap_fqn(_join(prefix, spec.target), rename)}"
             requires_grad[producer_of[name]] = True
         elif kind == "BUFFER":
-            producer_of[name] = f"buffer:{_join(prefix, spec.target)}"
+            producer_of[name] = f"buffer:{remap_fqn(_join(prefix, spec.target), rename)}"
         elif kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ", "TOKEN"):
             producer_of[name] = f"const:{_join(prefix, spec.target or name)}"
         elif sub is not None and isinstance(getattr(spec.arg, "name", None), str) and _is_tensor_placeholder(ep, name):
@@ -245,6 +246,10 @@ def to_nodes(
             if not is_view(fxn.target):
                 node.bytes_read = sum(m.nbytes for m in walker.metas)
                 node.bytes_written = sum(m.nbytes for m in outputs)
+        if is_view(fxn.target) and walker.producers and not any(_is_activation(p) for p in walker.producers):
+            # a view of a parameter (a transposed expert weight fed to a grouped GEMM) is that
+            # parameter to its users: what they save of it is no activation
+            producer_of[fxn.name] = walker.producers[0]
         requires_grad[node.name] = node.requires_grad
         block_at[node.name] = node.block
         from_input[node.name] = any(from_input.get(p) for p in node.input_nodes)

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
-from hyper_parallel.core.context_parallel import VARIANTS, apply_context_parallel, shard_batch
+from hyper_parallel.core.context_parallel import VARIANTS, apply_context_parallel, local_positions, shard_batch
+from hyper_parallel.core.context_parallel.style import _position_arg
 
 _D = "#/$defs/"
 
@@ -45,6 +46,23 @@ def cp_share(inputs: torch.Tensor, targets: torch.Tensor, mesh):
         return inputs, targets
     tokens, tgt, _ = shard_batch(mesh, inputs, targets)
     return tokens, tgt
+
+
+def cp_step_kwargs(model, mesh, local_len: int) -> dict:
+    """What a pipelined cp step passes every stage (``kwarg_specs`` NO_SPLIT): the global positions
+    of this rank's head and tail chunks -- ``positions`` (1-D) for the repo Llama, ``position_ids``
+    (1, S/cp) for transformers -- since the style's hook on the root does not run inside stages.
+    Empty without cp (``mesh`` None)."""
+    if mesh is None:
+        return {}
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    pos = local_positions(local_len * cp, cp, rank)
+    return {"positions": pos} if cp_step_key(model) == "positions" else {"position_ids": pos.unsqueeze(0)}
+
+
+def cp_step_key(model) -> str:
+    """The keyword of ``cp_step_kwargs`` for ``model`` (the root before the pipeline cut)."""
+    return "positions" if _position_arg(model) == "positions" else "position_ids"
 
 
 class ContextParallelism(Parallelism):
@@ -74,10 +92,6 @@ class ContextParallelism(Parallelism):
         if seq is not None and seq % (2 * size):
             raise section_error("cp", "dim", f"sequence length {seq} is not divisible by 2*cp = {2 * size} (the "
                                 "load-balanced layout cuts it into 2*cp equal chunks)")
-        pp = data["parallel"].get("pp")
-        if pp and pp.get("pp", 1) > 1:
-            raise section_error("cp", "", f"context parallelism inside a pipeline (pp={pp['pp']}) is not supported by "
-                                "the pipeline runner yet; use cp with tp and dp")
         if data["parallel"].get("hsdp"):
             raise section_error("cp", "", "context parallelism with HSDP is not supported (FSDP folds cp into the "
                                 "1-D dp x cp mesh); use a single dp dimension")

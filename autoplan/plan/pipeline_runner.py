@@ -19,11 +19,13 @@ from torch.distributed.tensor import DTensor
 
 import hyper_parallel.core.pipeline_parallel as pipe
 from autoplan.parallelisms import ApplyTarget
-from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_share, plan_dp_mode, unique_params
+from autoplan.parallelisms.context import cp_share, cp_step_key, cp_step_kwargs
+from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_share, grad_mesh, plan_dp_mode, unique_params
 from autoplan.parallelisms.data import dp_mesh as plan_dp_mesh
 from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import lm_loss
-from hyper_parallel import loss_parallel
+from hyper_parallel import cp_cross_entropy, loss_parallel
+from hyper_parallel.core.pipeline_parallel.microbatch import NO_SPLIT
 from hyper_parallel.parallel_dims import mesh_roles
 from hyper_parallel.core.pipeline_parallel import SCHEDULES, schedule_facts
 from hyper_parallel.errors import MeshError
@@ -55,9 +57,14 @@ class PipelineRunner:
     """``step((inputs, targets)) -> float``: one training step of this rank's stages; the loss
     returned on every rank is the global one (mean over micro-batches and dp ranks)."""
 
-    def __init__(self, plan, stages, schedule, optimizer, pp_group, last_pp_rank: int, dp_mesh=None):
+    def __init__(self, plan, stages, schedule, optimizer, pp_group, last_pp_rank: int, dp_mesh=None,
+                 batch_mesh=None, cp_mesh=None, root=None):
         self.plan, self.stages, self.schedule, self.optimizer = plan, stages, schedule, optimizer
         self.pp_group, self.last_pp_rank, self.dp_mesh = pp_group, last_pp_rank, dp_mesh
+        # context parallel: dp_mesh is the gradient mesh (dp x cp), batch_mesh splits batch rows (dp),
+        # cp_mesh each sequence (head + tail chunks); root: the model before the cut (its position argument)
+        self.batch_mesh = dp_mesh if cp_mesh is None else batch_mesh
+        self.cp_mesh, self.root = cp_mesh, root
         idx = {s.stage_index for s in stages}
         self.first, self.last = 0 in idx, schedule.ir.n_stages - 1 in idx
 
@@ -66,8 +73,14 @@ class PipelineRunner:
         return [s.module for s in self.stages]
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's share of a global batch along dim 0 (its dp coordinate)."""
-        return dp_share(inputs, targets, self.dp_mesh, "PipelineRunner")
+        """This rank's share of a global batch along dim 0 (its dp coordinate), then (context
+        parallel) its head and tail chunks of every sequence."""
+        inputs, targets = dp_share(inputs, targets, self.batch_mesh, "PipelineRunner")
+        return cp_share(inputs, targets, self.cp_mesh)
+
+    def step_kwargs(self, inputs: torch.Tensor) -> dict:
+        """Keywords every stage gets in a step (cp: the global positions of this rank's tokens)."""
+        return cp_step_kwargs(self.root, self.cp_mesh, inputs.shape[1])
 
     def data_parallel_step(self) -> bool:
         """After the schedule: replicated dp all-reduces this rank's gradients; ZeRO-1 reduce-
@@ -87,7 +100,7 @@ class PipelineRunner:
         inputs, targets = batch
         self.optimizer.zero_grad()
         args = (inputs,) if self.first else ()
-        loss = self.schedule.step(*args, target=targets if self.last else None)
+        loss = self.schedule.step(*args, target=targets if self.last else None, **self.step_kwargs(inputs))
         if not self.data_parallel_step():
             self.optimizer.step()
         value = torch.zeros((), dtype=torch.float64)
@@ -139,7 +152,10 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     target.block_finder = [st.module.get_submodule(u) for st in stages for u in st.module.units
                            if any(u.startswith(b + ".") for b in blocks)]
     mode = plan_dp_mode(plan)
-    dp_mesh = plan_dp_mesh(plan, mesh)   # 2-D (dp_replicate, dp_shard) for HSDP
+    cp_mesh = target.state.get("cp_mesh")
+    batch_mesh = plan_dp_mesh(plan, mesh)
+    # 2-D (dp_replicate, dp_shard) for HSDP; with context parallelism the flattened dp x cp mesh
+    dp_mesh = grad_mesh(plan, mesh) if cp_mesh is not None else batch_mesh
     use_dp = dp_mesh is not None and dp_mesh.size() > 1
     if use_dp and mode == "fsdp":
         # parameters shared across stages (tied embedding / head) are reduced by the schedule, not FSDP
@@ -151,9 +167,19 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     zero1_dp = use_dp and mode == "zero1"
     use_dp = use_dp and mode == "fsdp"
     sharded_loss = bool(plan.loss_parallel) and tp_mesh is not None
+    if cp_mesh is not None:   # the exact mean over the global batch's tokens (runner.py's cp loss)
+        if loss_fn is not None and loss_fn is not lm_loss:
+            raise MeshError("plan.apply: loss_fn with context parallelism; the loss of a cp plan is the token "
+                            "cross entropy over the global batch (cp_cross_entropy); omit loss_fn")
+        loss_mesh = dp_mesh if dp_mesh is not None else cp_mesh
+
+        def loss_fn(logits, targets):
+            return cp_cross_entropy(logits, targets, loss_mesh)
     loss = (_sharded_logits_loss if sharded_loss else _full_logits_loss)(loss_fn or lm_loss)
+    step_keys = (cp_step_key(model),) if cp_mesh is not None else ()
     schedule = cls(stages, m, loss, dp_group=dp_group(dp_mesh) if use_dp else None,
-                   loss_context=loss_parallel if sharded_loss else None, **kwargs)
+                   loss_context=loss_parallel if sharded_loss else None,
+                   **({"kwarg_specs": {k: NO_SPLIT for k in step_keys}} if step_keys else {}), **kwargs)
     params = [prm for st in stages for prm in st.module.parameters()]
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=lr)
@@ -161,7 +187,8 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
         optimizer = optimizer(params)
     last_rank = ir.stage_to_rank[ir.n_stages - 1]
     runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank,
-                            dp_mesh if (use_dp or replicate_dp or zero1_dp) else None)
+                            dp_mesh if (use_dp or replicate_dp or zero1_dp) else None,
+                            batch_mesh=batch_mesh, cp_mesh=cp_mesh, root=model)
     runner.replicate_dp = replicate_dp
     runner.fsdp_replicated = target.state.get("fsdp_replicated", []) if use_dp else []
     runner.zero1 = Zero1([p for st in stages for p in unique_params(st.module)], dp_mesh.get_group(),

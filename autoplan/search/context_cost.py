@@ -96,6 +96,7 @@ class CPChoice:
     exposed_s: float               # the part compute does not hide (added to the step)
     extra_memory: float            # bytes per rank beyond the captured activations (all-gather's K/V)
     candidates: dict[str, dict] = field(default_factory=dict)
+    exposed_forward_s: float = 0.0  # the forward pass's part of exposed_s (a pipeline times passes apart)
 
     def section(self) -> dict:
         """The plan's ``parallel.cp`` section."""
@@ -113,12 +114,12 @@ def _head_dim(graph, block, attention) -> int:
 
 def price_cp(structure: ModelStructure, graph, ctx: CostContext, chosen: dict, *, cp: int, cp_dim: str,
              loss_dim: str, local_batch: int, seq_len: int, dtype_bytes: int, tp: int,
-             memory_left: float) -> CPChoice:
+             memory_left: float, variants=None) -> CPChoice:
     """Price both variants for the chosen tensor-parallel options and pick the cheaper one that
     fits ``memory_left`` bytes (ring when neither does: it adds nothing)."""
     cands = {}
-    for variant in sorted(VARIANTS):
-        rows, exchange, exposed, extra = [], 0.0, 0.0, 0.0
+    for variant in sorted(variants or VARIANTS):   # ``variants``: restrict (a choice already made)
+        rows, exchange, exposed, extra, exposed_fwd = [], 0.0, 0.0, 0.0, 0.0
         for b in structure.blocks:
             a = b.attention
             if a is None:
@@ -144,20 +145,26 @@ def price_cp(structure: ModelStructure, graph, ctx: CostContext, chosen: dict, *
                 bwd = (cp - 1) * max(0.0, 2 * t_msg - blk_b) + t_msg
                 layer_exchange = (3 * cp - 2 + recompute * (cp - 1)) * t_msg
                 layer_exposed = fwd * (1 + recompute) + bwd
+                layer_fwd = fwd
                 layer_extra = 0.0
             else:
                 layer_exchange = sum(ctx.collective_time(c) for c in layer)
                 layer_exposed = layer_exchange
+                layer_fwd = sum(ctx.collective_time(c) for c in layer if c.phase == "forward")
                 layer_extra = kv * (cp - 1)
             exchange += b.count * layer_exchange
             exposed += b.count * layer_exposed
+            exposed_fwd += b.count * layer_fwd
             extra += (1 if ctx.checkpoint_blocks else b.count) * layer_extra
         rows.append(Collective("all_reduce", "forward", LOSS_BYTES, 1, loss_dim))
-        cands[variant] = {"collectives": rows, "exchange_s": exchange, "exposed_s": exposed, "extra_memory": extra}
-    fits = [v for v in cands if cands[v]["extra_memory"] <= memory_left] or ["ring"]
+        cands[variant] = {"collectives": rows, "exchange_s": exchange, "exposed_s": exposed, "extra_memory": extra,
+                          "exposed_forward_s": exposed_fwd}
+    fits = [v for v in cands if cands[v]["extra_memory"] <= memory_left] or (["ring"] if "ring" in cands else list(cands))
     best = min(fits, key=lambda v: (cands[v]["exposed_s"], v != "ring"))
     c = cands[best]
-    summary = {v: {"exchange_s": d["exchange_s"], "exposed_s": d["exposed_s"], "extra_memory": d["extra_memory"]}
+    summary = {v: {"exchange_s": d["exchange_s"], "exposed_s": d["exposed_s"], "extra_memory": d["extra_memory"],
+                   "exposed_forward_s": d["exposed_forward_s"]}
                for v, d in cands.items()}
-    return CPChoice(best, cp_dim, cp, c["collectives"], c["exchange_s"], c["exposed_s"], c["extra_memory"], summary)
+    return CPChoice(best, cp_dim, cp, c["collectives"], c["exchange_s"], c["exposed_s"], c["extra_memory"], summary,
+                    c["exposed_forward_s"])
 

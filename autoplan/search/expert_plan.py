@@ -27,12 +27,13 @@ def _under(pattern: str, param_fqn: str) -> bool:
 
 class ExpertPlanning:
     def __init__(self, model, graph, structure, ctx, spec, imbalance: float = IMBALANCE,
-                 expert_parallel: bool | None = None):
+                 expert_parallel: bool | None = None, groups=None):
         self.ctx, self.imbalance, self.constraint = ctx, float(imbalance), expert_parallel
         self.ep_dim, self.tp_dim = spec.dim("ep"), spec.dim("tp")
         self.ep = spec.degree(self.ep_dim)
         self.tp = spec.degree(self.tp_dim) if self.tp_dim else 1
-        self.groups = moe_groups(graph, model, structure.dtype_bytes)
+        # ``groups``: the model's MoE groups already found (the cluster search prices many meshes)
+        self.groups = moe_groups(graph, model, structure.dtype_bytes) if groups is None else groups
         b0 = structure.blocks[0] if structure.blocks else None
         self.tokens = int(b0.hidden_bytes // structure.dtype_bytes // max(b0.dim, 1)) if b0 else 1
         self.dtype_bytes = structure.dtype_bytes

@@ -114,10 +114,28 @@ class ExpertChoice:
         return replicated_state - sum(o.state_bytes for o in self.chosen)
 
 
-def _pattern(prefix: str, indices: list[str], siblings: int, rel: str) -> list[str]:
-    if len(indices) == siblings and len(indices) > 1:
+def _pattern(prefix: str, indices: list[str], siblings: int, rel: str, others_have: bool = True) -> list[str]:
+    """One ``*`` pattern when it names exactly this group's experts: the group is all of its
+    container's children, or no other child has a module at ``rel`` (DeepSeek-V3's first dense
+    layers have no ``mlp.experts``); else one pattern per block."""
+    if len(indices) > 1 and (len(indices) == siblings or not others_have):
         return [f"{prefix}.*.{rel}" if prefix else f"*.{rel}"]
     return [f"{prefix}.{i}.{rel}" if prefix else f"{i}.{rel}" for i in indices]
+
+
+def _others_have(model, prefix: str, indices: list[str], rel: str) -> bool:
+    """Some child of ``prefix`` outside ``indices`` has a module at ``rel``."""
+    container = model.get_submodule(prefix) if prefix else model
+    mine = set(map(str, indices))
+    for name, child in container.named_children():
+        if name in mine:
+            continue
+        try:
+            child.get_submodule(rel)
+            return True
+        except AttributeError:
+            continue
+    return False
 
 
 def moe_groups(graph: ModelGraph, model, dtype_bytes: int) -> list[MoEGroup]:
@@ -143,7 +161,8 @@ def moe_groups(graph: ModelGraph, model, dtype_bytes: int) -> list[MoEGroup]:
             if rows is None:
                 rows = {r["fqn"]: r for r in module_summary(graph).to_dict("records")}
             work = module_work(graph, fqn, rows)
-            for pattern in _pattern(b.prefix, list(b.indices), siblings, e["experts"]):
+            others = siblings != len(b.indices) and _others_have(model, b.prefix, list(b.indices), e["experts"])
+            for pattern in _pattern(b.prefix, list(b.indices), siblings, e["experts"], others):
                 n = b.count if "*" in pattern else 1
                 out.append(MoEGroup(b.prefix, list(b.indices), e["experts"], pattern, n, layout,
                                     int(e.get("top_k") or 1), work, pbytes))

@@ -26,7 +26,13 @@ import torch
 from autoplan.capture import capture
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.search.cluster_dims import (
+    CP_MIN_SEQ, add_cp, add_ep, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees, model_moe_groups,
+)
+from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
 from autoplan.search.costing import CostContext
+from autoplan.search.expert_plan import ExpertPlanning
+from autoplan.parallelisms.data import flat_name
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.pipeline_search import (
     PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
@@ -45,6 +51,7 @@ from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
 MESH_NAMES = ("dp", "pp", "tp")
+CP_WITH_PP = True    # cp inside pipelined plans (the pipeline runner shards sequences over cp)
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -78,6 +85,8 @@ class Candidate:
     ac: bool | str              # recompute; a bool is read as full / none
     b: int
     choice: PipelineChoice
+    cp: int = 1                 # context parallel degree (a dimension after dp)
+    ep: int = 1                 # expert parallel degree (borrowed from dp: the batch is split dp x ep ways)
 
     def __post_init__(self) -> None:
         self.dp_mode, self.recompute = dp_mode_of(self.fsdp), recompute_of(self.ac)
@@ -90,13 +99,23 @@ class Candidate:
     @property
     def key(self) -> tuple:
         c = self.choice
-        return (self.step_s, self.dp, self.pp, self.tp, DP_MODES.index(self.dp_mode), RECOMPUTE.index(self.recompute),
-                self.b, c.schedule, c.v, c.starts)
+        return (self.step_s, self.dp, self.pp, self.tp, self.cp, self.ep, DP_MODES.index(self.dp_mode),
+                RECOMPUTE.index(self.recompute), self.b, c.schedule, c.v, c.starts)
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Degrees by dimension name, in mesh order (cp / ep only when used)."""
+        out = {"dp": self.dp}
+        if self.cp > 1:
+            out["cp"] = self.cp
+        if self.ep > 1:
+            out["ep"] = self.ep
+        return dict(out, pp=self.pp, tp=self.tp)
 
     def summary(self, units: Sequence[str]) -> dict[str, Any]:
         c = self.choice
-        return {"name": f"dp{self.dp}-pp{self.pp}-tp{self.tp}-{c.schedule}-m{c.m}", "step_s": c.step_s,
-                "mesh": {"dp": self.dp, "pp": self.pp, "tp": self.tp}, "schedule": c.schedule,
+        name = "-".join(f"{k}{v}" for k, v in self.mesh.items())
+        return {"name": f"{name}-{c.schedule}-m{c.m}", "step_s": c.step_s, "mesh": self.mesh, "schedule": c.schedule,
                 "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": self.b, "fsdp": self.fsdp,
                 "activation_checkpointing": self.ac, "dp_mode": self.dp_mode, "recompute": self.recompute, "bubble_fraction": c.bubble_fraction,
                 "memory_bytes": max(c.rank_memory), "cuts": [units[s] for s in c.starts[1:]],
@@ -150,13 +169,15 @@ class ClusterSearch:
         self.limit = float(memory_limit if memory_limit is not None else self.hw.usable_memory())
         self.dtype = dtype or (torch.float32 if self.hw.device_type == "cpu" else torch.bfloat16)
         self.cons = dict(constraints or {})
-        unknown = set(self.cons) - {"dp", "pp", "tp", "schedule", "microbatches", "microbatch_size", "fsdp",
+        unknown = set(self.cons) - {"dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
                                     "activation_checkpointing", "virtual_stages", "dp_mode", "recompute"}
         if unknown:
             raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
         self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)
         self.virtual = [self.cons["virtual_stages"]] if "virtual_stages" in self.cons else list(virtual_stages)
         self.mb_sizes = [self.cons["microbatch_size"]] if "microbatch_size" in self.cons else list(microbatch_sizes)
+        if self.seq >= CP_MIN_SEQ and "microbatch_size" not in self.cons:
+            self.mb_sizes = [1]   # long sequences: a micro-batch is one sequence (cluster_dims)
         self.allow_replicated, self.sp = allow_replicated_units, sequence_parallel
         self.graphs: dict[int, Any] = dict(graphs or {})
         self._tp: dict[tuple, tuple] = {}
@@ -165,6 +186,8 @@ class ClusterSearch:
         self._ctx: dict[tuple, Any] = {}
         self._probers: dict[int, Any] = {}
         self._units: dict[tuple, tuple] = {}
+        self._chosen: dict[tuple, dict] = {}      # TP solution key -> the ILP's chosen options by slot
+        self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
         self.simulations = 0
         self.unit_names = self._unit_names()
 
@@ -176,15 +199,23 @@ class ClusterSearch:
         whole model again."""
         return meta_model(self.model, self.dtype)
 
-    def graph(self, b: int):
-        if b not in self.graphs:
-            self.graphs[b] = capture(self.meta, None, batch=(b, self.seq), dtype=self.dtype)
-        return self.graphs[b]
+    def graph(self, b: int, cp: int = 1):
+        """The graph of one rank's micro-batch: ``b`` sequences of seq/cp tokens."""
+        key = b if cp == 1 else (b, cp)
+        if key not in self.graphs:
+            self.graphs[key] = capture(self.meta, None, batch=(b, self.seq // cp), dtype=self.dtype)
+        return self.graphs[key]
 
-    def structure(self, b: int):
-        if b not in self._structures:
-            self._structures[b] = model_structure(self.graph(b))
-        return self._structures[b]
+    def structure(self, b: int, cp: int = 1):
+        if (b, cp) not in self._structures:
+            self._structures[(b, cp)] = cp_structure(model_structure(self.graph(b, cp)), cp)
+        return self._structures[(b, cp)]
+
+    @functools.cached_property
+    def moe_groups(self) -> list:
+        """The model's MoE layers ExpertParallel can take (empty for a dense model)."""
+        b = self.mb_sizes[0]
+        return model_moe_groups(self.meta, self.graph(b), self.structure(b).dtype_bytes)
 
     def _unit_names(self) -> list[str]:
         """Pipeline units in execution order: the runtime's spine when it knows the model, else
@@ -198,42 +229,52 @@ class ClusterSearch:
                 names += [f"{g.prefix}.{i}" for i in g.indices]
             return names + list(st.final_norms) + ([st.head.fqn] if st.head else [])
 
-    def ctx(self, dp: int, pp: int, tp: int, fsdp, ac):
-        key = (dp, pp, tp, dp_mode_of(fsdp), recompute_of(ac))
+    def spec(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1) -> ParallelDims:
+        return cluster_spec(dp, pp, tp, cp, ep, self.hardware, self.dpn)
+
+    def ctx(self, dp: int, pp: int, tp: int, fsdp, ac, cp: int = 1, ep: int = 1):
+        key = (dp, pp, tp, dp_mode_of(fsdp), recompute_of(ac), cp, ep)
         if key not in self._ctx:
             self._ctx[key] = self._make_ctx(*key)
         return self._ctx[key]
 
-    def _make_ctx(self, dp: int, pp: int, tp: int, mode: str, recompute: str):
-        spec = ParallelDims((dp, pp, tp), MESH_NAMES, self.hardware, self.dpn)
+    def _make_ctx(self, dp: int, pp: int, tp: int, mode: str, recompute: str, cp: int = 1, ep: int = 1):
+        """Costs on the candidate's mesh. Under cp, gradients and FSDP run on the flattened
+        dp x cp mesh (``dp_cp``, priced as one dimension, ``context_cost.cp_topology``)."""
+        spec = self.spec(dp, pp, tp, cp, ep)
         pbytes = self.structure(self.mb_sizes[0]).dtype_bytes
-        mode = mode if dp > 1 else "replicate"
-        return CostContext(hardware=self.hw, topology=mesh_topology(spec), dtype=str(self.dtype), tp_dim="tp",
-                           dp_dim="dp", dp=dp, fsdp=mode == "fsdp", param_bytes_per_element=pbytes,
+        topo, red_dim, red = mesh_topology(spec), "dp", dp
+        if cp > 1:
+            topo, red_dim, red = cp_topology(spec), flat_name(grad_dims(spec)), dp * cp
+        mode = mode if red > 1 else "replicate"
+        return CostContext(hardware=self.hw, topology=topo, dtype=str(self.dtype), tp_dim="tp",
+                           dp_dim=red_dim, dp=red, fsdp=mode == "fsdp", param_bytes_per_element=pbytes,
                            optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), dp_mode=mode,
                            recompute=recompute)
 
-    def prober(self, tp: int, b: int):
+    def prober(self, tp: int, b: int, cp: int = 1):
         """One strategy prober per tensor-parallel degree: its verdicts hold for every
         micro-batch size and checkpointing choice (see autoplan/search/soundness.py)."""
         if tp <= 1:
             return None
         if tp not in self._probers:
-            graph = self.graph(b)
+            graph = self.graph(b, cp)
             sibling = next((p for p in self._probers.values() if p is not None and p.reference is not None), None)
-            self._probers[tp] = Prober(self.meta, graph.blocks, tp, (1, self.seq), self.dtype, sibling=sibling) \
+            self._probers[tp] = Prober(self.meta, graph.blocks, tp, (1, self.seq // cp), self.dtype, sibling=sibling) \
                 if graph.blocks else None
         return self._probers[tp]
 
-    def tp_solution(self, tp: int, b: int, ac):
-        """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` (cached)."""
-        key = _tp_key(tp, b, ac)
+    def tp_solution(self, tp: int, b: int, ac, cp: int = 1):
+        """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` of seq/cp
+        tokens (cached)."""
+        key = _tp_key(tp, b, ac) + ((cp,) if cp > 1 else ())
         ac = key[2]
         if key not in self._tp:
             ctx = self.ctx(1, 1, tp, False, ac)
             try:
-                search = TPSearch(self.structure(b), self.graph(b), ctx, tp, allow_replicated=self.allow_replicated,
-                                  sequence_parallel=self.sp, prober=self.prober(tp, b))
+                search = TPSearch(self.structure(b, cp), self.graph(b, cp), ctx, tp,
+                                  allow_replicated=self.allow_replicated, sequence_parallel=self.sp,
+                                  prober=self.prober(tp, b, cp))
             except InfeasiblePlanError as e:  # e.g. allow_replicated_units=False at a degree that cannot shard
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self._tp[key] = None
@@ -245,6 +286,7 @@ class ClusterSearch:
                 self._tp[key] = None
                 return None
             self.tp_solver[key] = info
+            self._chosen[key] = chosen
             if not chosen:
                 self._tp[key] = None
             else:
@@ -252,16 +294,16 @@ class ClusterSearch:
                 self._tp[key] = (ev.options, layout)
         return self._tp[key]
 
-    def tp_styles(self, tp: int, b: int, ac) -> tuple[dict, object]:
+    def tp_styles(self, tp: int, b: int, ac, cp: int = 1) -> tuple[dict, object]:
         """(pattern -> style, solver info) of the TP solution ``tp_solution`` priced: what the
         plan must apply, so its predicted rows and its styles are the same options."""
-        options, _ = self.tp_solution(tp, b, ac)
+        options, _ = self.tp_solution(tp, b, ac, cp)
         styles = {}
         for o in sorted(options, key=lambda o: o.slot):
             styles.update(o.styles())
-        return styles, self.tp_solver[_tp_key(tp, b, ac)]
+        return styles, self.tp_solver[_tp_key(tp, b, ac) + ((cp,) if cp > 1 else ())]
 
-    def unit_costs(self, dp: int, pp: int, tp: int, fsdp, ac, b: int):
+    def unit_costs(self, dp: int, pp: int, tp: int, fsdp, ac, b: int, cp: int = 1, ep: int = 1):
         """(per-unit costs, P2P seconds per micro-batch hop) of the TP solution on this mesh.
 
         Every cost comes from the one CostContext: compute per op class (recomputation included),
@@ -269,10 +311,10 @@ class ClusterSearch:
         per wrapped unit (each block, and the root on the embedding's unit) exactly as
         ``TPSearch.evaluate`` charges it, and each unit's share of the optimizer step."""
         fsdp, ac = dp_mode_of(fsdp), recompute_of(ac)
-        key = (dp, pp, tp, fsdp, ac, b)
+        key = (dp, pp, tp, fsdp, ac, b, cp, ep)
         if key in self._units:
             return self._units[key]
-        sol = self.tp_solution(tp, b, ac)
+        sol = self.tp_solution(tp, b, ac, cp)
         if sol is None:
             self._units[key] = None
             return None
@@ -280,16 +322,19 @@ class ClusterSearch:
         if fsdp == "fsdp" and dp > 1 and any(o.strategy.extra.get(PACKED_BIAS) for o in options):
             self._units[key] = None  # FSDP mixed precision and a packed bias: see strategies._PACKED_BIAS
             return None
-        ctx = self.ctx(dp, pp, tp, fsdp, ac)
+        ctx = self.ctx(dp, pp, tp, fsdp, ac, cp, ep)
         names = self.unit_names
         index = {n: i for i, n in enumerate(names)}
         acc = [[0.0] * 8 for _ in names]  # F, I, W, state, act, dp_comm, one dp all-gather, optimizer
-        st = self.structure(b)
+        st = self.structure(b, cp)
+        all_targets = []
+        members = self.members(st)
         head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
         emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
         norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
         for o in options:
-            targets = self._targets(o, names, index, emb_i, norm_i, head_i)
+            targets = self._targets(o, names, index, emb_i, norm_i, head_i, members)
+            all_targets.append(targets)
             if not targets:
                 continue
             share = 1.0 / len(targets)
@@ -312,11 +357,22 @@ class ClusterSearch:
         if ctx.fsdp:  # per-call latency: one set of FSDP collectives per wrapped unit
             unit_lat = ctx.fsdp_latency_time(1)
             gather_lat = ctx.fsdp_latency_time(1) / 3.0   # one all-gather of the three calls
-            blocks = {i for o in options if o.in_block for i in self._targets(o, names, index, emb_i, norm_i, head_i)}
+            blocks = {i for o in options if o.in_block for i in self._targets(o, names, index, emb_i, norm_i, head_i,
+                                                                               members)}
             for i in blocks:
                 acc[i][5] += unit_lat
                 acc[i][6] += gather_lat
             acc[emb_i][5] += unit_lat   # the root unit (embedding, norm, head)
+        if cp > 1:
+            tp_key = _tp_key(tp, b, ac) + (cp,)
+            used = (sum(a[3] for a in acc) + sum(a[4] for a in acc)) / pp
+            self.cp_choices[key] = add_cp(acc, names, st, self.graph(b, cp), ctx, self._chosen[tp_key], cp=cp, b=b,
+                                          seq=self.seq, tp=tp, dtype_bytes=st.dtype_bytes,
+                                          memory_left=self.limit - used)
+        if ep > 1:
+            experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
+                                     groups=self.moe_groups)
+            add_ep(acc, names, options, all_targets, experts)
         units = [UnitCost(n, *a) for n, a in zip(names, acc)]
         hidden = st.blocks[0].hidden_bytes if st.blocks else 0
         p2p_bytes = hidden / (tp if layout == "S" else 1)
@@ -324,14 +380,34 @@ class ClusterSearch:
         self._units[key] = (units, p2p)
         return self._units[key]
 
+    def cp_rows(self, cand) -> tuple[dict[str, list[Collective]], str]:
+        """(block group id -> the cp exchange of one layer per micro-batch, the gradient / loss
+        dimension) of candidate ``cand`` with cp > 1: what ``plan_cluster`` writes per pipeline rank."""
+        key = (cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.b, cand.cp, cand.ep)
+        self.unit_costs(*key)
+        ctx = self.ctx(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.cp, cand.ep)
+        st = self.structure(cand.b, cand.cp)
+        chosen = self._chosen[_tp_key(cand.tp, cand.b, cand.recompute) + (cand.cp,)]
+        rows = cp_layer_rows(st, self.graph(cand.b, cand.cp), ctx, chosen, self.cp_choices[key].variant, cp=cand.cp,
+                             b=cand.b, seq=self.seq, tp=cand.tp, dtype_bytes=st.dtype_bytes)
+        return rows, ctx.dp_dim
+
     @staticmethod
-    def _targets(o, names, index, emb_i, norm_i, head_i) -> list[int]:
+    def members(structure) -> dict[str, set[str]]:
+        """Block group id -> its members' unit names: a ``prefix.*`` owner covers only its own
+        group's blocks when two groups share a prefix (DeepSeek-V3's dense and MoE layers)."""
+        return {b.id: {f"{b.prefix}.{i}" if b.prefix else str(i) for i in b.indices} for b in structure.blocks}
+
+    @staticmethod
+    def _targets(o, names, index, emb_i, norm_i, head_i, members: dict | None = None) -> list[int]:
         if o.in_block:
             out = []
+            mine = (members or {}).get(o.slot.split("/")[0])
             for pat in o.owner.split(","):
                 if pat.endswith(".*"):
                     pre = pat[:-1]
-                    out += [i for i, n in enumerate(names) if n.startswith(pre) and "." not in n[len(pre):]]
+                    out += [i for i, n in enumerate(names) if n.startswith(pre) and "." not in n[len(pre):]
+                            and (mine is None or n in mine)]
                 elif pat in index:
                     out.append(index[pat])
             return out
@@ -342,15 +418,18 @@ class ClusterSearch:
         return [head_i]  # head, rest (loss, rotary tables): the last stage
 
     # ---------------------------------------------------------------- search
-    def modes(self, dp: int) -> list[tuple[str, str]]:
+    def modes(self, dp: int, fsdp_only: bool = False) -> list[tuple[str, str]]:
         """(dp mode, recompute) pairs to search; constraints ``dp_mode`` / ``recompute`` (or the
-        older bools ``fsdp`` / ``activation_checkpointing``) fix them."""
+        older bools ``fsdp`` / ``activation_checkpointing``) fix them. ``fsdp_only``: plans with
+        cp or ep run FSDP over their data-parallel ranks (the mode their fixed-mesh plans apply)."""
         if "dp_mode" in self.cons:
             fs = [dp_mode_of(self.cons["dp_mode"])]
         elif "fsdp" in self.cons:
             fs = [dp_mode_of(bool(self.cons["fsdp"]))]
         else:
             fs = list(self.dp_modes) if dp > 1 else ["fsdp"]
+        if fsdp_only:
+            fs = [f for f in fs if f == "fsdp"]
         if "recompute" in self.cons:
             acs = [recompute_of(self.cons["recompute"])]
         elif "activation_checkpointing" in self.cons:
@@ -374,12 +453,30 @@ class ClusterSearch:
         mode = dp_mode_of(mode)
         return lambda comm, compute: exposed_dp(comm, compute, mode)
 
+    def meshes(self) -> list[tuple[int, int, int, int, int]]:
+        """(dp, pp, tp, cp, ep) to search: dp x pp x tp factorizations of the devices each cp or
+        ep degree leaves (``cluster_dims``: which degrees, cp after dp, ep borrowed from dp and
+        only without a pipeline; cp with a pipeline where the runtime runs it)."""
+        n_units = len(self.unit_names)
+        rest = {k: v for k, v in self.cons.items() if k not in ("cp", "ep")}
+        out = []
+        cps = cp_degrees(self.meta, self.seq, self.devices, self.cons)
+        eps = ep_degrees(self.moe_groups, self.devices, self.cons) if max(cps) == 1 else [1]
+        for cp in cps:
+            for ep in eps:
+                if cp > 1 and ep > 1 or self.devices % (cp * ep):
+                    continue
+                for dp, pp, tp in mesh_factorizations(self.devices // (cp * ep), self.dpn, n_units, rest):
+                    if (ep > 1 and pp > 1) or (cp > 1 and pp > 1 and not CP_WITH_PP):
+                        continue
+                    out.append((dp, pp, tp, cp, ep))
+        return out
+
     def search(self, max_simulations: int = 400, time_budget_s: float | None = None) -> list[Candidate]:
         """All candidates that were simulated, best first (the first is the optimum: the rest of
         the space was cut by lower bounds, unless the budget ran out, which is logged)."""
         t0 = time.perf_counter()
-        n_units = len(self.unit_names)
-        meshes = mesh_factorizations(self.devices, self.dpn, n_units, self.cons)
+        meshes = self.meshes()
         if not meshes:
             raise InfeasiblePlanError(f"plan_cluster: no dp x pp x tp factorization of {self.devices} devices "
                                       f"({self.dpn} per node) meets constraints {self.cons}")
@@ -387,11 +484,13 @@ class ClusterSearch:
         def least_bubble(p: int, m: int) -> float:   # of the searched schedules, uniform stages
             return min(schedule_facts(n).bubble_fraction(p, m, v) for n in self.schedules for v in self.virtual)
 
-        groups = []  # (lower bound, dp, pp, tp, fsdp, ac, b, m)
-        for dp, pp, tp in meshes:
-            for b, m in self.microbatch_options(dp):
-                for fsdp, ac in self.modes(dp):
-                    uc = self.unit_costs(dp, pp, tp, fsdp, ac, b)
+        groups = []  # (estimate, lower bound, dp, pp, tp, fsdp, ac, b, m, cp, ep)
+        for dp, pp, tp, cp, ep in meshes:
+            for b, m in self.microbatch_options(dp * ep):
+                if cp > 1 and b > 1:
+                    continue   # with cp a micro-batch is one sequence (cluster_dims)
+                for fsdp, ac in self.modes(dp * cp, fsdp_only=cp > 1 or ep > 1):
+                    uc = self.unit_costs(dp, pp, tp, fsdp, ac, b, cp, ep)
                     if uc is None:
                         continue
                     units, _ = uc
@@ -406,18 +505,18 @@ class ClusterSearch:
                     lb = max(m * total_t / pp, chain) + dp_min
                     # visiting order only: the least bubble any schedule has on even stages
                     est = m * total_t / pp * (1 + least_bubble(pp, m)) + dp_min
-                    groups.append((est, lb, dp, pp, tp, fsdp, ac, b, m))
+                    groups.append((est, lb, dp, pp, tp, fsdp, ac, b, m, cp, ep))
         # one-stage groups first: timed in closed form (no schedule IR), they give the bound that
         # lets pipelined groups be skipped before their schedules are generated
         groups.sort(key=lambda g: (g[3] > 1, g))
         best, done, cut = float("inf"), [], False
-        for _est, lb, dp, pp, tp, fsdp, ac, b, m in groups:
+        for _est, lb, dp, pp, tp, fsdp, ac, b, m, cp, ep in groups:
             if lb >= best:
                 continue
             if len(done) >= max_simulations or (time_budget_s and time.perf_counter() - t0 > time_budget_s):
                 cut = True
                 break
-            units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b)
+            units, p2p = self.unit_costs(dp, pp, tp, fsdp, ac, b, cp, ep)
             # split-backward schedules run a stage's weight gradients in a second backward pass; torch's
             # selective checkpointing allows one backward per region, so selective is not paired with them
             scheds = [n for n in self.schedules
@@ -426,7 +525,7 @@ class ClusterSearch:
                                         extra=lb - max(m * sum(u.time for u in units) / pp,
                                                        sum(u.forward + u.backward_input for u in units)))
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
-            exposed = self.exposed(fsdp if dp > 1 else "fsdp")
+            exposed = self.exposed(fsdp if dp * cp > 1 else "fsdp")
             for c in cands:
                 if full_lower_bound(c, units, exposed) >= best:
                     continue
@@ -434,7 +533,7 @@ class ClusterSearch:
                 self.simulations += 1
                 if max(c.rank_memory) > self.limit:
                     continue
-                done.append(Candidate(dp, pp, tp, fsdp, ac, b, c))
+                done.append(Candidate(dp, pp, tp, fsdp, ac, b, c, cp, ep))
                 best = min(best, c.step_s)
         if cut:
             log.warning("plan_cluster: stopped after %d simulations / %.1f s; the best is not proven optimal",
@@ -451,15 +550,16 @@ class ClusterSearch:
         return done
 
     def evaluate(self, dp: int, pp: int, tp: int, schedule: str = "1F1B", b: int = 1, fsdp=True,
-                 ac=None, cuts: str = "even", v: int = 1) -> Candidate:
+                 ac=None, cuts: str = "even", v: int = 1, cp: int = 1, ep: int = 1) -> Candidate:
         """Price one fixed plan (e.g. an expert's) with the same costs: even or balanced cuts;
-        ``ac=None`` takes the faster fitting of with/without activation checkpointing."""
-        if self.gb % (dp * b):
-            raise InfeasiblePlanError(f"evaluate: global batch {self.gb} not divisible by dp*b = {dp * b}")
-        m = self.gb // (dp * b)
+        ``ac=None`` takes the faster fitting of with/without activation checkpointing. Any cp /
+        ep / pp combination is priced, also those the runtime cannot apply yet (ep with pp)."""
+        if self.gb % (dp * ep * b):
+            raise InfeasiblePlanError(f"evaluate: global batch {self.gb} not divisible by dp*ep*b = {dp * ep * b}")
+        m = self.gb // (dp * ep * b)
         best = None
         for a in ([False, True] if ac is None else [ac]):
-            uc = self.unit_costs(dp, pp, tp, fsdp, a, b)
+            uc = self.unit_costs(dp, pp, tp, fsdp, a, b, cp, ep)
             if uc is None:
                 continue
             units, p2p = uc
@@ -472,16 +572,16 @@ class ClusterSearch:
             if starts is None:
                 continue
             c = time_choice(PipelineChoice(schedule, pp, vv, m, starts, cut_method=cuts), units, p2p,
-                            self.exposed(fsdp if dp > 1 else "fsdp"))
+                            self.exposed(fsdp if dp * cp > 1 else "fsdp"))
             fits = max(c.rank_memory) <= self.limit
-            cand = Candidate(dp, pp, tp, fsdp, a, b, c)
+            cand = Candidate(dp, pp, tp, fsdp, a, b, c, cp, ep)
             if best is None or (fits, -c.step_s) > (best[0], -best[1].step_s):
                 best = (fits, cand)
         if best is None:
-            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} {schedule} cannot be cut")
+            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} cp{cp} ep{ep} {schedule} cannot be cut")
         cand = best[1]
         if not best[0]:
-            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} {schedule} b={b} does not fit "
+            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} cp{cp} ep{ep} {schedule} b={b} does not fit "
                                       f"({max(cand.choice.rank_memory) / 2**30:.1f} GiB > {self.limit / 2**30:.1f})")
         return cand
 
@@ -490,7 +590,7 @@ def ranked_alternatives(cands: Sequence[Candidate], units: Sequence[str], top: i
     """The best candidate of each distinct (mesh, schedule, dp mode), best first."""
     seen, out = set(), []
     for c in cands:
-        k = (c.dp, c.pp, c.tp, c.choice.schedule, c.dp_mode)
+        k = (c.dp, c.pp, c.tp, c.cp, c.ep, c.choice.schedule, c.dp_mode)
         if k in seen:
             continue
         seen.add(k)
@@ -498,52 +598,3 @@ def ranked_alternatives(cands: Sequence[Candidate], units: Sequence[str], top: i
         if len(out) >= top:
             break
     return out
-
-
-
-# ---- HSDP: data parallel as dp_replicate x dp_shard ------------------------------------------
-DP_REPLICATE, DP_SHARD = "dp_replicate", "dp_shard"
-
-
-def hsdp_splits(dp: int, inner: int, devices_per_node: int) -> list[tuple[int, int]]:
-    """(replicate, shard) splits of ``dp`` data-parallel ranks whose shard groups respect node
-    boundaries: one dp_shard group spans ``shard * inner`` consecutive ranks (``inner``: the
-    ranks of the dims after dp, e.g. tp), and it must either fit in one node (dividing it) or
-    cover whole nodes -- a group straddling a node edge pays inter-node bandwidth for FSDP's
-    every-layer all-gathers without the memory of a whole extra node. Shard >= 2 (shard 1 is
-    replicated data parallel)."""
-    if dp < 1 or inner < 1 or devices_per_node < 1:
-        raise PlanningError(f"hsdp_splits: dp={dp}, inner={inner}, devices_per_node={devices_per_node} "
-                            "must all be >= 1")
-    out = []
-    for shard in divisors(dp):
-        span = shard * inner
-        if shard >= 2 and (span % devices_per_node == 0 or devices_per_node % span == 0):
-            out.append((dp // shard, shard))
-    return out
-
-
-def hsdp_replicate_rows(fsdp_rows: Sequence[dict], shard: int, replicate: int, shard_dim: str = DP_SHARD
-                        ) -> list[dict]:
-    """The all-reduces FSDP2's HSDP adds over dp_replicate: one per reduce-scatter over the shard
-    dimension (``shard_dim``), of the reduce-scattered gradient (the padded unit bytes / shard),
-    in backward."""
-    if replicate <= 1:
-        return []
-    return [Collective("all_reduce", "backward", int(r["bytes"]) // shard, int(r["count"]), DP_REPLICATE).to_row()
-            for r in fsdp_rows if r["kind"] == "reduce_scatter" and r["mesh_dim"] == shard_dim]
-
-
-def hsdp_replicate_time(fsdp_rows: Sequence[dict], replicate_rows: Sequence[dict], spec: ParallelDims,
-                        compute_s: float, shard_dim: str = DP_SHARD) -> float:
-    """Seconds the dp_replicate all-reduces add to a step: their alpha-beta time on ``spec``'s
-    links, exposed by the same overlap rule the TP planner applies to FSDP traffic
-    (``exposed_dp``): what the FSDP rows over the shard dimension plus these expose, minus what
-    the FSDP rows alone expose."""
-    topo = mesh_topology(spec)
-
-    def seconds(rows):
-        return sum(r["count"] * topo.collective_time(r["mesh_dim"], r["kind"], r["bytes"]) for r in rows)
-
-    shard_s = seconds([r for r in fsdp_rows if r["mesh_dim"] == shard_dim])
-    return exposed_dp(shard_s + seconds(replicate_rows), compute_s) - exposed_dp(shard_s, compute_s)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from autoplan.capture.ir import ModelGraph
 from autoplan.errors import PlanningError
+from autoplan.parallelisms.data import flat_name, grad_dims
 from autoplan.plan.plan import Plan
 from autoplan.search.sharding import param_shards
 from autoplan.search.structure import ModelStructure
@@ -104,9 +105,13 @@ def with_mixed_precision(plan: Plan) -> Plan:
         return plan
     pbytes = 2
     scale = REDUCE_BYTES / pbytes
-    dp_dim = plan.fsdp.get("dim") or plan.dp_dim
+    # FSDP's reduce-scatters run on the gradient mesh: dp, or the flattened dp x cp under cp
+    dp_dim = flat_name(grad_dims(plan)) if plan.parallel.get("cp") else plan.fsdp.get("dim") or plan.dp_dim
+    # expert parallel: the all-reduces over ep after backward carry the (fp32) gradients too
+    ep_dim = (plan.parallel.get("ep") or {}).get("dim")
     plan.predictions["collectives"] = [
-        dict(r, bytes=int(r["bytes"] * scale)) if r["mesh_dim"] == dp_dim and r["kind"] == "reduce_scatter" else r
+        dict(r, bytes=int(r["bytes"] * scale)) if (r["mesh_dim"] == dp_dim and r["kind"] == "reduce_scatter") or (
+            r["mesh_dim"] == ep_dim and r["kind"] == "all_reduce" and r["phase"] == "backward") else r
         for r in plan.predictions["collectives"]]
     mem = dict(plan.predictions["memory_bytes"])
     mem.pop("total", None)

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms.data import dp_degree
 from autoplan.parallelisms import ApplyTarget, parallelism
+from autoplan.parallelisms.context import cp_share
 from autoplan.verify.dry_common import VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
@@ -67,6 +68,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         groups = {mesh.get_group(n).group_name: n for n in names}
         runner = plan.apply(meta, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+        # flattened meshes the plan runs on (FSDP over dp x cp): named as the plan names them
+        groups.update({m.get_group().group_name: n for n, m in getattr(mesh, "_flatten_mapping", {}).items()})
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for st in runner.stages
                      for p in st.module.parameters())
         tp_mesh = None
@@ -82,6 +85,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
                 shapes_model.to_empty(device="cpu")
         with fake:
             inputs, targets = dry_batch(plan, dp_degree(plan), inputs)
+            inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # as PipelineRunner.local_batch
+            step_kwargs = runner.step_kwargs(inputs)
             if shapes_model is not None:
                 mb_args, mb_kwargs = split_microbatches((inputs,), {}, int(plan.pipeline["microbatches"]))
                 boundaries["metas"] = local_boundaries(shapes_model, list(plan.pipeline["cuts"]), tp_mesh,
@@ -89,9 +94,9 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             runner.schedule.boundary_metas = boundaries["metas"]
             args = (inputs,) if runner.first else ()
             tgt = targets if runner.last else None
-            runner.schedule.step(*args, target=tgt)   # warm-up: FSDP lazy init, caches
+            runner.schedule.step(*args, target=tgt, **step_kwargs)   # warm-up: FSDP lazy init, caches
             with CollectiveRecorder() as rec:
-                runner.schedule.step(*args, target=tgt)
+                runner.schedule.step(*args, target=tgt, **step_kwargs)
                 runner.data_parallel_step()   # replicated dp's all-reduce / ZeRO-1, as PipelineRunner.step
     rows = [dict(e, mesh_dim=groups.get(e["group"], "pp")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "bytes", "mesh_dim"])

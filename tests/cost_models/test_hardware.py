@@ -4,7 +4,7 @@ import pytest
 from cost_models.errors import UnknownHardwareError
 from cost_models.hardware import HardwareProfile, list_hardware, load_hardware
 
-SHIPPED = ["a100_80gb", "ascend_910b", "ascend_910c", "b200", "h100_hbm2e_500w", "h100_sxm", "h200"]
+SHIPPED = ["a100_80gb", "ascend_910b", "ascend_910c", "b200", "h100_hbm2e_500w", "h100_sxm", "h200", "h800"]
 
 
 def test_list_has_every_required_profile_and_cpu():

@@ -1,0 +1,205 @@
+"""Context (cp) and expert (ep) parallelism as dimensions of the cluster search.
+
+Why here and not in an outer loop over ``plan_cluster`` calls: the pipeline search, the
+micro-batch choice and the memory check all need cp's and ep's price per pipeline unit (a cp
+rank holds seq/cp tokens of every block; an ep rank a fraction of every MoE layer's experts),
+so they are priced the way the search prices everything else -- as additions to the per-unit
+costs (``pipeline_search.UnitCost``) of the TP solution -- and the mesh factorizations gain a cp
+or an ep degree. The prices themselves are not written again: cp's comes from
+``context_cost.price_cp`` (the runtime's ``predicted_collectives``, ring overlap rule), ep's from
+``expert_plan.ExpertPlanning`` (the runtime's all-to-alls, imbalance factor), the same objects the
+fixed-mesh planner (``mesh_plan.plan_mesh``) uses for the plan it then writes.
+
+Mesh layout: ``(dp, cp | ep, pp, tp)``. cp sits right after dp (gradients average over the
+flattened dp x cp mesh, FSDP on it, as torchtitan folds cp into FSDP); ep borrows from dp (each
+ep rank holds other sequences, as torchtitan's EP borrows data-parallel ranks), so the batch is
+split dp x ep ways. One of cp and ep per plan (not both yet).
+
+Which degrees are tried (the search's cost grows with one capture per (micro-batch, cp)):
+- cp: only for sequences of at least ``CP_MIN_SEQ`` tokens (below that tp, pp and dp are
+  cheaper and a short chunk starves the attention blocks that hide the ring), powers of two
+  with chunks of at least ``CP_MIN_CHUNK`` tokens, on a causal model the ContextParallel style
+  can hook; with cp > 1 a micro-batch is one sequence (context parallelism exists because one
+  sequence is already too big), and at such lengths every micro-batch is one sequence.
+- ep: for models whose capture recognised MoE layers ExpertParallel takes (3-D expert
+  weights), powers of two dividing every MoE layer's expert count; ep > 1 only without a
+  pipeline (the pipeline runner shards no batch over ep: the ``ep`` entry refuses pp > 1),
+  except when a constraint fixes both (pricing a published layout).
+``constraints={"cp": k}`` / ``{"ep": k}`` fix the degree (1 turns it off).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+from autoplan.search.context_cost import CPChoice, price_cp
+from autoplan.search.expert_plan import ExpertPlanning
+from autoplan.search.expert_search import moe_groups
+from hyper_parallel.core.collective import Collective
+from hyper_parallel.core.context_parallel import ContextParallel
+from hyper_parallel.errors import HyperParallelError
+from hyper_parallel.parallel_dims import ParallelDims
+
+log = logging.getLogger(__name__)
+CP_MIN_SEQ = 32768     # tokens per sequence from which cp > 1 is tried
+CP_MIN_CHUNK = 4096    # tokens per cp rank at least (seq / cp)
+
+
+def cluster_names(cp: int = 1, ep: int = 1) -> tuple[str, ...]:
+    """Mesh dimension names of a cluster plan: dp, then cp or ep when used, pp, tp."""
+    return ("dp",) + (("cp",) if cp > 1 else ()) + (("ep",) if ep > 1 else ()) + ("pp", "tp")
+
+
+def cluster_spec(dp: int, pp: int, tp: int, cp: int, ep: int, hardware: str, devices_per_node: int) -> ParallelDims:
+    """The ParallelDims of one candidate (size-1 cp / ep left out, dp / pp / tp always named)."""
+    shape = (dp,) + ((cp,) if cp > 1 else ()) + ((ep,) if ep > 1 else ()) + (pp, tp)
+    return ParallelDims(shape, cluster_names(cp, ep), hardware, devices_per_node)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, k = [], 2
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def cp_degrees(model, seq: int, devices: int, constraints: dict) -> list[int]:
+    """cp degrees to try (1 always first unless a constraint fixes another; see the module docstring)."""
+    if "cp" in constraints:
+        return [int(constraints["cp"])]
+    if seq < CP_MIN_SEQ:
+        return [1]
+    try:
+        ContextParallel().check_model(model, "plan_cluster (cp)")
+    except HyperParallelError as e:
+        log.info("plan_cluster: no context parallelism: %s", e)
+        return [1]
+    return [1] + [c for c in _powers_of_two(devices) if devices % c == 0 and seq % (2 * c) == 0
+                  and seq // c >= CP_MIN_CHUNK]
+
+
+def ep_degrees(groups: Sequence, devices: int, constraints: dict) -> list[int]:
+    """ep degrees to try for the model's MoE ``groups`` (``expert_search.moe_groups``)."""
+    if "ep" in constraints:
+        return [int(constraints["ep"])]
+    stacked = [g for g in groups if g.layout.kind == "stacked"]
+    if not stacked or len(stacked) != len(groups):
+        return [1]
+    return [1] + [e for e in _powers_of_two(devices) if devices % e == 0 and all(g.experts % e == 0 for g in groups)]
+
+
+def model_moe_groups(meta, graph, dtype_bytes: int) -> list:
+    """The MoE groups ExpertParallel can take, from one captured graph."""
+    return moe_groups(graph, meta, dtype_bytes)
+
+
+def _units_of(pattern_owner: str, prefix: str, indices: Sequence[str]) -> list[str]:
+    if pattern_owner.endswith(".*") or pattern_owner == "*":
+        return [f"{prefix}.{i}" if prefix else str(i) for i in indices]
+    return [pattern_owner]
+
+
+def add_cp(acc: list[list[float]], names: list[str], structure, graph, ctx, chosen: dict, *, cp: int, b: int,
+           seq: int, tp: int, dtype_bytes: int, memory_left: float) -> CPChoice:
+    """Add context parallelism's exposed exchange (forward part to F, the rest to backward-input)
+    and the all-gather variant's extra saved K/V to each block unit of ``acc`` (rows F, I, W,
+    state, act, ...), one micro-batch of ``b`` sequences; returns the priced choice."""
+    kw = dict(cp=cp, cp_dim="cp", loss_dim=ctx.dp_dim, local_batch=b, seq_len=seq, dtype_bytes=dtype_bytes, tp=tp)
+    choice = price_cp(structure, graph, ctx, chosen, memory_left=memory_left, **kw)
+    index = {n: i for i, n in enumerate(names)}
+    for g in structure.blocks:
+        if g.attention is None:
+            continue
+        # this group's share of the variant the whole model chose
+        one = price_cp(dataclasses.replace(structure, blocks=[g]), graph, ctx, chosen, memory_left=0.0,
+                       **kw).candidates[choice.variant]
+        units = [index[u] for u in _units_of(f"{g.prefix}.*", g.prefix, g.indices) if u in index]
+        if not units:
+            continue
+        fwd = one["exposed_forward_s"] / len(units)
+        bwd = (one["exposed_s"] - one["exposed_forward_s"]) / len(units)
+        extra = one["extra_memory"] / len(units)
+        for i in units:
+            acc[i][0] += fwd
+            acc[i][1] += bwd
+            acc[i][4] += extra
+    return choice
+
+
+def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, *, cp: int, b: int, seq: int, tp: int,
+                  dtype_bytes: int) -> dict[str, list[Collective]]:
+    """Block group id -> the cp exchange of ONE of its layers for one micro-batch of ``b``
+    sequences, in ``variant`` (what a pipeline rank issues per block it holds)."""
+    kw = dict(cp=cp, cp_dim="cp", loss_dim=ctx.dp_dim, local_batch=b, seq_len=seq, dtype_bytes=dtype_bytes, tp=tp)
+    out = {}
+    for g in structure.blocks:
+        if g.attention is None:
+            continue
+        one = price_cp(dataclasses.replace(structure, blocks=[g]), graph, ctx, chosen, memory_left=float("inf"),
+                       variants=[variant], **kw)
+        out[g.id] = [dataclasses.replace(c, count=c.count // g.count) for c in one.collectives
+                     if c.dim == "cp"]
+    return out
+
+
+def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: ExpertPlanning) -> None:
+    """Add expert parallelism's price to the units of ``acc`` (rows F, I, W, state, act, dp_comm,
+    dp_gather, optimizer): per MoE layer the chosen option's compute beyond the replicated experts
+    the TP search counted, its all-to-alls and expert-TP all-reduces (forward / backward), its
+    expert state instead of the replicated one, the experts' data-parallel traffic and optimizer
+    step at their sharded size; and per step the all-reduce over ep of every gradient outside the
+    experts (serial, after backward: ``parallelisms.expert.ExpertGradSync``).
+    ``options``/``targets``: the TP solution's options and the unit indices each one covers."""
+    ctx = experts.ctx
+    index = {n: i for i, n in enumerate(names)}
+    expert_units: dict[int, float] = {}   # unit -> expert weight bytes it holds (whole)
+    for g, o, opts in zip(experts.choice.groups, experts.choice.chosen, experts.choice.options):
+        owner = g.pattern[: -len(g.rel) - 1]
+        units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
+        if not units:
+            continue
+        base = opts[0]
+        n = len(units)
+        delta = (o.compute_s - base.compute_s) / n
+        colls = list(o.collectives)
+        fwd = ctx.comm_time([c for c in colls if c.phase == "forward"]) / n if o.style is not None else 0.0
+        bwd = ctx.comm_time([c for c in colls if c.phase != "forward"]) / n if o.style is not None else 0.0
+        if o.style is not None and ctx.checkpoint_blocks:   # the recomputed forward dispatches again
+            bwd += fwd
+        shard = experts.ep * (experts.tp if o.style is not None and o.style.tp_dim else 1) if o.style else 1
+        whole = g.param_bytes
+        dp_whole = ctx.comm_time(ctx.fsdp_collectives(whole, 1) + ctx.ddp_collectives(whole, 1), latency=not ctx.fsdp)
+        dp_shard = ctx.comm_time(ctx.fsdp_collectives(whole, shard) + ctx.ddp_collectives(whole, shard),
+                                 latency=not ctx.fsdp)
+        opt_whole = ctx.optimizer_time(0, ctx.optimizer_elements(whole, 1), ctx.dp_mode != "replicate")
+        opt_shard = ctx.optimizer_time(0, ctx.optimizer_elements(whole, shard), ctx.dp_mode != "replicate")
+        for i in units:
+            acc[i][0] += delta / 3 + fwd
+            acc[i][1] += delta / 3 + bwd
+            acc[i][2] += delta / 3
+            acc[i][3] += (o.state_bytes - base.state_bytes) / n
+            per_layer = g.count / n
+            if o.style is None:   # replicated experts: ep is data parallel for them
+                acc[i][5] += ctx.comm_time(colls) / n
+            else:
+                acc[i][5] += (dp_shard - dp_whole) * per_layer
+                acc[i][7] += (opt_shard - opt_whole) * per_layer
+                expert_units[i] = expert_units.get(i, 0.0) + whole * per_layer
+    # the all-reduce over ep of every non-expert gradient, this rank's local bytes
+    local = [0.0] * len(names)
+    fsdp = ctx.dp if ctx.fsdp else 1
+    for o, tg in zip(options, targets):
+        if not tg:
+            continue
+        for t in tg:
+            local[t] += o.count * o.param_bytes / o.strategy.param_shard / len(tg)
+    for i, nbytes in expert_units.items():
+        local[i] = max(local[i] - nbytes, 0.0)
+    for i, nbytes in enumerate(local):
+        if nbytes > 0:
+            acc[i][7] += ctx.collective_time(Collective("all_reduce", "backward", int(nbytes / fsdp), 1,
+                                                        experts.ep_dim), latency=False)
+    if names:
+        acc[0][7] += ctx.collective_time(Collective("all_reduce", "backward", 1, 1, experts.ep_dim))

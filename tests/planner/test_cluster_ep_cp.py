@@ -1,0 +1,162 @@
+"""Context (cp) and expert (ep) parallelism inside the cluster search (``plan_cluster`` /
+``autoplan(model, N)``): which degrees the search tries, what it prices, and plans at world 64
+that verify exactly in the dry run (fake process group)."""
+import math
+
+import pytest
+import torch
+
+from autoplan import autoplan, plan_cluster
+from autoplan.capture import capture
+from autoplan.errors import InvalidConstraintError
+from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
+from autoplan.search.expert_search import _pattern, moe_groups
+from autoplan.models import build_llama
+from autoplan.presets import build_preset
+from autoplan.search.mesh_search import ClusterSearch, mesh_factorizations
+from autoplan.verify.dry_run import verify
+from tests.planner.models import repo_llama_8b
+from tests.runtime.ep_workers import build
+from tests.search_pp.workers import build as build_pp, run_pipeline_case
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    model = build("mixtral")[0]
+    model.config.use_cache = False
+    return model
+
+
+@pytest.fixture(scope="module")
+def mixtral_8x7b():
+    """Mixtral-8x7B's shape, 2 layers (one repeated block group), on meta."""
+    model = build_preset("mixtral-8x7b", num_layers=2)
+    model.config.use_cache = False
+    return model
+
+
+def _llama_8b(layers: int, seq: int):
+    return build_llama(device="meta", dim=4096, n_layers=layers, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                       ffn_hidden=14336, max_seq_len=seq)
+
+
+def test_dense_short_sequences_search_only_dp_pp_tp():
+    """Below CP_MIN_SEQ tokens and without MoE layers the search is the dp x pp x tp one it was:
+    every mesh has cp = ep = 1 (plans on them: tests/search_pp); from CP_MIN_SEQ on, cp is tried."""
+    model = repo_llama_8b(2)
+    search = ClusterSearch(model, 16, hardware="h100_sxm", batch=(16, 4096), microbatch_sizes=(1,))
+    meshes = search.meshes()
+    assert meshes and all(cp == 1 and ep == 1 for *_, cp, ep in meshes)
+    assert {(dp, pp, tp) for dp, pp, tp, _, _ in meshes} == set(mesh_factorizations(16, 8, len(search.unit_names)))
+    assert cp_degrees(model, 4096, 16, {}) == [1]
+    assert cp_degrees(model, CP_MIN_SEQ, 16, {}) == [1, 2, 4, 8]     # chunks of >= 4096 tokens
+    assert cp_degrees(model, 4096, 16, {"cp": 2}) == [2]
+
+
+def test_long_sequence_plan_chooses_cp_fits_and_verifies_at_world_64():
+    """64 H100s, 8 sequences of 64K tokens: the cluster search prices cp (one sequence per
+    micro-batch), picks cp > 1, fits memory, and the plan dry-runs exactly at world 64."""
+    seq = 65536
+    model = _llama_8b(2, seq)
+    plan = autoplan(model, 64, batch=(8, seq), hardware="h100_sxm", constraints={"microbatches": 1})
+    mesh = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+    assert math.prod(plan.mesh["shape"]) == 64 and mesh.get("cp", 1) > 1, mesh
+    assert plan.parallel["cp"]["degree"] == mesh["cp"]
+    assert plan.predictions["memory_bytes"]["total"] <= 80 * 2**30
+    assert any(a["mesh"].get("cp", 1) == 1 for a in plan.alternatives) or len(plan.alternatives) >= 1
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    assert set(res.collectives[res.collectives["mesh_dim"] == "cp"]["kind"]) <= {"send_recv", "all_gather",
+                                                                                   "reduce_scatter"}
+
+
+def test_moe_search_tries_ep_and_a_plan_with_ep_verifies_at_world_64(mixtral, mixtral_8x7b):
+    """A MoE model: the search enumerates ep (borrowed from dp, no pipeline) beside dp x pp x tp;
+    Mixtral-8x7B's layer shape (2 layers) with ep fixed at 8 on 64 H100s plans ExpertParallel with
+    expert TP and dry-runs exactly (balanced routing; bf16 with FSDP mixed precision: the ep
+    gradient all-reduce in fp32)."""
+    search = ClusterSearch(mixtral, 64, hardware="h100_sxm", batch=(64, 16), dtype=torch.float32)
+    meshes = search.meshes()
+    eps = {ep for *_, ep in meshes}
+    assert {1, 2, 4, 8} <= eps and all(pp == 1 for _, pp, _, _, ep in meshes if ep > 1)
+    model = mixtral_8x7b
+    plan = plan_cluster(model, 64, batch=(64, 1024), hardware="h100_sxm",
+                        constraints={"ep": 8, "pp": 1, "microbatches": 1})
+    mesh = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+    assert mesh["ep"] == 8 and plan.parallel["ep"]["dim"] == "ep" and plan.parallel["ep"]["styles"], mesh
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    assert "all_to_all" in set(res.collectives[res.collectives["mesh_dim"] == "ep"]["kind"])
+
+
+def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
+    """ep changes the per-unit price (all-to-alls in forward, expert state / ep) and ``evaluate``
+    prices ep with a pipeline (a published layout) although the search does not emit one."""
+    search = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
+    dense, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1)      # 8 data-parallel replicas
+    ep8, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1, ep=8)  # the same x ep8: experts / 8
+    assert sum(u.state_bytes for u in ep8) < sum(u.state_bytes for u in dense)
+    assert sum(u.forward for u in ep8) > sum(u.forward for u in dense)   # the forward all-to-alls
+    cand = search.evaluate(4, 2, 1, "1F1B", 1, "fsdp", "none", ep=8)
+    assert cand.step_s > 0 and cand.mesh == {"dp": 4, "ep": 8, "pp": 2, "tp": 1}
+
+
+def test_deepseek_v3_moe_capture_finds_routed_experts_and_top_k():
+    """DeepSeek-V3 (first layer dense, group-limited routing): the MoE group is the routed
+    experts (not the shared expert), top_k is the final top-k, one pattern for all MoE layers,
+    and a transposed expert weight is not saved as an activation."""
+    model = build("deepseek_v3")[0]
+    graph = capture(model, None, batch=(1, 8), dtype=torch.float32)
+    groups = moe_groups(graph, model, 4)
+    assert [g.rel for g in groups] == ["mlp.experts"]          # the routed experts, not mlp.shared_experts
+    # MoE layers after dense ones: one pattern when no other layer has the experts module
+    assert _pattern("model.layers", ["3", "4"], 5, "mlp.experts", others_have=False) == ["model.layers.*.mlp.experts"]
+    assert _pattern("model.layers", ["3", "4"], 5, "mlp.experts") == ["model.layers.3.mlp.experts",
+                                                                      "model.layers.4.mlp.experts"]
+    assert groups[0].top_k == model.config.num_experts_per_tok
+    moe_block = next(b for b in graph.blocks if (b.roles or {}).get("moe"))
+    saved = [n for n in graph.nodes if n.block == moe_block.id and n.module.endswith("mlp.experts")
+             and n.op == "aten.transpose.int" and n.saved_for_backward]
+    assert not saved
+
+
+def test_cp_and_ep_constraints_are_checked():
+    model = repo_llama_8b(2)
+    with pytest.raises(InvalidConstraintError, match="2\\*cp"):
+        plan_cluster(model, 8, batch=(8, 4100), constraints={"cp": 4})
+    with pytest.raises(InvalidConstraintError, match="not both"):
+        plan_cluster(model, 8, batch=(8, 4096), constraints={"cp": 2, "ep": 2})
+
+
+def test_cp_with_pp_plan_verifies_on_every_pipeline_rank_at_world_64():
+    """cp inside a pipeline: plan_cluster with cp=2, pp=2 on 64 devices writes each pipeline rank's
+    exact rows (its blocks' ring exchange per micro-batch, the loss's all-reduce on the last stage,
+    FSDP over dp x cp) and the dry run of every pipeline rank issues exactly those."""
+    model = build_llama(device="meta", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden=512,
+                        max_seq_len=1024)
+    plan = autoplan(model, 64, batch=(16, 1024), hardware="cpu", dtype=torch.float32,
+                    constraints={"cp": 2, "pp": 2, "schedule": "1F1B"})
+    mesh = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+    assert mesh["cp"] == 2 and mesh["pp"] == 2 and plan.parallel["cp"]["degree"] == 2, mesh
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    cp_rows = res.collectives[res.collectives["mesh_dim"] == "cp"]
+    assert set(cp_rows["pp_rank"]) == {0, 1} and (cp_rows["issued"] > 0).all()
+    loss = res.collectives[(res.collectives["kind"] == "all_reduce") & (res.collectives["bytes"] == 16)]
+    assert list(loss["pp_rank"]) == [1]   # cp_cross_entropy on the last stage only
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBV"])
+def test_cp_with_pp_plan_equals_one_device(pool4, schedule):
+    """pp=2 x cp=2 on 4 gloo ranks, planned by plan_cluster and applied by the pipeline runner
+    (sequences sharded head+tail, positions passed to every stage, cp_cross_entropy, FSDP over
+    dp x cp; ZBV: split backward, two stages per rank): loss and every gradient and SGD-updated
+    parameter equal one device."""
+    plan = plan_cluster(build_pp("llama", device="meta"), 4, hardware="cpu", batch=(8, 16), devices_per_node=4,
+                        constraints={"pp": 2, "cp": 2, "tp": 1, "dp": 1, "fsdp": True, "schedule": schedule})
+    assert plan.parallel["cp"]["degree"] == 2 and plan.pipeline["pp"] == 2 and plan.pipeline["schedule"] == schedule
+    assert plan.fsdp["mode"] == "fsdp"
+    for r in pool4.run(run_pipeline_case, plan.to_json(), "llama", 8, 16):
+        assert r["n_params"] > 0, r
+        assert r["par"] == pytest.approx(r["ref"], rel=1e-5), r
+        assert not r["bad_grads"] and not r["bad_params"], r
