@@ -1,0 +1,70 @@
+"""MPipe inside plans (issue 20): autoplan prices the VL model's captured vision tower (stage 0, own
+stages, MPipe on the schedule IR), records the choice and the alternatives in ``pipeline.preprocess``,
+writes every rank's MPipe collectives; plan.apply runs it on 4 gloo ranks equal to one device (loss
+rtol 1e-5, grads rtol 1e-4 / atol 1e-6, tower grads included) and verify's dry run matches exactly."""
+import copy
+import functools
+
+import pytest
+import torch
+
+from autoplan import autoplan
+from autoplan.errors import PlanSchemaError
+from autoplan.models.vision_language import build_vision_language
+from autoplan.plan.plan import Plan
+from hyper_parallel.errors import PipelineError
+from tests.planner.mpipe_plan_workers import heavy_vl, run_mpipe_plan
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(pp: int, tp: int) -> Plan:
+    return autoplan(heavy_vl(), 4, batch=(8, 12), dtype=torch.float32, devices_per_node=4,
+                    constraints={"pp": pp, "tp": tp, "dp": 1, "schedule": "1F1B", "microbatches": 4},
+                    microbatch_sizes=(2,))
+
+
+@pytest.mark.parametrize("pp,tp", [(4, 1), (2, 2)])
+def test_heavy_tower_planned_with_mpipe(pp, tp):
+    plan = _plan(pp, tp)
+    pre = plan.pipeline["preprocess"]
+    assert pre["module"] == "visual" and pre["inputs"] == ["pixel_values"] and pre["placement"] == "mpipe"
+    placements = [c["placement"] for c in pre["choices"]]
+    assert sorted(placements) == ["mpipe", "own_stage", "stage0"] and placements[0] == "mpipe"
+    assert pre["choices"][0]["step_s"] < min(c["step_s"] for c in pre["choices"][1:])
+    assert any("vision tower 'visual'" in n for n in plan.notes)
+    # every non-stage-0 rank owns micro-batches: it sends tower outputs and the tower all-reduce is on every rank
+    big = [r for r in plan.pipeline["rank_collectives"][1] if r["kind"] == "all_reduce" and r["bytes"] > 56]
+    assert len(big) == 1
+    loaded = Plan.from_json(plan.to_json())   # loading checks, runs nothing
+    assert loaded.pipeline["preprocess"] == pre
+
+
+def test_light_tower_on_cpu_profile_is_priced_stage0_and_apply_refuses():
+    model = build_vision_language(n_layers=4, n_patches=8)
+    plan = autoplan(model, 4, batch=(8, 12), hardware="cpu", devices_per_node=4,
+                    constraints={"pp": 4, "tp": 1, "dp": 1, "schedule": "1F1B", "microbatches": 4},
+                    microbatch_sizes=(2,))
+    pre = plan.pipeline["preprocess"]
+    assert pre["placement"] == pre["choices"][0]["placement"] != "mpipe"
+    from autoplan.plan.pipeline_runner import plan_preprocess
+    with pytest.raises(PipelineError, match="priced only"):
+        plan_preprocess(pre, model, None)
+
+
+def test_preprocess_entry_checked():
+    plan = _plan(4, 1)
+    for bad, msg in [({"placement": "tower0"}, "placement"), ({"into": "pixel_values"}, "into"),
+                     ({"inputs": []}, "inputs"), ({"extra": 1}, "extra")]:
+        js = copy.deepcopy(plan.to_dict())
+        js["parallel"]["pp"]["preprocess"].update(bad)
+        with pytest.raises(PlanSchemaError, match=msg):
+            Plan.from_dict(js)
+
+
+@pytest.mark.parametrize("pp,tp", [(4, 1), (2, 2)])
+def test_mpipe_plan_applies_equal_to_one_device(pool4, pp, tp):
+    js = _plan(pp, tp).to_json()
+    for rank, r in enumerate(pool4.run(run_mpipe_plan, js)):
+        assert r["n_params"] > 0 and r["n_tower"] > 0, (rank, r)
+        assert r["loss_err"] < 1e-5, (rank, r)
+        assert r["grad_err"] < 1e-4 and r["tower_err"] < 1e-4, (rank, r)
