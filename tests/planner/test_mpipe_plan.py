@@ -68,3 +68,20 @@ def test_mpipe_plan_applies_equal_to_one_device(pool4, pp, tp):
         assert r["n_params"] > 0 and r["n_tower"] > 0, (rank, r)
         assert r["loss_err"] < 1e-5, (rank, r)
         assert r["grad_err"] < 1e-4 and r["tower_err"] < 1e-4, (rank, r)
+
+
+@pytest.mark.parametrize("pp,tp", [(4, 1), (2, 2)])
+def test_verify_mpipe_plan_exactly(pp, tp):
+    from autoplan.verify import verify
+    res = verify(_plan(pp, tp), heavy_vl())
+    assert res.passed, res.mismatches()
+    df = res.collectives
+    assert set(df["pp_rank"]) == set(range(pp))
+    # the tower-gradient all-reduce (the largest all-reduce) is predicted and issued on every rank
+    ar = df[(df.kind == "all_reduce") & (df.bytes > 56)]
+    assert len(ar) == pp and (ar["predicted"] == 1).all() and (ar["issued"] == 1).all()
+    # the transposed tower output (2 sequences x 8 patches x 32 fp32 = 2048 B): stage 0's rank receives
+    # the micro-batches other ranks own (4 micro-batches, front placement) and sends their gradients back
+    tr = df[(df.pp_rank == 0) & (df.kind == "send_recv") & (df.bytes == 2048)]
+    owned_elsewhere = sum(1 for mb in range(4) if mb % pp != 0)
+    assert int(tr["issued"].iloc[0]) == int(tr["predicted"].iloc[0]) == 2 * owned_elsewhere
