@@ -87,10 +87,12 @@ def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> lis
     return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
 
 
-def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[int]) -> list[list[Collective]]:
+def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[int],
+                    dp_dim: str | None = None) -> list[list[Collective]]:
     """Per pipeline rank, the collectives MPipe adds to ``ir`` (the un-lowered base schedule):
     each SEND_PRE / RECV_PRE moves every tower output tensor, each SEND_PRE_B / RECV_PRE_B those
-    that need a gradient, REDUCE_PRE one all-reduce per dtype."""
+    that need a gradient, REDUCE_PRE one all-reduce per dtype on pp -- and, with data parallel
+    (``dp_dim``: the mesh dimension of the schedule's dp group), one more on dp (the average)."""
     lowered = lower(mpipe(ir))
     out = []
     for prog in lowered.actions:
@@ -102,6 +104,8 @@ def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[in
                 rows += [Collective("send_recv", "backward", b, 1, "pp") for b, g in tower_out if g]
             elif a.kind is K.REDUCE_PRE:
                 rows += [Collective("all_reduce", "backward", b, 1, "pp") for b in reduce_bytes]
+                if dp_dim:
+                    rows += [Collective("all_reduce", "backward", b, 1, dp_dim) for b in reduce_bytes]
         out.append(rows)
     return out
 
@@ -132,7 +136,8 @@ def plan_tower(search, best, model_inputs: list[str], module: str, group: str, s
     seq = search.seq
     out = tower_outputs(meta, module, best.b, seq, search.dtype)
     ir = schedule_facts(c.schedule).ir(c.p, c.m, c.v)
-    return entry, mpipe_rank_rows(ir, out, list(reduce.values()))
+    dp_dim = "dp" if best.dp > 1 and best.dp_mode == "fsdp" else None
+    return entry, mpipe_rank_rows(ir, out, list(reduce.values()), dp_dim)
 
 
 def add_tower(plan, model: nn.Module, search, best) -> None:

@@ -41,6 +41,8 @@ def run_mpipe_plan(plan_json: str, batch: int = 8, seq: int = 12) -> dict:
     model = heavy_vl()
     mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
     runner = plan.apply(model, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    x, y = runner.local_batch(x, y)   # this rank's dp share (the whole batch without dp)
+    pv = runner.local_batch(pv, pv)[0]
     loss = runner.step((x, y), pixel_values=pv)
     grad_err, n_params = _errors([(n, p) for st in runner.stages for n, p in st.module.named_parameters()],
                                  ref_grads)

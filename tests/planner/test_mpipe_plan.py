@@ -17,9 +17,10 @@ from tests.planner.mpipe_plan_workers import heavy_vl, run_mpipe_plan
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(pp: int, tp: int) -> Plan:
-    return autoplan(heavy_vl(), 4, batch=(8, 12), dtype=torch.float32, devices_per_node=4,
-                    constraints={"pp": pp, "tp": tp, "dp": 1, "schedule": "1F1B", "microbatches": 4},
+def _plan(pp: int, tp: int, dp: int = 1) -> Plan:
+    extra = {"dp_mode": "fsdp"} if dp > 1 else {}
+    return autoplan(heavy_vl(), 4, batch=(8 * dp, 12), dtype=torch.float32, devices_per_node=4,
+                    constraints={"pp": pp, "tp": tp, "dp": dp, "schedule": "1F1B", "microbatches": 4, **extra},
                     microbatch_sizes=(2,))
 
 
@@ -61,25 +62,29 @@ def test_preprocess_entry_checked():
             Plan.from_dict(js)
 
 
-@pytest.mark.parametrize("pp,tp", [(4, 1), (2, 2)])
-def test_mpipe_plan_applies_equal_to_one_device(pool4, pp, tp):
-    js = _plan(pp, tp).to_json()
-    for rank, r in enumerate(pool4.run(run_mpipe_plan, js)):
+@pytest.mark.parametrize("pp,tp,dp", [(4, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_mpipe_plan_applies_equal_to_one_device(pool4, pp, tp, dp):
+    """dp=2: FSDP on the decoder stages, the tower's summed gradients averaged over dp."""
+    plan = _plan(pp, tp, dp)
+    assert plan.pipeline["preprocess"]["placement"] == "mpipe"
+    js = plan.to_json()
+    for rank, r in enumerate(pool4.run(run_mpipe_plan, js, batch=8 * dp)):
         assert r["n_params"] > 0 and r["n_tower"] > 0, (rank, r)
         assert r["loss_err"] < 1e-5, (rank, r)
         assert r["grad_err"] < 1e-4 and r["tower_err"] < 1e-4, (rank, r)
 
 
-@pytest.mark.parametrize("pp,tp", [(4, 1), (2, 2)])
-def test_verify_mpipe_plan_exactly(pp, tp):
+@pytest.mark.parametrize("pp,tp,dp", [(4, 1, 1), (2, 2, 1), (2, 1, 2)])
+def test_verify_mpipe_plan_exactly(pp, tp, dp):
+    """dp=2 (FSDP): the tower's dp average is one more all-reduce of the same bytes on dp."""
     from autoplan.verify import verify
-    res = verify(_plan(pp, tp), heavy_vl())
+    res = verify(_plan(pp, tp, dp), heavy_vl())
     assert res.passed, res.mismatches()
     df = res.collectives
     assert set(df["pp_rank"]) == set(range(pp))
     # the tower-gradient all-reduce (the largest all-reduce) is predicted and issued on every rank
     ar = df[(df.kind == "all_reduce") & (df.bytes > 56)]
-    assert len(ar) == pp and (ar["predicted"] == 1).all() and (ar["issued"] == 1).all()
+    assert len(ar) == pp * (2 if dp > 1 else 1) and (ar["predicted"] == 1).all() and (ar["issued"] == 1).all()
     # the transposed tower output (2 sequences x 8 patches x 32 fp32 = 2048 B): stage 0's rank receives
     # the micro-batches other ranks own (4 micro-batches, front placement) and sends their gradients back
     tr = df[(df.pp_rank == 0) & (df.kind == "send_recv") & (df.bytes == 2048)]
