@@ -155,6 +155,8 @@ def add_tower(plan, model: nn.Module, search, best) -> None:
     inputs = sorted(meta.extra_inputs(tokens))
     entry, rows = plan_tower(search, best, inputs, module, group, plan.styles, search.limit)
     plan.pipeline["preprocess"] = entry
+    log.info("vision tower %s: placement %s (%s)", module, entry["placement"],
+             [(ch["placement"], ch["step_s"]) for ch in entry["choices"]])
     plan.pipeline["rank_collectives"] = [
         merged_rows([Collective.from_row(x) for x in old] + extra)
         for old, extra in zip(plan.pipeline["rank_collectives"], rows)]

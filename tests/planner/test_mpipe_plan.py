@@ -11,7 +11,9 @@ import torch
 from autoplan import autoplan
 from autoplan.errors import PlanSchemaError
 from autoplan.models.vision_language import build_vision_language
+from autoplan.plan.pipeline_runner import plan_preprocess
 from autoplan.plan.plan import Plan
+from autoplan.verify import verify
 from hyper_parallel.errors import PipelineError
 from tests.planner.mpipe_plan_workers import heavy_vl, run_mpipe_plan
 
@@ -47,7 +49,6 @@ def test_light_tower_on_cpu_profile_is_priced_stage0_and_apply_refuses():
                     microbatch_sizes=(2,))
     pre = plan.pipeline["preprocess"]
     assert pre["placement"] == pre["choices"][0]["placement"] != "mpipe"
-    from autoplan.plan.pipeline_runner import plan_preprocess
     with pytest.raises(PipelineError, match="priced only"):
         plan_preprocess(pre, model, None)
 
@@ -77,7 +78,6 @@ def test_mpipe_plan_applies_equal_to_one_device(pool4, pp, tp, dp):
 @pytest.mark.parametrize("pp,tp,dp", [(4, 1, 1), (2, 2, 1), (2, 1, 2)])
 def test_verify_mpipe_plan_exactly(pp, tp, dp):
     """dp=2 (FSDP): the tower's dp average is one more all-reduce of the same bytes on dp."""
-    from autoplan.verify import verify
     res = verify(_plan(pp, tp, dp), heavy_vl())
     assert res.passed, res.mismatches()
     df = res.collectives
