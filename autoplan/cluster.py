@@ -30,6 +30,7 @@ from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_
 from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
+from autoplan.search.tower_plan import add_tower
 from hyper_parallel.core.collective import Collective, merged_rows
 
 log = logging.getLogger(__name__)
@@ -312,6 +313,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                              for r in range(c.p)] if c.p > 1 else [],
         "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles),
     }
+    add_tower(tp_plan, model, search, best)   # a VL model's vision tower: MPipe (issue 20)
+    collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
     tp_plan.predictions = {
         "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
         "bubble_s": max(0.0, c.sim_step_s - busy),

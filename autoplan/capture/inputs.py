@@ -89,6 +89,9 @@ def inputs_from_batch(model: nn.Module, batch: Any, dtype: torch.dtype | None = 
         if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             dec = spec.decoder_seq_len or spec.seq_len
             kwargs["decoder_input_ids"] = torch.zeros(spec.batch_size, dec, dtype=torch.long, device="meta")
+        extra = getattr(model, "extra_inputs", None)   # a VL model's images for the tokens (plan/forward.py)
+        if callable(extra):
+            kwargs.update(to_meta_tree(extra(ids), dtype))
     return (), with_defaults(model, kwargs)
 
 

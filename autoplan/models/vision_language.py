@@ -161,11 +161,13 @@ class VisionLanguageModel(Llama):
 
 
 def build_vision_language(seed: int = 0, deepstack_levels: int = 0, deepstack_grad: bool = True,
-                          n_layers: int = 4, n_patches: int = 4, **overrides) -> VisionLanguageModel:
-    """A tiny VL model (random weights, every parameter drawn from ``seed``)."""
+                          n_layers: int = 4, n_patches: int = 4, vision: dict | None = None,
+                          **overrides) -> VisionLanguageModel:
+    """A tiny VL model (random weights, every parameter drawn from ``seed``); ``vision``: VisionConfig
+    fields (e.g. ``{"n_layers": 4, "width": 64}`` for a tower heavy enough that MPipe pays)."""
     cfg = LlamaConfig(**{"dim": 32, "n_layers": n_layers, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 96,
                          "ffn_hidden": 64, "max_seq_len": 32, **overrides})
-    vcfg = VisionConfig(deepstack_levels=deepstack_levels, deepstack_grad=deepstack_grad)
+    vcfg = VisionConfig(**{"deepstack_levels": deepstack_levels, "deepstack_grad": deepstack_grad, **(vision or {})})
     model = VisionLanguageModel(cfg, vcfg, n_patches=n_patches)
     model.init_weights(seed)
     return model

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 from autoplan.parallelisms.base import Parallelism, section_error
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
+from hyper_parallel.core.pipeline_parallel.mpipe_ir import PLACEMENTS as OWNER_PLACEMENTS
+
+TOWER_PLACEMENTS = ("stage0", "own_stage", "mpipe")
 
 _D = "#/$defs/"
 _STAGE_ROW = {"type": "object", "required": ["stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes"],
               "properties": {"stage": {"$ref": _D + "count"}, "rank": {"$ref": _D + "count"},
                              "compute_s": {"$ref": _D + "seconds"}, "comm_s": {"$ref": _D + "seconds"},
                              "bubble_s": {"$ref": _D + "seconds"}, "memory_bytes": {"$ref": _D + "bytes"}}}
+_PREPROCESS = {"type": "object", "required": ["module", "inputs", "placement"], "additionalProperties": False,
+               "properties": {"module": {"$ref": _D + "name"},
+                              "inputs": {"type": "array", "minItems": 1, "items": {"$ref": _D + "name"}},
+                              "into": {"$ref": _D + "name"},
+                              "placement": {"enum": list(TOWER_PLACEMENTS)},
+                              "owner_placement": {"enum": list(OWNER_PLACEMENTS)},
+                              "choices": {"type": "array", "items": {"type": "object"}}}}
 
 
 class PipelineParallel(Parallelism):
@@ -42,6 +52,7 @@ class PipelineParallel(Parallelism):
             "collectives_rank": {"$ref": _D + "count"},
             "rank_collectives": {"type": "array", "items": {"type": "array", "items": {"$ref": _D + "collective"}}},
             "rank_param_bytes": {"type": "array", "items": {"$ref": _D + "bytes"}},
+            "preprocess": {"oneOf": [{"type": "null"}, _PREPROCESS]},
         }}]}
 
     def active(self, plan) -> bool:
@@ -75,6 +86,7 @@ class PipelineParallel(Parallelism):
                 if len(pipe.get(key) or []) != n:
                     raise section_error("pp", key, f"a {pipe['schedule']} plan on pp={pp} has {n} stages; "
                                         "expected one entry per stage")
+        check_preprocess(pipe.get("preprocess"))
         gb = data["batch"].get("global_batch")
         dp = 1
         for role in ("dp_replicate", "dp"):
@@ -82,3 +94,15 @@ class PipelineParallel(Parallelism):
         if gb is not None and (gb % dp or (gb // dp) % pipe["microbatches"]):
             raise section_error("pp", "microbatches", f"{pipe['microbatches']} does not divide the per-dp-rank "
                                 f"batch {gb}/{dp}")
+
+
+def check_preprocess(pre) -> None:
+    """The tower entry beyond its schema: the keyword stage 0 receives must not be a tower input
+    (the runtime would overwrite the input with the tower's output)."""
+    if not pre:
+        return
+    if len(set(pre["inputs"])) != len(pre["inputs"]):
+        raise section_error("pp", "preprocess/inputs", f"{pre['inputs']} repeats a keyword")
+    if pre.get("into", "vision") in pre["inputs"]:
+        raise section_error("pp", "preprocess/into", f"{pre.get('into')!r} is also one of the tower's inputs "
+                            f"{pre['inputs']}; name the keyword stage 0 receives the tower output under")

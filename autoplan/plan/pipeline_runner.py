@@ -28,7 +28,7 @@ from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.pipeline_parallel.microbatch import NO_SPLIT
 from hyper_parallel.parallel_dims import mesh_roles
 from hyper_parallel.core.pipeline_parallel import SCHEDULES, schedule_facts
-from hyper_parallel.errors import MeshError
+from hyper_parallel.errors import MeshError, PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +96,13 @@ class PipelineRunner:
             allreduce_gradients(self.fsdp_replicated, dp_group(self.dp_mesh), self.dp_mesh.size())
         return False
 
-    def step(self, batch) -> float:
+    def step(self, batch, **kwargs) -> float:
+        """``kwargs``: the step's other inputs (an MPipe plan's tower inputs, e.g. ``pixel_values``;
+        every pipeline rank passes them, since any may own a micro-batch's tower)."""
         inputs, targets = batch
         self.optimizer.zero_grad()
         args = (inputs,) if self.first else ()
-        loss = self.schedule.step(*args, target=targets if self.last else None, **self.step_kwargs(inputs))
+        loss = self.schedule.step(*args, target=targets if self.last else None, **self.step_kwargs(inputs), **kwargs)
         if not self.data_parallel_step():
             self.optimizer.step()
         value = torch.zeros((), dtype=torch.float64)
@@ -113,6 +115,28 @@ class PipelineRunner:
             dist.all_reduce(value, group=dp_group(self.dp_mesh))
             value /= self.dp_mesh.size()
         return float(value)
+
+
+def plan_preprocess(pre_cfg: dict | None, model: nn.Module, dp_mode: str | None) -> pipe.Preprocess | None:
+    """The MPipe tower of a plan's ``pipeline.preprocess`` entry (None without one). Only the
+    "mpipe" placement runs: "stage0" / "own_stage" are priced by the planner but the runtime has
+    no spine that runs the tower inside a stage. With data parallel the tower is a replica averaged
+    over dp by the schedule, which it does only under FSDP (``dp_group``)."""
+    if not pre_cfg:
+        return None
+    if pre_cfg["placement"] != "mpipe":
+        raise PipelineError(f"plan.apply: pipeline.preprocess.placement={pre_cfg['placement']!r} is priced only; "
+                            "the runtime runs the tower with placement 'mpipe'")
+    if dp_mode not in (None, "fsdp"):
+        raise PipelineError(f"plan.apply: an MPipe tower with {dp_mode} data parallel is not supported (its "
+                            "gradients are averaged over dp by the schedule under FSDP only); valid: dp=1 or fsdp")
+    try:
+        tower = model.get_submodule(pre_cfg["module"])
+    except AttributeError:
+        raise PipelineError(f"plan.apply: pipeline.preprocess.module={pre_cfg['module']!r} is not a submodule of "
+                            f"{type(model).__name__}") from None
+    return pipe.Preprocess(tower, tuple(pre_cfg["inputs"]), into=pre_cfg.get("into", "vision"),
+                           placement=pre_cfg.get("owner_placement", "front"))
 
 
 def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: float = 1e-3,
@@ -166,6 +190,8 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     replicate_dp = use_dp and mode == "replicate"
     zero1_dp = use_dp and mode == "zero1"
     use_dp = use_dp and mode == "fsdp"
+    pre = plan_preprocess(pipe_cfg.get("preprocess"), model, mode if dp_mesh is not None and dp_mesh.size() > 1
+                          else None)
     sharded_loss = bool(plan.loss_parallel) and tp_mesh is not None
     if cp_mesh is not None:   # the exact mean over the global batch's tokens (runner.py's cp loss)
         if loss_fn is not None and loss_fn is not lm_loss:
@@ -178,9 +204,11 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     loss = (_sharded_logits_loss if sharded_loss else _full_logits_loss)(loss_fn or lm_loss)
     step_keys = (cp_step_key(model),) if cp_mesh is not None else ()
     schedule = cls(stages, m, loss, dp_group=dp_group(dp_mesh) if use_dp else None,
-                   loss_context=loss_parallel if sharded_loss else None,
+                   loss_context=loss_parallel if sharded_loss else None, preprocess=pre,
                    **({"kwarg_specs": {k: NO_SPLIT for k in step_keys}} if step_keys else {}), **kwargs)
     params = [prm for st in stages for prm in st.module.parameters()]
+    if pre is not None:   # every rank holds the whole tower and steps it (its gradients are summed)
+        params += list(pre.module.parameters())
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=lr)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

@@ -7,7 +7,9 @@ apply_pipeline_plan, r's stages get fake storage, one warm-up step runs unrecord
 recorded step. Compared exactly per (kind, mesh dim, bytes) with counts against
 ``plan.pipeline["rank_collectives"][r]``: TP collectives of r's stages (on the last stage with
 loss parallel: the vocabulary-parallel loss's, never a full-vocabulary gather), FSDP per unit,
-the P2P sends and receives of its stage boundaries and the runtime's signature all-reduce.
+the P2P sends and receives of its stage boundaries and the runtime's signature all-reduce; with an
+MPipe tower (``pipeline.preprocess``) also the transposed tower outputs and their gradients (P2P)
+and the tower-gradient all-reduce, run with the tower inputs ``model.extra_inputs(tokens)`` gives.
 
 Boundary shapes: the runtime learns them at its first step by an exchange between pipeline ranks
 that a fake group cannot carry (a later stage would receive nothing). The dry run computes them
@@ -51,6 +53,15 @@ def _global_rank(plan, pp_rank: int) -> int:
     return rank
 
 
+def _tower_inputs(model: torch.nn.Module, pre, tokens: torch.Tensor) -> dict:
+    """The MPipe tower's step keywords for ``tokens`` (``model.extra_inputs``, e.g. pixel_values);
+    none without a tower. Every pipeline rank passes them: any may own a micro-batch's tower."""
+    if pre is None:
+        return {}
+    extra = model.extra_inputs(tokens)
+    return {k: extra[k] for k in pre.inputs}
+
+
 def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_rank: int = 0,
                                 boundaries: dict | None = None) -> tuple[pd.DataFrame, int]:
     """(issued collectives by KEY with counts, parameter bytes) of pipeline rank ``pp_rank``.
@@ -77,26 +88,35 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             shaped = ApplyTarget(model=shapes_model, mesh=mesh, pipelined=True)
             parallelism("tp").apply_to_model(plan, shaped)
             tp_mesh = shaped.state.get("tp_mesh")
+        pre = runner.schedule.preprocess   # an MPipe plan's tower: on every rank, outside the stages
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             for st in runner.stages:
                 st.module.to_empty(device="cpu")
+            if pre is not None:
+                pre.module.to_empty(device="cpu")
             if shapes_model is not None:
                 shapes_model.to_empty(device="cpu")
         with fake:
             inputs, targets = dry_batch(plan, dp_degree(plan), inputs)
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # as PipelineRunner.local_batch
             step_kwargs = runner.step_kwargs(inputs)
+            extra = _tower_inputs(meta, pre, inputs)
             if shapes_model is not None:
-                mb_args, mb_kwargs = split_microbatches((inputs,), {}, int(plan.pipeline["microbatches"]))
+                m = int(plan.pipeline["microbatches"])
+                mb_args, mb_kwargs = split_microbatches((inputs,), {}, m)
+                if pre is not None:   # stage 0 takes micro-batch 0's tower output (the dry run's own tower)
+                    _, pv = split_microbatches((), extra, m)
+                    tower = shapes_model.get_submodule(plan.pipeline["preprocess"]["module"])
+                    mb_kwargs[0] = {pre.into: tower(**pv[0])}
                 boundaries["metas"] = local_boundaries(shapes_model, list(plan.pipeline["cuts"]), tp_mesh,
                                                        mb_args[0], mb_kwargs[0], device="cpu")
             runner.schedule.boundary_metas = boundaries["metas"]
             args = (inputs,) if runner.first else ()
             tgt = targets if runner.last else None
-            runner.schedule.step(*args, target=tgt, **step_kwargs)   # warm-up: FSDP lazy init, caches
+            runner.schedule.step(*args, target=tgt, **step_kwargs, **extra)   # warm-up: FSDP lazy init, caches
             with CollectiveRecorder() as rec:
-                runner.schedule.step(*args, target=tgt, **step_kwargs)
+                runner.schedule.step(*args, target=tgt, **step_kwargs, **extra)
                 runner.data_parallel_step()   # replicated dp's all-reduce / ZeRO-1, as PipelineRunner.step
     rows = [dict(e, mesh_dim=groups.get(e["group"], "pp")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "bytes", "mesh_dim"])

@@ -1,33 +1,44 @@
-"""verify covers MPipe (issue 20): a dry run of every pipeline rank on a fake group issues exactly
-the P2P (decoder boundaries, transposed tower output, its gradient -- only for the tuple elements
-that need one) and the all-reduces (agreement, tower-gradient sum) read off the lowered IR."""
+"""verify covers MPipe (issue 20) through plans: verify's pipeline dry run of an autoplan plan with a
+``pipeline.preprocess`` tower issues exactly the planner's rows on every rank -- decoder boundaries, the
+transposed tower output (every tuple element) and its gradient (only the elements that need one), the
+agreement and tower-gradient all-reduces. The rows come from the lowered MPipe IR (tower_plan)."""
 from collections import Counter
 
-from autoplan.models.vision_language import build_vision_language, vl_batch
-from autoplan.verify.mpipe_dry_run import predicted_mpipe_collectives, verify_mpipe
-from hyper_parallel.core.pipeline_parallel import build_schedule, lower, mpipe
+import torch
+
+from autoplan import autoplan
+from autoplan.models.vision_language import build_vision_language
+from autoplan.search.tower_plan import mpipe_rank_rows
+from autoplan.verify import verify
+from hyper_parallel.core.pipeline_parallel import build_schedule
+
+TOWER = {"n_layers": 4, "width": 64, "mlp_hidden": 256}
 
 
 def _model():
-    return build_vision_language(deepstack_levels=1, deepstack_grad=False)
+    return build_vision_language(deepstack_levels=1, deepstack_grad=False, n_patches=8, vision=TOWER)
 
 
-def test_dry_run_matches_prediction_exactly():
-    x, pv, y = vl_batch(_model(), 8, 12)
-    res = verify_mpipe(_model, x, pv, y, pp=4, n_microbatches=8, schedule="ZeroBubble")
+def test_zero_bubble_tuple_tower_plan_verifies_exactly():
+    plan = autoplan(_model(), 4, batch=(8, 12), dtype=torch.float32, devices_per_node=4,
+                    constraints={"pp": 4, "tp": 1, "dp": 1, "schedule": "ZeroBubble", "microbatches": 4},
+                    microbatch_sizes=(2,))
+    assert plan.pipeline["preprocess"]["placement"] == "mpipe"
+    res = verify(plan, _model())
     assert res.passed, res.mismatches()
     df = res.collectives
     assert set(df["pp_rank"]) == {0, 1, 2, 3}
-    # the transposed tuple (embeddings 512 B + a level 512 B) and the gradient of the embeddings only:
-    # stage 0's rank receives 6 remote micro-batches x 2 tensors and sends 6 gradients back
-    row = df[(df.pp_rank == 0) & (df.kind == "send_recv") & (df.bytes == 512)]
-    assert int(row["issued"].iloc[0]) == 6 * 2 + 6
+    # the transposed tuple (embeddings 2048 B + a level 2048 B) and the gradient of the embeddings only:
+    # stage 0's rank receives 3 remote micro-batches x 2 tensors and sends 3 gradients back
+    row = df[(df.pp_rank == 0) & (df.kind == "send_recv") & (df.bytes == 2048)]
+    assert int(row["issued"].iloc[0]) == int(row["predicted"].iloc[0]) == 3 * 2 + 3
 
 
-def test_prediction_counts_tuple_elements_and_reduction():
-    ir = lower(mpipe(build_schedule("1F1B", 2, 4)))
-    want = predicted_mpipe_collectives(ir, {1: [100]}, [(10, True), (20, False)], [7, 9])
-    # rank 1 owns micro-batches 1 and 3: sends (10 + 20) twice, receives 10 twice; boundary 4 + 4 P2P
-    assert want[1] == Counter({("send_recv", 10): 4, ("send_recv", 20): 2, ("send_recv", 100): 8,
-                               ("all_reduce", 56): 1, ("all_reduce", 7): 1, ("all_reduce", 9): 1})
-    assert want[0][("send_recv", 10)] == 4 and want[0][("send_recv", 20)] == 2
+def test_rows_count_tuple_elements_and_reduction():
+    rows = mpipe_rank_rows(build_schedule("1F1B", 2, 4), [(10, True), (20, False)], [7, 9])
+    # rank 1 owns micro-batches 1 and 3: sends (10 + 20) twice, receives 10 twice; reduces 7 and 9 once
+    got = Counter()
+    for c in rows[1]:
+        got[(c.kind, c.nbytes)] += c.count
+    assert got == Counter({("send_recv", 10): 4, ("send_recv", 20): 2, ("all_reduce", 7): 1, ("all_reduce", 9): 1})
+    assert sum(c.count for c in rows[0] if c.nbytes == 10) == 4

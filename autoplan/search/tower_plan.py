@@ -1,0 +1,169 @@
+"""The planner's MPipe step (issue 20): a VL model's vision tower placed in a pipelined plan.
+
+Why here and not in the cluster search: the pipeline search cuts the decoder's spine units; the
+tower (a block group outside the spine, e.g. ``visual.blocks``) is no unit and so is priced by
+none of the searched candidates. Once the search has picked its mesh, schedule and cuts, this
+module prices the tower with the same TP solution and cost context (per block, from the captured
+graph: ``option_unit_values``), runs ``choose_tower_placement`` (stage 0 / own stages / MPipe on
+the schedule IR) and writes the choice into ``plan.pipeline["preprocess"]``. For MPipe it also
+writes every pipeline rank's extra collectives, read off the lowered MPipe IR -- the transposed
+tower output and its gradient (P2P on pp) and the tower-gradient all-reduce per dtype of the
+rank's local tower bytes -- so verify's pipeline dry run compares them exactly.
+
+Tower parts outside its blocks (patch embedding, merger) are priced by the search's "rest" slot
+(the last stage); their bytes are in the all-reduce (all tower parameters are reduced).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+
+import torch
+import torch.nn as nn
+
+from autoplan.search.mesh_search import option_unit_values
+from autoplan.search.pipeline_search import UnitCost
+from autoplan.search.tower_placement import choose_tower_placement
+from hyper_parallel.core.collective import Collective, merged_rows
+from hyper_parallel.core.fqn_pattern import fqn_matches
+from hyper_parallel.core.pipeline_parallel import lower, mpipe, schedule_facts
+from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+from hyper_parallel.core.pipeline_parallel.stage import flatten
+
+log = logging.getLogger(__name__)
+INTO = "vision"   # the keyword split.py's vision-language spine reads the tower output from
+
+
+def find_tower(model: nn.Module, graph, unit_names) -> tuple[str, str] | None:
+    """(tower module FQN, its block group id) when the captured graph has a block group outside
+    the pipeline's units under a module the model feeds from extra inputs; None otherwise."""
+    if not callable(getattr(model, "extra_inputs", None)):
+        return None
+    for g in graph.blocks:
+        if any(n.startswith(g.id + ".") for n in unit_names) or "." not in g.id:
+            continue
+        module = g.id.rsplit(".", 1)[0]
+        try:
+            model.get_submodule(module)
+        except AttributeError:
+            continue
+        return module, g.id
+    return None
+
+
+def tower_units(search, best, group: str) -> list[UnitCost]:
+    """One UnitCost per tower block, from the search's TP options of the block group ``group``."""
+    options, _ = search.tp_solution(best.tp, best.b, best.recompute)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
+    n, acc = 0, [0.0] * 8
+    for o in options:
+        if o.in_block and o.owner == group + ".*":
+            n = max(n, o.count)
+            acc = [a + v for a, v in zip(acc, option_unit_values(o, ctx))]
+    return [UnitCost(f"{group}.{i}", *[a / n for a in acc]) for i in range(n)] if n else []
+
+
+def local_tower_bytes(tower: nn.Module, prefix: str, styles: dict, tp: int) -> dict[torch.dtype, int]:
+    """Bytes per dtype of this rank's tower parameters under the plan's TP styles: a column-wise
+    module's weight and bias and a row-wise module's weight hold 1/tp (what the runtime's
+    ``tower_reduce_bytes`` all-reduces: local shards)."""
+    out: Counter = Counter()
+    for name, p in tower.named_parameters():
+        mod, _, leaf = (prefix + "." + name).rpartition(".")
+        style = next((s.get("style") for pat, s in styles.items() if fqn_matches(pat, mod)), None) if tp > 1 else None
+        split = style == "ColwiseParallel" or (style == "RowwiseParallel" and leaf == "weight")
+        out[p.dtype] += p.numel() * p.element_size() // (tp if split else 1)
+    return dict(out)
+
+
+def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> list[tuple[int, bool]]:
+    """(bytes, needs a gradient) of each tensor the tower of ``model`` (the search's meta copy)
+    returns for one micro-batch of ``b`` sequences, run on meta."""
+    tokens = torch.zeros(b, seq, dtype=torch.long, device="meta")
+    kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.extra_inputs(tokens).items()}
+    with torch.enable_grad():
+        out = flatten(model.get_submodule(module)(**kwargs), "tower_outputs")
+    return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
+
+
+def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[int],
+                    dp_dim: str | None = None) -> list[list[Collective]]:
+    """Per pipeline rank, the collectives MPipe adds to ``ir`` (the un-lowered base schedule):
+    each SEND_PRE / RECV_PRE moves every tower output tensor, each SEND_PRE_B / RECV_PRE_B those
+    that need a gradient, REDUCE_PRE one all-reduce per dtype on pp -- and, with data parallel
+    (``dp_dim``: the mesh dimension of the schedule's dp group), one more on dp (the average)."""
+    lowered = lower(mpipe(ir))
+    out = []
+    for prog in lowered.actions:
+        rows = []
+        for a in prog:
+            if a.kind in (K.SEND_PRE, K.RECV_PRE):
+                rows += [Collective("send_recv", "forward", b, 1, "pp") for b, _ in tower_out]
+            elif a.kind in (K.SEND_PRE_B, K.RECV_PRE_B):
+                rows += [Collective("send_recv", "backward", b, 1, "pp") for b, g in tower_out if g]
+            elif a.kind is K.REDUCE_PRE:
+                rows += [Collective("all_reduce", "backward", b, 1, "pp") for b in reduce_bytes]
+                if dp_dim:
+                    rows += [Collective("all_reduce", "backward", b, 1, dp_dim) for b in reduce_bytes]
+        out.append(rows)
+    return out
+
+
+def plan_tower(search, best, model_inputs: list[str], module: str, group: str, styles: dict,
+               memory_limit: float = math.inf) -> tuple[dict, list[list[Collective]]]:
+    """(the plan's ``pipeline.preprocess`` entry, per-rank extra collectives -- empty unless MPipe
+    is chosen). Schedules with several stages per rank are placed with MPipe unpriced (the
+    placement pricing needs one stage per rank) and say so in the entry."""
+    c = best.choice
+    units, p2p = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b)
+    tower = tower_units(search, best, group)
+    meta = search.meta
+    tower_mod = meta.get_submodule(module)
+    reduce = local_tower_bytes(tower_mod, module, styles, best.tp)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
+    reduce_s = sum(ctx.topology.collective_time("pp", "all_reduce", b) for b in reduce.values())
+    entry = {"module": module, "inputs": list(model_inputs), "into": INTO, "owner_placement": "front"}
+    if schedule_facts(c.schedule).stages_per_rank(1) == 1 and tower:
+        choices = choose_tower_placement(tower, units, c.p, c.m, c.schedule, p2p_time=p2p,
+                                         tower_reduce_s=reduce_s, memory_limit=memory_limit)
+        # the fastest fitting placement; stage0 / own_stage are priced only, so apply refuses them
+        entry.update(placement=choices[0].placement, choices=[ch.to_dict() for ch in choices])
+    else:
+        entry.update(placement="mpipe", choices=[])
+    if entry["placement"] != "mpipe":
+        return entry, [[] for _ in range(c.p)]
+    seq = search.seq
+    out = tower_outputs(meta, module, best.b, seq, search.dtype)
+    ir = schedule_facts(c.schedule).ir(c.p, c.m, c.v)
+    dp_dim = "dp" if best.dp > 1 and best.dp_mode == "fsdp" else None
+    return entry, mpipe_rank_rows(ir, out, list(reduce.values()), dp_dim)
+
+
+def add_tower(plan, model: nn.Module, search, best) -> None:
+    """Give a pipelined plan of a VL model its ``pipeline.preprocess`` entry and each rank's MPipe
+    collectives (nothing for a model without a tower or a plan without a pipeline)."""
+    c = best.choice
+    if c.p <= 1 or not plan.pipeline:
+        return
+    meta = search.meta
+    found = find_tower(meta, search.graph(best.b), search.unit_names)
+    if found is None:
+        return
+    module, group = found
+    tokens = torch.zeros(best.b, search.seq, dtype=torch.long, device="meta")
+    inputs = sorted(meta.extra_inputs(tokens))
+    entry, rows = plan_tower(search, best, inputs, module, group, plan.styles, search.limit)
+    plan.pipeline["preprocess"] = entry
+    log.info("vision tower %s: placement %s (%s)", module, entry["placement"],
+             [(ch["placement"], ch["step_s"]) for ch in entry["choices"]])
+    plan.pipeline["rank_collectives"] = [
+        merged_rows([Collective.from_row(x) for x in old] + extra)
+        for old, extra in zip(plan.pipeline["rank_collectives"], rows)]
+    priced = ", ".join(f"{ch['placement']} {ch['step_s']:.4g} s{'' if ch['fits'] else ' (does not fit)'}"
+                       for ch in entry["choices"]) or "not priced (several stages per rank)"
+    plan.notes = list(plan.notes) + [
+        f"vision tower {module!r} ({group}): placement {entry['placement']}; priced placements, fastest "
+        f"first: {priced}" + ("" if entry["placement"] == "mpipe" else
+                              "; only mpipe runs (plan.apply refuses the others: the runtime has no spine that "
+                              "runs the tower inside a stage)")]
