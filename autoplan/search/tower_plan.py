@@ -127,8 +127,9 @@ def plan_tower(search, best, model_inputs: list[str], module: str, group: str, s
     if schedule_facts(c.schedule).stages_per_rank(1) == 1 and tower:
         choices = choose_tower_placement(tower, units, c.p, c.m, c.schedule, p2p_time=p2p,
                                          tower_reduce_s=reduce_s, memory_limit=memory_limit)
-        # the fastest fitting placement; stage0 / own_stage are priced only, so apply refuses them
-        entry.update(placement=choices[0].placement, choices=[ch.to_dict() for ch in choices])
+        # MPipe is the placement the runtime runs; stage0 / own_stage are priced (in ``choices``,
+        # fastest first) so the plan says when one of them would be faster (add_tower's note)
+        entry.update(placement="mpipe", choices=[ch.to_dict() for ch in choices])
     else:
         entry.update(placement="mpipe", choices=[])
     if entry["placement"] != "mpipe":
@@ -155,6 +156,13 @@ def add_tower(plan, model: nn.Module, search, best) -> None:
     inputs = sorted(meta.extra_inputs(tokens))
     entry, rows = plan_tower(search, best, inputs, module, group, plan.styles, search.limit)
     plan.pipeline["preprocess"] = entry
+    fastest = entry["choices"][0] if entry.get("choices") else None
+    if fastest is not None and fastest["placement"] != "mpipe":
+        mine = next((ch for ch in entry["choices"] if ch["placement"] == "mpipe"), None)
+        theirs = f"{fastest['step_s']:.4g} s"
+        ours = f"{mine['step_s']:.4g} s" if mine else "MPipe not priced to fit"
+        plan.notes.append(f"vision tower {module}: placed with MPipe, the placement the runtime runs; "
+                          f"{fastest['placement']} is priced faster ({theirs} vs {ours} per step) but has no runtime yet")
     log.info("vision tower %s: placement %s (%s)", module, entry["placement"],
              [(ch["placement"], ch["step_s"]) for ch in entry["choices"]])
     plan.pipeline["rank_collectives"] = [

@@ -37,7 +37,8 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1600, "n_head": 25}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1600, "n_head": 25}),            # gpt2-xl: 25 heads
+    "gpt2_medium": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 1024, "n_head": 16}),     # gpt2-medium
     # GPT-3 175B's shape in GPT-2's modules, vocabulary padded as Megatron pads it
     "gpt3": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 12288, "n_head": 96, "n_inner": 49152,
                                                "vocab_size": 51200, "n_positions": 2048}),

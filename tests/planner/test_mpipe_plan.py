@@ -42,15 +42,18 @@ def test_heavy_tower_planned_with_mpipe(pp, tp):
     assert loaded.pipeline["preprocess"] == pre
 
 
-def test_light_tower_on_cpu_profile_is_priced_stage0_and_apply_refuses():
+def test_light_tower_on_cpu_profile_keeps_the_runnable_placement_and_says_what_is_faster():
+    """On the cpu profile a light tower is priced faster on stage 0, which has no runtime yet: the plan
+    places it with MPipe (it must apply) and its notes say so; a hand-edited stage0 entry is refused."""
     model = build_vision_language(n_layers=4, n_patches=8)
     plan = autoplan(model, 4, batch=(8, 12), hardware="cpu", devices_per_node=4,
                     constraints={"pp": 4, "tp": 1, "dp": 1, "schedule": "1F1B", "microbatches": 4},
                     microbatch_sizes=(2,))
     pre = plan.pipeline["preprocess"]
-    assert pre["placement"] == pre["choices"][0]["placement"] != "mpipe"
+    assert pre["placement"] == "mpipe" and pre["choices"][0]["placement"] != "mpipe"
+    assert any("has no runtime yet" in n for n in plan.notes), plan.notes
     with pytest.raises(PipelineError, match="priced only"):
-        plan_preprocess(pre, model, None)
+        plan_preprocess(dict(pre, placement=pre["choices"][0]["placement"]), model, None)
 
 
 def test_preprocess_entry_checked():
