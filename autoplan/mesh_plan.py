@@ -29,7 +29,7 @@ from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
 from autoplan.search.structure import model_structure
-from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
+from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch, seal_group_wildcards
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from hyper_parallel.core.context_parallel import ContextParallel
@@ -291,6 +291,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     for o in sorted(best.options, key=lambda o: o.slot):
         for pattern, style in o.styles().items():
             styles[pattern] = style.to_dict()
+    styles = seal_group_wildcards(styles, structure.blocks, graph.modules)
     styles = dict(sorted(_pad_to_signature(styles, model).items()))
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
     if experts is not None:
