@@ -172,10 +172,11 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
               memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
               allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
               sequence_parallel: bool | None = None, graph=None, styles: dict | None = None,
-              expert_parallel: bool | None = None) -> Plan:
+              expert_parallel: bool | None = None, prober: Prober | None = None) -> Plan:
     """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
-    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled). With an ep
-    dimension the experts are planned beside the TP search (``search.expert_plan``);
+    its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled, and with the
+    search's prober at that degree, whose verdicts already cover the styles it priced). With an
+    ep dimension the experts are planned beside the TP search (``search.expert_plan``);
     ``expert_parallel`` True/False restricts that choice (None: priced)."""
     t_start = time.perf_counter()
     hw = load_hardware(spec.hardware)
@@ -214,7 +215,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     search = best = cp_choice = None
     info = None
     seq = structure.blocks[0].seq_len if structure.blocks else 1
-    prober = Prober(model, graph.blocks, tp, (1, seq), dtype) if tp > 1 and graph.blocks else None
+    if prober is None and tp > 1 and graph.blocks:
+        prober = Prober(model, graph.blocks, tp, (1, seq), dtype)
     ac_modes = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
     for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
         ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")

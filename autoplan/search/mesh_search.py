@@ -205,6 +205,7 @@ class ClusterSearch:
         self._structures: dict[int, Any] = {}
         self._ctx: dict[tuple, Any] = {}
         self._probers: dict[int, Any] = {}
+        self._target_cache: dict[tuple, list[int]] = {}   # (slot, owner, in block, cp) -> pipeline units
         self._units: dict[tuple, tuple] = {}
         self._chosen: dict[tuple, dict] = {}      # TP solution key -> the ILP's chosen options by slot
         self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
@@ -340,7 +341,7 @@ class ClusterSearch:
             return None
         options, layout = sol
         if fsdp == "fsdp" and dp > 1 and any(o.strategy.extra.get(PACKED_BIAS) for o in options):
-            self._units[key] = None  # FSDP mixed precision and a packed bias: see strategies._PACKED_BIAS
+            self._units[key] = None  # FSDP mixed precision and a packed bias: see strategies.PACKED_BIAS
             return None
         ctx = self.ctx(dp, pp, tp, fsdp, ac, cp, ep)
         names = self.unit_names
@@ -353,7 +354,10 @@ class ClusterSearch:
         emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
         norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
         for o in options:
-            targets = self._targets(o, names, index, emb_i, norm_i, head_i, members)
+            where = (o.slot, o.owner, o.in_block, cp)   # the same for every mesh and micro-batch size
+            if where not in self._target_cache:
+                self._target_cache[where] = self._targets(o, names, index, emb_i, norm_i, head_i, members)
+            targets = self._target_cache[where]
             all_targets.append(targets)
             if not targets:
                 continue
