@@ -149,26 +149,6 @@ def _tp_key(tp: int, b: int, ac) -> tuple[int, int, str]:
     return tp, b, "none" if mode == "selective" else mode
 
 
-def option_unit_values(o, ctx) -> tuple[float, ...]:
-    """One TP option's (forward, backward-input, backward-weight seconds, state bytes, activation
-    bytes, dp seconds, one dp all-gather, optimizer seconds) over all its instances: the fields of
-    :class:`UnitCost` before they are shared among the units the option spans. Also prices a VL
-    model's tower blocks (autoplan.search.tower_plan), which are no pipeline units."""
-    c = o.compute_s(ctx)
-    extra = o.count * ctx.recompute_time(o.work, o.strategy.compute_shard, o.strategy.split_tokens) \
-        if o.in_block else 0.0
-    base = c - extra   # forward + backward without the recomputation (which runs in backward)
-    tp_c = [x for x in o.collectives(ctx) if x.dim == "tp"]
-    f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])
-    b_comm = ctx.comm_time([x for x in tp_c if x.phase != "forward"])
-    mem = o.memory(ctx)
-    gather = ctx.comm_time([x for x in o.collectives(ctx) if x.dim == "dp" and x.kind == "all_gather"
-                            and x.phase == "forward"], latency=False) if (ctx.fsdp and o.in_block) else 0.0
-    return (base / 3 + f_comm, c - 2 * base / 3 + b_comm, base / 3,
-            sum(v for k, v in mem.items() if k != "activations"), mem.get("activations", 0.0),
-            o.dp_comm_s(ctx), gather, o.optimizer_s(ctx))
-
-
 class ClusterSearch:
     """State shared by every candidate of one planning call: captured graphs per micro-batch
     shape, TP solutions per (tp, micro-batch, checkpointing), unit costs per mesh."""
@@ -362,7 +342,7 @@ class ClusterSearch:
             if not targets:
                 continue
             share = 1.0 / len(targets)
-            vals = option_unit_values(o, ctx)
+            vals = o.unit_values(ctx)
             for t in targets:
                 for k in range(8):
                     acc[t][k] += vals[k] * share

@@ -4,7 +4,7 @@ Why here and not in the cluster search: the pipeline search cuts the decoder's s
 tower (a block group outside the spine, e.g. ``visual.blocks``) is no unit and so is priced by
 none of the searched candidates. Once the search has picked its mesh, schedule and cuts, this
 module prices the tower with the same TP solution and cost context (per block, from the captured
-graph: ``option_unit_values``), runs ``choose_tower_placement`` (stage 0 / own stages / MPipe on
+graph: ``Option.unit_values``), runs ``choose_tower_placement`` (stage 0 / own stages / MPipe on
 the schedule IR) and writes the choice into ``plan.pipeline["preprocess"]``. For MPipe it also
 writes every pipeline rank's extra collectives, read off the lowered MPipe IR -- the transposed
 tower output and its gradient (P2P on pp) and the tower-gradient all-reduce per dtype of the
@@ -22,7 +22,6 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from autoplan.search.mesh_search import option_unit_values
 from autoplan.search.pipeline_search import UnitCost
 from autoplan.search.tower_placement import choose_tower_placement
 from hyper_parallel.core.collective import Collective, merged_rows
@@ -60,7 +59,7 @@ def tower_units(search, best, group: str) -> list[UnitCost]:
     for o in options:
         if o.in_block and o.owner == group + ".*":
             n = max(n, o.count)
-            acc = [a + v for a, v in zip(acc, option_unit_values(o, ctx))]
+            acc = [a + v for a, v in zip(acc, o.unit_values(ctx))]
     return [UnitCost(f"{group}.{i}", *[a / n for a in acc]) for i in range(n)] if n else []
 
 

@@ -114,6 +114,25 @@ class Option:
             st["activations"] = saved / self.strategy.activation_shard
         return {k: v * self.count for k, v in st.items()}
 
+    def unit_values(self, ctx: CostContext) -> tuple[float, ...]:
+        """(forward, backward-input, backward-weight seconds, state bytes, activation bytes, dp
+        seconds, one dp all-gather, optimizer seconds) over all instances of this option: the
+        fields of a pipeline UnitCost before they are shared among the units the option spans
+        (autoplan.search.mesh_search; a VL model's tower blocks in autoplan.search.tower_plan)."""
+        c = self.compute_s(ctx)
+        extra = self.count * ctx.recompute_time(self.work, self.strategy.compute_shard, self.strategy.split_tokens) \
+            if self.in_block else 0.0
+        base = c - extra   # forward + backward without the recomputation (which runs in backward)
+        tp_c = [x for x in self.collectives(ctx) if x.dim == "tp"]
+        f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])
+        b_comm = ctx.comm_time([x for x in tp_c if x.phase != "forward"])
+        mem = self.memory(ctx)
+        gather = ctx.comm_time([x for x in self.collectives(ctx) if x.dim == "dp" and x.kind == "all_gather"
+                                and x.phase == "forward"], latency=False) if (ctx.fsdp and self.in_block) else 0.0
+        return (base / 3 + f_comm, c - 2 * base / 3 + b_comm, base / 3,
+                sum(v for k, v in mem.items() if k != "activations"), mem.get("activations", 0.0),
+                self.dp_comm_s(ctx), gather, self.optimizer_s(ctx))
+
     def styles(self) -> dict[str, object]:
         """Styles with full patterns (owner prefix joined; one pattern per owner)."""
         if not self.owner:
