@@ -29,7 +29,8 @@ from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
 from autoplan.search.structure import model_structure
-from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch, seal_group_wildcards
+from autoplan.search.group_patterns import seal_group_wildcards
+from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from hyper_parallel.core.context_parallel import ContextParallel

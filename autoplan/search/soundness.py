@@ -20,6 +20,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.probe import Finding, Prober, repaired
 from hyper_parallel.local import fake_world
@@ -349,9 +352,6 @@ def settle(search, chosen: dict, layout: str) -> bool:
     pending = {slot: o for slot, o in chosen.items() if o.strategy.styles and _key(slot, o) not in verdicts}
     if not pending:
         return False
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     checker = SlotChecker(search, prober)
     before = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
     t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from autoplan.search.strategies import (
     norm_strategies,
 )
 from autoplan.search.probe import Prober
+from autoplan.search.group_patterns import wildcard_group
 from autoplan.search.soundness import SoundnessReport, check_search, settle
 from autoplan.search.structure import ModelStructure, Work
 from cost_models.overlap import dp_overlap
@@ -138,37 +139,6 @@ class Option:
         if not self.owner:
             return dict(self.strategy.styles)
         return {f"{owner}.{k}": v for owner in self.owner.split(",") for k, v in self.strategy.styles.items()}
-
-
-def wildcard_group(blocks, prefix: str):
-    """The block group under ``prefix`` whose styles are written with ``prefix.*``: the largest
-    (ties: the one starting first)."""
-    siblings = [g for g in blocks if g.prefix == prefix]
-    return max(siblings, key=lambda g: (g.count, -int(g.indices[0]) if g.indices[0].isdigit() else 0))
-
-
-def seal_group_wildcards(styles: dict, blocks, modules) -> dict:
-    """``styles`` with every ``prefix.*.rest`` pattern that would also reach a module of another
-    block group under the same prefix -- one that group leaves unstyled, so no more specific
-    pattern wins there (DeepSeek-V3's dense layers beside its MoE layers) -- replaced by one
-    pattern per member of its own group. ``modules``: every module FQN of the model."""
-    out = dict(styles)
-    for prefix in {b.prefix for b in blocks}:
-        groups = [g for g in blocks if g.prefix == prefix]
-        if len(groups) < 2:
-            continue
-        own = wildcard_group(blocks, prefix)
-        others = [i for g in groups if g is not own for i in g.indices]
-        join = (lambda i, rest: ".".join(x for x in (prefix, i, rest) if x))
-        head = f"{prefix}.*" if prefix else "*"
-        for pattern in list(out):
-            if pattern != head and not pattern.startswith(head + "."):
-                continue
-            rest = pattern[len(head) + 1:]
-            if any(join(i, rest) in modules and join(i, rest) not in out for i in others):
-                spec = out.pop(pattern)
-                out.update({join(j, rest): spec for j in own.indices})
-    return out
 
 
 def exposed_dp(dp_comm: float, compute: float, mode: str = "fsdp") -> float:
