@@ -188,6 +188,8 @@ class ClusterSearch:
         self._target_cache: dict[tuple, list[int]] = {}   # (slot, owner, in block, cp) -> pipeline units
         self._units: dict[tuple, tuple] = {}
         self._chosen: dict[tuple, dict] = {}      # TP solution key -> the ILP's chosen options by slot
+        self._searches: dict[tuple, TPSearch] = {}   # TP solution key -> its search (settled when kept)
+        self._settled: set[tuple] = set()         # TP solution keys whose pick has run sound
         self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
         self.simulations = 0
         self.unit_names = self._unit_names()
@@ -281,11 +283,12 @@ class ClusterSearch:
                 self._tp[key] = None
                 return None
             try:
-                chosen, layout, info = search.solve(None)
-            except InfeasiblePlanError as e:  # the runs rejected what allow_replicated_units=False needs
+                chosen, layout, info = search.solve(None, check=False)   # run only if kept: see settle()
+            except InfeasiblePlanError as e:
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self._tp[key] = None
                 return None
+            self._searches[key] = search
             self.tp_solver[key] = info
             self._chosen[key] = chosen
             if not chosen:
@@ -294,6 +297,27 @@ class ClusterSearch:
                 ev = search.evaluate(chosen, layout)
                 self._tp[key] = (ev.options, layout)
         return self._tp[key]
+
+    def settle(self, tp: int, b: int, ac, cp: int = 1) -> bool:
+        """Run the TP pick of (tp, b, ac, cp) on the model (soundness.settle) if no run has yet;
+        True when the run changed it. Picks are priced before they run: comparing degrees needs
+        prices of all of them, keeping one needs only its run. When a run rejects or repairs an
+        option, every price at this degree is dropped (the verdicts, shared per degree, change
+        the other picks' options too) and the caller searches again."""
+        key = _tp_key(tp, b, ac) + ((cp,) if cp > 1 else ())
+        if key in self._settled or self.tp_solution(tp, b, ac, cp) is None:
+            return False
+        if not self._searches[key].run_pick(self._chosen[key], self._tp[key][1]):
+            self._settled.add(key)
+            return False
+        log.info("plan_cluster: the run of tp=%d's pick changed it; prices at tp=%d computed again", tp, tp)
+        for k in [k for k in self._tp if k[0] == tp]:
+            for cache in (self._tp, self._searches, self._chosen, self.tp_solver):
+                cache.pop(k, None)
+            self._settled.discard(k)
+        for k in [k for k in self._units if k[2] == tp]:
+            del self._units[k]
+        return True
 
     def tp_styles(self, tp: int, b: int, ac, cp: int = 1) -> tuple[dict, object]:
         """(pattern -> style, solver info) of the TP solution ``tp_solution`` priced: what the
@@ -328,7 +352,7 @@ class ClusterSearch:
         index = {n: i for i, n in enumerate(names)}
         acc = [[0.0] * 8 for _ in names]  # F, I, W, state, act, dp_comm, one dp all-gather, optimizer
         st = self.structure(b, cp)
-        all_targets = []
+        all_targets, by_targets = [], {}
         members = self.members(st)
         head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
         emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
@@ -341,16 +365,19 @@ class ClusterSearch:
             all_targets.append(targets)
             if not targets:
                 continue
-            share = 1.0 / len(targets)
-            vals = o.unit_values(ctx)
+            share = 1.0 / len(targets)   # options spanning the same units are summed, then spread once
+            summed = by_targets.setdefault(tuple(targets), [0.0] * 8)
+            for k, v in enumerate(o.unit_values(ctx)):
+                summed[k] += v * share
+        for targets, summed in by_targets.items():
             for t in targets:
+                row = acc[t]
                 for k in range(8):
-                    acc[t][k] += vals[k] * share
+                    row[k] += summed[k]
         if ctx.fsdp:  # per-call latency: one set of FSDP collectives per wrapped unit
             unit_lat = ctx.fsdp_latency_time(1)
             gather_lat = ctx.fsdp_latency_time(1) / 3.0   # one all-gather of the three calls
-            blocks = {i for o in options if o.in_block for i in self._targets(o, names, index, emb_i, norm_i, head_i,
-                                                                               members)}
+            blocks = {i for o, targets in zip(options, all_targets) if o.in_block for i in targets}
             for i in blocks:
                 acc[i][5] += unit_lat
                 acc[i][6] += gather_lat
@@ -466,7 +493,16 @@ class ClusterSearch:
 
     def search(self, max_simulations: int = 400, time_budget_s: float | None = None) -> list[Candidate]:
         """All candidates that were simulated, best first (the first is the optimum: the rest of
-        the space was cut by lower bounds, unless the budget ran out, which is logged)."""
+        the space was cut by lower bounds, unless the budget ran out, which is logged). The best
+        one's TP pick has run sound on the model (:meth:`settle`); when that run changes the
+        pick, the degree is priced again and the search repeated (cached prices make it cheap)."""
+        while True:
+            done = self._search_once(max_simulations, time_budget_s)
+            best = done[0]
+            if not self.settle(best.tp, best.b, best.recompute, best.cp):
+                return done
+
+    def _search_once(self, max_simulations: int, time_budget_s: float | None) -> list[Candidate]:
         t0 = time.perf_counter()
         meshes = self.meshes()
         if not meshes:
@@ -551,6 +587,7 @@ class ClusterSearch:
         m = self.gb // (dp * ep * b)
         best = None
         for a in ([False, True] if ac is None else [ac]):
+            self.settle(tp, b, a, cp)   # priced as it would run
             uc = self.unit_costs(dp, pp, tp, fsdp, a, b, cp, ep)
             if uc is None:
                 continue

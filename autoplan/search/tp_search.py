@@ -120,19 +120,21 @@ class Option:
         seconds, one dp all-gather, optimizer seconds) over all instances of this option: the
         fields of a pipeline UnitCost before they are shared among the units the option spans
         (autoplan.search.mesh_search; a VL model's tower blocks in autoplan.search.tower_plan)."""
-        c = self.compute_s(ctx)
-        extra = self.count * ctx.recompute_time(self.work, self.strategy.compute_shard, self.strategy.split_tokens) \
-            if self.in_block else 0.0
-        base = c - extra   # forward + backward without the recomputation (which runs in backward)
-        tp_c = [x for x in self.collectives(ctx) if x.dim == "tp"]
-        f_comm = ctx.comm_time([x for x in tp_c if x.phase == "forward"])
-        b_comm = ctx.comm_time([x for x in tp_c if x.phase != "forward"])
+        st = self.strategy
+        once = ctx.compute_time(self.work, st.compute_shard, st.split_tokens)
+        extra = ctx.recompute_time(self.work, st.compute_shard, st.split_tokens) if self.in_block else 0.0
+        base = self.count * once     # forward + backward without the recomputation (which runs in backward)
+        c = base + self.count * extra
+        coll = self.collectives(ctx)
+        f_comm = ctx.comm_time([x for x in coll if x.dim == "tp" and x.phase == "forward"])
+        b_comm = ctx.comm_time([x for x in coll if x.dim == "tp" and x.phase != "forward"])
+        dp_comm = ctx.comm_time([x for x in coll if x.dim != "tp"], latency=not ctx.fsdp)   # as dp_comm_s
         mem = self.memory(ctx)
-        gather = ctx.comm_time([x for x in self.collectives(ctx) if x.dim == "dp" and x.kind == "all_gather"
+        gather = ctx.comm_time([x for x in coll if x.dim == "dp" and x.kind == "all_gather"
                                 and x.phase == "forward"], latency=False) if (ctx.fsdp and self.in_block) else 0.0
         return (base / 3 + f_comm, c - 2 * base / 3 + b_comm, base / 3,
                 sum(v for k, v in mem.items() if k != "activations"), mem.get("activations", 0.0),
-                self.dp_comm_s(ctx), gather, self.optimizer_s(ctx))
+                dp_comm, gather, self.optimizer_s(ctx))
 
     def styles(self) -> dict[str, object]:
         """Styles with full patterns (owner prefix joined; one pattern per owner)."""
@@ -411,15 +413,23 @@ class TPSearch:
         return best
 
     # ------------------------------------------------------------------ ILP
-    def solve(self, memory_limit: float | None = None, objective: str = "time") -> tuple[dict[str, Option], str, SolverInfo]:
+    def solve(self, memory_limit: float | None = None, objective: str = "time",
+              check: bool = True) -> tuple[dict[str, Option], str, SolverInfo]:
         """The cheapest assignment whose every option has run sound on the model (soundness.settle):
-        solve, run the pick, and solve again whenever the run removed or repaired an option."""
+        solve, run the pick, and solve again whenever the run removed or repaired an option.
+        ``check=False``: the pick as priced, not yet run (a caller comparing many degrees runs
+        only the one it keeps, then solves again with ``check=True``)."""
         while True:
             chosen, layout, info = self._solve_once(memory_limit, objective)
-            if not chosen or objective != "time" or not settle(self, chosen, layout):
+            if not check or not chosen or objective != "time" or not settle(self, chosen, layout):
                 return chosen, layout, info
             self._check_sequence_parallel()
             self._require_sharded()
+
+    def run_pick(self, chosen: dict[str, Option], layout: str) -> bool:
+        """Run a pick of ``solve(check=False)`` on the model; True when the run removed or
+        repaired one of its options (its price is then stale: solve again)."""
+        return settle(self, chosen, layout)
 
     def checked(self, chosen: dict[str, Option], layout: str) -> bool:
         """Run ``chosen`` (e.g. a hand-written plan's options) on the model when no run has judged

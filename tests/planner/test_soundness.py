@@ -12,6 +12,7 @@ from autoplan.verify import verify
 from autoplan.verify.corpus import plan_case, real_model, small_recipe
 from autoplan.verify.numerics import check_numerics
 from hyper_parallel import ColwiseParallel
+from tests.planner.models import GlobalHeadsAttention, TinyLM
 
 
 @pytest.fixture(scope="module")
@@ -55,52 +56,6 @@ def test_a_plan_that_crashes_is_a_failed_verification_not_an_exception(qwen3_pla
     broken = plan.replace(styles={k: v for k, v in plan.styles.items() if not k.endswith("o_proj")})
     result = check_numerics(broken, small_recipe("qwen3", model, [2, 2]), pool=pool4)
     assert not result.passed and result.error
-
-
-class GlobalHeadsAttention(nn.Module):
-    """Reshapes by the *global* head count (as StableLM does): wrong on a head shard unless the
-    count is made local. ``count_name``: the attribute holding it ("heads" says what it is; "n"
-    does not, so the planner cannot know to make it local)."""
-
-    def __init__(self, dim=256, heads=8, count_name="heads"):
-        super().__init__()
-        self.count_name, self.hd = count_name, dim // heads
-        setattr(self, count_name, heads)
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        heads = getattr(self, self.count_name)
-        q, k, v = (p(x).view(b, s, heads, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim=256, count_name="heads"):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = GlobalHeadsAttention(dim, count_name=count_name)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=512, dim=256, layers=2, count_name="heads"):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, count_name) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
 
 
 def test_global_reshape_attention_is_sharded_with_its_count_made_local():
