@@ -24,7 +24,8 @@ from autoplan.arguments import (
 from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import LOSS_BYTES
-from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives
+from autoplan.capture.inputs import meta_view
+from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives, search_dtype
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.sharding import param_shards
@@ -32,6 +33,7 @@ from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 from autoplan.search.tower_plan import add_tower
 from hyper_parallel.core.collective import Collective, merged_rows
+from cost_models.hardware import load_hardware
 
 log = logging.getLogger(__name__)
 # the keywords plan_cluster takes beyond autoplan's: autoplan(model, N, ...) forwards exactly these
@@ -260,81 +262,85 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                                       or not time_budget_s > 0):
         raise InvalidArgumentError(f"{who}: time_budget_s={time_budget_s!r} must be a positive number of seconds "
                                    "or None")
-    search = ClusterSearch(model, devices, hardware=hardware, batch=tuple(batch), devices_per_node=devices_per_node,
-                           memory_limit=memory_limit, dtype=dtype, constraints=constraints, schedules=schedules,
-                           microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
-                           allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                           graphs=graphs)
-    check_pipeline_depth(constraints, len(search.unit_names), who)
-    cands = search.search(max_simulations=max_simulations, time_budget_s=time_budget_s)
-    t_search = time.perf_counter()
-    best = cands[0]
-    c = best.choice
-    spec = search.spec(best.dp, best.pp, best.tp, best.cp, best.ep)
-    # the styles the search priced (its TP ILP), written into the plan by the mesh planner: solving
-    # again on the whole mesh can pick another head or stream, and the rows would then not match.
-    # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
-    # by the same objects the search priced them with (autoplan/search/cluster_dims.py)
-    searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp)
-    tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp), memory_limit=UNBOUNDED,
-                       dtype=search.dtype, fsdp=best.fsdp, activation_checkpointing=best.recompute == "full",
-                       allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                       styles=searched, prober=search.prober(best.tp, best.b, best.cp))
-    tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
-                      "constraints": solver.constraints}
-    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
-    if best.cp == 1:
-        with_dp_mode(tp_plan, search.graph(best.b, best.cp), search.structure(best.b, best.cp), best.dp_mode,
-                     ctx.optimizer_bytes_per_element)
-    elif tp_plan.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
-        tp_plan.fsdp = dict(tp_plan.fsdp, mode="fsdp")
-    with_recompute(tp_plan, search.structure(best.b, best.cp), best.recompute)
-    names = search.unit_names
-    stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
-    s2r = list(schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank)
-    rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
-    collectives, mem = _rank_rows(search, best, 0, tp_plan.styles)
-    if c.p == 1:  # one stage: the TP planner's exact rows (one micro-batch; dry_run.verify checks them)
-        collectives = tp_plan.predictions["collectives"]
-    _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles) if rank else (None, mem)
-    if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
-        worst_mem = {k: v for k, v in tp_plan.predictions["memory_bytes"].items() if k != "total"}
-    busy = max(c.busy_s)
-    tp_plan.pipeline = {
-        "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
-        "stages": stages, "cuts": [names[s] for s in c.starts[1:]], "stage_to_rank": s2r,
-        "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": list(c.peak_inflight),
-        "per_stage": [{k: int(round(row[k])) if k == "memory_bytes" else row[k]
-                       for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
-                      for row in c.per_stage],
-        "collectives_rank": 0,
-        # every pipeline rank's exact collectives and parameter bytes: verify dry-runs each rank
-        "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles)[0]
-                             for r in range(c.p)] if c.p > 1 else [],
-        "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles),
-    }
-    add_tower(tp_plan, model, search, best)   # a VL model's vision tower: MPipe (issue 20)
-    collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
-    tp_plan.predictions = {
-        "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
-        "bubble_s": max(0.0, c.sim_step_s - busy),
-        "memory_bytes": dict({k: int(round(v)) for k, v in sorted(worst_mem.items())},
-                             total=sum(int(round(v)) for v in worst_mem.values())),
-        "collectives": collectives,
-    }
-    tp_plan.alternatives = [dict(a, memory_bytes=int(round(a["memory_bytes"])))  # exact bytes in a plan
-                            for a in ranked_alternatives(cands, names, alternatives)]
-    tp_plan.solver = dict(tp_plan.solver, simulations=search.simulations, candidates=len(cands))
-    tp_plan.notes = list(tp_plan.notes) + [
-        f"mesh {' x '.join(f'{k}={v}' for k, v in best.mesh.items())} ({best.dp_mode} data parallel, "
-        f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
-        f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
-        "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
-        "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
-        "(verify checks each); memory_bytes is the fullest rank's"]
-    if c.p == 1 and c.m > 1:
-        tp_plan.notes.append(f"pp=1 with {c.m} micro-batches is gradient accumulation; the runner (runner.py) "
-                             "runs the local batch in one pass, so apply with microbatches=1 or accumulate yourself")
-    with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
-    tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
-    return tp_plan
+    # the search reads the model in its dtype many times: cast in place for the call (no copy of a
+    # meta model; meta_view restores it on exit) rather than deep-copying a 126-layer model
+    with meta_view(model, search_dtype(load_hardware(hardware), dtype)) as model:
+        search = ClusterSearch(model, devices, hardware=hardware, batch=tuple(batch), devices_per_node=devices_per_node,
+                               memory_limit=memory_limit, dtype=dtype, constraints=constraints, schedules=schedules,
+                               microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
+                               allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
+                               graphs=graphs)
+        check_pipeline_depth(constraints, len(search.unit_names), who)
+        cands = search.search(max_simulations=max_simulations, time_budget_s=time_budget_s)
+        t_search = time.perf_counter()
+        best = cands[0]
+        c = best.choice
+        spec = search.spec(best.dp, best.pp, best.tp, best.cp, best.ep)
+        # the styles the search priced (its TP ILP), written into the plan by the mesh planner: solving
+        # again on the whole mesh can pick another head or stream, and the rows would then not match.
+        # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
+        # by the same objects the search priced them with (autoplan/search/cluster_dims.py)
+        searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp)
+        tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp),
+                            memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
+                            activation_checkpointing=best.recompute == "full",
+                            allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
+                            styles=searched, prober=search.prober(best.tp, best.b, best.cp))
+        tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
+                          "constraints": solver.constraints}
+        ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
+        if best.cp == 1:
+            with_dp_mode(tp_plan, search.graph(best.b, best.cp), search.structure(best.b, best.cp), best.dp_mode,
+                         ctx.optimizer_bytes_per_element)
+        elif tp_plan.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
+            tp_plan.fsdp = dict(tp_plan.fsdp, mode="fsdp")
+        with_recompute(tp_plan, search.structure(best.b, best.cp), best.recompute)
+        names = search.unit_names
+        stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
+        s2r = list(schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank)
+        rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
+        collectives, mem = _rank_rows(search, best, 0, tp_plan.styles)
+        if c.p == 1:  # one stage: the TP planner's exact rows (one micro-batch; dry_run.verify checks them)
+            collectives = tp_plan.predictions["collectives"]
+        _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles) if rank else (None, mem)
+        if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
+            worst_mem = {k: v for k, v in tp_plan.predictions["memory_bytes"].items() if k != "total"}
+        busy = max(c.busy_s)
+        tp_plan.pipeline = {
+            "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
+            "stages": stages, "cuts": [names[s] for s in c.starts[1:]], "stage_to_rank": s2r,
+            "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": list(c.peak_inflight),
+            "per_stage": [{k: int(round(row[k])) if k == "memory_bytes" else row[k]
+                           for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
+                          for row in c.per_stage],
+            "collectives_rank": 0,
+            # every pipeline rank's exact collectives and parameter bytes: verify dry-runs each rank
+            "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles)[0]
+                                 for r in range(c.p)] if c.p > 1 else [],
+            "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles),
+        }
+        add_tower(tp_plan, model, search, best)   # a VL model's vision tower: MPipe (issue 20)
+        collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
+        tp_plan.predictions = {
+            "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
+            "bubble_s": max(0.0, c.sim_step_s - busy),
+            "memory_bytes": dict({k: int(round(v)) for k, v in sorted(worst_mem.items())},
+                                 total=sum(int(round(v)) for v in worst_mem.values())),
+            "collectives": collectives,
+        }
+        tp_plan.alternatives = [dict(a, memory_bytes=int(round(a["memory_bytes"])))  # exact bytes in a plan
+                                for a in ranked_alternatives(cands, names, alternatives)]
+        tp_plan.solver = dict(tp_plan.solver, simulations=search.simulations, candidates=len(cands))
+        tp_plan.notes = list(tp_plan.notes) + [
+            f"mesh {' x '.join(f'{k}={v}' for k, v in best.mesh.items())} ({best.dp_mode} data parallel, "
+            f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
+            f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
+            "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
+            "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
+            "(verify checks each); memory_bytes is the fullest rank's"]
+        if c.p == 1 and c.m > 1:
+            tp_plan.notes.append(f"pp=1 with {c.m} micro-batches is gradient accumulation; the runner (runner.py) "
+                                 "runs the local batch in one pass, so apply with microbatches=1 or accumulate yourself")
+        with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
+        tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
+        return tp_plan

@@ -149,6 +149,11 @@ def _tp_key(tp: int, b: int, ac) -> tuple[int, int, str]:
     return tp, b, "none" if mode == "selective" else mode
 
 
+def search_dtype(hw, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a search plans in: the one asked, else fp32 on CPU profiles, bf16 elsewhere."""
+    return dtype or (torch.float32 if hw.device_type == "cpu" else torch.bfloat16)
+
+
 class ClusterSearch:
     """State shared by every candidate of one planning call: captured graphs per micro-batch
     shape, TP solutions per (tp, micro-batch, checkpointing), unit costs per mesh."""
@@ -167,7 +172,7 @@ class ClusterSearch:
         self.dpn = int(devices_per_node or self.hw.devices_per_node)
         self.gb, self.seq = int(batch[0]), int(batch[1])
         self.limit = float(memory_limit if memory_limit is not None else self.hw.usable_memory())
-        self.dtype = dtype or (torch.float32 if self.hw.device_type == "cpu" else torch.bfloat16)
+        self.dtype = search_dtype(self.hw, dtype)
         self.cons = dict(constraints or {})
         unknown = set(self.cons) - {"dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
                                     "activation_checkpointing", "virtual_stages", "dp_mode", "recompute"}
