@@ -6,6 +6,8 @@ says how many times they run. Totals (FLOPs, bytes, parameters) multiply by that
 """
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,6 +149,22 @@ class ModelGraph:
     schema_version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------------ basic queries
+    def modules_under(self, fqn: str) -> list[ModuleInfo]:
+        """``fqn``'s module and every submodule of it, in name order (a bisection into the sorted
+        names: the planner asks this for every unit of every search)."""
+        names = self._sorted_module_names
+        out = []
+        for name in names[bisect.bisect_left(names, fqn):]:
+            if not name.startswith(fqn):
+                break
+            if name == fqn or name.startswith(fqn + "."):
+                out.append(self.modules[name])
+        return out
+
+    @functools.cached_property
+    def _sorted_module_names(self) -> list[str]:
+        return sorted(self.modules)
+
     def multiplicity(self, node: Node) -> int:
         """How many times ``node`` runs per forward (its block's count, else 1)."""
         if node.block is None:

@@ -155,13 +155,12 @@ def ctx_tp(ctx: CostContext) -> int:
 
 def _param_tensor_bytes(graph: ModelGraph, fqn: str, dtype_bytes: int) -> list[int]:
     out = []
-    for sub, m in sorted(graph.modules.items()):
-        if sub == fqn or sub.startswith(fqn + "."):
-            for shape in m.params.values():
-                n = 1
-                for s in shape:
-                    n *= s
-                out.append(n * dtype_bytes)
+    for m in graph.modules_under(fqn):
+        for shape in m.params.values():
+            n = 1
+            for s in shape:
+                n *= s
+            out.append(n * dtype_bytes)
     return out
 
 
