@@ -66,7 +66,9 @@ def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]
     """(FQN -> ModuleInfo, tied parameter groups, distinct parameter count)."""
     infos: dict[str, ModuleInfo] = {}
     for fqn, mod in model.named_modules(remove_duplicate=False):
-        params = {n: tuple(p.shape) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)}
+        # the module's own table (named_parameters(recurse=False) walks the module tree machinery
+        # per call: most of this function's time on a 3,000-module model)
+        params = {n: tuple(p.shape) for n, p in mod._parameters.items() if p is not None}
         infos[fqn] = ModuleInfo(
             fqn=fqn,
             type=type_name(mod),

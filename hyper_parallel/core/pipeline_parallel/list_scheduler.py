@@ -9,10 +9,11 @@ it carries no times.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
-    Action, ActionKind, B, F, I, W, PipelineSchedule,
+    Action, B, F, I, W, PipelineSchedule,
 )
 from hyper_parallel.errors import ScheduleError
 
@@ -32,15 +33,22 @@ def greedy_schedule(name: str, stage_to_rank: Sequence[int], n_microbatches: int
     n_stages, m = len(stage_to_rank), n_microbatches
     n_ranks = max(stage_to_rank) + 1
     tf, ti, tw = cost
-    f_end: dict[tuple[int, int], int] = {}
-    b_end: dict[tuple[int, int], int] = {}   # I (or B) end time
+    never = 1 << 60
+    # end times per stage and micro-batch (lists, not dicts keyed by tuples: this loop runs
+    # hundreds of thousands of times when the planner builds schedules for large m)
+    f_end = [[never] * m for _ in range(n_stages)]
+    b_end = [[never] * m for _ in range(n_stages)]   # I (or B) end time
     next_f = [0] * n_stages
     next_b = [0] * n_stages
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(n_ranks)]
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(n_ranks)]
     inflight = [0] * n_ranks
     free_at = [0] * n_ranks
     orders: list[list[Action]] = [[] for _ in range(n_ranks)]
-    stages = [[s for s in range(n_stages) if stage_to_rank[s] == r] for r in range(n_ranks)]
+    deepest_first = [sorted((s for s in range(n_stages) if stage_to_rank[s] == r), reverse=True)
+                     for r in range(n_ranks)]
+    last = n_stages - 1
+    backward = I if split_backward else B
+    b_dur = ti if split_backward else ti + tw
     total = n_stages * m * (3 if split_backward else 2)
     done, t, idle_steps = 0, 0, 0
     while done < total:
@@ -48,43 +56,37 @@ def greedy_schedule(name: str, stage_to_rank: Sequence[int], n_microbatches: int
         for r in range(n_ranks):
             if free_at[r] > t:
                 continue
-            choice = None
             # 1) input-gradient work, deepest stage first (closest to finishing a micro-batch)
-            for s in sorted(stages[r], reverse=True):
+            for s in deepest_first[r]:
                 mb = next_b[s]
-                if mb < m and f_end.get((s, mb), 1 << 60) <= t and (
-                        s == n_stages - 1 or b_end.get((s + 1, mb), 1 << 60) <= t):
-                    choice = (I if split_backward else B)(s, mb)
+                if mb < m and f_end[s][mb] <= t and (s == last or b_end[s + 1][mb] <= t):
+                    free_at[r] = b_end[s][mb] = t + b_dur
+                    next_b[s] += 1
+                    inflight[r] -= 1
+                    if split_backward:
+                        pending_w[r].append((s, mb))
+                    orders[r].append(backward(s, mb))
                     break
-            if choice is None and w_cap is not None and len(pending_w[r]) >= w_cap[r]:
-                choice = W(*pending_w[r].pop(0))
-            # 2) a forward, deepest stage first, within the in-flight limit
-            if choice is None and inflight[r] < inflight_limit[r]:
-                for s in sorted(stages[r], reverse=True):
-                    mb = next_f[s]
-                    if mb < m and (s == 0 or f_end.get((s - 1, mb), 1 << 60) <= t):
-                        choice = F(s, mb)
-                        break
-            # 3) deferred weight gradients fill what is left
-            if choice is None and pending_w[r]:
-                choice = W(*pending_w[r].pop(0))
-            if choice is None:
-                continue
-            s, mb = choice.stage, choice.microbatch
-            if choice.kind is ActionKind.FORWARD:
-                free_at[r] = f_end[(s, mb)] = t + tf
-                next_f[s] += 1
-                inflight[r] += 1
-            elif choice.kind is ActionKind.BACKWARD_WEIGHT:
-                free_at[r] = t + tw
             else:
-                dur = ti if split_backward else ti + tw
-                free_at[r] = b_end[(s, mb)] = t + dur
-                next_b[s] += 1
-                inflight[r] -= 1
-                if split_backward:
-                    pending_w[r].append((s, mb))
-            orders[r].append(choice)
+                if w_cap is not None and len(pending_w[r]) >= w_cap[r]:
+                    orders[r].append(W(*pending_w[r].popleft()))
+                    free_at[r] = t + tw
+                else:
+                    # 2) a forward, deepest stage first, within the in-flight limit
+                    for s in (deepest_first[r] if inflight[r] < inflight_limit[r] else ()):
+                        mb = next_f[s]
+                        if mb < m and (s == 0 or f_end[s - 1][mb] <= t):
+                            free_at[r] = f_end[s][mb] = t + tf
+                            next_f[s] += 1
+                            inflight[r] += 1
+                            orders[r].append(F(s, mb))
+                            break
+                    else:
+                        # 3) deferred weight gradients fill what is left
+                        if not pending_w[r]:
+                            continue
+                        orders[r].append(W(*pending_w[r].popleft()))
+                        free_at[r] = t + tw
             done += 1
             progressed = True
         idle_steps = 0 if progressed else idle_steps + 1

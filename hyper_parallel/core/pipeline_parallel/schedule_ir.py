@@ -274,13 +274,15 @@ def peak_inflight(program: Iterable[Action]) -> int:
     forward opens a chunk, its last backward piece (B, or W when dx/dw are split) closes it.
     A property of the order alone, so the planner and the cost model read it without timing."""
     live = peak = 0
+    opens, closes = ActionKind.FORWARD, (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)
     for a in program:
-        if a.kind is ActionKind.FORWARD:
+        kind = a.kind
+        if kind is opens:
             live += 1
-        elif a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            if live > peak:
+                peak = live
+        elif kind in closes:
             live -= 1
-        if live > peak:
-            peak = live
     return peak
 
 
