@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hyper_parallel.core.collective import Collective
 from hyper_parallel import (
+    AllReduceGradColumns,
     ColwiseParallel,
     ParallelStyle,
     PrepareHeadsInput,
@@ -151,6 +152,12 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         why = "projections are not nn.Linear or Conv1D"
     elif a.n_heads % t or a.n_kv_heads % t:
         why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
+    if a.broadcast:   # a latent attention (MLA): its own form, with plain inputs
+        if why is None:
+            out.append(_latent_heads(a, h, t, layout))
+        else:
+            out[0].extra["tp_excluded"] = why
+        return out
     column = _column_styles(a, t) if why is None else why
     if isinstance(column, str):
         why = column
@@ -204,6 +211,38 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     if plain_why is not None:
         out[0].extra["tp_excluded"] = plain_why
     return out
+
+
+def _latent_heads(a: AttentionUnit, h: int, t: int, layout: str) -> Strategy:
+    """Heads sharded in a latent attention (DeepSeek's MLA; torchtitan's DeepSeek plan shards the
+    same modules): the per-head up-projections (q_b_proj or q_proj, kv_b_proj) column-wise, o_proj
+    row-wise; the down-projections and their norms stay replicated, computing the latents whole
+    on every rank, so the module's inputs stay plain tensors (a DTensor input would meet their
+    plain weights) and each column projection all-reduces its latent input's gradient in
+    backward. The output columns of a replicated projection that reach the core broadcast to
+    every head (the rotary key) get their gradient all-reduced by AllReduceGradColumns: a rank
+    sums only its own heads' share of it. On a sequence-sharded stream the module gathers the
+    sequence at its input (a plain gather: backward slices the whole gradient every rank holds)
+    and o_proj reduce-scatters into it."""
+    heads = list(dict.fromkeys([a.q, a.k, a.v]))
+    styles: dict[str, ParallelStyle] = {p: ColwiseParallel() for p in heads}
+    styles.update({m: AllReduceGradColumns(columns=[start, stop]) for m, start, stop, _ in a.broadcast})
+    styles[a.o] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
+    grads = [Collective("all_reduce", "backward", a.proj_input_bytes.get(p, h)) for p in heads] + \
+        [Collective("all_reduce", "backward", nbytes) for _, _, _, nbytes in a.broadcast]
+    if layout == "R":
+        comm = [Collective("all_reduce", "forward", h)]
+    else:
+        styles[a.rel] = PrepareModuleInput(input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)
+        comm = [Collective("all_gather", "forward", h), Collective("reduce_scatter", "forward", h),
+                Collective("all_gather", "backward", h)]
+    cols = ", ".join(f"{m}[{start}:{stop}]" for m, start, stop, _ in a.broadcast)
+    # the replicated latent path is not divided: what a rank runs is that share whole, the rest 1/t
+    flops, params = (1.0 / (share + (1.0 - share) / t) for share in a.replicated_share)
+    return Strategy("heads_sharded_latent", layout, styles, comm + grads, compute_shard=flops, param_shard=params,
+                    activation_shard=t,
+                    reason=f"latent attention: per-head up-projections column-wise, o row-wise, latents replicated; "
+                           f"gradient of the columns broadcast to every head ({cols}) all-reduced")
 
 
 def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:

@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
 from hyper_parallel import (
+    AllReduceGradColumns,
     ColwiseParallel,
     NoParallel,
     Partial,
@@ -37,6 +38,7 @@ STYLES = [
     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                              output_layouts=Partial("avg"), desired_output_layouts=Replicate()),
+    AllReduceGradColumns(columns=[512, 576]),
 ]
 
 
