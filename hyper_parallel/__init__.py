@@ -36,11 +36,11 @@ from hyper_parallel.core.pipeline_parallel import (
     validate_schedule,
 )
 from hyper_parallel.core.tensor_parallel import (
-    AllReduceGradColumns,
     ColwiseParallel,
     NoParallel,
     ParallelStyle,
     PrepareHeadsInput,
+    PrepareLatentInput,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -70,7 +70,7 @@ __all__ = [
     "distribute_tensor", "distribute_module", "fully_shard", "custom_shard",
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareHeadsInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
-    "AllReduceGradColumns",
+    "PrepareLatentInput",
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "balanced_routing", "expert_parallel_collectives",

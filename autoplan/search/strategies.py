@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from hyper_parallel.core.collective import Collective
 from hyper_parallel import (
-    AllReduceGradColumns,
     ColwiseParallel,
     ParallelStyle,
     PrepareHeadsInput,
+    PrepareLatentInput,
     PrepareModuleInput,
     PrepareModuleOutput,
     Replicate,
@@ -153,6 +153,8 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     elif a.n_heads % t or a.n_kv_heads % t:
         why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
     if a.broadcast:   # a latent attention (MLA): its own form, with plain inputs
+        if why is None and len(a.broadcast) != 1:
+            why = f"{len(a.broadcast)} projections broadcast to every head (one is planned)"
         if why is None:
             out.append(_latent_heads(a, h, t, layout))
         else:
@@ -219,30 +221,30 @@ def _latent_heads(a: AttentionUnit, h: int, t: int, layout: str) -> Strategy:
     row-wise; the down-projections and their norms stay replicated, computing the latents whole
     on every rank, so the module's inputs stay plain tensors (a DTensor input would meet their
     plain weights) and each column projection all-reduces its latent input's gradient in
-    backward. The output columns of a replicated projection that reach the core broadcast to
-    every head (the rotary key) get their gradient all-reduced by AllReduceGradColumns: a rank
-    sums only its own heads' share of it. On a sequence-sharded stream the module gathers the
-    sequence at its input (a plain gather: backward slices the whole gradient every rank holds)
-    and o_proj reduce-scatters into it."""
+    backward. The output columns of the replicated projection that reach the core broadcast to
+    every head (the rotary key) get their gradient all-reduced by PrepareLatentInput: a rank sums
+    only its own heads' share of it. On a sequence-sharded stream the module gathers the sequence
+    at its input (a plain gather: backward slices the whole gradient every rank holds) and o_proj
+    reduce-scatters into it."""
     heads = list(dict.fromkeys([a.q, a.k, a.v]))
-    styles: dict[str, ParallelStyle] = {p: ColwiseParallel() for p in heads}
-    styles.update({m: AllReduceGradColumns(columns=[start, stop]) for m, start, stop, _ in a.broadcast})
+    (linear, start, stop, nbytes), = a.broadcast
+    inside = linear[len(a.rel) + 1:] if linear.startswith(a.rel + ".") else linear
+    styles: dict[str, ParallelStyle] = {
+        a.rel: PrepareLatentInput(input_layouts=(_PLACEMENT[layout],), desired_input_layouts=(R,), use_local_output=True,
+                                  broadcast_linear=inside, broadcast_columns=a.broadcast_columns[linear])}
+    styles.update({p: ColwiseParallel() for p in heads})
     styles[a.o] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
     grads = [Collective("all_reduce", "backward", a.proj_input_bytes.get(p, h)) for p in heads] + \
-        [Collective("all_reduce", "backward", nbytes) for _, _, _, nbytes in a.broadcast]
-    if layout == "R":
-        comm = [Collective("all_reduce", "forward", h)]
-    else:
-        styles[a.rel] = PrepareModuleInput(input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)
-        comm = [Collective("all_gather", "forward", h), Collective("reduce_scatter", "forward", h),
-                Collective("all_gather", "backward", h)]
-    cols = ", ".join(f"{m}[{start}:{stop}]" for m, start, stop, _ in a.broadcast)
+        [Collective("all_reduce", "backward", nbytes)]
+    comm = [Collective("all_reduce", "forward", h)] if layout == "R" else \
+        [Collective("all_gather", "forward", h), Collective("reduce_scatter", "forward", h),
+         Collective("all_gather", "backward", h)]
     # the replicated latent path is not divided: what a rank runs is that share whole, the rest 1/t
     flops, params = (1.0 / (share + (1.0 - share) / t) for share in a.replicated_share)
     return Strategy("heads_sharded_latent", layout, styles, comm + grads, compute_shard=flops, param_shard=params,
                     activation_shard=t,
                     reason=f"latent attention: per-head up-projections column-wise, o row-wise, latents replicated; "
-                           f"gradient of the columns broadcast to every head ({cols}) all-reduced")
+                           f"gradient of the columns broadcast to every head ({linear}[{start}:{stop}]) all-reduced")
 
 
 def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:

@@ -83,6 +83,9 @@ class AttentionUnit:
     # bytes of those columns per call) -- and each column projection's input bytes (the latents,
     # whose gradient each column projection all-reduces when the inputs stay plain)
     broadcast: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # the same columns as the module's code names them, per broadcast module: [start, stop], each an
+    # attribute path of the module holding that index, or an int; stop None for the last column
+    broadcast_columns: dict[str, list] = field(default_factory=dict)
     proj_input_bytes: dict[str, int] = field(default_factory=dict)
     # (FLOPs share, parameter share) of the module's work that no head projection holds (the
     # latent path a latent attention keeps replicated when its heads are sharded)
@@ -335,11 +338,29 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
     if broadcast:
         unit.broadcast = [(m, start, stop, _column_bytes(graph, f"{rep}.{m}", stop - start))
                           for m, start, stop in broadcast]
+        unit.broadcast_columns = {m: _column_spec(graph, where, f"{rep}.{m}", start, stop)
+                                  for m, start, stop in broadcast}
         unit.proj_input_bytes = {p[k]: _input_bytes(graph, f"{rep}.{p[k]}") for k in "qkv"}
         heads = sum((work(f"{rep}.{m}") for m in {p[k] for k in "qkvo"}), Work())
         unit.replicated_share = (max(own.flops - heads.flops, 0) / max(own.flops, 1),
                                  max(own.params - heads.params, 0) / max(own.params, 1))
     return unit
+
+
+def _column_spec(graph: ModelGraph, where: str, linear: str, start: int, stop: int) -> list:
+    """[start, stop] of a linear's output columns as module ``where``'s code names them: the path of
+    an integer attribute it (or its config) holds with that value -- so the plan fits the model
+    at any width -- else the int; stop None when it is the linear's last column."""
+    attrs = graph.modules[where].size_attrs if where in graph.modules else {}
+    weight = graph.modules[linear].params.get("weight", ()) if linear in graph.modules else ()
+    width = weight[0] if len(weight) == 2 else None
+
+    def name(value: int):
+        own = sorted(k for k, v in attrs.items() if v == value and "." not in k)
+        config = sorted(k for k, v in attrs.items() if v == value and "." in k)
+        return (own or config or [value])[0]
+
+    return [0 if start == 0 else name(start), None if stop == width else name(stop)]
 
 
 def _column_bytes(graph: ModelGraph, fqn: str, columns: int) -> int:

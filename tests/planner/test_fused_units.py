@@ -164,8 +164,10 @@ def test_latent_attention_is_a_unit_with_its_broadcast_columns(structures):
         offered = {s.name: s for s in attention_strategies(a, b, 4, "R")}
         assert sorted(offered) == ["heads_sharded_latent", "replicate"]
         styles = offered["heads_sharded_latent"].styles
-        assert styles["self_attn.kv_a_proj_with_mqa"].columns == [16, 20]
-        assert "self_attn.q_a_proj" not in styles and "self_attn" not in styles   # latents replicated, inputs plain
+        latent = styles["self_attn"]   # inputs plain, the rotary key's columns named as the code names them
+        assert (latent.broadcast_linear, latent.broadcast_columns, latent.use_local_output) == \
+            ("kv_a_proj_with_mqa", ["kv_lora_rank", None], True)
+        assert "self_attn.q_a_proj" not in styles and "self_attn.kv_a_proj_with_mqa" not in styles   # replicated
         assert attention_strategies(a, b, 3, "R")[0].extra["tp_excluded"].startswith("heads 8")
     assert [b.mlp.rel for b in st.blocks] == ["mlp", "mlp.shared_experts"]
     assert all(not any("q_a_layernorm" in n or "kv_a_layernorm" in n for n in b.norms) for b in st.blocks)

@@ -7,10 +7,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
 from hyper_parallel import (
-    AllReduceGradColumns,
     ColwiseParallel,
     NoParallel,
     Partial,
+    PrepareLatentInput,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -38,7 +38,8 @@ STYLES = [
     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                              output_layouts=Partial("avg"), desired_output_layouts=Replicate()),
-    AllReduceGradColumns(columns=[512, 576]),
+    PrepareLatentInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True,
+                       broadcast_linear="kv_a_proj_with_mqa", broadcast_columns=["kv_lora_rank", None]),
 ]
 
 
