@@ -1,0 +1,47 @@
+"""DeepSeek-V3's multi-head latent attention (MLA), planned at its published shape with its heads
+sharded, applied to a small copy (a dense block and a MoE block, every parameter perturbed) and
+stepped on 4 gloo ranks: one training step equals one device.
+
+The hazard this guards: with heads sharded, the rotary key k_rot (columns kv_lora_rank: of
+kv_a_proj_with_mqa's output) reaches every local head through ``expand`` without passing a
+sharded projection, so each rank's gradient of it sums only its own heads. The loss stays equal;
+kv_a_proj_with_mqa's weight gradient (and everything upstream of it) does not. PrepareLatentInput
+all-reduces exactly those columns; the negative case below removes it and must fail.
+"""
+import pytest
+
+from autoplan.verify.corpus import plan_case, small_recipe
+from autoplan.verify.numerics import RTOL_LOSS, check_numerics
+
+
+def _without_broadcast_reduction(plan):
+    """The plan with PrepareLatentInput replaced by a PrepareModuleInput of the same layouts."""
+    styles = {}
+    for pattern, spec in plan.styles.items():
+        if spec["style"] == "PrepareLatentInput":
+            spec = {"style": "PrepareModuleInput",
+                    "args": {k: v for k, v in spec["args"].items() if not k.startswith("broadcast_")}}
+        styles[pattern] = spec
+    return plan.replace(styles=styles)
+
+
+@pytest.mark.parametrize("family,mesh", [("deepseek_v3", "tp4"), ("deepseek_v3", "dp2_tp2"),
+                                         ("deepseek_v2_lite", "tp4")])
+def test_latent_attention_heads_sharded_equals_one_device(family, mesh, pool4):
+    model, plan = plan_case(family, mesh, "default")
+    picked = {d["unit"]: d["strategy"] for d in plan.decisions}
+    attention = {u: s for u, s in picked.items() if u.endswith("/attention")}
+    mlp = {u: s for u, s in picked.items() if u.endswith("/mlp")}
+    assert len(attention) == 2 and set(attention.values()) == {"heads_sharded_latent"}, picked
+    assert len(mlp) == 2 and set(mlp.values()) == {"hidden_sharded"}, picked   # dense MLP, MoE shared experts
+    latent = [s for s in plan.styles.values() if s["style"] == "PrepareLatentInput"]
+    assert latent and all(s["args"]["broadcast_columns"] == ["kv_lora_rank", None] for s in latent)
+    recipe = small_recipe(family, model, [d for d in plan.mesh["shape"] if d > 1])
+    result = check_numerics(plan, recipe, pool=pool4)
+    assert result.passed, result.summary()
+    if (family, mesh) == ("deepseek_v3", "tp4"):
+        broken = check_numerics(_without_broadcast_reduction(plan), recipe, pool=pool4)
+        assert broken.error is None and not broken.passed, broken.summary()
+        assert abs(broken.par_loss - broken.ref_loss) <= RTOL_LOSS * abs(broken.ref_loss)   # the loss cannot tell
+        assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in broken.bad_grads, broken.bad_grads
+        assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in broken.bad_grads, broken.bad_grads
