@@ -11,6 +11,7 @@ all-reduces exactly those columns; the negative case below removes it and must f
 import pytest
 
 from autoplan.verify.corpus import plan_case, small_recipe
+from autoplan.verify.dry_run import verify
 from autoplan.verify.numerics import RTOL_LOSS, check_numerics
 
 
@@ -25,20 +26,29 @@ def _without_broadcast_reduction(plan):
     return plan.replace(styles=styles)
 
 
-@pytest.mark.parametrize("family,mesh", [("deepseek_v3", "tp4"), ("deepseek_v3", "dp2_tp2"),
-                                         ("deepseek_v2_lite", "tp4")])
-def test_latent_attention_heads_sharded_equals_one_device(family, mesh, pool4):
-    model, plan = plan_case(family, mesh, "default")
+# DeepSeek-V3: a dense block and a MoE block (its shared experts are the MLP unit); V2-Lite's
+# shape: q_proj instead of q_a/q_b, two dense blocks, forced onto a sequence-sharded stream
+# (the module gathers the sequence at its input, o_proj reduce-scatters into it)
+# (identical dense blocks are one block group: one unit each)
+@pytest.mark.parametrize("family,mesh,variant,stream,groups", [("deepseek_v3", "tp4", "default", "R", 2),
+                                                               ("deepseek_v3", "dp2_tp2", "default", "R", 2),
+                                                               ("deepseek_v2_lite", "tp4", "forced_S", "S", 1)])
+def test_latent_attention_heads_sharded_equals_one_device(family, mesh, variant, stream, groups, pool4):
+    model, plan = plan_case(family, mesh, variant)
+    assert plan.stream_layout == stream
     picked = {d["unit"]: d["strategy"] for d in plan.decisions}
     attention = {u: s for u, s in picked.items() if u.endswith("/attention")}
     mlp = {u: s for u, s in picked.items() if u.endswith("/mlp")}
-    assert len(attention) == 2 and set(attention.values()) == {"heads_sharded_latent"}, picked
-    assert len(mlp) == 2 and set(mlp.values()) == {"hidden_sharded"}, picked   # dense MLP, MoE shared experts
+    assert len(attention) == groups and set(attention.values()) == {"heads_sharded_latent"}, picked
+    assert len(mlp) == groups and set(mlp.values()) == {"hidden_sharded"}, picked
     latent = [s for s in plan.styles.values() if s["style"] == "PrepareLatentInput"]
     assert latent and all(s["args"]["broadcast_columns"] == ["kv_lora_rank", None] for s in latent)
     recipe = small_recipe(family, model, [d for d in plan.mesh["shape"] if d > 1])
     result = check_numerics(plan, recipe, pool=pool4)
     assert result.passed, result.summary()
+    if stream == "S":   # the collectives it predicts (latent gradients included) are the ones issued
+        dry = verify(plan, model)
+        assert dry.passed, dry.mismatches()
     if (family, mesh) == ("deepseek_v3", "tp4"):
         broken = check_numerics(_without_broadcast_reduction(plan), recipe, pool=pool4)
         assert broken.error is None and not broken.passed, broken.summary()
