@@ -49,6 +49,10 @@ class Aliases:
     def buffer(self, name: str) -> str:
         return self.root.get(name, name)
 
+    def members(self, buffer: str) -> list[str]:
+        """The buffer and every node that views it (in-place writes included)."""
+        return [buffer] + [n for n, r in self.root.items() if r == buffer]
+
     def writes_before(self, name: str, position: float) -> list[str]:
         """The in-place nodes writing into the buffer ``name`` views that run before ``position``
         (the reader's place in the graph), excluding ``name`` itself."""

@@ -96,15 +96,16 @@ class _Flow:
         for n in graph.nodes:
             for src in n.input_nodes:
                 self.users[src].append(n)
-        # in-place writes into views (autoplan.capture.aliases): a write feeds the buffer it
-        # writes into, so downstream walks go from the write to the buffer's readers, and upstream
-        # walks from a read of the buffer to the writes before it
+        # in-place writes into views (autoplan.capture.aliases): a write feeds every later read
+        # of the buffer it writes into (downstream walks go from the write to those readers), and
+        # a read of the buffer depends on the writes before it (upstream walks, walk_up)
         self.aliases = aliases(graph.nodes)
         self.inplace = {n.name for n in graph.nodes if is_inplace(n)}
-        for w in self.inplace:
-            buffer = self.aliases.buffer(w)
-            if buffer in self.by_name:
-                self.users[w].append(self.by_name[buffer])
+        pos = self.aliases.position
+        for w in sorted(self.inplace, key=pos.__getitem__):
+            readers = {u.name: u for m in self.aliases.members(self.aliases.buffer(w))
+                       for u in list(self.users.get(m, [])) if pos[u.name] > pos[w]}
+            self.users[w].extend(u for name, u in readers.items() if name != w)
 
     def weight(self, node: Node) -> str | None:
         return weight_of(node, self.graph, self.param_views)

@@ -8,11 +8,16 @@ sharded projection, so each rank's gradient of it sums only its own heads. The l
 kv_a_proj_with_mqa's weight gradient (and everything upstream of it) does not. PrepareLatentInput
 all-reduces exactly those columns; the negative case below removes it and must fail.
 """
+import types
+
 import pytest
+import torch.nn as nn
 
 from autoplan.verify.corpus import plan_case, small_recipe
 from autoplan.verify.dry_run import verify
 from autoplan.verify.numerics import RTOL_LOSS, check_numerics
+from hyper_parallel import PrepareLatentInput, Replicate
+from hyper_parallel.errors import LayoutError, StyleSpecError
 
 
 def _without_broadcast_reduction(plan):
@@ -55,3 +60,31 @@ def test_latent_attention_heads_sharded_equals_one_device(family, mesh, variant,
         assert abs(broken.par_loss - broken.ref_loss) <= RTOL_LOSS * abs(broken.ref_loss)   # the loss cannot tell
         assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in broken.bad_grads, broken.bad_grads
         assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in broken.bad_grads, broken.bad_grads
+
+
+def test_broadcast_columns_are_read_from_the_module_at_any_width():
+    """The plan names the columns by the attribute the module's code cuts by, so the plan made at
+    DeepSeek-V3's width (kv_lora_rank 512) applies to a small copy (16); bad specs are typed errors."""
+    def attention(rank, rope):
+        m = nn.Module()
+        m.kv_lora_rank, m.config = rank, types.SimpleNamespace(kv_lora_rank=rank, name="x")
+        m.kv_a_proj_with_mqa = nn.Linear(8, rank + rope)
+        return m
+
+    def style(columns, linear="kv_a_proj_with_mqa"):
+        return PrepareLatentInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=True,
+                                  broadcast_linear=linear, broadcast_columns=columns)
+
+    for rank, rope in ((512, 64), (16, 4)):
+        assert style(["kv_lora_rank", None]).columns(attention(rank, rope)) == (rank, rank + rope)
+        assert style(["config.kv_lora_rank", None]).columns(attention(rank, rope)) == (rank, rank + rope)
+    assert style([2, 5]).columns(attention(16, 4)) == (2, 5)
+    for bad in ([None, 3], ["kv lora", None], [3], [-1, None], "kv_lora_rank"):
+        with pytest.raises(StyleSpecError):
+            style(bad)
+    with pytest.raises(StyleSpecError):
+        style(["kv_lora_rank", None], linear="")
+    for spec, linear in ((["kv_lora_rank", None], "kv_b_proj"), (["config.name", None], "kv_a_proj_with_mqa"),
+                         (["kv_lora_rank", 99], "kv_a_proj_with_mqa"), ([4, 2], "kv_a_proj_with_mqa")):
+        with pytest.raises(LayoutError):
+            style(spec, linear).columns(attention(16, 4))
