@@ -26,14 +26,15 @@ _VIEWS = ("view", "_unsafe_view", "slice", "select", "narrow", "transpose", "per
           "unbind", "detach", "getitem", "view_as", "movedim")
 
 
-def _base(op: str) -> str:
+def op_base(op: str) -> str:
+    """An op's name without namespace and overload ("aten.copy_.default" -> "copy_")."""
     parts = op.split(".")
     return parts[1] if len(parts) > 1 and parts[0] == "aten" else op
 
 
 def is_inplace(node: Node) -> bool:
     """An ATen op that mutates its first argument (``copy_``, ``add_``; not ``_softmax``)."""
-    base = _base(node.op)
+    base = op_base(node.op)
     return node.op.startswith("aten.") and base.endswith("_") and not base.startswith("_") and \
         bool(node.input_nodes)
 
@@ -65,7 +66,7 @@ def aliases(nodes: list[Node]) -> Aliases:
     for i, n in enumerate(nodes):
         out.position[n.name] = i
         src = n.input_nodes[0] if n.input_nodes else None
-        if src is not None and (is_inplace(n) or _base(n.op).startswith(_VIEWS)):
+        if src is not None and (is_inplace(n) or op_base(n.op).startswith(_VIEWS)):
             out.root[n.name] = out.root.get(src, src)
         if is_inplace(n):
             out.writes[out.root.get(src, src)].append(n.name)

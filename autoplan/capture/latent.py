@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autoplan.capture.aliases import _base
+from autoplan.capture.aliases import op_base
 from autoplan.capture.ir import Node
 
 _SPLIT = ("split", "split_with_sizes")
@@ -82,7 +82,7 @@ def _pieces(flow: Any, proj: Node, width: int) -> list[tuple[int, int, str]]:
         nxt = []
         for cur in frontier:
             for u in flow.users.get(cur.name, []):
-                base = _base(u.op)
+                base = op_base(u.op)
                 shape = tuple(u.outputs[0].shape) if u.outputs else ()
                 ndim = len(cur.outputs[0].shape) if cur.outputs else 0
                 dim = u.args[2] if len(u.args) > 2 and isinstance(u.args[2], int) else 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Iterable, Iterator
 
-from autoplan.capture.aliases import aliases, is_inplace
+from autoplan.capture.aliases import aliases, is_inplace, op_base
 from autoplan.capture.ir import ModelGraph, Node
 from autoplan.capture.latent import latent_projections
 
@@ -33,9 +33,7 @@ def _passes(n: Node, extra: tuple[str, ...] = ()) -> bool:
     return base.startswith(_PASS + extra) or base == "getitem"
 
 
-def _base(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "aten" else op
+_base = op_base
 
 
 _WEIGHT_VIEW = ("t", "numpy_T", "transpose", "permute", "view", "reshape", "alias", "to", "_to_copy", "expand", "contiguous")
