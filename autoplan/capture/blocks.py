@@ -43,7 +43,7 @@ def nn_base(module: nn.Module) -> str:
     return ""
 
 
-_SIZE_WORDS = ("head", "size", "dim", "width", "embd", "embed")
+_SIZE_WORDS = ("head", "size", "dim", "width", "embd", "embed", "rank")   # rank: MLA's latent widths
 
 
 def size_attributes(module: nn.Module) -> dict[str, int]:

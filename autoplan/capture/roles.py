@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Iterable, Iterator
 
+from autoplan.capture.aliases import aliases, is_inplace, op_base
 from autoplan.capture.ir import ModelGraph, Node
+from autoplan.capture.latent import latent_projections
 
 _MATMUL = ("aten.linear", "aten.addmm", "aten.mm", "aten.matmul", "aten.bmm")
 _ACT = ("silu", "gelu", "relu", "tanh", "sigmoid", "elu", "mish", "softplus")
@@ -31,9 +33,7 @@ def _passes(n: Node, extra: tuple[str, ...] = ()) -> bool:
     return base.startswith(_PASS + extra) or base == "getitem"
 
 
-def _base(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "aten" else op
+_base = op_base
 
 
 _WEIGHT_VIEW = ("t", "numpy_T", "transpose", "permute", "view", "reshape", "alias", "to", "_to_copy", "expand", "contiguous")
@@ -94,6 +94,16 @@ class _Flow:
         for n in graph.nodes:
             for src in n.input_nodes:
                 self.users[src].append(n)
+        # in-place writes into views (autoplan.capture.aliases): a write feeds every later read
+        # of the buffer it writes into (downstream walks go from the write to those readers), and
+        # a read of the buffer depends on the writes before it (upstream walks, walk_up)
+        self.aliases = aliases(graph.nodes)
+        self.inplace = {n.name for n in graph.nodes if is_inplace(n)}
+        pos = self.aliases.position
+        for w in sorted(self.inplace, key=pos.__getitem__):
+            readers = {u.name: u for m in self.aliases.members(self.aliases.buffer(w))
+                       for u in list(self.users.get(m, [])) if pos[u.name] > pos[w]}
+            self.users[w].extend(u for name, u in readers.items() if name != w)
 
     def weight(self, node: Node) -> str | None:
         return weight_of(node, self.graph, self.param_views)
@@ -102,16 +112,21 @@ class _Flow:
         """Every node upstream of tensor ``name`` reached through pass-through ops (views,
         elementwise, ``getitem``; ``extra`` adds kinds), each once; a weighted matmul is yielded
         but not walked past."""
-        stack, seen = [name], set()
+        stack, seen = [(name, float("inf"))], set()
         while stack and len(seen) < limit:
-            cur = stack.pop()
+            cur, reader = stack.pop()
             if cur in seen or cur not in self.by_name:
                 continue
             seen.add(cur)
             n = self.by_name[cur]
             yield n
-            if not self.weight(n) and _passes(n, extra):
-                stack.extend(s for s in n.input_nodes if s in self.by_name)
+            if self.weight(n):
+                continue
+            here = self.aliases.position[cur]
+            if _passes(n, extra) or cur in self.inplace:
+                stack.extend((s, here) for s in n.input_nodes if s in self.by_name)
+            # what was written in place into the buffer read here, before this read
+            stack.extend((w, here) for w in self.aliases.writes_before(cur, reader))
 
     def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
         """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
@@ -272,17 +287,24 @@ def recognise_roles(graph: ModelGraph) -> None:
             core_modules.add(core.module)
         (qs, _), (ks, _), (vs, _) = flow.up_matmuls(q), flow.up_matmuls(k), flow.up_matmuls(v)
         o = flow.down_matmul(out.name)
-        if not qs or not ks or not vs:
-            # q, k or v reaches the core by a path the flow does not follow (DeepSeek's MLA writes
-            # k into a new_empty buffer in place): not a unit, and its linears are no MLP either
-            missing = [x for x, found in (("q", qs), ("k", ks), ("v", vs)) if not found]
+        missing = [x for x, found in (("q", qs), ("k", ks), ("v", vs)) if not found]
+        picked = latent_projections(flow, core, qs, ks, vs) if not missing else None
+        if missing or isinstance(picked, str):
+            # q, k or v reaches the core by a path the flow does not follow, or by several
+            # projections it cannot tell apart: not a unit, and its linears are no MLP either
+            why = f"its {'/'.join(missing)} input could not be traced to a projection" if missing else picked
             per_block[core.block]["attention_untraced"].append(
-                {"module": _rel(core.module, rep_of.get(core.block, "")),
-                 "why": f"its {'/'.join(missing)} input could not be traced to a projection"})
+                {"module": _rel(core.module, rep_of.get(core.block, "")), "why": why})
             continue
-        qn, kn, vn = qs[0], ks[0], vs[0]
+        (qn, kn, vn), broadcast = picked
         head_dim = qmeta.shape[-1]
         fused = qn.module == kn.module == vn.module
+        kmeta = flow.by_name[k].outputs[0] if k in flow.by_name and flow.by_name[k].outputs else None
+        if broadcast and (kmeta is None or len(kmeta.shape) != 4 or len(qmeta.shape) != 4):
+            per_block[core.block]["attention_untraced"].append(
+                {"module": _rel(core.module, rep_of.get(core.block, "")),
+                 "why": "a latent attention whose q/k are not (batch, heads, seq, dim) at its core"})
+            continue
         if len(qmeta.shape) == 4:
             n_heads = qmeta.shape[1]
         elif fused:  # (batch*heads, seq, dim) layouts: heads from the projection width
@@ -296,7 +318,8 @@ def recognise_roles(graph: ModelGraph) -> None:
             role[qn.module] = "attention.qkv"
             layout, groups = fused_qkv_layout(flow, qn)
         else:
-            n_kv = _out_features(kn) // max(head_dim, 1)
+            # a latent attention's k/v come from one up-projection of [k | v] per head: its k's heads
+            n_kv = kmeta.shape[1] if broadcast else _out_features(kn) // max(head_dim, 1)
             names = {"q": qn.module, "k": kn.module, "v": vn.module}
             for key, mod in names.items():
                 role[mod] = f"attention.{key}"
@@ -308,6 +331,8 @@ def recognise_roles(graph: ModelGraph) -> None:
         base = rep_of.get(block, "")
         role.setdefault(container, "attention")
         claimed.update(names.values())
+        claimed.update(m for m, _ in broadcast)
+        role.update({m: "attention.broadcast" for m, _ in broadcast})
         per_block[block]["attention"].append(
             {
                 "module": _rel(container, base),
@@ -317,6 +342,8 @@ def recognise_roles(graph: ModelGraph) -> None:
                 "head_dim": head_dim,
                 "op": core.op,
                 **({"qkv_layout": layout, "qkv_groups": groups} if fused else {}),
+                **({"broadcast": [{"module": _rel(m, base), "columns": list(cols)} for m, cols in broadcast]}
+                   if broadcast else {}),
                 "fixed_head_count": any(fixed_head_count(flow, x, h) for x, h in ((q, n_heads), (k, n_kv), (v, n_kv))),
             }
         )

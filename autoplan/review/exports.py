@@ -70,6 +70,9 @@ def _hf_kind(spec: dict[str, Any], is_embedding: bool) -> tuple[str | None, str]
     if style == "PrepareHeadsInput":
         return None, "sets the module's head counts to their local values; HF has no such style (its plans " \
                      "for these models gather the projection output instead)"
+    if style == "PrepareLatentInput":
+        return None, "all-reduces the gradient of the columns a latent attention broadcasts to every head " \
+                     "(MLA's rotary key); HF has no such style"
     if args.get("packed", 1) != 1:
         return None, f"{args['packed']} packed projections, each rank its slice of every one, have no HF name"
     if style == "ColwiseParallel":

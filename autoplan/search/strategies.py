@@ -18,6 +18,7 @@ from hyper_parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareHeadsInput,
+    PrepareLatentInput,
     PrepareModuleInput,
     PrepareModuleOutput,
     Replicate,
@@ -151,6 +152,14 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         why = "projections are not nn.Linear or Conv1D"
     elif a.n_heads % t or a.n_kv_heads % t:
         why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
+    if a.broadcast:   # a latent attention (MLA): its own form, with plain inputs
+        if why is None and len(a.broadcast) != 1:
+            why = f"{len(a.broadcast)} projections broadcast to every head (one is planned)"
+        if why is None:
+            out.append(_latent_heads(a, h, t, layout))
+        else:
+            out[0].extra["tp_excluded"] = why
+        return out
     column = _column_styles(a, t) if why is None else why
     if isinstance(column, str):
         why = column
@@ -204,6 +213,38 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     if plain_why is not None:
         out[0].extra["tp_excluded"] = plain_why
     return out
+
+
+def _latent_heads(a: AttentionUnit, h: int, t: int, layout: str) -> Strategy:
+    """Heads sharded in a latent attention (DeepSeek's MLA; torchtitan's DeepSeek plan shards the
+    same modules): the per-head up-projections (q_b_proj or q_proj, kv_b_proj) column-wise, o_proj
+    row-wise; the down-projections and their norms stay replicated, computing the latents whole
+    on every rank, so the module's inputs stay plain tensors (a DTensor input would meet their
+    plain weights) and each column projection all-reduces its latent input's gradient in
+    backward. The output columns of the replicated projection that reach the core broadcast to
+    every head (the rotary key) get their gradient all-reduced by PrepareLatentInput: a rank sums
+    only its own heads' share of it. On a sequence-sharded stream the module gathers the sequence
+    at its input (a plain gather: backward slices the whole gradient every rank holds) and o_proj
+    reduce-scatters into it."""
+    heads = list(dict.fromkeys([a.q, a.k, a.v]))
+    (linear, start, stop, nbytes), = a.broadcast
+    inside = linear[len(a.rel) + 1:] if linear.startswith(a.rel + ".") else linear
+    styles: dict[str, ParallelStyle] = {
+        a.rel: PrepareLatentInput(input_layouts=(_PLACEMENT[layout],), desired_input_layouts=(R,), use_local_output=True,
+                                  broadcast_linear=inside, broadcast_columns=a.broadcast_columns[linear])}
+    styles.update({p: ColwiseParallel() for p in heads})
+    styles[a.o] = RowwiseParallel(output_layouts=_PLACEMENT[layout])
+    grads = [Collective("all_reduce", "backward", a.proj_input_bytes.get(p, h)) for p in heads] + \
+        [Collective("all_reduce", "backward", nbytes)]
+    comm = [Collective("all_reduce", "forward", h)] if layout == "R" else \
+        [Collective("all_gather", "forward", h), Collective("reduce_scatter", "forward", h),
+         Collective("all_gather", "backward", h)]
+    # the replicated latent path is not divided: what a rank runs is that share whole, the rest 1/t
+    flops, params = (1.0 / (share + (1.0 - share) / t) for share in a.replicated_share)
+    return Strategy("heads_sharded_latent", layout, styles, comm + grads, compute_shard=flops, param_shard=params,
+                    activation_shard=t,
+                    reason=f"latent attention: per-head up-projections column-wise, o row-wise, latents replicated; "
+                           f"gradient of the columns broadcast to every head ({linear}[{start}:{stop}]) all-reduced")
 
 
 def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:

@@ -78,6 +78,18 @@ class AttentionUnit:
     # the head-count attribute by which per-head tensors it receives with heads folded into the
     # batch dimension are cut (Bloom's ALiBi bias, (batch * heads, 1, seq)); "" when none
     folded_heads: str = ""
+    # a latent attention (DeepSeek's MLA, roles/latent.py): replicated projections inside it whose
+    # output columns [start, stop) reach the core broadcast to every head -- (module, start, stop,
+    # bytes of those columns per call) -- and each column projection's input bytes (the latents,
+    # whose gradient each column projection all-reduces when the inputs stay plain)
+    broadcast: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # the same columns as the module's code names them, per broadcast module: [start, stop], each an
+    # attribute path of the module holding that index, or an int; stop None for the last column
+    broadcast_columns: dict[str, list] = field(default_factory=dict)
+    proj_input_bytes: dict[str, int] = field(default_factory=dict)
+    # (FLOPs share, parameter share) of the module's work that no head projection holds (the
+    # latent path a latent attention keeps replicated when its heads are sharded)
+    replicated_share: tuple[float, float] = (0.0, 0.0)
 
     @property
     def projections(self) -> list[str]:
@@ -317,10 +329,47 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
     if not all(k in p for k in "qkvo"):
         fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
         return f"its projections ({fused}) are incomplete (no output projection found)"
-    lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in "qkvo")
-    return AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
+    broadcast = [(b["module"], int(b["columns"][0]), int(b["columns"][1])) for b in a.get("broadcast", [])]
+    lin = all(_type(graph, f"{rep}.{m}") in _SHARDABLE_LINEARS for m in [p[k] for k in "qkvo"] +
+              [m for m, _, _ in broadcast])
+    unit = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                          own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs,
                          folded_heads=folded)
+    if broadcast:
+        unit.broadcast = [(m, start, stop, _column_bytes(graph, f"{rep}.{m}", stop - start))
+                          for m, start, stop in broadcast]
+        unit.broadcast_columns = {m: _column_spec(graph, where, f"{rep}.{m}", start, stop)
+                                  for m, start, stop in broadcast}
+        unit.proj_input_bytes = {p[k]: _input_bytes(graph, f"{rep}.{p[k]}") for k in "qkv"}
+        heads = sum((work(f"{rep}.{m}") for m in {p[k] for k in "qkvo"}), Work())
+        unit.replicated_share = (max(own.flops - heads.flops, 0) / max(own.flops, 1),
+                                 max(own.params - heads.params, 0) / max(own.params, 1))
+    return unit
+
+
+def _column_spec(graph: ModelGraph, where: str, linear: str, start: int, stop: int) -> list:
+    """[start, stop] of a linear's output columns as module ``where``'s code names them: the path of
+    an integer attribute it (or its config) holds with that value -- so the plan fits the model
+    at any width -- else the int; stop None when it is the linear's last column."""
+    attrs = graph.modules[where].size_attrs if where in graph.modules else {}
+    weight = graph.modules[linear].params.get("weight", ()) if linear in graph.modules else ()
+    width = weight[0] if len(weight) == 2 else None
+
+    def name(value: int):
+        own = sorted(k for k, v in attrs.items() if v == value and "." not in k)
+        config = sorted(k for k, v in attrs.items() if v == value and "." in k)
+        return (own or config or [value])[0]
+
+    return [0 if start == 0 else name(start), None if stop == width else name(stop)]
+
+
+def _column_bytes(graph: ModelGraph, fqn: str, columns: int) -> int:
+    """Bytes of ``columns`` output columns of linear ``fqn`` over every token it sees per call."""
+    for n in graph.nodes_in(fqn):
+        if n.outputs and n.outputs[0].shape and n.outputs[0].shape[-1]:
+            out = n.outputs[0]
+            return out.numel // out.shape[-1] * columns * dtype_size(out.dtype)
+    return 0
 
 
 def _bias_table(graph: ModelGraph, rep: str, unit: AttentionUnit) -> str:

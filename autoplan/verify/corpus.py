@@ -56,6 +56,17 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "bloom": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 4096, "n_head": 32}),            # bloom-7b1
     "opt": ("OPTConfig", "OPTForCausalLM", {"hidden_size": 4096, "num_attention_heads": 32,      # opt-6.7b
                                             "ffn_dim": 16384, "word_embed_proj_dim": 4096}),
+    # DeepSeek-V3 (the config's defaults: MLA with q_lora_rank 1536): a dense block, then a MoE
+    # block with 16 of its 256 routed experts (2 per routing group) -- all 256 replicated need 179 GiB per rank on 4
+    # ranks, and these meshes have no ep dimension to spread them (REFUSED, as it should be)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {"first_k_dense_replace": 1, "n_routed_experts": 16}),
+    # DeepSeek-V2-Lite's shape in V3's modules: MLA with a plain q_proj (no q_lora_rank); both blocks
+    # dense (its first block's kind; the MoE block is deepseek_v3's), so a sequence-sharded stream
+    # can carry them
+    "deepseek_v2_lite": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "first_k_dense_replace": 2, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "vocab_size": 102400}),
 }
 FAMILIES = ("llama",) + tuple(HF_FAMILIES)
 MESHES = {"tp4": ((4,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp"))}

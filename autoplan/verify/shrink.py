@@ -129,6 +129,10 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
     for k in ("num_local_experts", "num_experts", "n_routed_experts"):
         if isinstance(d.get(k), int):
             out[k] = min(d[k], 4)
+    if isinstance(d.get("n_group"), int) and d["n_group"] > 1:   # group-limited routing over the kept experts
+        out["n_group"], out["topk_group"] = 1, 1
+    if isinstance(d.get("kv_lora_rank"), int):
+        out.update(_shrink_latent(d))
     if isinstance(d.get("num_experts_per_tok"), int):
         experts = next((out[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in out), 4)
         out["num_experts_per_tok"] = min(d["num_experts_per_tok"], experts)
@@ -147,6 +151,18 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
             out[k] = 0
     out.pop("architectures", None)
     out.pop("transformers_version", None)
+    return out
+
+
+def _shrink_latent(d: dict) -> dict:
+    """A latent attention's widths (DeepSeek's MLA): per-head nope/v widths ``HEAD_DIM``, the rotary
+    width half of it (``head_dim`` is the rotary width there), small latents. The latents and the
+    rotary key are replicated when heads are sharded, so no residue needs keeping."""
+    rope = HEAD_DIM // 2
+    out = {"qk_nope_head_dim": HEAD_DIM, "v_head_dim": HEAD_DIM, "qk_rope_head_dim": rope, "head_dim": rope,
+           "qk_head_dim": HEAD_DIM + rope, "kv_lora_rank": BASE_WIDTH}
+    if isinstance(d.get("q_lora_rank"), int):
+        out["q_lora_rank"] = 2 * BASE_WIDTH
     return out
 
 

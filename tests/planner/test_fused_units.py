@@ -146,14 +146,29 @@ def test_packed_projections_mark_only_a_packed_bias_fsdp_replicated(structures):
     assert all(s.extra.get(PACKED_BIAS) for s in out if s.name != "replicate")
 
 
-def test_attention_whose_projections_are_not_traced_is_no_mlp(structures):
-    """DeepSeek's MLA writes k into a new_empty buffer in place, so its core's k input leads to
-    no projection. Its low-rank q_a -> q_b pair must not become an "MLP" (it was, and the norm on
-    its latent a stream norm): the attention is kept replicated, saying why, and the block's real
-    MLP (dense or the MoE's shared experts) stays the MLP unit."""
+def test_latent_attention_is_a_unit_with_its_broadcast_columns(structures):
+    """DeepSeek's MLA writes k into a new_empty buffer in place (k_nope from kv_b_proj, the rotary
+    k_rot from columns kv_lora_rank: of kv_a_proj_with_mqa, broadcast to every head). The
+    alias-aware dataflow follows those writes: the attention is a unit whose heads come from
+    q_b_proj and kv_b_proj (k and v share it), with kv_a_proj_with_mqa's columns [16, 20) named
+    as broadcast; its low-rank q_a -> q_b pair is no "MLP", its latent norms no stream norms, and
+    the block's real MLP (dense or the MoE's shared experts) stays the MLP unit."""
     st = structures["deepseek_v3"]
-    assert all(b.attention is None for b in st.blocks)
+    for b in st.blocks:
+        a = b.attention
+        assert (a.rel, a.q, a.k, a.v, a.o) == ("self_attn", "self_attn.q_b_proj", "self_attn.kv_b_proj",
+                                               "self_attn.kv_b_proj", "self_attn.o_proj")
+        assert (a.n_heads, a.n_kv_heads, a.linear) == (8, 8, True)
+        assert a.broadcast == [("self_attn.kv_a_proj_with_mqa", 16, 20, 2 * 16 * 4 * 4)]
+        assert a.proj_input_bytes == {"self_attn.q_b_proj": 2 * 16 * 32 * 4, "self_attn.kv_b_proj": 2 * 16 * 16 * 4}
+        offered = {s.name: s for s in attention_strategies(a, b, 4, "R")}
+        assert sorted(offered) == ["heads_sharded_latent", "replicate"]
+        styles = offered["heads_sharded_latent"].styles
+        latent = styles["self_attn"]   # inputs plain, the rotary key's columns named as the code names them
+        assert (latent.broadcast_linear, latent.broadcast_columns, latent.use_local_output) == \
+            ("kv_a_proj_with_mqa", ["kv_lora_rank", None], True)
+        assert "self_attn.q_a_proj" not in styles and "self_attn.kv_a_proj_with_mqa" not in styles   # replicated
+        assert attention_strategies(a, b, 3, "R")[0].extra["tp_excluded"].startswith("heads 8")
     assert [b.mlp.rel for b in st.blocks] == ["mlp", "mlp.shared_experts"]
     assert all(not any("q_a_layernorm" in n or "kv_a_layernorm" in n for n in b.norms) for b in st.blocks)
-    untraced = [w for w, why in st.not_units if "not recognised" in why]
-    assert untraced == ["model.layers.0.self_attn", "model.layers.1.self_attn"], st.not_units
+    assert not [w for w, why in st.not_units if "not recognised" in why], st.not_units

@@ -10,6 +10,7 @@ from hyper_parallel import (
     ColwiseParallel,
     NoParallel,
     Partial,
+    PrepareLatentInput,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -37,6 +38,8 @@ STYLES = [
     PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
     PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
                              output_layouts=Partial("avg"), desired_output_layouts=Replicate()),
+    PrepareLatentInput(input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True,
+                       broadcast_linear="kv_a_proj_with_mqa", broadcast_columns=["kv_lora_rank", None]),
 ]
 
 

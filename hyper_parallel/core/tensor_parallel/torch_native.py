@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate
 
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
 from hyper_parallel.core.tensor_parallel.head_styles import PrepareHeadsInput
+from hyper_parallel.core.tensor_parallel.latent_styles import PrepareLatentInput
 from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.core.tensor_parallel.parallelize import flatten_plan, match_modules
 from hyper_parallel.core.tensor_parallel.prepare_styles import (
@@ -37,6 +38,9 @@ def to_torch_style(style: ParallelStyle, module: nn.Module | None = None) -> tp.
     if isinstance(style, PrepareHeadsInput):
         raise StyleSpecError(f"no torch equivalent for {style!r}: torch's styles do not set a module's head "
                              f"counts to their local values")
+    if isinstance(style, PrepareLatentInput):
+        raise StyleSpecError(f"no torch equivalent for {style!r}: torch's styles do not all-reduce the gradient of "
+                             f"the columns a latent attention broadcasts to every head")
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         cls = tp.ColwiseParallel if isinstance(style, ColwiseParallel) else tp.RowwiseParallel
         inp = style.input_layouts
