@@ -109,10 +109,15 @@ def with_mixed_precision(plan: Plan) -> Plan:
     dp_dim = flat_name(grad_dims(plan)) if plan.parallel.get("cp") else plan.fsdp.get("dim") or plan.dp_dim
     # expert parallel: the all-reduces over ep after backward carry the (fp32) gradients too
     ep_dim = (plan.parallel.get("ep") or {}).get("dim")
-    plan.predictions["collectives"] = [
-        dict(r, bytes=int(r["bytes"] * scale)) if (r["mesh_dim"] == dp_dim and r["kind"] == "reduce_scatter") or (
-            r["mesh_dim"] == ep_dim and r["kind"] == "all_reduce" and r["phase"] == "backward") else r
-        for r in plan.predictions["collectives"]]
+
+    def fp32_reductions(rows: list[dict]) -> list[dict]:
+        return [dict(r, bytes=int(r["bytes"] * scale)) if (r["mesh_dim"] == dp_dim and r["kind"] == "reduce_scatter")
+                or (r["mesh_dim"] == ep_dim and r["kind"] == "all_reduce" and r["phase"] == "backward") else r
+                for r in rows]
+
+    plan.predictions["collectives"] = fp32_reductions(plan.predictions["collectives"])
+    if plan.pipeline and plan.pipeline.get("rank_collectives"):   # every pipeline rank's rows (verify reads each)
+        plan.pipeline["rank_collectives"] = [fp32_reductions(rows) for rows in plan.pipeline["rank_collectives"]]
     mem = dict(plan.predictions["memory_bytes"])
     mem.pop("total", None)
     elements = mem.get("params", 0.0) / pbytes

@@ -62,6 +62,15 @@ def plan_dtype(plan: Plan) -> torch.dtype:
     return getattr(torch, name)
 
 
+def compute_dtype(plan: Plan) -> torch.dtype:
+    """The dtype activations have at run time: FSDP mixed precision computes in its param_dtype
+    (what a pipeline stage sends on), else the plan's dtype."""
+    mp = (plan.fsdp or {}).get("mixed_precision")
+    if mp:
+        return getattr(torch, str(mp.get("param_dtype", "float32")).replace("torch.", ""))
+    return plan_dtype(plan)
+
+
 def dry_batch(plan: Plan, dp: int, inputs=None):
     """(inputs, targets) of one dp rank: token ids of the plan's batch shape unless given.
     Call under FakeTensorMode: the values never matter, only the shapes."""

@@ -35,7 +35,8 @@ from autoplan.errors import AutoplanError
 from autoplan.parallelisms.data import dp_degree
 from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.parallelisms.context import cp_share
-from autoplan.verify.dry_common import VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
+from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, meta_copy,
+                                        plan_dtype)
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
 from hyper_parallel.local import CollectiveRecorder, fake_world
@@ -74,7 +75,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
     for s in shape:
         world *= s
     meta = meta_copy(model, plan_dtype(plan))
-    shapes_model = None if "metas" in boundaries else meta_copy(model, plan_dtype(plan))
+    # boundaries as the runtime infers them: stage outputs in the dtype the stages compute in
+    shapes_model = None if "metas" in boundaries else meta_copy(model, compute_dtype(plan))
     with fake_world(world, rank=_global_rank(plan, pp_rank)):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         groups = {mesh.get_group(n).group_name: n for n in names}
