@@ -152,7 +152,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
             mem[key] += v * k / len(targets)
     if c.p > 1:
         units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b, best.cp, best.ep)
-        hidden = st.blocks[0].hidden_bytes if st.blocks else 0
+        hidden = st.hidden_bytes
         nbytes = int(hidden / (best.tp if layout == "S" else 1))
         for s in range(len(s2r)):
             if s2r[s] != rank:

@@ -398,7 +398,7 @@ class ClusterSearch:
                                      groups=self.moe_groups)
             add_ep(acc, names, options, all_targets, experts)
         units = [UnitCost(n, *a) for n, a in zip(names, acc)]
-        hidden = st.blocks[0].hidden_bytes if st.blocks else 0
+        hidden = st.hidden_bytes
         p2p_bytes = hidden / (tp if layout == "S" else 1)
         p2p = ctx.topology.collective_time("pp", "send_recv", p2p_bytes) if pp > 1 else 0.0
         self._units[key] = (units, p2p)

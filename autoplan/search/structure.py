@@ -170,6 +170,16 @@ class ModelStructure:
     # one): (slot, slot, what flows). Their heads must be sharded in both or in neither.
     head_links: list[tuple[str, str, str]] = field(default_factory=list)
 
+    @property
+    def hidden_bytes(self) -> int:
+        """One hidden-stream tensor (b, s, h) in bytes: a block's, else (a model whose one layer
+        forms no block group) the embedding's output as the head reads it."""
+        if self.blocks:
+            return self.blocks[0].hidden_bytes
+        if self.head is not None and self.embedding is not None:
+            return self.head.tokens * self.embedding.dim * self.dtype_bytes
+        return 0
+
 
 def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
     row = rows.get(fqn)

@@ -232,7 +232,7 @@ class TPSearch:
                 self._add(f"{b.id}/other", Strategy("replicate", layout, {}, [],
                                                     extra={"block_input_bytes": b.hidden_bytes}),
                           owner, b.count, b.other_work, b.other_work.param_bytes)
-        hidden = st.blocks[0].hidden_bytes if st.blocks else 0
+        hidden = st.hidden_bytes
         seq = seqs[0] if seqs else 1
         if st.embedding is not None:
             for s in embedding_strategies(st.embedding, t, seq, hidden):
@@ -242,9 +242,7 @@ class TPSearch:
             for s in norm_strategies(st.final_norms, t, layout, pt):
                 self._add("final_norm", s, "", 1, st.final_norm_work, st.final_norm_param_bytes)
             if st.head is not None:
-                # the hidden state entering the head: a block's stream, else tokens x embedding width
-                hb = hidden or (st.head.tokens * st.embedding.dim * db if st.embedding else 0)
-                for s in head_strategies(st.head, t, layout, hb):
+                for s in head_strategies(st.head, t, layout, hidden):   # the stream entering the head
                     pb = 0 if st.head.tied else st.head.work.param_bytes
                     self._add("head", s, "", 1, st.head.work, pb)
         self._add("rest", Strategy("replicate", None, {}, []), "", 1, st.rest, st.rest.param_bytes)

@@ -105,3 +105,19 @@ def test_bf16_fsdp_pipeline_plan_verifies_on_every_rank():
     hidden = plan.pipeline["microbatch_size"] * plan.batch["seq_len"] * 64   # SMALL_LLAMA's width
     assert set(p2p["bytes"]) == {hidden * 2} and (p2p["issued"] == p2p["predicted"]).all()
     assert set(df[df["kind"] == "reduce_scatter"]["pp_rank"]) == {0, 1}
+
+
+@pytest.mark.parametrize("cons", [{"pp": 1, "tp": 2, "dp": 2}, {"pp": 2, "tp": 2, "dp": 1}])
+def test_one_layer_model_predicts_its_hidden_stream_and_verifies(cons):
+    """A model whose one layer forms no block group: the embedding's all-reduce and the pipeline's
+    sends carry the hidden stream (they were predicted as 0 bytes, and verify failed)."""
+    from autoplan.models import build_llama
+    from tests.planner.e2e_workers import SMALL_LLAMA
+
+    model = build_llama(device="meta", **dict(SMALL_LLAMA, n_layers=1))
+    plan = plan_cluster(model, 4, hardware="cpu", batch=(16, 16), devices_per_node=4,
+                        constraints=dict(cons, fsdp=True))
+    rows = plan.predictions["collectives"] + [r for rank in plan.pipeline.get("rank_collectives", []) for r in rank]
+    assert not [r for r in rows if r["bytes"] == 0], rows
+    res = verify(plan, model)
+    assert res.passed, res.mismatches()
