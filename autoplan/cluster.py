@@ -339,8 +339,9 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
             "(verify checks each); memory_bytes is the fullest rank's"]
         if c.p == 1 and c.m > 1:
-            tp_plan.notes.append(f"pp=1 with {c.m} micro-batches is gradient accumulation; the runner (runner.py) "
-                                 "runs the local batch in one pass, so apply with microbatches=1 or accumulate yourself")
+            tp_plan.notes.append(f"pp=1 with {c.m} micro-batches of {best.b}: the runner (runner.py) runs the local "
+                                 f"batch in one pass, and the memory predicted is that pass's ({c.m} micro-batches' "
+                                 "activations live); accumulate gradients yourself to hold one")
         with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
         tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
         return tp_plan

@@ -224,9 +224,9 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
         stage_rows.append({"state": sum(u.state_bytes for u in seg), "act": sum(u.act_bytes for u in seg),
                            "dp_comm_s": _stage_dp(choice, units, len(stage_rows), a, b)})
     hop = p2p_time if choice.p > 1 else 0.0
-    if choice.p == 1:  # one stage: m forwards and backwards back to back, one micro-batch live
+    if choice.p == 1:  # one stage: the runner runs the rank's m micro-batches as one pass (all live)
         busy1 = choice.m * sum(c.forward + c.backward for c in stage_costs)
-        step, bubble, busy, peaks = busy1, 0.0, [busy1], [1]
+        step, bubble, busy, peaks = busy1, 0.0, [busy1], [choice.m]
     else:
         step, bubble, busy, peaks = play_costs(choice.schedule, choice.p, choice.m, choice.v, stage_costs, hop)
     s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
@@ -318,7 +318,8 @@ def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float
     activation per chunk of its stages (known before timing: in-flight counts are a property of
     the schedule's order)."""
     s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
-    peaks = schedule_facts(choice.schedule).inflight(choice.p, choice.m, choice.v) if choice.p > 1 else (1,)
+    # one stage: the runner runs the local batch in one pass, so all m micro-batches are live
+    peaks = schedule_facts(choice.schedule).inflight(choice.p, choice.m, choice.v) if choice.p > 1 else (choice.m,)
     state, act, n_on = [0.0] * choice.p, [0.0] * choice.p, [0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         r = s2r[s] if choice.p > 1 else 0
