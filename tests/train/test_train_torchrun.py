@@ -1,10 +1,13 @@
 """`autoplan train` under torchrun on 4 gloo ranks, and checkpoints resumed under other plans.
 
-Four launches in all (torchrun is slow on this 2-core machine): the CLI trains 25 steps under
-(dp=2, tp=2) saving at step 20, the CLI trains 20 steps under (pp=2, tp=2), one 4-rank worker
-resumes step 20 under tp=4 and under pp=2 x tp=2, one single-process worker resumes it on one
-device and checks checkpoints of other models. Resumed state must equal the checkpoint read back
-whole, bit for bit; the next 5 losses must equal the uninterrupted run's (rtol 1e-5).
+One torchrun launch (the product contract: train with torchrun; a launch costs tens of seconds on
+this 2-core machine): the CLI trains 25 steps under (dp=2, tp=2) saving at steps 20 and 25. The
+other runs use the session's 4-rank gloo pool, whose ranks run the same entry points as torchrun's
+(``autoplan.cli.main`` and ``Trainer``; see tests/train/train_workers.py): the CLI trains 20 steps
+under (pp=2, tp=2); step 20 is resumed under tp=4 and under pp=2 x tp=2; and, in this process as a
+plain ``python`` run would (a world of one), on one device, where checkpoints of other models must
+be refused. Resumed state must equal the checkpoint read back whole, bit for bit; the next 5 losses
+must equal the uninterrupted run's (rtol 1e-5).
 """
 from __future__ import annotations
 
@@ -17,6 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from autoplan import plan_cluster
+from autoplan.train.model import build_model
+from hyper_parallel.local.fake_world import _clear_dtensor_caches
+from tests.train import train_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -41,9 +50,6 @@ def _torchrun(n: int, *args) -> list[str]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    from autoplan import plan_cluster
-    from autoplan.train.model import build_model
-
     d = tmp_path_factory.mktemp("train")
     meta = build_model("titan-llama-debug", device="meta")
     for name, (world, cons, shard_all) in PLANS.items():
@@ -64,6 +70,20 @@ def run_a(work):
     return out, rows
 
 
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """This process as a plain ``python`` run: no torchrun variables, so ``init_distributed``
+    starts a world of one; afterwards the group is destroyed and the variables it set removed,
+    so later tests (fake_world dry runs) find the process as it was."""
+    assert not dist.is_initialized()
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _clear_dtensor_caches()
+
+
 def test_cli_trains_dp_tp_plan_and_checkpoints(run_a, work):
     out, rows = run_a
     assert [int(r["step"]) for r in rows] == list(range(1, 26))
@@ -75,13 +95,14 @@ def test_cli_trains_dp_tp_plan_and_checkpoints(run_a, work):
     assert sorted(p.name for p in (work / "ckpt").iterdir()) == ["step-20", "step-25"]
 
 
-def test_cli_trains_pp_tp_plan(work):
-    out = _run(_torchrun(4, "-m", "autoplan.cli", "train", "--plan", str(work / "pp2tp2.json"), "--steps", "20",
-                         "--lr", LR, "--metrics", str(work / "pp.jsonl"), "--progress", "log"))
+def test_cli_trains_pp_tp_plan(work, pool4):
+    out = pool4.run(train_workers.cli, ["train", "--plan", str(work / "pp2tp2.json"), "--steps", "20", "--lr", LR,
+                                        "--metrics", str(work / "pp.jsonl"), "--progress", "log"])[0]
+    assert out["rc"] == 0, out
     rows = [json.loads(line) for line in open(work / "pp.jsonl")]
     losses = [r["loss"] for r in rows]
     assert len(rows) == 20 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
-    assert "(pipeline " in out.stderr and "trained steps 0..20" in out.stdout
+    assert "(pipeline " in out["log"] and "trained steps 0..20" in out["stdout"]
 
 
 def _check_resumed(res: dict, uninterrupted: list[float]):
@@ -90,25 +111,22 @@ def _check_resumed(res: dict, uninterrupted: list[float]):
     assert res["losses"] == pytest.approx(uninterrupted, rel=1e-5)
 
 
-def test_resume_under_tp4_and_pp2_tp2(run_a, work):
+def test_resume_under_tp4_and_pp2_tp2(run_a, work, pool4):
     _, rows = run_a
-    _run(_torchrun(4, str(ROOT / "tests/train/resume_worker.py"), "--checkpoint", str(work / "ckpt/step-20"),
-                   "--plans", f"{work / 'tp4.json'},{work / 'pp2tp2.json'}", "--lr", LR,
-                   "--out", str(work / "r4.json")))
-    results = json.loads((work / "r4.json").read_text())["resume"]
+    plans = [str(work / "tp4.json"), str(work / "pp2tp2.json")]
+    results = pool4.run(train_workers.resume_under, str(work / "ckpt/step-20"), plans, 25, float(LR))[0]
     uninterrupted = [float(r["loss"]) for r in rows[20:25]]
-    for name in ("tp4", "pp2tp2"):
-        _check_resumed(results[name], uninterrupted)
+    for plan in plans:
+        _check_resumed(results[plan], uninterrupted)
 
 
-def test_resume_on_one_device_and_mismatched_models(run_a, work):
+def test_resume_on_one_device_and_mismatched_models(run_a, work, world_of_one):
     _, rows = run_a
-    _run([PY, str(ROOT / "tests/train/resume_worker.py"), "--checkpoint", str(work / "ckpt/step-20"),
-          "--plans", str(work / "one.json"), "--mismatch-plan", str(work / "one.json"), "--lr", LR,
-          "--out", str(work / "r1.json")])
-    results = json.loads((work / "r1.json").read_text())
-    _check_resumed(results["resume"]["one"], [float(r["loss"]) for r in rows[20:25]])
-    shape, other = results["mismatch"]
+    checkpoint, one = str(work / "ckpt/step-20"), str(work / "one.json")
+    resumed = train_workers.resume_under(checkpoint, [one], 25, float(LR))[one]
+    assert dist.get_world_size() == 1
+    _check_resumed(resumed, [float(r["loss"]) for r in rows[20:25]])
+    shape, other = train_workers.mismatched_models(checkpoint, one, float(LR))
     assert shape["error"] == other["error"] == "CheckpointMismatchError"
     assert shape["name"] == "layers.0.feed_forward.w1.weight" and "(384, 128)" in shape["message"]
     assert other["name"] == "model.embed_tokens.weight"
