@@ -57,6 +57,22 @@ def _worker(rank: int, world: int, port: int, tasks, results, pg_timeout_s: floa
     dist.destroy_process_group()
 
 
+# What every rank imports anyway: loaded once in the fork server, so a rank starts as a fork of a
+# process that has them instead of importing torch afresh (an 8-rank pool: ~40 s -> ~4 s here).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp"]
+
+
+def _context():
+    """The ranks' start method: forkserver with torch preloaded where the platform has it (the
+    children are forks of a clean server process, not of the caller, so the caller's threads and
+    state are not inherited -- the same guarantees spawn gives), else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class RankPool:
     """``world`` gloo ranks kept alive across calls of :meth:`run`."""
 
@@ -68,7 +84,7 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
         port = free_port()
