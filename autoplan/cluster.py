@@ -281,7 +281,12 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
         # by the same objects the search priced them with (autoplan/search/cluster_dims.py)
         searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp)
-        tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp),
+        # one stage: the runner runs the rank's local batch in one pass, so the plan says so (one
+        # micro-batch of b x m sequences, its rows on that graph); the search priced it as m
+        # micro-batches of b -- the same work, all m live (pipeline_search.time_choice)
+        one_pass = c.p == 1 and c.m > 1
+        b_plan, m_plan = (best.b * c.m, 1) if one_pass else (best.b, c.m)
+        tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(b_plan, best.cp),
                             memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
                             activation_checkpointing=best.recompute == "full",
                             allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
@@ -307,9 +312,9 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             worst_mem = {k: v for k, v in tp_plan.predictions["memory_bytes"].items() if k != "total"}
         busy = max(c.busy_s)
         tp_plan.pipeline = {
-            "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
+            "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": m_plan, "microbatch_size": b_plan,
             "stages": stages, "cuts": [names[s] for s in c.starts[1:]], "stage_to_rank": s2r,
-            "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": list(c.peak_inflight),
+            "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": [1] if one_pass else list(c.peak_inflight),
             "per_stage": [{k: int(round(row[k])) if k == "memory_bytes" else row[k]
                            for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
                           for row in c.per_stage],
@@ -338,10 +343,9 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
             "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
             "(verify checks each); memory_bytes is the fullest rank's"]
-        if c.p == 1 and c.m > 1:
-            tp_plan.notes.append(f"pp=1 with {c.m} micro-batches of {best.b}: the runner (runner.py) runs the local "
-                                 f"batch in one pass, and the memory predicted is that pass's ({c.m} micro-batches' "
-                                 "activations live); accumulate gradients yourself to hold one")
+        if one_pass:
+            tp_plan.notes.append(f"pp=1: the local batch of {b_plan} sequences runs in one pass (the runner has no "
+                                 f"gradient accumulation); priced as {c.m} micro-batches of {best.b}, the same work")
         with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
         tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
         return tp_plan

@@ -23,10 +23,12 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     """Start the default process group if needed; returns this rank's device."""
     dev = device_type()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(free_port()))
-        dist.init_process_group(backend_for(dev), timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:   # torchrun (or a launcher like it) set the rendezvous
+            dist.init_process_group(backend_for(dev), timeout=timeout)
+        else:   # a world of one, without writing the rendezvous into the caller's environment
+            dist.init_process_group(backend_for(dev), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                    world_size=1, timeout=timeout)
     if dev == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", "0"))

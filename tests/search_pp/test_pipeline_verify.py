@@ -121,3 +121,15 @@ def test_one_layer_model_predicts_its_hidden_stream_and_verifies(cons):
     assert not [r for r in rows if r["bytes"] == 0], rows
     res = verify(plan, model)
     assert res.passed, res.mismatches()
+
+
+def test_one_stage_plan_with_microbatches_is_written_as_the_one_pass_the_runner_runs():
+    """pp=1 priced as m micro-batches of b: the runner runs the local batch in one pass, so the
+    plan is one micro-batch of b*m, its rows on that graph, and verify matches it exactly (the
+    rows were one micro-batch's and verify failed)."""
+    plan = _plan(4, {"pp": 1, "tp": 2, "dp": 2, "microbatches": 2})
+    pipe = plan.pipeline
+    assert (pipe["microbatches"], pipe["microbatch_size"]) == (1, 16 // 2)
+    assert any("runs in one pass" in n for n in plan.notes), plan.notes
+    res = verify(plan, build("llama_big_vocab", device="meta"))
+    assert res.passed, res.mismatches()

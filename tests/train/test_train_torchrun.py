@@ -73,12 +73,15 @@ def run_a(work):
 @pytest.fixture
 def world_of_one(monkeypatch):
     """This process as a plain ``python`` run: no torchrun variables, so ``init_distributed``
-    starts a world of one; afterwards the group is destroyed and the variables it set removed,
-    so later tests (fake_world dry runs) find the process as it was."""
+    starts a world of one -- without writing them into the environment (a notebook that trains
+    keeps its environment); afterwards the group is destroyed, so later tests (fake_world dry
+    runs) find the process as it was."""
     assert not dist.is_initialized()
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    for var in names:
         monkeypatch.delenv(var, raising=False)
     yield
+    assert not [v for v in names if v in os.environ], "init_distributed wrote the rendezvous into os.environ"
     if dist.is_initialized():
         dist.destroy_process_group()
     _clear_dtensor_caches()
