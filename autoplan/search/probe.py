@@ -24,6 +24,7 @@ per module), plus the all-reduce of each of its parameters' gradients in backwar
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from autoplan.capture.blocks import only_representatives
@@ -69,8 +72,6 @@ class Finding:
 
 
 def _shape(x) -> tuple | None:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(x, DTensor):
         return ("dtensor",) + tuple(x.shape)
     if isinstance(x, torch.Tensor):
@@ -141,9 +142,19 @@ class Prober:
 
     def run(self, styles: dict[str, ParallelStyle], mesh, *, record: bool = False, backward: bool = False) -> ProbeRun:
         """Forward (and ``backward``) of a copy styled with ``styles``; ``record`` attributes the
-        forward collectives to the innermost module issuing them."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        forward collectives to the innermost module issuing them. A run with nothing to record
+        runs on meta tensors (DTensor's sharding rules and the collectives' meta kernels give the
+        same shapes, several times cheaper than fake tensors), and on fake tensors only if meta
+        cannot run it (a forward that makes CPU tensors); recording needs the fake process group
+        to see the collectives, so it runs on fake tensors."""
+        if not record:
+            out = self._run(styles, mesh, record, backward, on_meta=True)
+            if not out.error:
+                return out
+            log.debug("probe run on meta failed (%s); running on fake tensors", out.error)
+        return self._run(styles, mesh, record, backward, on_meta=False)
 
+    def _run(self, styles: dict[str, ParallelStyle], mesh, record: bool, backward: bool, on_meta: bool) -> ProbeRun:
         model = copy.deepcopy(self.small)
         out = ProbeRun()
         stack: list[str] = []
@@ -171,10 +182,11 @@ class Prober:
                 own = [p for p in mod.parameters(recurse=False)]
                 if own and not any(_is_dtensor(p) for p in own):
                     out.plain_param_modules[name] = [p.numel() * p.element_size() for p in own]
-            fake = FakeTensorMode(allow_non_fake_inputs=True)
-            with fake, cores:
-                model.to_empty(device="cpu")
-                tokens = torch.zeros(self.batch, dtype=torch.long)
+            tensors = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+            with tensors, cores:
+                if not on_meta:
+                    model.to_empty(device="cpu")
+                tokens = torch.zeros(self.batch, dtype=torch.long, device="meta" if on_meta else None)
                 if not record:
                     logits = output_logits(forward_tokens(model, tokens))
                     if backward:
@@ -281,8 +293,6 @@ class _CoreRecorder(TorchFunctionMode):
 
 
 def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 
