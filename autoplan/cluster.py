@@ -25,7 +25,8 @@ from autoplan.errors import InvalidArgumentError
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import LOSS_BYTES
 from autoplan.capture.inputs import meta_view
-from autoplan.search.mesh_search import MESH_NAMES, Candidate, ClusterSearch, ranked_alternatives, search_dtype
+from autoplan.search.mesh_candidates import MESH_NAMES, Candidate, ranked_alternatives
+from autoplan.search.mesh_search import ClusterSearch, search_dtype
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.sharding import param_shards

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from autoplan.errors import PlanningError
-from autoplan.search.mesh_search import divisors
+from autoplan.search.mesh_candidates import divisors
 from autoplan.search.tp_search import exposed_dp
 from cost_models.topology import mesh_topology
 from hyper_parallel.core.collective import Collective

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -30,13 +28,16 @@ from autoplan.search.cluster_dims import (
     CP_MIN_SEQ, add_cp, add_ep, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees, model_moe_groups,
 )
 from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
-from autoplan.search.costing import CostContext
+from autoplan.search.costing import RECOMPUTE, CostContext
 from autoplan.search.expert_plan import ExpertPlanning
 from autoplan.parallelisms.data import flat_name
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.pipeline_search import (
     PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
     time_choice,
+)
+from autoplan.search.mesh_candidates import (
+    Candidate, dp_mode_of, mesh_factorizations, recompute_of,
 )
 from autoplan.search.probe import Prober
 from autoplan.search.strategies import PACKED_BIAS
@@ -50,96 +51,7 @@ from hyper_parallel.core.pipeline_parallel.split import spine_for
 from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
-MESH_NAMES = ("dp", "pp", "tp")
 CP_WITH_PP = True    # cp inside pipelined plans (the pipeline runner shards sequences over cp)
-RECOMPUTE = ("none", "selective", "full")
-
-
-def dp_mode_of(fsdp) -> str:
-    """A dp mode name from a mode name or the older bool (True: FSDP, False: replicated)."""
-    if isinstance(fsdp, str):
-        if fsdp not in DP_MODES:
-            raise PlanningError(f"dp_mode={fsdp!r} is not one of {DP_MODES}")
-        return fsdp
-    return "fsdp" if fsdp else "replicate"
-
-
-def recompute_of(ac) -> str:
-    """A recompute name from a name or the older bool (True: full checkpointing, False: none)."""
-    if isinstance(ac, str):
-        if ac not in RECOMPUTE:
-            raise PlanningError(f"recompute={ac!r} is not one of {RECOMPUTE}")
-        return ac
-    return "full" if ac else "none"
-
-
-@dataclass
-class Candidate:
-    """One whole plan: mesh degrees, data-parallel mode, checkpointing, micro-batch size and the
-    timed pipeline."""
-
-    dp: int
-    pp: int
-    tp: int
-    fsdp: bool | str            # dp mode; a bool is read as FSDP / replicated
-    ac: bool | str              # recompute; a bool is read as full / none
-    b: int
-    choice: PipelineChoice
-    cp: int = 1                 # context parallel degree (a dimension after dp)
-    ep: int = 1                 # expert parallel degree (borrowed from dp: the batch is split dp x ep ways)
-
-    def __post_init__(self) -> None:
-        self.dp_mode, self.recompute = dp_mode_of(self.fsdp), recompute_of(self.ac)
-        self.fsdp, self.ac = self.dp_mode == "fsdp", self.recompute == "full"
-
-    @property
-    def step_s(self) -> float:
-        return self.choice.step_s
-
-    @property
-    def key(self) -> tuple:
-        c = self.choice
-        return (self.step_s, self.dp, self.pp, self.tp, self.cp, self.ep, DP_MODES.index(self.dp_mode),
-                RECOMPUTE.index(self.recompute), self.b, c.schedule, c.v, c.starts)
-
-    @property
-    def mesh(self) -> dict[str, int]:
-        """Degrees by dimension name, in mesh order (cp / ep only when used)."""
-        out = {"dp": self.dp}
-        if self.cp > 1:
-            out["cp"] = self.cp
-        if self.ep > 1:
-            out["ep"] = self.ep
-        return dict(out, pp=self.pp, tp=self.tp)
-
-    def summary(self, units: Sequence[str]) -> dict[str, Any]:
-        c = self.choice
-        name = "-".join(f"{k}{v}" for k, v in self.mesh.items())
-        return {"name": f"{name}-{c.schedule}-m{c.m}", "step_s": c.step_s, "mesh": self.mesh, "schedule": c.schedule,
-                "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": self.b, "fsdp": self.fsdp,
-                "activation_checkpointing": self.ac, "dp_mode": self.dp_mode, "recompute": self.recompute, "bubble_fraction": c.bubble_fraction,
-                "memory_bytes": max(c.rank_memory), "cuts": [units[s] for s in c.starts[1:]],
-                "cut_method": c.cut_method}
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def mesh_factorizations(devices: int, devices_per_node: int, max_pp: int,
-                        constraints: dict | None = None) -> list[tuple[int, int, int]]:
-    """(dp, pp, tp) with tp a divisor of the node size (tensor parallel stays on NVLink)."""
-    cons = constraints or {}
-    out = []
-    for tp in divisors(math.gcd(devices, devices_per_node)):
-        for pp in divisors(devices // tp):
-            if pp > max_pp:
-                continue
-            dp = devices // (tp * pp)
-            want = {"dp": dp, "pp": pp, "tp": tp}
-            if all(cons.get(k) in (None, v) for k, v in want.items()):
-                out.append((dp, pp, tp))
-    return out
 
 
 def _tp_key(tp: int, b: int, ac) -> tuple[int, int, str]:
@@ -618,17 +530,3 @@ class ClusterSearch:
             raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} cp{cp} ep{ep} {schedule} b={b} does not fit "
                                       f"({max(cand.choice.rank_memory) / 2**30:.1f} GiB > {self.limit / 2**30:.1f})")
         return cand
-
-
-def ranked_alternatives(cands: Sequence[Candidate], units: Sequence[str], top: int = 10) -> list[dict]:
-    """The best candidate of each distinct (mesh, schedule, dp mode), best first."""
-    seen, out = set(), []
-    for c in cands:
-        k = (c.dp, c.pp, c.tp, c.cp, c.ep, c.choice.schedule, c.dp_mode)
-        if k in seen:
-            continue
-        seen.add(k)
-        out.append(c.summary(units))
-        if len(out) >= top:
-            break
-    return out

@@ -13,7 +13,8 @@ from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
 from autoplan.search.expert_search import _pattern, moe_groups
 from autoplan.models import build_llama
 from autoplan.presets import build_preset
-from autoplan.search.mesh_search import ClusterSearch, mesh_factorizations
+from autoplan.search.mesh_candidates import mesh_factorizations
+from autoplan.search.mesh_search import ClusterSearch
 from autoplan.verify.dry_run import verify
 from tests.planner.models import repo_llama_8b
 from tests.runtime.ep_workers import build
