@@ -16,22 +16,23 @@ from cost_models.overlap import DP_MODES
 MESH_NAMES = ("dp", "pp", "tp")
 
 
+def _mode_name(value, names: tuple[str, ...], what: str, when_true: str, when_false: str) -> str:
+    """One of ``names`` from a name or the older bool (True: ``when_true``)."""
+    if isinstance(value, str):
+        if value not in names:
+            raise PlanningError(f"{what}={value!r} is not one of {names}")
+        return value
+    return when_true if value else when_false
+
+
 def dp_mode_of(fsdp) -> str:
     """A dp mode name from a mode name or the older bool (True: FSDP, False: replicated)."""
-    if isinstance(fsdp, str):
-        if fsdp not in DP_MODES:
-            raise PlanningError(f"dp_mode={fsdp!r} is not one of {DP_MODES}")
-        return fsdp
-    return "fsdp" if fsdp else "replicate"
+    return _mode_name(fsdp, DP_MODES, "dp_mode", "fsdp", "replicate")
 
 
 def recompute_of(ac) -> str:
     """A recompute name from a name or the older bool (True: full checkpointing, False: none)."""
-    if isinstance(ac, str):
-        if ac not in RECOMPUTE:
-            raise PlanningError(f"recompute={ac!r} is not one of {RECOMPUTE}")
-        return ac
-    return "full" if ac else "none"
+    return _mode_name(ac, RECOMPUTE, "recompute", "full", "none")
 
 
 @dataclass
