@@ -1,6 +1,9 @@
 """Planning time of the standard calls, in CPU seconds (robust to a shared host) and wall seconds:
 autoplan on a fixed 70B mesh (dp64 x tp8), plan_cluster for the 70B and 405B shapes on 512 H100s.
-One warm-up call first (imports, first export). Appends one row per call to
+One warm-up call first (imports, first export). Before each timed call the garbage collector runs
+and freezes what survives (``gc.freeze``): a full collection of the process's millions of
+objects costs 0.2-0.3 s and otherwise lands in whichever call crosses its threshold, which was the
+largest single source of run-to-run spread here. Appends one row per call to
 benchmarks/results/planning_time.csv under ``--label``; the markdown is rebuilt from the CSV.
 
     .venv/bin/python benchmarks/planning_time.py --label HEAD
@@ -10,6 +13,7 @@ benchmarks/results/planning_time.csv under ``--label``; the markdown is rebuilt 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import time
@@ -49,6 +53,8 @@ def main() -> int:
     ]
     rows = []
     for name, fn in calls:
+        gc.collect()
+        gc.freeze()
         cpu, wall, plan = _timed(fn)
         rows.append({"label": args.label, "call": name, "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
                      "mesh": "x".join(f"{n}{s}" for n, s in zip(plan.mesh["names"], plan.mesh["shape"])),

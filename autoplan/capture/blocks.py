@@ -10,6 +10,7 @@ containers form block groups; repeats nested inside a block (MoE experts) stay p
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import defaultdict
 from typing import Iterator
 
@@ -43,28 +44,34 @@ def nn_base(module: nn.Module) -> str:
     return ""
 
 
-_SIZE_WORDS = ("head", "size", "dim", "width", "embd", "embed", "rank")   # rank: MLA's latent widths
+_SIZE_WORD = re.compile("head|size|dim|width|embd|embed|rank", re.IGNORECASE)   # rank: MLA's latent widths
 
 
-def size_attributes(module: nn.Module) -> dict[str, int]:
+def _size_ints(obj: object) -> dict[str, int]:
+    return {name: value for name, value in vars(obj).items()
+            if type(value) is int and not name.startswith("_") and _SIZE_WORD.search(name)}
+
+
+def size_attributes(module: nn.Module, config_cache: dict[int, dict[str, int]] | None = None) -> dict[str, int]:
     """The integer attributes of ``module`` and of the object it holds as ``config`` whose names
     say they are head counts or widths. Attention code that cuts its projections by them must see
-    local values when its heads are sharded (hyper_parallel's PrepareHeadsInput)."""
-    holders = [("", module)]
+    local values when its heads are sharded (hyper_parallel's PrepareHeadsInput).
+    ``config_cache``: results per config object, for a caller walking many modules that share one
+    (every HF layer holds the model's config)."""
+    out = _size_ints(module)
     config = getattr(module, "config", None)
     if config is not None and not isinstance(config, nn.Module) and hasattr(config, "__dict__"):
-        holders.append(("config.", config))
-    out = {}
-    for prefix, obj in holders:
-        for name, value in vars(obj).items():
-            if type(value) is int and not name.startswith("_") and any(w in name.lower() for w in _SIZE_WORDS):
-                out[prefix + name] = value
+        cache = {} if config_cache is None else config_cache
+        if id(config) not in cache:
+            cache[id(config)] = {f"config.{k}": v for k, v in _size_ints(config).items()}
+        out.update(cache[id(config)])
     return out
 
 
 def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]], int]:
     """(FQN -> ModuleInfo, tied parameter groups, distinct parameter count)."""
     infos: dict[str, ModuleInfo] = {}
+    configs: dict[int, dict[str, int]] = {}
     for fqn, mod in model.named_modules(remove_duplicate=False):
         # the module's own table (named_parameters(recurse=False) walks the module tree machinery
         # per call: most of this function's time on a 3,000-module model)
@@ -76,7 +83,7 @@ def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]
             num_params=sum(_numel(s) for s in params.values()),
             children=[f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children()],
             nn_base=nn_base(mod),
-            size_attrs=size_attributes(mod),
+            size_attrs=size_attributes(mod, configs),
         )
     owners: dict[int, list[str]] = defaultdict(list)
     numels: dict[int, int] = {}
@@ -104,7 +111,7 @@ def _raw_signature(child: nn.Module) -> list[tuple[str, str, tuple, dict[str, ob
         }
         tensors = tuple(
             (n, tuple(t.shape), str(t.dtype))
-            for n, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
+            for table in (mod._parameters, mod._buffers) for n, t in table.items() if t is not None
         )
         out.append((rel, type_name(mod), tensors, scalars))
     return out

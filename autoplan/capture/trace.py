@@ -21,12 +21,24 @@ from autoplan.capture.opcost import is_view, measure
 
 log = logging.getLogger(__name__)
 
+# Measured op costs, process-wide: a key is pure data (op name, JSON args, input metas, which
+# inputs need grad, which are parameters), so a cost measured for one capture holds for every
+# other; plan_cluster captures a model at several shapes and notebooks re-plan the same model.
+_MEASURED: dict[Any, Any] = {}
+_MEASURED_MAX = 50_000
+
 _SKIP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default"}
 
 
 def export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """Non-strict export; dynamic shapes are off so every size is a plain int."""
-    return torch.export.export(model, args, kwargs, strict=False)
+    """Non-strict export; dynamic shapes are off so every size is a plain int. Nodes carry no stack
+    traces: nothing here reads them, and symbolising one per node was a tenth of the capture."""
+    before = fx.config.do_not_emit_stack_traces
+    fx.config.do_not_emit_stack_traces = True
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        fx.config.do_not_emit_stack_traces = before
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
@@ -179,7 +191,9 @@ def to_nodes(
     block_at: dict[str, str | None] = {}
     nodes: list[Node] = []
     by_name: dict[str, Node] = {}
-    cache: dict[Any, Any] = {}
+    cache = _MEASURED
+    if len(cache) > _MEASURED_MAX:
+        cache.clear()
     for fxn in ep.graph.nodes:
         if fxn.op != "call_function":
             continue

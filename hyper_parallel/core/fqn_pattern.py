@@ -40,13 +40,26 @@ def _compiled(pattern: str) -> re.Pattern:
     return re.compile(r"\.".join(_atom(a) for a in pattern.split(".")))
 
 
+@functools.lru_cache(maxsize=4096)
+def _outline(pattern: str) -> tuple[int, str | None, re.Pattern | None]:
+    """(number of dots, last atom if it holds no wildcard, compiled pattern if any atom does)."""
+    last = pattern.rpartition(".")[2]
+    wild = any(c in pattern for c in _WILD)
+    return pattern.count("."), None if any(c in last for c in _WILD) else last, _compiled(pattern) if wild else None
+
+
 def fqn_matches(pattern: str, fqn: str) -> bool:
-    """Whether module path ``fqn`` matches ``pattern`` atom by atom (see the module doc)."""
+    """Whether module path ``fqn`` matches ``pattern`` atom by atom (see the module doc).
+    Atom count and a literal last atom are checked before the expression: most (pattern, FQN)
+    pairs a plan tries differ there."""
     if pattern == "" or fqn == "":
         return pattern == fqn
-    if not any(c in pattern for c in _WILD):
+    dots, last, compiled = _outline(pattern)
+    if compiled is None:
         return pattern == fqn
-    return _compiled(pattern).fullmatch(fqn) is not None
+    if fqn.count(".") != dots or (last is not None and not fqn.endswith(last)):
+        return False
+    return compiled.fullmatch(fqn) is not None
 
 
 def wildcards(pattern: str) -> int:
