@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import pandas as pd
 import torch
@@ -120,23 +120,31 @@ def distinct_ops(graph: ModelGraph) -> list[DistinctOp]:
     return sorted(table.values(), key=lambda d: (-d.count, d.op))
 
 
-def _activation_saved(graph: ModelGraph, nodes: list[Node], by_name: dict[str, Node]) -> int:
+def saved_items(graph: ModelGraph, nodes: list[Node], by_name: dict[str, Node]) -> Iterator[tuple[str, int]]:
+    """(module that made it, bytes) of every tensor ``nodes`` keep for backward, each once: a
+    node's internal buffers under its own module, a saved tensor under its producer's (a graph
+    input under ""). Who made a saved tensor says how a shard divides it -- a latent attention
+    keeps its latents whole on every rank and its per-head tensors split
+    (autoplan.search.structure)."""
     seen: set[str] = set()
-    total = 0
     for n in nodes:
-        total += n.saved_internal_bytes
+        if n.saved_internal_bytes:
+            yield n.module, n.saved_internal_bytes
         for src in n.saves:
             if src in seen:
                 continue
             seen.add(src)
             prod = by_name.get(src)
             if prod is not None and prod.outputs:
-                total += prod.outputs[0].nbytes
+                yield prod.module, prod.outputs[0].nbytes
             elif src.startswith("input:"):
                 meta = next((i for i in graph.inputs if f"input:{i['name']}" == src), None)
                 if meta:
-                    total += TensorMeta(tuple(meta["shape"]), meta["dtype"]).nbytes
-    return total
+                    yield "", TensorMeta(tuple(meta["shape"]), meta["dtype"]).nbytes
+
+
+def _activation_saved(graph: ModelGraph, nodes: list[Node], by_name: dict[str, Node]) -> int:
+    return sum(nbytes for _, nbytes in saved_items(graph, nodes, by_name))
 
 
 def _boundary(nodes: list[Node], all_users: dict[str, list[str]], output_names: set[str]):

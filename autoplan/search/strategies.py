@@ -240,9 +240,9 @@ def _latent_heads(a: AttentionUnit, h: int, t: int, layout: str) -> Strategy:
         [Collective("all_gather", "forward", h), Collective("reduce_scatter", "forward", h),
          Collective("all_gather", "backward", h)]
     # the replicated latent path is not divided: what a rank runs is that share whole, the rest 1/t
-    flops, params = (1.0 / (share + (1.0 - share) / t) for share in a.replicated_share)
+    flops, params, saved = (1.0 / (share + (1.0 - share) / t) for share in a.replicated_share)
     return Strategy("heads_sharded_latent", layout, styles, comm + grads, compute_shard=flops, param_shard=params,
-                    activation_shard=t,
+                    activation_shard=saved,
                     reason=f"latent attention: per-head up-projections column-wise, o row-wise, latents replicated; "
                            f"gradient of the columns broadcast to every head ({linear}[{start}:{stop}]) all-reduced")
 

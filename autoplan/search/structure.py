@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
-from autoplan.capture.views import module_summary
+from autoplan.capture.views import module_summary, saved_items
 from cost_models.compute import gemm_shape_dims, gemm_split
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
@@ -87,9 +87,10 @@ class AttentionUnit:
     # attribute path of the module holding that index, or an int; stop None for the last column
     broadcast_columns: dict[str, list] = field(default_factory=dict)
     proj_input_bytes: dict[str, int] = field(default_factory=dict)
-    # (FLOPs share, parameter share) of the module's work that no head projection holds (the
-    # latent path a latent attention keeps replicated when its heads are sharded)
-    replicated_share: tuple[float, float] = (0.0, 0.0)
+    # (FLOPs, parameter, saved-activation) shares of the module's work that stays whole on every
+    # rank when a latent attention's heads are sharded: the latent path (down-projections, their
+    # norms) and what the column projections save of it -- their inputs, the latents themselves
+    replicated_share: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def projections(self) -> list[str]:
@@ -352,9 +353,28 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
                                   for m, start, stop in broadcast}
         unit.proj_input_bytes = {p[k]: _input_bytes(graph, f"{rep}.{p[k]}") for k in "qkv"}
         heads = sum((work(f"{rep}.{m}") for m in {p[k] for k in "qkvo"}), Work())
-        unit.replicated_share = (max(own.flops - heads.flops, 0) / max(own.flops, 1),
-                                 max(own.params - heads.params, 0) / max(own.params, 1))
+        flops, saved = _latent_whole_shares(graph, where, [f"{rep}.{p[k]}" for k in "qkvo"])
+        unit.replicated_share = (flops, max(own.params - heads.params, 0) / max(own.params, 1), saved)
     return unit
+
+
+def _latent_whole_shares(graph: ModelGraph, where: str, head_projections: list[str]) -> tuple[float, float]:
+    """(FLOPs share, saved-bytes share) of latent attention ``where`` that stays whole on every
+    rank when its heads are sharded. Split by heads: the per-head projections and the module's
+    own ops (the core runs on the local heads) -- their work, and the tensors they make. Whole:
+    the latent path (down-projections, their norms), its work and its tensors, which include what
+    the column projections save (their inputs, the latents)."""
+    def split(module: str) -> bool:
+        return module == where or any(module == h or module.startswith(h + ".") for h in head_projections)
+
+    nodes = graph.nodes_in(where)
+    flops = [0.0, 0.0]   # whole, split
+    for n in nodes:
+        flops[split(n.module)] += n.flops_fwd + n.flops_bwd
+    saved = [0, 0]
+    for module, nbytes in saved_items(graph, nodes, {n.name: n for n in graph.nodes}):
+        saved[split(module)] += nbytes
+    return flops[0] / max(sum(flops), 1.0), saved[0] / max(sum(saved), 1)
 
 
 def _column_spec(graph: ModelGraph, where: str, linear: str, start: int, stop: int) -> list:

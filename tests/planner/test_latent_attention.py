@@ -13,11 +13,16 @@ import types
 import pytest
 import torch.nn as nn
 
+from autoplan.capture import capture
+from autoplan.search.strategies import attention_strategies
+from autoplan.search.structure import model_structure
+
 from autoplan.verify.corpus import plan_case, small_recipe
 from autoplan.verify.dry_run import verify
 from autoplan.verify.numerics import RTOL_LOSS, check_numerics
 from hyper_parallel import PrepareLatentInput, Replicate
 from hyper_parallel.errors import LayoutError, StyleSpecError
+from tests.planner import latent_workers
 
 
 def _without_broadcast_reduction(plan):
@@ -88,3 +93,23 @@ def test_broadcast_columns_are_read_from_the_module_at_any_width():
                          (["kv_lora_rank", 99], "kv_a_proj_with_mqa"), ([4, 2], "kv_a_proj_with_mqa")):
         with pytest.raises(LayoutError):
             style(spec, linear).columns(attention(16, 4))
+
+
+def test_latent_attention_saves_its_latents_whole_on_every_rank(pool4):
+    """What a rank keeps for backward of a heads-sharded latent attention: the per-head tensors
+    divided by tp, the latents (and what the down-projections save) whole. Measured on 4 gloo ranks
+    beside one device, the per-rank share equals the planner's -- and is far from 1/tp, what the
+    planner assumed before (at DeepSeek-V3's shape that priced the module's activations 1.9x too
+    low at tp=8)."""
+    model, plan = plan_case("deepseek_v3", "tp4", "default")
+    recipe = small_recipe("deepseek_v3", model, [4])
+    batch = (2, 16)
+    block = model_structure(capture(recipe.build("meta"), batch=batch)).blocks[0]
+    whole = block.attention.replicated_share[2]
+    predicted = whole + (1 - whole) / 4
+    latent = next(s for s in attention_strategies(block.attention, block, 4, "R") if s.name == "heads_sharded_latent")
+    assert latent.activation_shard == pytest.approx(1 / predicted)
+    ranks = pool4.run(latent_workers.attention_saved_bytes, plan.to_json(), recipe, "model.layers.0.self_attn", batch)
+    for par, ref in ranks:
+        assert par / ref == pytest.approx(predicted, rel=0.05), (par, ref, predicted)
+        assert par / ref > 0.25 * 1.3, (par, ref)
