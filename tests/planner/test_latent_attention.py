@@ -99,7 +99,7 @@ def test_latent_attention_saves_its_latents_whole_on_every_rank(pool4):
     """What a rank keeps for backward of a heads-sharded latent attention: the per-head tensors
     divided by tp, the latents (and what the down-projections save) whole. Measured on 4 gloo ranks
     beside one device, the per-rank share equals the planner's -- and is far from 1/tp, what the
-    planner assumed before (at DeepSeek-V3's shape that priced the module's activations 1.9x too
+    planner assumed before (at DeepSeek-V3's shape that priced the module's activations 2x too
     low at tp=8)."""
     model, plan = plan_case("deepseek_v3", "tp4", "default")
     recipe = small_recipe("deepseek_v3", model, [4])
