@@ -48,58 +48,72 @@ def lowered_schedule(name: str, p: int, m: int, v: int = 1):
 
 @functools.lru_cache(maxsize=256)
 def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
+    """Action ids, what each waits for and one processing order. Dependencies inside a rank are
+    earlier actions of its own program (``_needs``; one that has not run is an error in the
+    schedule), so the only wait across ranks is a receive for its send: each rank runs until a
+    receive whose send has not run, and a send wakes the rank parked on its receive. Any such
+    order times the same (a rank's clock and every end time are fixed by the dependencies), and
+    this one visits each action once (the previous round-robin rescanned every parked rank per
+    round: 0.8 s per compile at p=64, m=240)."""
     lowered = lowered_schedule(name, p, m, v)
     s2r, last = lowered.stage_to_rank, lowered.n_stages - 1
     progs = lowered.actions
-    ids: dict = {}
     rank, stage, slot, is_send = [], [], [], []
     kinds = {K.FORWARD: _F, K.BACKWARD: _B, K.BACKWARD_INPUT: _I, K.BACKWARD_WEIGHT: _W}
+    local_id: list[dict] = []
     for r, prog in enumerate(progs):
+        ids_r = {}
         for a in prog:
-            ids[(r, a)] = len(rank)
+            ids_r[a] = len(rank)
             rank.append(r)
             stage.append(a.stage)
             slot.append(kinds.get(a.kind, _NONE))
             is_send.append(a.kind in (K.SEND_F, K.SEND_B))
+        local_id.append(ids_r)
     n = len(rank)
     deps: list[tuple[int, ...]] = [()] * n
     recv_of = [-1] * n
-    send_id = {a: ids[(r, a)] for r, prog in enumerate(progs) for a in prog if a.kind in (K.SEND_F, K.SEND_B)}
+    send_id = {a: local_id[r][a] for r, prog in enumerate(progs) for a in prog if a.kind in (K.SEND_F, K.SEND_B)}
+    done = bytearray(n)
     order: list[int] = []
-    done: set[int] = set()
     ptr = [0] * len(progs)
-    remaining = n
-    while remaining:
-        moved = False
-        for r, prog in enumerate(progs):
-            while ptr[r] < len(prog):
-                a = prog[ptr[r]]
-                i = ids[(r, a)]
-                dl = []
-                for dep in _needs(a, s2r, r, last):
-                    if dep.kind == "grad":
-                        cands = [ids.get((r, type(a)(k, dep.stage, dep.microbatch)))
-                                 for k in (K.BACKWARD, K.BACKWARD_INPUT)]
-                        got = [c for c in cands if c is not None and c in done]
-                    else:
-                        c = ids.get((r, dep))
-                        got = [c] if c is not None and c in done else []
-                    if not got:
-                        raise ScheduleError(f"{name}: rank {r} step {ptr[r]}: {a} needs {dep} first")
-                    dl.append(got[0])
-                if a.kind in (K.RECV_F, K.RECV_B):
-                    s_id = send_id.get(matching(a))
-                    if s_id is None or s_id not in done:
-                        break
-                    recv_of[i] = s_id
-                deps[i] = tuple(dl)
-                done.add(i)
-                order.append(i)
-                ptr[r] += 1
-                remaining -= 1
-                moved = True
-        if not moved and remaining:
-            raise ScheduleError(f"{name}: the order deadlocks (p={p}, m={m})")
+    parked: dict[int, int] = {}         # send id -> the rank whose next action receives it
+    ready = list(range(len(progs)))
+    grad_kinds = (K.BACKWARD, K.BACKWARD_INPUT)
+    while ready:
+        r = ready.pop()
+        prog, ids_r = progs[r], local_id[r]
+        while ptr[r] < len(prog):
+            a = prog[ptr[r]]
+            i = ids_r[a]
+            if a.kind in (K.RECV_F, K.RECV_B):
+                s_id = send_id.get(matching(a))
+                if s_id is None:
+                    raise ScheduleError(f"{name}: rank {r} step {ptr[r]}: {a} has no matching send")
+                if not done[s_id]:
+                    parked[s_id] = r
+                    break
+                recv_of[i] = s_id
+            dl = []
+            for dep in _needs(a, s2r, r, last):
+                if dep.kind == "grad":
+                    got = [c for c in (ids_r.get(type(a)(k, dep.stage, dep.microbatch)) for k in grad_kinds)
+                           if c is not None and done[c]]
+                else:
+                    c = ids_r.get(dep)
+                    got = [c] if c is not None and done[c] else []
+                if not got:
+                    raise ScheduleError(f"{name}: rank {r} step {ptr[r]}: {a} needs {dep} first")
+                dl.append(got[0])
+            deps[i] = tuple(dl)
+            done[i] = 1
+            order.append(i)
+            ptr[r] += 1
+            waiting = parked.pop(i, None)
+            if waiting is not None:
+                ready.append(waiting)
+    if len(order) < n:
+        raise ScheduleError(f"{name}: the order deadlocks (p={p}, m={m})")
     return CompiledSchedule(len(progs), tuple(order), tuple(rank), tuple(stage), tuple(slot), tuple(deps),
                             tuple(recv_of), tuple(is_send), tuple(s2r))
 
