@@ -105,3 +105,22 @@ def test_dataflow_and_json_round_trip(graph):
     blob = json.dumps(graph.to_dict())
     again = ModelGraph.from_dict(json.loads(blob))
     assert again.total_flops() == graph.total_flops() and len(again.nodes) == len(graph.nodes)
+
+
+def test_measured_op_costs_are_kept_across_captures(monkeypatch):
+    """Op costs are measured once per process for a key of pure data (op, arguments, input metas,
+    which inputs need grad, which are parameters): a second capture of the model measures nothing
+    and gives the same graph; a new shape is measured."""
+    import autoplan.capture.trace as trace
+
+    model = Tiny()
+    first = capture(model, torch.randn(B, D))
+    calls = []
+    real = trace.measure
+    monkeypatch.setattr(trace, "measure", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    second = capture(model, torch.randn(B, D))
+    assert calls == []
+    assert json.dumps(second.to_dict(), sort_keys=True, default=str) == \
+        json.dumps(first.to_dict(), sort_keys=True, default=str)
+    capture(model, torch.randn(B + 1, D))
+    assert calls, "a new batch size reuses costs measured at another shape"
