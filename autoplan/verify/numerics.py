@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autoplan.plan.plan import Plan
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
@@ -90,6 +91,11 @@ def numerics_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: i
     bad = [n for n in held
            if n not in g_par or g_par[n].shape != g_ref[n].shape or not torch.allclose(g_par[n], g_ref[n], rtol=RTOL_GRAD,
                                                                                       atol=ATOL_GRAD)]
+    # a gradient left a partial sum (or in other placements than its parameter) can still gather
+    # to the right values here while the optimizer, a clipping hook or FSDP reads its local shard
+    bad += [f"{n} (gradient placements {tuple(p.grad.placements)}, parameter {tuple(p.placements)})"
+            for n, p in par.named_parameters()
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements]
     p_ref = {n: p.detach() for n, p in ref.named_parameters()}
     p_par = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in par.named_parameters()}
     bad_params = [n for n in (held if staged else p_ref)

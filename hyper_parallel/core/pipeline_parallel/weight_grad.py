@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.distributed.tensor import DTensor
 
 
 def grad_node(t: torch.Tensor) -> Node | None:
@@ -101,6 +102,11 @@ class DeferredWeightGrad:
                 for p, g in zip(params, got):
                     if g is None:
                         continue
+                    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+                        # what reaches a parameter's accumulator can be a partial sum (a replicated
+                        # norm weight on a sequence shard); a full backward hands AccumulateGrad the
+                        # reduced gradient, in the parameter's placements -- so does this pass
+                        g = g.redistribute(p.device_mesh, p.placements)
                     if p.grad is None:
                         p.grad = g
                     else:
