@@ -286,7 +286,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                             memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
                             activation_checkpointing=best.recompute == "full",
                             allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                            styles=searched, prober=search.prober(best.tp, best.b, best.cp))
+                            styles=searched, prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b)
         tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
                           "constraints": solver.constraints}
         ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
