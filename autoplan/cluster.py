@@ -337,10 +337,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         tp_plan.notes = list(tp_plan.notes) + [
             f"mesh {' x '.join(f'{k}={v}' for k, v in best.mesh.items())} ({best.dp_mode} data parallel, "
             f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
-            f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
+            f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}"] + ([
             "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
             "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
-            "(verify checks each); memory_bytes is the fullest rank's"]
+            "(verify checks each); memory_bytes is the fullest rank's"] if c.p > 1 else [])
         if c.p == 1 and c.m > 1:
             tp_plan.notes.append(
                 f"pp=1 with {c.m} micro-batches of {best.b}: gradient accumulation (the runner runs forward and "

@@ -73,3 +73,21 @@ def test_large_world_accumulation_plan_verifies_exactly():
     res = verify(plan, model)
     assert res.passed, (res.error, res.mismatches())
     assert (res.collectives["issued"] % 2 == 0).all()
+
+
+def test_expert_parallel_accumulation_plan_syncs_experts_once_and_verifies():
+    """Mixtral-8x7B's shape (2 layers) at world 64 with ep=8 and 2 micro-batches: the all-to-alls
+    and FSDP repeat per micro-batch, the ep gradient all-reduce runs once after the last."""
+    from autoplan.presets import build_preset
+
+    model = build_preset("mixtral-8x7b", num_layers=2)
+    model.config.use_cache = False
+    plan = plan_cluster(model, 64, batch=(128, 1024), hardware="h100_sxm",
+                        constraints={"ep": 8, "pp": 1, "microbatches": 2})
+    assert plan.pipeline["microbatches"] == 2
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    df = res.collectives
+    sync = df[(df["mesh_dim"] == "ep") & (df["kind"] == "all_reduce")]
+    assert len(sync) and (sync["issued"] == 1).all(), sync
+    assert (df[df["kind"] == "all_to_all"]["issued"] % 2 == 0).all()
