@@ -57,10 +57,26 @@ def main() -> int:
     csv = OUT.with_suffix(".csv")
     df = pd.concat([pd.read_csv(csv), pd.DataFrame(rows)]) if csv.exists() else pd.DataFrame(rows)
     df.to_csv(csv, index=False)
+    write_markdown(df)
+    return 0
+
+
+READING = """\
+`main-501b70b` ran a pp=1 plan's local batch in one pass: the search priced m micro-batches of b with all m
+live and FSDP gathering like a pipeline stage (blocks kept unsharded after backward), and the plan said one
+micro-batch of b x m (column b). `gradacc` runs m micro-batches of gradient accumulation: one micro-batch
+live, FSDP2 gathers and reduce-scatters every micro-batch. The free picks do not change: the 405B pick and the
+70B pp=1 row are dp512, one sequence per rank, so there is nothing to accumulate over, and the 70B pick is a
+pipeline. With pp=1 x tp=8 forced (dp64, 8 sequences per rank) accumulation is what lets the 70B drop
+recomputation (m=4 of 2, 69 GiB of activations, 10.07 s vs 12.49 s), and the 405B keeps full recomputation at
+m=2 of 4 for 28.1 GiB instead of 44.3 GiB, its step 0.77 s slower than main priced it (the second
+micro-batch's FSDP traffic, which main did not count)."""
+
+
+def write_markdown(df: pd.DataFrame) -> None:
     OUT.with_suffix(".md").write_text(
         "# plan_cluster picks, 512 H100s, batch (512, 8192): free and with pp=1 forced\n\n"
-        + df.to_markdown(index=False) + "\n")
-    return 0
+        + READING + "\n\n" + df.to_markdown(index=False) + "\n")
 
 
 if __name__ == "__main__":
