@@ -91,3 +91,17 @@ def test_expert_parallel_accumulation_plan_syncs_experts_once_and_verifies():
     sync = df[(df["mesh_dim"] == "ep") & (df["kind"] == "all_reduce")]
     assert len(sync) and (sync["issued"] == 1).all(), sync
     assert (df[df["kind"] == "all_to_all"]["issued"] % 2 == 0).all()
+
+
+def test_plan_memory_is_one_micro_batch_whatever_the_count():
+    """The plan's predicted activations at m micro-batches of b equal those of one micro-batch of
+    b (twice the global batch, accumulated), not m times them."""
+    def plan(gb, m):
+        return plan_cluster(build("llama", device="meta"), 4, hardware="cpu", batch=(gb, 16), devices_per_node=4,
+                            constraints={"pp": 1, "tp": 1, "dp": 4, "microbatches": m, "fsdp": True,
+                                         "activation_checkpointing": False}, microbatch_sizes=(2,), memory_limit=1e12)
+    one, two = plan(8, 1), plan(16, 2)
+    assert two.pipeline["microbatch_size"] == one.pipeline["microbatch_size"] == 2
+    act = [p.predictions["memory_bytes"]["activations"] for p in (one, two)]
+    assert act[0] == act[1] > 0, act
+    assert two.predictions["memory_bytes"]["total"] == one.predictions["memory_bytes"]["total"]
