@@ -444,7 +444,9 @@ class ClusterSearch:
                         continue
                     # exposed dp time is convex in (traffic, compute), so its max over ranks is at
                     # least its value at the rank average (Jensen): a valid bound before any cut
-                    dp_min = exposed_dp(sum(u.dp_comm_s for u in units) / pp, m * total_t / pp, fsdp) \
+                    # (one stage: FSDP traffic repeats per micro-batch of gradient accumulation, exactly)
+                    dp_min = exposed_dp(sum(u.dp_comm_s * (m if pp == 1 and u.fsdp else 1) for u in units) / pp,
+                                        m * total_t / pp, fsdp) \
                         + sum(u.optimizer_s for u in units) / pp
                     chain = sum(u.forward + u.backward_input for u in units)
                     lb = max(m * total_t / pp, chain) + dp_min
