@@ -25,7 +25,7 @@ from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
 from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.pipeline_parallel import split_microbatches
-from hyper_parallel.errors import MeshError
+from hyper_parallel.errors import MeshError, MicrobatchError
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,10 @@ class Runner:
         (MicrobatchError) and never leaves a collective waiting. ``on_phase("forward" |
         "backward")`` is told before each pass (verify's dry run attributes collectives by it)."""
         m = self.microbatches
+        if inputs.shape[0] % m:
+            raise MicrobatchError(f"Runner.step: this rank's local batch has {inputs.shape[0]} rows, which the plan's "
+                                  f"pipeline.microbatches={m} (gradient accumulation) do not divide; give a batch "
+                                  f"with a multiple of {m} rows per data-parallel rank")
         parts = split_microbatches((inputs, targets), None, m)[0] if m > 1 else [(inputs, targets)]
         phase = on_phase or (lambda name: None)
         total = None

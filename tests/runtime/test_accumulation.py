@@ -50,6 +50,6 @@ def test_undivided_batch_fails_on_every_rank_before_any_forward(results):
     _, per_rank = results
     for rank, out in enumerate(per_rank):
         r = out["undivided"]
-        assert r["error"] and "3" in r["error"] and "2 micro-batches" in r["error"], (rank, r)
+        assert r["error"] and "3 rows" in r["error"] and "microbatches=2" in r["error"], (rank, r)
         assert r["grads"] == 0 and r["world"] == 4.0, (rank, r)
         assert r["passes"] == [2, 2], (rank, r)   # 4 local rows: two forwards of 2
