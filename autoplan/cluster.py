@@ -28,7 +28,7 @@ from autoplan.capture.inputs import meta_view
 from autoplan.search.mesh_candidates import MESH_NAMES, Candidate, ranked_alternatives
 from autoplan.search.mesh_search import ClusterSearch, search_dtype
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
-from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
+from autoplan.search.plan_modes import with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
@@ -282,16 +282,11 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
         # by the same objects the search priced them with (autoplan/search/cluster_dims.py)
         searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp)
-        # one stage: the runner runs the rank's local batch in one pass, so the plan says so (one
-        # micro-batch of b x m sequences, its rows on that graph); the search priced it as m
-        # micro-batches of b -- the same work, all m live (pipeline_search.time_choice)
-        one_pass = c.p == 1 and c.m > 1
-        b_plan, m_plan = (best.b * c.m, 1) if one_pass else (best.b, c.m)
-        tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(b_plan, best.cp),
+        tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp),
                             memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
                             activation_checkpointing=best.recompute == "full",
                             allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                            styles=searched, prober=search.prober(best.tp, best.b, best.cp))
+                            styles=searched, prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b)
         tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
                           "constraints": solver.constraints}
         ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
@@ -301,21 +296,23 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         elif tp_plan.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
             tp_plan.fsdp = dict(tp_plan.fsdp, mode="fsdp")
         with_recompute(tp_plan, search.structure(best.b, best.cp), best.recompute)
+        if c.p == 1:   # one stage: m micro-batches of gradient accumulation (Runner.forward_backward)
+            with_accumulation(tp_plan, c.m)
         names = search.unit_names
         stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
         s2r = list(schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank)
         rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
         collectives, mem = _rank_rows(search, best, 0, tp_plan.styles)
-        if c.p == 1:  # one stage: the TP planner's exact rows (one micro-batch; dry_run.verify checks them)
+        if c.p == 1:  # one stage: the TP planner's exact rows, x micro-batches (dry_run.verify checks them)
             collectives = tp_plan.predictions["collectives"]
         _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles) if rank else (None, mem)
         if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
             worst_mem = {k: v for k, v in tp_plan.predictions["memory_bytes"].items() if k != "total"}
         busy = max(c.busy_s)
         tp_plan.pipeline = {
-            "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": m_plan, "microbatch_size": b_plan,
+            "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
             "stages": stages, "cuts": [names[s] for s in c.starts[1:]], "stage_to_rank": s2r,
-            "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": [1] if one_pass else list(c.peak_inflight),
+            "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": list(c.peak_inflight),
             "per_stage": [{k: int(round(row[k])) if k == "memory_bytes" else row[k]
                            for k in ("stage", "rank", "compute_s", "comm_s", "bubble_s", "memory_bytes")}
                           for row in c.per_stage],
@@ -340,13 +337,16 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         tp_plan.notes = list(tp_plan.notes) + [
             f"mesh {' x '.join(f'{k}={v}' for k, v in best.mesh.items())} ({best.dp_mode} data parallel, "
             f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
-            f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}",
+            f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}"] + ([
             "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
             "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
-            "(verify checks each); memory_bytes is the fullest rank's"]
-        if one_pass:
-            tp_plan.notes.append(f"pp=1: the local batch of {b_plan} sequences runs in one pass (the runner has no "
-                                 f"gradient accumulation); priced as {c.m} micro-batches of {best.b}, the same work")
+            "(verify checks each); memory_bytes is the fullest rank's"] if c.p > 1 else [])
+        if c.p == 1 and c.m > 1:
+            tp_plan.notes.append(
+                f"pp=1 with {c.m} micro-batches of {best.b}: gradient accumulation (the runner runs forward and "
+                "backward per micro-batch, one micro-batch's activations live, and steps once); "
+                "predictions.collectives repeat every forward/backward collective (TP, FSDP's gathers and "
+                f"reduce-scatters) {c.m} times, replicated dp / ZeRO-1 reduce once per step")
         with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
         tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
         return tp_plan

@@ -173,12 +173,15 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
               memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
               allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
               sequence_parallel: bool | None = None, graph=None, styles: dict | None = None,
-              expert_parallel: bool | None = None, prober: Prober | None = None) -> Plan:
+              expert_parallel: bool | None = None, prober: Prober | None = None,
+              microbatch_size: int | None = None) -> Plan:
     """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
     its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled, and with the
     search's prober at that degree, whose verdicts already cover the styles it priced). With an
     ep dimension the experts are planned beside the TP search (``search.expert_plan``);
-    ``expert_parallel`` True/False restricts that choice (None: priced)."""
+    ``expert_parallel`` True/False restricts that choice (None: priced). ``microbatch_size``:
+    the sequences one forward runs on a rank when ``graph`` is a micro-batch's (plan_cluster's
+    gradient accumulation); default the whole local batch, ``global_batch / dp``."""
     t_start = time.perf_counter()
     hw = load_hardware(spec.hardware)
     tp_dim, dp_dim, cp_dim = spec.dim("tp"), spec.dim("dp"), spec.dim("cp")
@@ -206,7 +209,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     cp_args = None
     if cp > 1:
         ctx = dataclasses.replace(ctx, topology=cp_topology(spec))
-        cp_args = dict(cp=cp, cp_dim=cp_dim, loss_dim=red_dim, local_batch=int(batch[0]) // dp, seq_len=int(batch[1]),
+        cp_args = dict(cp=cp, cp_dim=cp_dim, loss_dim=red_dim, local_batch=microbatch_size or int(batch[0]) // dp, seq_len=int(batch[1]),
                        dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
     experts = ExpertPlanning(model, graph, structure, ctx, spec, expert_parallel=expert_parallel) if ep > 1 else None

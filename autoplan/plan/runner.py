@@ -3,10 +3,12 @@
 ``apply_plan`` checks the mesh against the plan, applies each parallelism the plan decides
 through its registry entry (tensor parallel on the tp dimension, context parallel on cp,
 recomputation, FSDP2 / HSDP on the dp dimensions -- folded with cp), and returns a Runner whose ``step((inputs, targets))`` runs forward, loss (vocabulary-parallel
-when the plan chose loss parallel), backward and the optimizer step.
+when the plan chose loss parallel), backward -- once per micro-batch when the plan's one stage
+accumulates gradients over ``pipeline.microbatches`` -- and the optimizer step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -22,7 +24,8 @@ from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
 from hyper_parallel import cp_cross_entropy, loss_parallel
-from hyper_parallel.errors import MeshError
+from hyper_parallel.core.pipeline_parallel import split_microbatches
+from hyper_parallel.errors import MeshError, MicrobatchError
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ log = logging.getLogger(__name__)
 class Runner:
     def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
                  replicate_dp: bool = False, zero1: Zero1 | None = None, batch_mesh=None, cp_mesh=None,
-                 ep_mesh=None, ep_sync=None, fsdp_replicated=()):
+                 ep_mesh=None, ep_sync=None, fsdp_replicated=(), microbatches: int = 1):
         self.model = model
         self.plan = plan
         self.optimizer = optimizer
@@ -43,6 +46,7 @@ class Runner:
         self.ep_mesh = ep_mesh            # expert parallel: the ep dimension shards the batch too
         self.ep_sync = ep_sync            # ... and averages gradients over it (parallelisms.expert)
         self.fsdp_replicated = list(fsdp_replicated)   # left out of FSDP: gradients averaged over dp
+        self.microbatches = microbatches  # gradient accumulation: forward + backward per micro-batch
 
     def data_parallel_step(self) -> bool:
         """What follows backward on the dp group: replicated dp all-reduces the gradients;
@@ -76,22 +80,53 @@ class Runner:
             return cp_cross_entropy(logits, targets, self.dp_mesh)
         return self.loss_fn(logits, targets)
 
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, on_phase: Callable | None = None):
+        """Forward and backward of this rank's local batch as ``self.microbatches`` equal
+        micro-batches of rows (gradient accumulation); returns the step's loss (detached).
+
+        Each micro-batch's loss is scaled by 1/m, so the accumulated gradient is the gradient of
+        the mean over the micro-batches: the full-batch mean when every micro-batch has the same
+        number of counted tokens (equal rows of equal length, no ignored targets) -- for context
+        parallelism too, where ``cp_cross_entropy`` is each micro-batch's exact global mean.
+        FSDP2 reduce-scatters each micro-batch's gradients inside its backward and accumulates
+        the sharded result, as torchtitan does: gradients and parameters stay sharded between
+        micro-batches (memory is one micro-batch's activations plus the shards), at the price of
+        gathering the parameters and reducing the gradients once per micro-batch. Replicated data
+        parallel, ZeRO-1, expert parallel's gradient sync and FSDP's left-out parameters reduce
+        once per step, after the last micro-batch (``data_parallel_step``): their gradients are
+        whole on every rank anyway, so accumulating first costs no memory and saves m-1
+        reductions. The split is checked before any forward and depends only on the local shape,
+        which every rank of the plan shares, so a bad batch fails the same way on every rank
+        (MicrobatchError) and never leaves a collective waiting. ``on_phase("forward" |
+        "backward")`` is told before each pass (verify's dry run attributes collectives by it)."""
+        m = self.microbatches
+        if inputs.shape[0] % m:
+            raise MicrobatchError(f"Runner.step: this rank's local batch has {inputs.shape[0]} rows, which the plan's "
+                                  f"pipeline.microbatches={m} (gradient accumulation) do not divide; give a batch "
+                                  f"with a multiple of {m} rows per data-parallel rank")
+        parts = split_microbatches((inputs, targets), None, m)[0] if m > 1 else [(inputs, targets)]
+        phase = on_phase or (lambda name: None)
+        total = None
+        for x, y in parts:
+            phase("forward")
+            logits = output_logits(forward_tokens(self.model, x))
+            with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+                loss = self.loss(logits, y) / m
+                phase("backward")
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
     def step(self, batch) -> float:
-        """One training step on this rank's ``(inputs, targets)``; returns the loss."""
+        """One training step on this rank's ``(inputs, targets)``; returns the loss (the mean over
+        the step's micro-batches)."""
         inputs, targets = batch
         self.optimizer.zero_grad()
-        logits = output_logits(forward_tokens(self.model, inputs))
-        if isinstance(logits, DTensor):
-            with loss_parallel():
-                loss = self.loss(logits, targets)
-                loss.backward()
-        else:
-            loss = self.loss(logits, targets)
-            loss.backward()
+        loss = self.forward_backward(inputs, targets)
         if not self.data_parallel_step():
             self.optimizer.step()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        return float(value.detach())
+        return float(value)
 
 
 def _check_mesh(plan, mesh) -> None:
@@ -137,4 +172,5 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=use_dp and mode == "replicate", zero1=zero1,
                   batch_mesh=target.state.get("batch_mesh"), cp_mesh=cp_mesh,
                   ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"),
-                  fsdp_replicated=target.state.get("fsdp_replicated", ()) if mode == "fsdp" and use_dp else ())
+                  fsdp_replicated=target.state.get("fsdp_replicated", ()) if mode == "fsdp" and use_dp else (),
+                  microbatches=int((plan.pipeline or {}).get("microbatches", 1)))

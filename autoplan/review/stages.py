@@ -94,8 +94,9 @@ def stage_costs(plan) -> list:
 def simulate_pipeline(plan, p2p_s: float | None = None):
     """hyper_parallel's SimResult for the plan's schedule (a one-rank, one-stage run without pp)."""
     pipe = plan.pipeline if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1 else None
-    if pipe is None:
-        return simulate(schedule_facts("GPipe").ir(1, 1), stage_costs(plan), 0.0)
+    if pipe is None:   # one stage: its micro-batches of gradient accumulation back to back
+        m = int((plan.pipeline or {}).get("microbatches", 1)) or 1
+        return simulate(schedule_facts("1F1B").ir(1, m), stage_costs(plan), 0.0)
     p, m = int(pipe["pp"]), int(pipe.get("microbatches", 1))
     # the plan's own stages per rank: an interleaved plan with virtual_stages=3 has 3p stages
     schedule = schedule_facts(pipe.get("schedule", "1F1B")).ir(p, m, int(pipe.get("virtual_stages", 1)))

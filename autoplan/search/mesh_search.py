@@ -309,7 +309,7 @@ class ClusterSearch:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups)
             add_ep(acc, names, options, all_targets, experts)
-        units = [UnitCost(n, *a) for n, a in zip(names, acc)]
+        units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
         p2p_bytes = hidden / (tp if layout == "S" else 1)
         p2p = ctx.topology.collective_time("pp", "send_recv", p2p_bytes) if pp > 1 else 0.0
@@ -444,7 +444,9 @@ class ClusterSearch:
                         continue
                     # exposed dp time is convex in (traffic, compute), so its max over ranks is at
                     # least its value at the rank average (Jensen): a valid bound before any cut
-                    dp_min = exposed_dp(sum(u.dp_comm_s for u in units) / pp, m * total_t / pp, fsdp) \
+                    # (one stage: FSDP traffic repeats per micro-batch of gradient accumulation, exactly)
+                    dp_min = exposed_dp(sum(u.dp_comm_s * (m if pp == 1 and u.fsdp else 1) for u in units) / pp,
+                                        m * total_t / pp, fsdp) \
                         + sum(u.optimizer_s for u in units) / pp
                     chain = sum(u.forward + u.backward_input for u in units)
                     lb = max(m * total_t / pp, chain) + dp_min

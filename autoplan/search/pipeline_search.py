@@ -51,6 +51,7 @@ class UnitCost:
     dp_comm_s: float = 0.0
     dp_gather_s: float = 0.0   # one FSDP all-gather of this unit if it is its own FSDP unit (a block)
     optimizer_s: float = 0.0   # its share of the optimizer step, once per step after backward
+    fsdp: bool = False         # its dp traffic is FSDP's: issued again by every micro-batch of one stage
 
     @property
     def time(self) -> float:
@@ -224,9 +225,9 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
         stage_rows.append({"state": sum(u.state_bytes for u in seg), "act": sum(u.act_bytes for u in seg),
                            "dp_comm_s": _stage_dp(choice, units, len(stage_rows), a, b)})
     hop = p2p_time if choice.p > 1 else 0.0
-    if choice.p == 1:  # one stage: the runner runs the rank's m micro-batches as one pass (all live)
+    if choice.p == 1:  # one stage: gradient accumulation, m forwards and backwards back to back, one live
         busy1 = choice.m * sum(c.forward + c.backward for c in stage_costs)
-        step, bubble, busy, peaks = busy1, 0.0, [busy1], [choice.m]
+        step, bubble, busy, peaks = busy1, 0.0, [busy1], [1]
     else:
         step, bubble, busy, peaks = play_costs(choice.schedule, choice.p, choice.m, choice.v, stage_costs, hop)
     s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
@@ -291,8 +292,12 @@ def fsdp_gathers(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
 
 
 def _stage_dp(choice: PipelineChoice, units: Sequence[UnitCost], s: int, a: int, b: int) -> float:
-    # also with p == 1: m micro-batches of gradient accumulation re-gather every resharded block
-    # (FSDP2 reshards after forward), exactly as one pipeline stage running m micro-batches does
+    if choice.p == 1:
+        # one stage accumulates gradients (Runner.forward_backward): FSDP2 gathers and
+        # reduce-scatters every micro-batch, replicated dp / ZeRO-1 reduce once per step
+        return sum(u.dp_comm_s * (choice.m if u.fsdp else 1) for u in units[a:b])
+    # a pipeline stage's FSDP keeps a block unsharded from its backward until the step ends
+    # (fsdp_actions.py), so m micro-batches re-gather only what the schedule finds resharded
     extra = fsdp_gathers(choice.schedule, choice.p, choice.m, choice.v)[s] - 2
     return sum(u.dp_comm_s + extra * u.dp_gather_s for u in units[a:b])
 
@@ -318,8 +323,8 @@ def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float
     activation per chunk of its stages (known before timing: in-flight counts are a property of
     the schedule's order)."""
     s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
-    # one stage: the runner runs the local batch in one pass, so all m micro-batches are live
-    peaks = schedule_facts(choice.schedule).inflight(choice.p, choice.m, choice.v) if choice.p > 1 else (choice.m,)
+    # one stage: gradient accumulation holds one micro-batch's activations at a time
+    peaks = schedule_facts(choice.schedule).inflight(choice.p, choice.m, choice.v) if choice.p > 1 else (1,)
     state, act, n_on = [0.0] * choice.p, [0.0] * choice.p, [0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         r = s2r[s] if choice.p > 1 else 0

@@ -13,6 +13,11 @@ hold the plan to it byte for byte:
   size; optimizer state and fp32 master weights sharded over dp.
 - ``selective``: the attention module of every repeated block recomputes its own ops
   (``autoplan.parallelisms.recompute``); no collective is repeated.
+- gradient accumulation (one stage, ``pipeline.microbatches = m > 1``): the runner's
+  ``forward_backward`` repeats every forward and backward collective (TP, cp, ep, FSDP2's
+  gathers and reduce-scatters) once per micro-batch; what ``Runner.data_parallel_step`` issues
+  after the last one (replicated dp's all-reduce, ZeRO-1's pair, the all-reduce of parameters
+  left out of FSDP, expert parallel's gradient sync) stays once per step.
 - mixed precision (FSDP plans with 16-bit compute): ``fsdp.mixed_precision`` is FSDP2's policy,
   bf16 parameters for compute and fp32 gradient reduction. The sharded parameters are then the
   fp32 master weights the optimizer updates (4 bytes each), gradients are reduce-scattered in
@@ -88,6 +93,26 @@ def with_dp_mode(plan: Plan, graph: ModelGraph, structure: ModelStructure, mode:
     mem["optimizer"] = -(-n // dp) * optimizer_bytes_per_element
     plan.predictions["memory_bytes"] = _exact(mem)
     plan.fsdp = {"enabled": False, "dim": dp_dim, "mode": "zero1"}
+    return plan
+
+
+def with_accumulation(plan: Plan, m: int) -> Plan:
+    """The collectives of a one-stage plan whose step is ``m`` micro-batches of gradient
+    accumulation, from the rows of one micro-batch's step (see the module docstring)."""
+    if m <= 1:
+        return plan
+    mode = plan.fsdp.get("mode") or ("fsdp" if plan.fsdp.get("enabled") else "replicate")
+    ep_dim = (plan.parallel.get("ep") or {}).get("dim")
+    flat = flat_name(grad_dims(plan))   # the all-reduce of FSDP's left-out parameters runs on it
+
+    def once_per_step(r: dict) -> bool:
+        if mode in ("replicate", "zero1") and r["mesh_dim"] == plan.dp_dim:
+            return True
+        return r["kind"] == "all_reduce" and r["phase"] == "backward" and (
+            r["mesh_dim"] == ep_dim or (mode == "fsdp" and r["mesh_dim"] == flat))
+
+    plan.predictions["collectives"] = [r if once_per_step(r) else dict(r, count=r["count"] * m)
+                                       for r in plan.predictions["collectives"]]
     return plan
 
 

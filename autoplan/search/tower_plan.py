@@ -60,7 +60,7 @@ def tower_units(search, best, group: str) -> list[UnitCost]:
         if o.in_block and o.owner == group + ".*":
             n = max(n, o.count)
             acc = [a + v for a, v in zip(acc, o.unit_values(ctx))]
-    return [UnitCost(f"{group}.{i}", *[a / n for a in acc]) for i in range(n)] if n else []
+    return [UnitCost(f"{group}.{i}", *[a / n for a in acc], fsdp=ctx.fsdp) for i in range(n)] if n else []
 
 
 def local_tower_bytes(tower: nn.Module, prefix: str, styles: dict, tp: int) -> dict[torch.dtype, int]:

@@ -97,10 +97,11 @@ class Trainer:
             self.resume(checkpoint.resolve(cfg.resume, cfg.checkpoint_dir))
 
     def _check_batch(self) -> None:
-        """The global batch must split over dp and, on a pipeline, into the plan's micro-batches."""
+        """The global batch must split over dp and into the plan's micro-batches (a pipeline's, or
+        one stage's gradient accumulation)."""
         names, shape = self.plan.mesh["names"], self.plan.mesh["shape"]
         dp = shape[names.index(self.plan.dp_dim)] if self.plan.dp_dim in names else 1
-        m = int(self.plan.pipeline["microbatches"]) if self._pipelined else 1
+        m = int((self.plan.pipeline or {}).get("microbatches", 1))
         if self.cfg.batch % (dp * m):
             raise TrainConfigError(
                 f"train: --batch {self.cfg.batch} must be a multiple of dp={dp} x micro-batches={m} = {dp * m} "

@@ -3,8 +3,8 @@ runtime issues with what the plan predicted.
 
 A fake process group of the plan's world size stands in for the cluster; the model is sharded
 on meta and rank 0's shards become fake CPU tensors; the step runs under FakeTensorMode -- no
-FLOPs, no memory -- so a 70B plan for 512 ranks is checked in seconds. One training forward and
-backward runs under CollectiveRecorder; every collective is attributed to the mesh dimension
+FLOPs, no memory -- so a 70B plan for 512 ranks is checked in seconds. One training step's
+forwards and backwards (one per micro-batch of gradient accumulation) run under CollectiveRecorder; every collective is attributed to the mesh dimension
 whose process group it ran on, and the per-rank parameter bytes are read off the sharded model.
 Predicted and issued must agree exactly: kind, mesh dimension, phase, bytes and count.
 """
@@ -21,13 +21,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms.context import cp_share
 from autoplan.parallelisms.expert import batch_shards
-from autoplan.plan.forward import forward_tokens, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.pipeline_dry_run import verify_pipeline
 from autoplan.verify.shrink import ModelRecipe, recipe_for
-from hyper_parallel import balanced_routing, loss_parallel
+from hyper_parallel import balanced_routing
 from hyper_parallel.local import CollectiveRecorder, fake_world
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 
 def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple[pd.DataFrame, int]:
     """Apply ``plan`` to a meta copy of ``model`` on a fake group of the plan's world size, run one
-    forward/backward, return (issued collectives by KEY with counts, parameter bytes on rank 0)."""
+    step's forwards/backwards, return (issued collectives by KEY with counts, parameter bytes on rank 0)."""
     shape, names = tuple(plan.mesh["shape"]), tuple(plan.mesh["names"])
     world = 1
     for s in shape:
@@ -62,17 +61,9 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # this rank's chunks, as Runner.local_batch
             # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
             with CollectiveRecorder() as rec, balanced_routing():
-                rec.phase = "forward"
-                logits = output_logits(forward_tokens(meta, inputs))
-                if plan.loss_parallel:
-                    with loss_parallel():
-                        loss = runner.loss(logits, targets)
-                        rec.phase = "backward"
-                        loss.backward()
-                else:
-                    loss = runner.loss(logits, targets)
-                    rec.phase = "backward"
-                    loss.backward()
+                # Runner.step's passes (one per micro-batch of gradient accumulation), each
+                # collective attributed to the phase it ran in
+                runner.forward_backward(inputs, targets, on_phase=lambda name: setattr(rec, "phase", name))
                 runner.data_parallel_step()  # what Runner.step does after backward (all-reduce / ZeRO-1)
     rows = [dict(e, mesh_dim=groups.get(e["group"], f"group:{e['group']}")) for e in rec.events]
     df = pd.DataFrame(rows, columns=["kind", "phase", "bytes", "mesh_dim"])

@@ -118,14 +118,18 @@ def test_memory_headroom_is_stated_in_the_profile():
 
 
 def test_gradient_accumulation_regathers_fsdp_blocks():
-    """pp=1 with m micro-batches under FSDP: every micro-batch's forward finds the block
-    resharded (m gathers) and the first backward once more; priced as one pipeline stage."""
+    """pp=1 with m micro-batches under FSDP is gradient accumulation (Runner.forward_backward):
+    FSDP2 gathers in every forward and backward and reduce-scatters every micro-batch, so all of
+    the unit's dp traffic x m; replicated dp reduces once per step. A pipeline stage (p > 1) keeps
+    blocks unsharded after backward and re-gathers only what the schedule finds resharded."""
     from autoplan.search.pipeline_search import PipelineChoice, UnitCost, _stage_dp, fsdp_gathers
 
-    u = [UnitCost("layers.0", 1.0, 1.0, 1.0, dp_comm_s=3.0, dp_gather_s=1.0)]
+    u = [UnitCost("layers.0", 1.0, 1.0, 1.0, dp_comm_s=3.0, dp_gather_s=1.0, fsdp=True)]
+    flat = [UnitCost("layers.0", 1.0, 1.0, 1.0, dp_comm_s=3.0)]
     assert fsdp_gathers("1F1B", 1, 4) == (5,)
     assert _stage_dp(PipelineChoice("1F1B", 1, 1, 1, [0]), u, 0, 0, 1) == pytest.approx(3.0)
-    assert _stage_dp(PipelineChoice("1F1B", 1, 1, 4, [0]), u, 0, 0, 1) == pytest.approx(6.0)
+    assert _stage_dp(PipelineChoice("1F1B", 1, 1, 4, [0]), u, 0, 0, 1) == pytest.approx(12.0)
+    assert _stage_dp(PipelineChoice("1F1B", 1, 1, 4, [0]), flat, 0, 0, 1) == pytest.approx(3.0)
 
 
 def test_selective_recompute_keeps_34_sbh_per_layer_as_korthikanti():

@@ -11,8 +11,8 @@ from autoplan.plan.forward import lm_loss, output_logits
 from tests.planner.e2e_workers import setup_case
 
 
-def run_zero1_case(plan_json: str, model_name: str, lr: float = 0.1) -> dict:
-    ref, par, runner, tokens, targets = setup_case(plan_json, model_name, lr)
+def run_zero1_case(plan_json: str, model_name: str, lr: float = 0.1, batch: int = 4) -> dict:
+    ref, par, runner, tokens, targets = setup_case(plan_json, model_name, lr, batch=batch)
     ref_loss = lm_loss(output_logits(ref(tokens)), targets)
     ref_loss.backward()
     # the one-device gradients of this rank's TP-local parameters, flattened in ZeRO-1's order

@@ -123,13 +123,14 @@ def test_one_layer_model_predicts_its_hidden_stream_and_verifies(cons):
     assert res.passed, res.mismatches()
 
 
-def test_one_stage_plan_with_microbatches_is_written_as_the_one_pass_the_runner_runs():
-    """pp=1 priced as m micro-batches of b: the runner runs the local batch in one pass, so the
-    plan is one micro-batch of b*m, its rows on that graph, and verify matches it exactly (the
-    rows were one micro-batch's and verify failed)."""
+def test_one_stage_plan_with_microbatches_is_the_gradient_accumulation_the_runner_runs():
+    """pp=1 priced as m micro-batches of b: the runner accumulates gradients over m micro-batches
+    of b, so the plan says m micro-batches of b, its TP and FSDP rows x m, and verify matches it
+    exactly (it was written as one pass of b*m while the runner had no accumulation)."""
     plan = _plan(4, {"pp": 1, "tp": 2, "dp": 2, "microbatches": 2})
     pipe = plan.pipeline
-    assert (pipe["microbatches"], pipe["microbatch_size"]) == (1, 16 // 2)
-    assert any("runs in one pass" in n for n in plan.notes), plan.notes
+    assert (pipe["microbatches"], pipe["microbatch_size"]) == (2, 16 // 2 // 2)
+    assert any("gradient accumulation" in n for n in plan.notes), plan.notes
+    assert all(r["count"] % 2 == 0 for r in plan.predictions["collectives"])   # FSDP + TP: per micro-batch
     res = verify(plan, build("llama_big_vocab", device="meta"))
     assert res.passed, res.mismatches()
