@@ -128,7 +128,8 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     # split-backward schedules on FSDP stages run the input-gradient pass (I) with autograd.grad
     # and the weight pass (W) as a whole backward again (FSDP's own hooks must reduce the weight
     # gradients), so a stage whose inputs need gradients (every stage but the first) issues its
-    # backward TP collectives twice
+    # backward TP collectives twice -- except those that only reduce a weight's gradient, which
+    # the input pass never reaches
     twice = schedule_facts(c.schedule).split_backward and best.fsdp and best.dp * best.cp > 1
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
@@ -145,7 +146,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
                 continue
             if dim == "dp":
                 continue  # exact rows of the runtime's dp collectives: _fsdp_rows / _flat_dp_rows
-            w = sum(2 if twice and col.phase == "backward" and stage_of[t] > 0 else 1
+            w = sum(2 if twice and col.phase == "backward" and not col.weight_grad and stage_of[t] > 0 else 1
                     for t in targets if t in mine)
             per = col.count * w // len(targets)
             agg[(col.kind, dim, col.phase, int(col.nbytes))] += per * (c.m if dim == "tp" else 1)

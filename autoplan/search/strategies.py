@@ -98,7 +98,7 @@ def _gathered_region(container: str, last: str) -> dict[str, ParallelStyle]:
 
 def _grad_all_reduces(param_bytes: list[int]) -> list[Collective]:
     """One all-reduce per replicated parameter whose gradient comes out Partial (SP regions)."""
-    return [Collective("all_reduce", "backward", b) for b in param_bytes]
+    return [Collective("all_reduce", "backward", b, weight_grad=True) for b in param_bytes]
 
 
 # FSDP2 shards a packed (strided) weight on its other dimension; a 1-D bias has none, so FSDP

@@ -12,7 +12,7 @@ so one number prices the collective on any group size.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -26,6 +26,9 @@ class Collective:
     nbytes: int          # logical bytes of one call
     count: int = 1       # calls (per unit call for a strategy, per step in a plan row)
     dim: str = "tp"      # the mesh dimension (its name in the plan's mesh) the group spans
+    # reduces a parameter's gradient and nothing else (a replicated weight on a sequence shard):
+    # a backward pass that asks only for input gradients does not issue it. Not part of the row.
+    weight_grad: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -35,15 +38,15 @@ class Collective:
 
     def scaled(self, n: int) -> "Collective":
         """``n`` times as many calls."""
-        return Collective(self.kind, self.phase, self.nbytes, self.count * n, self.dim)
+        return replace(self, count=self.count * n)
 
     def scaled_bytes(self, n: int) -> "Collective":
         """The same collective on ``n`` times the tokens (bytes proportional to the batch)."""
-        return Collective(self.kind, self.phase, self.nbytes * n, self.count, self.dim)
+        return replace(self, nbytes=self.nbytes * n)
 
     def on(self, dim: str) -> "Collective":
         """The same collective over mesh dimension ``dim``."""
-        return Collective(self.kind, self.phase, self.nbytes, self.count, dim)
+        return replace(self, dim=dim)
 
     @property
     def key(self) -> tuple[str, str, str, int]:
