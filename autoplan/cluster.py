@@ -155,18 +155,26 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     if c.p > 1:
         units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b, best.cp, best.ep)
         hidden = st.hidden_bytes
-        nbytes = int(hidden / (best.tp if layout == "S" else 1))
+        # a sequence-sharded stream is sharded from the first block's input on (the entry style);
+        # a boundary before it carries the embedding's whole output
+        entry = next((o for o in options if o.slot == "entry" and o.strategy.styles), None)
+        sharded_from = ClusterSearch._targets(entry, names, index, emb_i, norm_i, head_i,
+                                              ClusterSearch.members(st))[0] if entry is not None else 0
+        starts = list(c.starts)
+
+        def boundary_bytes(s: int) -> int:   # the boundary in front of stage s
+            return int(hidden / (best.tp if layout == "S" and starts[s] > sharded_from else 1))
+
         for s in range(len(s2r)):
             if s2r[s] != rank:
                 continue
             # activations go up and gradients come back: a send and a receive per micro-batch
             # on each side of every boundary this stage has with another rank
-            if s + 1 < len(s2r) and s2r[s + 1] != rank:
-                agg[("send_recv", "pp", "forward", nbytes)] += c.m
-                agg[("send_recv", "pp", "backward", nbytes)] += c.m
-            if s > 0 and s2r[s - 1] != rank:
-                agg[("send_recv", "pp", "forward", nbytes)] += c.m
-                agg[("send_recv", "pp", "backward", nbytes)] += c.m
+            fronts = ([s + 1] if s + 1 < len(s2r) and s2r[s + 1] != rank else []) + \
+                ([s] if s > 0 and s2r[s - 1] != rank else [])
+            for front in fronts:
+                agg[("send_recv", "pp", "forward", boundary_bytes(front))] += c.m
+                agg[("send_recv", "pp", "backward", boundary_bytes(front))] += c.m
         # the runtime agrees on the input signature and the schedule's shape once per step
         # (one small int64 all-reduce on pp)
         agg[("all_reduce", "pp", "forward", AGREEMENT_BYTES)] += 1
@@ -348,6 +356,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                 "backward per micro-batch, one micro-batch's activations live, and steps once); "
                 "predictions.collectives repeat every forward/backward collective (TP, FSDP's gathers and "
                 f"reduce-scatters) {c.m} times, replicated dp / ZeRO-1 reduce once per step")
+        if search.pipeline_refusal:
+            tp_plan.notes.append(f"pp=1 only: {search.pipeline_refusal}")
         with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
         tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
         return tp_plan

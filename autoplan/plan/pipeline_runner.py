@@ -79,8 +79,12 @@ class PipelineRunner:
         return cp_share(inputs, targets, self.cp_mesh)
 
     def step_kwargs(self, inputs: torch.Tensor) -> dict:
-        """Keywords every stage gets in a step (cp: the global positions of this rank's tokens)."""
-        return cp_step_kwargs(self.root, self.cp_mesh, inputs.shape[1])
+        """Keywords every stage gets in a step: cp, the global positions of this rank's tokens;
+        otherwise the sequence length, which a stage that receives a sequence shard (sequence
+        parallel) cannot read off its input but builds its positions and mask for (split.py)."""
+        if self.cp_mesh is not None:
+            return cp_step_kwargs(self.root, self.cp_mesh, inputs.shape[1])
+        return {"sequence_length": int(inputs.shape[1])}
 
     def data_parallel_step(self) -> bool:
         """After the schedule: replicated dp all-reduces this rank's gradients; ZeRO-1 reduce-

@@ -48,6 +48,7 @@ from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.split import spine_for
+from hyper_parallel.errors import StageSplitError
 from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class ClusterSearch:
         self._settled: set[tuple] = set()         # TP solution keys whose pick has run sound
         self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
         self.simulations = 0
+        self.pipeline_refusal = self._pipeline_refusal()
+        if self.pipeline_refusal and int(self.cons.get("pp", 1)) > 1:
+            raise InfeasiblePlanError(f"plan_cluster: constraints pp={self.cons['pp']}: {self.pipeline_refusal}")
         self.unit_names = self._unit_names()
 
     # ---------------------------------------------------------------- pricing
@@ -137,17 +141,27 @@ class ClusterSearch:
         b = self.mb_sizes[0]
         return model_moe_groups(self.meta, self.graph(b), self.structure(b).dtype_bytes)
 
+    def _pipeline_refusal(self) -> str | None:
+        """Why the runtime cannot cut this model into pipeline stages (None when it can): without
+        a spine adapter (``hyper_parallel``'s split) a pipelined plan would not apply, so the
+        search keeps pp=1 and the plan says why."""
+        try:
+            spine_for(self.model)
+        except StageSplitError as exc:
+            return f"pipeline parallelism needs the runtime to cut the model into stages: {exc}"
+        return None
+
     def _unit_names(self) -> list[str]:
         """Pipeline units in execution order: the runtime's spine when it knows the model, else
-        embedding, every block, final norms, head from the captured structure."""
-        try:
+        (a model priced at pp=1 only) embedding, every block, final norms, head from the
+        captured structure."""
+        if self.pipeline_refusal is None:
             return list(spine_for(self.model).units(self.model))
-        except Exception:  # noqa: BLE001 - any model the runtime cannot split is planned by structure
-            st = self.structure(self.mb_sizes[0])
-            names = [st.embedding.fqn] if st.embedding else []
-            for g in st.blocks:
-                names += [f"{g.prefix}.{i}" for i in g.indices]
-            return names + list(st.final_norms) + ([st.head.fqn] if st.head else [])
+        st = self.structure(self.mb_sizes[0])
+        names = [st.embedding.fqn] if st.embedding else []
+        for g in st.blocks:
+            names += [f"{g.prefix}.{i}" for i in g.indices]
+        return names + list(st.final_norms) + ([st.head.fqn] if st.head else [])
 
     def spec(self, dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1) -> ParallelDims:
         return cluster_spec(dp, pp, tp, cp, ep, self.hardware, self.dpn)
@@ -347,7 +361,10 @@ class ClusterSearch:
                 elif pat in index:
                     out.append(index[pat])
             return out
-        if o.slot in ("embedding", "entry"):
+        if o.slot == "entry":   # the stream's layout change is a style on the first block's input
+            firsts = [index[n] for ms in (members or {}).values() for n in ms if n in index]
+            return [min(firsts)] if firsts else [emb_i]
+        if o.slot == "embedding":
             return [emb_i]
         if o.slot == "final_norm":
             return [norm_i]
@@ -402,7 +419,8 @@ class ClusterSearch:
             for ep in eps:
                 if cp > 1 and ep > 1 or self.devices % (cp * ep):
                     continue
-                for dp, pp, tp in mesh_factorizations(self.devices // (cp * ep), self.dpn, n_units, rest):
+                max_pp = n_units if self.pipeline_refusal is None else 1
+                for dp, pp, tp in mesh_factorizations(self.devices // (cp * ep), self.dpn, max_pp, rest):
                     if (ep > 1 and pp > 1) or (cp > 1 and pp > 1 and not CP_WITH_PP):
                         continue
                     out.append((dp, pp, tp, cp, ep))

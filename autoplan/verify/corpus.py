@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from autoplan.api import autoplan
+from autoplan.cluster import plan_cluster
 from autoplan.capture import capture
 from autoplan.errors import AutoplanError
 from autoplan.models import build_llama
@@ -69,7 +70,11 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
         "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "vocab_size": 102400}),
 }
 FAMILIES = ("llama",) + tuple(HF_FAMILIES)
-MESHES = {"tp4": ((4,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp"))}
+MESHES = {"tp4": ((4,), ("tp",)), "dp2_tp2": ((2, 2), ("dp", "tp")),
+          "pp2_tp2": ((2, 2), ("pp", "tp")), "pp2_dp2": ((2, 2), ("dp", "pp"))}
+# pipelined cases: planned by plan_cluster with the degrees fixed (its search picks the schedule,
+# micro-batches and cuts), in fp32 so the small copy's step compares exactly with one device
+PIPELINED = {"pp2_tp2": {"pp": 2, "tp": 2, "dp": 1}, "pp2_dp2": {"pp": 2, "tp": 1, "dp": 2}}
 VARIANTS = {
     "default": {},
     "forced_R": {"allow_replicated_units": False, "sequence_parallel": False},
@@ -137,6 +142,10 @@ def plan_case(family: str, mesh: str, variant: str):
         _CAPTURED.clear()
         _CAPTURED[family] = (model, capture(model, batch=(4, seq_len(model)), dtype=torch.bfloat16))
     model, graph = _CAPTURED[family]
+    if mesh in PIPELINED:
+        plan = plan_cluster(model, math.prod(shape), hardware="h100_sxm", batch=(8, seq_len(model)),
+                            constraints=PIPELINED[mesh], dtype=torch.float32, **VARIANTS[variant])
+        return model, plan
     plan = autoplan(model, ParallelDims(shape, names, "h100_sxm"), batch=(4 * dp, seq_len(model)), graph=graph,
                     **VARIANTS[variant])
     return model, plan
@@ -160,7 +169,10 @@ def run_case(family: str, mesh: str, variant: str, pool=None) -> CaseResult:
         return CaseResult(family, mesh, variant, "UNTYPED", "-", "-", f"{type(exc).__name__}: {exc}"[:300],
                           time.perf_counter() - t0)
     degrees = [d for d in plan.mesh["shape"] if d > 1]
-    result = check_numerics(plan, small_recipe(family, model, degrees), pool=pool)
+    pipe = plan.pipeline or {}
+    # one sequence per micro-batch and dp rank: the plan's micro-batch count divides the rows
+    rows = PIPELINED[mesh]["dp"] * int(pipe.get("microbatches", 1)) if mesh in PIPELINED else None
+    result = check_numerics(plan, small_recipe(family, model, degrees), pool=pool, global_batch=rows)
     outcome = "EQUAL" if result.passed else ("CRASH" if result.error else "WRONG")
     return CaseResult(family, mesh, variant, outcome, sharded_units(plan), plan.stream_layout,
                       result.summary()[:300], time.perf_counter() - t0)

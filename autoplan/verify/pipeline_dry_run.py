@@ -107,6 +107,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             if shapes_model is not None:
                 m = int(plan.pipeline["microbatches"])
                 mb_args, mb_kwargs = split_microbatches((inputs,), {}, m)
+                # every stage gets the step's keywords whole, as the schedule hands them (NO_SPLIT)
+                mb_kwargs = [{**kw, **step_kwargs} for kw in mb_kwargs]
                 if pre is not None:   # stage 0 takes micro-batch 0's tower output (the dry run's own tower)
                     _, pv = split_microbatches((), extra, m)
                     tower = shapes_model.get_submodule(plan.pipeline["preprocess"]["module"])

@@ -116,22 +116,34 @@ def _hf_units(m: nn.Module) -> list[str]:
     return ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(n)] + ["model.norm", "lm_head"]
 
 
-def _hf_context(stage, h, kwargs) -> dict:
-    """Positions, RoPE and the causal mask, rebuilt from the local hidden state on every stage."""
-    if not any(u.startswith("model.layers.") for u in stage.units):
-        return {}
+def _hf_layer_context(config, rotary: nn.Module, h: torch.Tensor, kwargs: dict) -> dict:
+    """Positions, RoPE and the causal mask of transformers' decoder layers, rebuilt on a stage.
+    They cover the whole sequence: the step's ``sequence_length`` (the pipeline runner passes it)
+    when the hidden state that reached this stage is a local sequence shard (sequence parallel:
+    attention gathers the sequence before it applies them), else the hidden state's length; the
+    step's ``position_ids`` when given (context parallel: this rank's chunks)."""
     from transformers.masking_utils import create_causal_mask
 
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-    mask_kwargs = dict(config=stage.config, inputs_embeds=h, attention_mask=kwargs.get("attention_mask"),
+        length = int(kwargs.get("sequence_length") or h.shape[1])
+        position_ids = torch.arange(length, device=h.device).unsqueeze(0)
+    length = position_ids.shape[-1]
+    # the mask reads only the shape, dtype and device of its inputs_embeds: a view at full length
+    like = h if h.shape[1] == length else h[:, :1].expand(h.shape[0], length, *h.shape[2:])
+    mask_kwargs = dict(config=config, inputs_embeds=like, attention_mask=kwargs.get("attention_mask"),
                        position_ids=position_ids)
     params = inspect.signature(create_causal_mask).parameters
     mask_kwargs["cache" if "cache" in params else "past_key_values"] = None
-    mask = create_causal_mask(**mask_kwargs)
-    rope = stage.get_submodule("model.rotary_emb")(h, position_ids=position_ids)
-    return dict(attention_mask=mask, position_embeddings=rope, position_ids=position_ids)
+    return dict(attention_mask=create_causal_mask(**mask_kwargs), position_ids=position_ids,
+                position_embeddings=rotary(like, position_ids=position_ids))
+
+
+def _hf_context(stage, h, kwargs) -> dict:
+    """Positions, RoPE and the causal mask, rebuilt on every stage that runs decoder layers."""
+    if not any(u.startswith("model.layers.") for u in stage.units):
+        return {}
+    return _hf_layer_context(stage.config, stage.get_submodule("model.rotary_emb"), h, kwargs)
 
 
 def _hf_call(stage, fqn, module, h, ctx):
@@ -158,18 +170,8 @@ def _hf_vl_units(m: nn.Module) -> list[str]:
 
 
 def _hf_vl_layer_context(stage, h, kwargs) -> dict:
-    from transformers.masking_utils import create_causal_mask
-
-    config = getattr(stage.config, "text_config", stage.config)
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-    mask_kwargs = dict(config=config, inputs_embeds=h, attention_mask=kwargs.get("attention_mask"),
-                       position_ids=position_ids)
-    params = inspect.signature(create_causal_mask).parameters
-    mask_kwargs["cache" if "cache" in params else "past_key_values"] = None
-    rope = stage.get_submodule("model.language_model.rotary_emb")(h, position_ids=position_ids)
-    return dict(attention_mask=create_causal_mask(**mask_kwargs), position_embeddings=rope, position_ids=position_ids)
+    return _hf_layer_context(getattr(stage.config, "text_config", stage.config),
+                             stage.get_submodule("model.language_model.rotary_emb"), h, kwargs)
 
 
 def _hf_vl_call(stage, fqn, module, h, ctx):

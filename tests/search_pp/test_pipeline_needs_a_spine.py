@@ -1,0 +1,25 @@
+"""A pipelined plan of a model the runtime cannot cut into stages would fail at apply
+(StageSplitError in split_model); the cluster search keeps such a model at pp=1 and says why,
+and a pp constraint on it is refused with the runtime's reason."""
+import pytest
+
+from autoplan import plan_cluster
+from autoplan.errors import InfeasiblePlanError
+from autoplan.verify.corpus import real_model, seq_len
+
+
+@pytest.fixture(scope="module")
+def neox():
+    return real_model("gpt_neox")   # no spine adapter: gpt_neox.layers, not model.layers
+
+
+def test_a_model_without_a_spine_is_planned_at_pp1_with_the_reason(neox):
+    plan = plan_cluster(neox, 8, hardware="h100_sxm", batch=(16, seq_len(neox)), constraints={"tp": 1})
+    assert dict(zip(plan.mesh["names"], plan.mesh["shape"]))["pp"] == 1
+    assert all(a["name"].split("-")[1] == "pp1" for a in plan.alternatives), [a["name"] for a in plan.alternatives]
+    assert any("pp=1 only" in n and "no spine adapter knows GPTNeoXForCausalLM" in n for n in plan.notes), plan.notes
+
+
+def test_a_pp_constraint_on_it_is_refused_with_the_runtime_reason(neox):
+    with pytest.raises(InfeasiblePlanError, match="constraints pp=2: .*no spine adapter knows GPTNeoXForCausalLM"):
+        plan_cluster(neox, 4, hardware="h100_sxm", batch=(8, seq_len(neox)), constraints={"pp": 2})
