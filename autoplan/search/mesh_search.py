@@ -39,6 +39,7 @@ from autoplan.search.pipeline_search import (
 from autoplan.search.mesh_candidates import (
     Candidate, dp_mode_of, mesh_factorizations, recompute_of,
 )
+from autoplan.search.pipeline_support import pipeline_refusal
 from autoplan.search.probe import Prober
 from autoplan.search.strategies import PACKED_BIAS
 from autoplan.search.structure import model_structure
@@ -48,7 +49,6 @@ from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.split import spine_for
-from hyper_parallel.errors import StageSplitError
 from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class ClusterSearch:
         self._settled: set[tuple] = set()         # TP solution keys whose pick has run sound
         self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
         self.simulations = 0
-        self.pipeline_refusal = self._pipeline_refusal()
+        self.pipeline_refusal = pipeline_refusal(self.model)
         if self.pipeline_refusal and int(self.cons.get("pp", 1)) > 1:
             raise InfeasiblePlanError(f"plan_cluster: constraints pp={self.cons['pp']}: {self.pipeline_refusal}")
         self.unit_names = self._unit_names()
@@ -140,16 +140,6 @@ class ClusterSearch:
         """The model's MoE layers ExpertParallel can take (empty for a dense model)."""
         b = self.mb_sizes[0]
         return model_moe_groups(self.meta, self.graph(b), self.structure(b).dtype_bytes)
-
-    def _pipeline_refusal(self) -> str | None:
-        """Why the runtime cannot cut this model into pipeline stages (None when it can): without
-        a spine adapter (``hyper_parallel``'s split) a pipelined plan would not apply, so the
-        search keeps pp=1 and the plan says why."""
-        try:
-            spine_for(self.model)
-        except StageSplitError as exc:
-            return f"pipeline parallelism needs the runtime to cut the model into stages: {exc}"
-        return None
 
     def _unit_names(self) -> list[str]:
         """Pipeline units in execution order: the runtime's spine when it knows the model, else

@@ -23,3 +23,16 @@ def test_a_model_without_a_spine_is_planned_at_pp1_with_the_reason(neox):
 def test_a_pp_constraint_on_it_is_refused_with_the_runtime_reason(neox):
     with pytest.raises(InfeasiblePlanError, match="constraints pp=2: .*no spine adapter knows GPTNeoXForCausalLM"):
         plan_cluster(neox, 4, hardware="h100_sxm", batch=(8, seq_len(neox)), constraints={"pp": 2})
+
+
+def test_a_spine_that_computes_another_function_is_refused():
+    """Gemma-2 matches the generic transformers decoder spine (embed_tokens, layers, norm,
+    rotary_emb, lm_head) but scales its embedding and soft-caps its logits in its forward: cut into
+    stages it stepped to another loss and other gradients (corpus, before this check). A small copy
+    run both ways differs, so pipelining it is refused; Qwen3's copy is bit-equal and it pipelines."""
+    gemma = real_model("gemma2")
+    with pytest.raises(InfeasiblePlanError, match="'hf-causal-lm' spine runs Gemma2ForCausalLM's units in order"):
+        plan_cluster(gemma, 4, hardware="h100_sxm", batch=(8, seq_len(gemma)), constraints={"pp": 2})
+    qwen = real_model("qwen3")
+    plan = plan_cluster(qwen, 4, hardware="h100_sxm", batch=(8, seq_len(qwen)), constraints={"pp": 2})
+    assert plan.pipeline["pp"] == 2

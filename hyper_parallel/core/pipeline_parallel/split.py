@@ -349,6 +349,22 @@ def split_model(model: nn.Module, cuts: Sequence[str], stage_indices: Sequence[i
     return stages
 
 
+def spine_gap(model: nn.Module, tokens: torch.Tensor) -> float:
+    """Largest absolute difference between ``model``'s output and its spine's units run in order
+    on ``tokens`` (one stage holding every unit): 0 when the spine computes the model's function.
+    A spine matches models by their attributes; a model whose forward does more than its units in
+    order (an embedding scaled in the model's forward, soft-capped logits, per-layer masks) would
+    match and then train a different function once cut. Run it on a small copy of the model."""
+    with torch.no_grad():
+        want = model(tokens)
+        (stage,) = split_model(model, [])
+        got = stage(tokens)
+    want, got = (getattr(o, "logits", o) for o in (want, got))
+    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or want.shape != got.shape:
+        return float("inf")
+    return float((want.float() - got.float()).abs().max())
+
+
 def tied_parameters(model: nn.Module, cuts: Sequence[str]) -> list[dict[int, str]]:
     """Parameters that more than one stage holds: for each, {stage index: FQN in that stage}."""
     groups = stage_units(model, cuts)

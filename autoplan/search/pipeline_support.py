@@ -1,0 +1,56 @@
+"""Whether the runtime can pipeline a model, asked of the runtime itself.
+
+A pipelined plan applies only if ``hyper_parallel``'s split knows the model (a spine adapter) and
+the spine computes the model's function: spines match models by their attributes, and a
+transformers model whose forward does more than running its units in order -- Gemma-2 scales the
+embedding and soft-caps the logits in its forward, Granite multiplies both by its config -- would
+match the generic decoder spine and then train something else once cut (measured: Gemma-2 cut
+into two stages stepped to a different loss and gradients). So a model the spine does not know is
+refused, and one it knows is run on a small copy both ways: the two outputs must be equal.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from autoplan.verify.shrink import recipe_for
+from hyper_parallel.core.pipeline_parallel.split import spine_for, spine_gap
+from hyper_parallel.errors import StageSplitError
+
+# the spine runs the model's own modules in the model's order: in fp32 on the CPU the outputs are
+# bit-equal when it computes the same function (measured 0.0 on Llama-, Mistral-, Qwen3-, Phi-3-,
+# OLMo-2-, Starcoder2- and Granite-shaped copies; Gemma-2 differs by 1.3e-3)
+GAP_TOLERANCE = 1e-5
+
+
+def pipeline_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be cut into pipeline stages by the runtime; None when it can."""
+    try:
+        spine = spine_for(model)
+    except StageSplitError as exc:
+        return f"pipeline parallelism needs the runtime to cut the model into stages: {exc}"
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
+        return None   # a model written with its spine (the repo's Llama and VL model)
+    key = (type(model).__name__, config.to_json_string(use_diff=False))
+    if key not in _GAPS:
+        _GAPS[key] = _small_copy_gap(model)
+    gap = _GAPS[key]
+    if gap > GAP_TOLERANCE:
+        return (f"the runtime's {spine.name!r} spine runs {type(model).__name__}'s units in order, and on a small "
+                f"copy that differs from its forward by {gap:.3g} (its forward does more than its units, e.g. a "
+                "scaled embedding or soft-capped logits); teach the split this model with register_spine")
+    return None
+
+
+_GAPS: dict[tuple[str, str], float] = {}   # (class, config) -> gap: copies of one architecture share it
+
+
+def _small_copy_gap(model: nn.Module) -> float:
+    """The spine gap of a small copy of ``model`` (built from its config, fp32, on the CPU)."""
+    small = recipe_for(model, [2], seed=0).build().eval()
+    vocab = int(getattr(small.config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        return float("inf")
+    tokens = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+    return spine_gap(small, tokens)
