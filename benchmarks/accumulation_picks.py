@@ -9,16 +9,14 @@ rebuilds the markdown from it.
 """
 from __future__ import annotations
 
-import argparse
-import logging
 import time
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from autoplan import plan_cluster
 from autoplan.presets import build_preset
+from labelled_runs import append_rows, start
 
 OUT = Path(__file__).parent / "results" / "accumulation_picks"
 SEQ = 8192
@@ -40,24 +38,17 @@ def _row(label: str, name: str, cons: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--label", required=True)
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.ERROR)
-    torch.set_num_threads(1)
+    label = start(__doc__)
     rows = []
     for name in ("llama3-70b", "llama3-405b"):
         for cons in ({}, {"pp": 1}, {"pp": 1, "tp": 8}):
             try:
-                rows.append(_row(args.label, name, cons))
+                rows.append(_row(label, name, cons))
             except Exception as exc:   # noqa: BLE001 - an infeasible pp=1 is a result too
-                rows.append({"label": args.label, "model": name, "constraints": str(cons),
+                rows.append({"label": label, "model": name, "constraints": str(cons),
                              "mesh": f"{type(exc).__name__}: {str(exc)[:80]}"})
             print(rows[-1], flush=True)
-    csv = OUT.with_suffix(".csv")
-    df = pd.concat([pd.read_csv(csv), pd.DataFrame(rows)]) if csv.exists() else pd.DataFrame(rows)
-    df.to_csv(csv, index=False)
-    write_markdown(df)
+    write_markdown(append_rows(OUT.with_suffix(".csv"), rows))
     return 0
 
 

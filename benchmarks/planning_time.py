@@ -12,18 +12,15 @@ benchmarks/results/planning_time.csv under ``--label``; the markdown is rebuilt 
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import logging
 import os
 import time
 from pathlib import Path
 
-import pandas as pd
-import torch
 
 from autoplan import MeshSpec, autoplan, plan_cluster
 from autoplan.presets import build_preset
+from labelled_runs import append_rows, start
 
 OUT = Path(__file__).parent / "results" / "planning_time"
 SEQ = 8192
@@ -36,11 +33,7 @@ def _timed(fn) -> tuple[float, float, object]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--label", required=True)
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.ERROR)
-    torch.set_num_threads(1)
+    label = start(__doc__)
     plan_cluster(build_preset("llama3-70b", num_layers=2), 64, hardware="h100_sxm", batch=(64, SEQ))  # warm-up
     calls = [
         ("autoplan llama3-70b dp64 x tp8", lambda: autoplan(build_preset("llama3-70b"),
@@ -56,13 +49,11 @@ def main() -> int:
         gc.collect()
         gc.freeze()
         cpu, wall, plan = _timed(fn)
-        rows.append({"label": args.label, "call": name, "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
+        rows.append({"label": label, "call": name, "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
                      "mesh": "x".join(f"{n}{s}" for n, s in zip(plan.mesh["names"], plan.mesh["shape"])),
                      "load": round(os.getloadavg()[0], 1)})
         print(rows[-1], flush=True)
-    csv = OUT.with_suffix(".csv")
-    df = pd.concat([pd.read_csv(csv), pd.DataFrame(rows)]) if csv.exists() else pd.DataFrame(rows)
-    df.to_csv(csv, index=False)
+    df = append_rows(OUT.with_suffix(".csv"), rows)
     pivot = df.pivot_table(index="call", columns="label", values="cpu_s", aggfunc="min")
     OUT.with_suffix(".md").write_text(
         "# Planning time (CPU seconds, best of the runs recorded; wall and load in the CSV)\n\n"
