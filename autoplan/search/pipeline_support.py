@@ -34,7 +34,12 @@ def pipeline_refusal(model: nn.Module) -> str | None:
         return None   # a model written with its spine (the repo's Llama and VL model)
     key = (type(model).__name__, config.to_json_string(use_diff=False))
     if key not in _GAPS:
-        _GAPS[key] = _small_copy_gap(model)
+        try:
+            _GAPS[key] = _small_copy_gap(model)
+        except Exception as exc:  # noqa: BLE001 - a copy that cannot be built or run proves nothing: refuse
+            return (f"the runtime's {spine.name!r} spine could not be checked against {type(model).__name__}'s "
+                    f"forward on a small copy ({type(exc).__name__}: {str(exc)[:200]}); teach the split this "
+                    "model with register_spine")
     gap = _GAPS[key]
     if gap > GAP_TOLERANCE:
         return (f"the runtime's {spine.name!r} spine runs {type(model).__name__}'s units in order, and on a small "

@@ -5,6 +5,7 @@ import pytest
 
 from autoplan import plan_cluster
 from autoplan.errors import InfeasiblePlanError
+from autoplan.search import pipeline_support
 from autoplan.verify.corpus import real_model, seq_len
 
 
@@ -36,3 +37,15 @@ def test_a_spine_that_computes_another_function_is_refused():
     qwen = real_model("qwen3")
     plan = plan_cluster(qwen, 4, hardware="h100_sxm", batch=(8, seq_len(qwen)), constraints={"pp": 2})
     assert plan.pipeline["pp"] == 2
+
+
+def test_a_copy_that_cannot_be_checked_refuses_pipelining(monkeypatch):
+    """The check builds a small copy from the config; if that fails, nothing is proven, so the
+    model is not pipelined (and the planner does not crash)."""
+    def broken(model):
+        raise RuntimeError("no small copy")
+
+    monkeypatch.setattr(pipeline_support, "_small_copy_gap", broken)
+    monkeypatch.setattr(pipeline_support, "_GAPS", {})
+    why = pipeline_support.pipeline_refusal(real_model("qwen3"))
+    assert why is not None and "could not be checked" in why and "no small copy" in why
