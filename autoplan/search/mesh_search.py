@@ -110,6 +110,7 @@ class ClusterSearch:
         self._settled: set[tuple] = set()         # TP solution keys whose pick has run sound
         self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
         self.simulations = 0
+        self.tp_skipped: dict[int, str] = {}     # tensor-parallel degree -> why its TP search refused
         self.pipeline_refusal = pipeline_refusal(self.model)
         if self.pipeline_refusal and int(self.cons.get("pp", 1)) > 1:
             raise InfeasiblePlanError(f"plan_cluster: constraints pp={self.cons['pp']}: {self.pipeline_refusal}")
@@ -201,12 +202,14 @@ class ClusterSearch:
                                   prober=self.prober(tp, b, cp))
             except InfeasiblePlanError as e:  # e.g. allow_replicated_units=False at a degree that cannot shard
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
+                self.tp_skipped[tp] = str(e)
                 self._tp[key] = None
                 return None
             try:
                 chosen, layout, info = search.solve(None, check=False)   # run only if kept: see settle()
             except InfeasiblePlanError as e:
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
+                self.tp_skipped[tp] = str(e)
                 self._tp[key] = None
                 return None
             self._searches[key] = search
@@ -496,9 +499,10 @@ class ClusterSearch:
         if not done:
             why = (f"no plan simulated within the budget ({self.simulations} simulations, "
                    f"{time.perf_counter() - t0:.0f} s) fits" if cut else "nothing fits")
+            skipped = "".join(f"; tp={t} refused: {reason}" for t, reason in sorted(self.tp_skipped.items()))
             raise InfeasiblePlanError(
                 f"plan_cluster: {why} {self.limit / 2**30:.1f} GiB per device on {self.devices} devices "
-                f"(global batch {self.gb}, seq {self.seq}, constraints {self.cons})")
+                f"(global batch {self.gb}, seq {self.seq}, constraints {self.cons}){skipped}")
         done.sort(key=lambda c: c.key)
         log.info("plan_cluster: %d meshes, %d groups, %d simulations, %.2f s", len(meshes), len(groups),
                  self.simulations, time.perf_counter() - t0)

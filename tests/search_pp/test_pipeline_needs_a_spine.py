@@ -49,3 +49,12 @@ def test_a_copy_that_cannot_be_checked_refuses_pipelining(monkeypatch):
     monkeypatch.setattr(pipeline_support, "_GAPS", {})
     why = pipeline_support.pipeline_refusal(real_model("qwen3"))
     assert why is not None and "could not be checked" in why and "no small copy" in why
+
+
+def test_nothing_fits_names_the_degrees_the_tp_search_refused():
+    """allow_replicated_units=False at tp=1 leaves nothing to plan; the refusal says so instead of
+    only "nothing fits N GiB" (46 corpus refusals read as a memory problem)."""
+    llama = real_model("llama")
+    with pytest.raises(InfeasiblePlanError, match="nothing fits .*; tp=1 refused: "):
+        plan_cluster(llama, 4, hardware="h100_sxm", batch=(8, seq_len(llama)),
+                     constraints={"pp": 2, "dp": 2, "tp": 1}, allow_replicated_units=False)
