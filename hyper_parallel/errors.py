@@ -70,3 +70,8 @@ class AlreadyParallelizedError(HyperParallelError, ValueError):
 
 class MeshNameError(MeshError):
     """A mesh dimension name that does not say which parallelism it carries, or two names for one."""
+
+
+class InitError(HyperParallelError, ValueError):
+    """A meta-built model whose tensors cannot be given initial values: a module with tensors and
+    no init function, a tensor the init function left unset, or a name the model does not have."""

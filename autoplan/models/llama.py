@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hyper_parallel.core.materialize import InitSources, materialize
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -151,16 +153,26 @@ class Llama(nn.Module):
             "rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
         )
 
-    def init_weights(self, seed: int = 0) -> "Llama":
-        """Deterministic random init (std 0.02), identical on every rank for the same seed."""
-        gen = torch.Generator().manual_seed(seed)
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own tensors (not its children's): RMSNorm weights 1, every other
+        weight N(0, 0.02), the RoPE table of this model. Per module, so a model built on meta gets
+        the same weights whatever plan shards it (``hyper_parallel.core.materialize``)."""
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        self.rope = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta)
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+                return
+            for p in module._parameters.values():
+                if p is not None:
+                    p.normal_(0.0, 0.02)
+            if "rope" in module._buffers:
+                module.rope.copy_(rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta,
+                                              device=module.rope.device))
+
+    def init_weights(self, seed: int = 0) -> "Llama":
+        """Deterministic random init, identical on every rank and under every plan for the same
+        seed (each module seeded by its name: ``hyper_parallel.core.materialize``)."""
+        device = self.rope.device if self.rope.device.type != "meta" else torch.device("cpu")
+        materialize(self, InitSources.of(self), self.init_module, device=device, seed=seed)
         return self
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,10 +187,11 @@ class Llama(nn.Module):
 
 
 def build_llama(seed: int = 0, device: str | torch.device = "cpu", **overrides) -> Llama:
-    """A Llama from keyword overrides of LlamaConfig; random weights unless device is meta."""
+    """A Llama from keyword overrides of LlamaConfig; random weights unless device is meta
+    (built on meta either way, then materialised: the weights a plan's ranks get for the seed)."""
     cfg = LlamaConfig(**overrides)
-    with torch.device(device):
+    with torch.device("meta"):
         model = Llama(cfg)
     if str(device) != "meta":
-        model.init_weights(seed)
+        materialize(model, InitSources.of(model), model.init_module, device=device, seed=seed)
     return model

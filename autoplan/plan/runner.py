@@ -23,6 +23,7 @@ from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_
 from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
+from autoplan.plan.weights import HeldWeights, ModelInit, mesh_device
 from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.errors import MeshError, MicrobatchError
@@ -30,7 +31,7 @@ from hyper_parallel.errors import MeshError, MicrobatchError
 log = logging.getLogger(__name__)
 
 
-class Runner:
+class Runner(HeldWeights):
     def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
                  replicate_dp: bool = False, zero1: Zero1 | None = None, batch_mesh=None, cp_mesh=None,
                  ep_mesh=None, ep_sync=None, fsdp_replicated=(), microbatches: int = 1):
@@ -152,10 +153,22 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
                loss_fn: Callable = lm_loss):
     """Apply every parallelism of ``plan`` in the registry's order (``autoplan.parallelisms``):
     those applied to the whole model (tensor parallel), then -- with a pipeline, after cutting
-    this rank's stages -- those applied to the roots (recomputation, then FSDP / HSDP)."""
+    this rank's stages -- those applied to the roots (recomputation, then FSDP / HSDP).
+
+    ``model`` may be on the meta device (nothing larger than one device can be built otherwise):
+    then ``runner.materialize(seed)`` or ``runner.load_pretrained(path)`` gives this rank's shards
+    their values."""
     _check_mesh(plan, mesh)
+    init = ModelInit.of(model)   # before any parallelism changes the model: for materialize / load
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
-        return apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
+        runner = apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
+    else:
+        runner = _apply_one_stage(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
+    runner.model_init, runner.device = init, mesh_device(mesh)
+    return runner
+
+
+def _apply_one_stage(plan, model: nn.Module, mesh, *, optimizer, lr: float, loss_fn: Callable) -> Runner:
     target = ApplyTarget(model=model, mesh=mesh, roots=[model], block_finder=lambda: block_modules(model, plan))
     apply_to_model(plan, target)
     apply_to_roots(plan, target)

@@ -32,37 +32,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from autoplan.plan.held import held_module as state_module
 from autoplan.train.errors import CheckpointError, CheckpointMismatchError
 
 log = logging.getLogger(__name__)
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 TRAIN_STATE = "train_state.json"
-
-
-def _attach(root: nn.Module, fqn: str, module: nn.Module) -> None:
-    *path, leaf = fqn.split(".")
-    parent = root
-    for part in path:
-        if part not in parent._modules:
-            parent.add_module(part, nn.Module())
-        parent = parent._modules[part]
-    parent.add_module(leaf, module)
-
-
-def state_module(runner) -> nn.Module:
-    """The module whose state dict is this rank's share of the model, under original FQNs.
-
-    A data/tensor-parallel runner trains one module; a pipeline rank holds one or more stage
-    modules, merged here into one view (no copies) so one optimizer maps onto one module."""
-    stages = getattr(runner, "stages", None)
-    if stages is None:
-        return runner.model
-    view = nn.Module()
-    for st in stages:
-        for fqn in st.module.units:
-            _attach(view, fqn, st.module.get_submodule(fqn))
-    return view
 
 
 def step_dir(root: str | Path, step: int) -> Path:

@@ -1,9 +1,9 @@
-"""The model of a training run: a preset, an HF model type or a local config.json, random init.
+"""The model of a training run: a preset, an HF model type or a local config.json (or a directory).
 
 No downloads: HF models come from ``transformers.AutoConfig.for_model`` (the installed package's
-config classes) or a local ``config.json``. Every rank builds the same weights from the same seed,
-so a plan's sharding starts from identical copies (what ``Plan.apply`` expects). ``device="meta"``
-gives the shapes only, for planning.
+config classes) or a local ``config.json``. Every model is built on ``meta`` first (shapes only:
+for planning, and for the Trainer, which applies the plan there and materialises only this rank's
+shards); ``device=...`` makes a whole copy real with the seed's plan-independent initial values.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch.nn as nn
 from autoplan.models.llama import build_llama
 from autoplan.presets import UnknownPresetError, build_preset, get_preset, preset_config
 from autoplan.train.errors import TrainConfigError
+from hyper_parallel.core.materialize import InitSources, default_init_fn, materialize
 
 
 def _hf_config(spec: str, layers: int | None, overrides: dict[str, Any]):
@@ -45,14 +46,21 @@ def _hf_config(spec: str, layers: int | None, overrides: dict[str, Any]):
 def build_model(spec: str, *, layers: int | None = None, overrides: dict[str, Any] | None = None,
                 device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
     """``spec``: a preset name (``autoplan.presets.list_presets``), ``hf:<model_type>`` or a path
-    to a local ``config.json`` (or a directory holding one). Random init from ``seed``."""
-    overrides = dict(overrides or {})
+    to a local ``config.json`` (or a directory holding one). Built on meta; on another device the
+    tensors are then made real with the seed's initial values -- the same values every plan's
+    ranks materialise for their shards (``hyper_parallel.core.materialize``)."""
+    model = _build_on_meta(spec, layers, dict(overrides or {}))
+    if torch.device(device).type == "meta":
+        return model
+    return materialize(model, InitSources.of(model), default_init_fn(model), device=device, seed=seed)
+
+
+def _build_on_meta(spec: str, layers: int | None, overrides: dict[str, Any]) -> nn.Module:
     if spec.startswith("hf:") or spec.endswith(".json") or Path(spec).is_dir():
         import transformers
 
         cfg = _hf_config(spec, layers, overrides)
-        torch.manual_seed(seed)
-        with torch.device(device):
+        with torch.device("meta"):
             return transformers.AutoModelForCausalLM.from_config(cfg)
     try:
         preset = get_preset(spec)
@@ -60,9 +68,8 @@ def build_model(spec: str, *, layers: int | None = None, overrides: dict[str, An
         raise TrainConfigError(f"train: --model {spec!r}: {e.args[0]}; or use hf:<model_type> or a "
                                "config.json path") from None
     if preset.family == "titan":
-        return build_llama(seed=seed, device=device, **preset_config(spec, layers, **overrides).to_dict())
-    torch.manual_seed(seed)
-    return build_preset(spec, device=device, num_layers=layers, **overrides)
+        return build_llama(device="meta", **preset_config(spec, layers, **overrides).to_dict())
+    return build_preset(spec, device="meta", num_layers=layers, **overrides)
 
 
 def flops_per_token(model: nn.Module, seq: int) -> float:

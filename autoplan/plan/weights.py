@@ -1,0 +1,78 @@
+"""A parallelized model's weights: made real and initialised after a meta build, or loaded.
+
+The large-model path builds the model on ``meta``, applies the plan there and only then gives
+each rank real memory for what it holds (``hyper_parallel.core.materialize``): initial values
+that do not depend on the plan, or a pretrained checkpoint read slice by slice
+(:mod:`autoplan.plan.pretrained`). What those need to know about the original model -- which
+module owns each tensor (tied weights), the model's own per-module init -- is read when the plan
+is applied, before any parallelism changes the model (:class:`ModelInit`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from autoplan.plan.held import held_module
+from hyper_parallel.core.materialize import InitFn, InitSources, default_init_fn, materialize, named_tensors
+from hyper_parallel.errors import InitError
+
+
+@dataclass
+class ModelInit:
+    """The original model's init facts, read at ``plan.apply`` time."""
+
+    sources: InitSources
+    init_fn: InitFn
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelInit":
+        return cls(InitSources.of(model), default_init_fn(model))
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device this rank trains on: the mesh's device type (its current index on accelerators)."""
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    return torch.device(kind, index)
+
+
+def held_tensors_on_meta(runner) -> list[str]:
+    """Names of the tensors this rank trains that are still on the meta device."""
+    out = [n for n, t in named_tensors(held_module(runner)).items() if t.device.type == "meta"]
+    for group in runner.optimizer.param_groups:
+        out += [f"<optimizer parameter {tuple(p.shape)}>" for p in group["params"] if p.device.type == "meta"]
+    return out
+
+
+def materialize_runner(runner, *, seed: int = 0, init_fn: InitFn | None = None,
+                       init_device: str | torch.device = "cpu") -> None:
+    """Allocate what this rank holds on its device and initialise it from ``seed`` with the
+    model's own init (or ``init_fn(module)``, which initialises one module's own tensors); the
+    full weights are the same under every plan and on one device (``build_model(seed=...)``)."""
+    facts: ModelInit | None = getattr(runner, "model_init", None)
+    if facts is None:
+        raise InitError("materialize: this runner was not made by plan.apply (no record of the original model)")
+    materialize(held_module(runner), facts.sources, init_fn or facts.init_fn, device=runner.device, seed=seed,
+                init_device=init_device)
+    left = held_tensors_on_meta(runner)
+    if left:
+        raise InitError(f"materialize: {len(left)} tensors are still on meta after materialising, e.g. {left[:3]}")
+
+
+class HeldWeights:
+    """What a runner offers for its weights (mixed into both runners). ``plan.apply`` sets
+    ``model_init`` (the original model's init facts) and ``device``."""
+
+    model_init: ModelInit | None = None
+    device: torch.device = torch.device("cpu")
+
+    def materialize(self, seed: int = 0, init_fn: InitFn | None = None,
+                    init_device: str | torch.device = "cpu") -> "HeldWeights":
+        """Give a model applied on meta its initial weights (see :func:`materialize_runner`)."""
+        materialize_runner(self, seed=seed, init_fn=init_fn, init_device=init_device)
+        return self

@@ -1,0 +1,246 @@
+"""Meta first: give a model built on the meta device real, plan-independent initial weights.
+
+A model larger than one device is built on ``meta`` (no memory), parallelized there (tensor
+parallel, pipeline stages, FSDP: the parameters become meta DTensors or meta shards), and only
+then made real -- each rank allocating only what it holds. The difficulty is the values: a
+model's own init (``reset_parameters``, transformers' ``_init_weights``, torchtitan's
+``init_weights``) draws from one random stream over the whole model, so what a shard gets would
+depend on which other parameters this rank holds and in which order it meets them. Here the
+value of every parameter is defined one module at a time:
+
+- the module that *owns* a parameter (for tied weights: the first owner in the original model's
+  order) is initialised by ``init_fn(module)`` on a full-size stand-in of its own parameters and
+  buffers (its children left out), with torch's random generator seeded from ``(seed, the owner's
+  fully-qualified name)``;
+- each rank copies its slice of that full tensor into the parameter it holds (a DTensor's local
+  shard, as ``distribute_tensor`` would cut it; a plain tensor whole).
+
+So the initial weights are a function of the seed and the model alone: one device, tp=4, FSDP x
+TP and a pipeline all hold slices of the same tensors. A rank computes one module's full tensors
+at a time (peak extra memory: the largest module's parameters), generated on ``init_device`` (the
+CPU by default, so the values do not depend on the accelerator either).
+
+Buffers follow the same rule. Non-persistent buffers a constructor computes (RoPE tables) are
+meta after a meta build; the init function must compute them (transformers 5 does in
+``_init_weights``; the repo Llama in ``init_module``). A floating buffer the init function left
+untouched is an error naming it, never silent garbage.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hyper_parallel.errors import InitError
+
+log = logging.getLogger(__name__)
+
+InitFn = Callable[[nn.Module], None]
+
+
+def module_seed(seed: int, fqn: str) -> int:
+    """The random seed of the module at ``fqn``: stable across processes and Python runs."""
+    digest = hashlib.sha256(f"{int(seed)}:{fqn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class InitSources:
+    """Where each tensor of a model gets its initial value, read from the model before any
+    parallelism changes it: every parameter and buffer name (tied aliases included) -> (owner
+    module's name, attribute), and the owner modules themselves (their class and configuration
+    define the init; they may be meta)."""
+
+    tensors: dict[str, tuple[str, str]] = field(default_factory=dict)
+    owners: dict[str, nn.Module] = field(default_factory=dict)
+    classes: dict[str, type] = field(default_factory=dict)      # owner -> its class when read
+    kinds: dict[str, str] = field(default_factory=dict)          # owner/attr -> "param" | "buffer"
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "InitSources":
+        out = cls()
+        first: dict[int, tuple[str, str]] = {}
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+                for attr, t in table.items():
+                    if t is None:
+                        continue
+                    name = f"{mod_name}.{attr}" if mod_name else attr
+                    src = first.setdefault(id(t), (mod_name, attr))
+                    out.tensors.setdefault(name, src)
+                    if src == (mod_name, attr):
+                        out.owners.setdefault(mod_name, module)
+                        out.classes.setdefault(mod_name, type(module))
+                        out.kinds[f"{mod_name}/{attr}"] = kind
+        return out
+
+
+def _stand_in(module: nn.Module, cls: type, device: torch.device) -> nn.Module:
+    """A shallow copy of ``module`` with full-size, empty tensors of its own on ``device`` (None
+    entries kept: ``bias=None`` is read by inits) and no children, so ``init_fn`` writes nothing
+    but the stand-in. Floating tensors start NaN, so a tensor the init function leaves untouched
+    is seen. ``cls``: the module's class before any parallelism (FSDP2 swaps in a subclass whose
+    construction is not a copy)."""
+    shadow = object.__new__(cls)
+    shadow.__dict__.update(module.__dict__)
+    shadow._parameters, shadow._buffers, shadow._modules = {}, {}, {}
+    for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+        for attr, src in table.items():
+            full = None
+            if src is not None:
+                full = torch.empty(tuple(src.shape), dtype=src.dtype, device=device)
+                if full.is_floating_point():
+                    full.fill_(float("nan"))
+            if kind == "param":
+                shadow._parameters[attr] = None if full is None else nn.Parameter(full, requires_grad=src.requires_grad)
+            else:
+                shadow._buffers[attr] = full
+    return shadow
+
+
+def _local_slice(full: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` as ``held`` lays it out (no communication)."""
+    if isinstance(held, DTensor):
+        part = distribute_tensor(full, held.device_mesh, held.placements, src_data_rank=None)
+        return part.to_local()
+    return full
+
+
+class Materializer:
+    """Makes the meta tensors of ``modules`` real on ``device`` and initialises them (see module
+    doc). ``modules``: name -> module under the original model's names, e.g. a pipeline rank's
+    stage units; names not in ``sources`` are errors (a module the original model did not have)."""
+
+    def __init__(self, sources: InitSources, init_fn: InitFn, *, seed: int = 0,
+                 init_device: str | torch.device = "cpu"):
+        self.sources = sources
+        self.init_fn = init_fn
+        self.seed = int(seed)
+        self.init_device = torch.device(init_device)
+        self._cache: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def owner_values(self, owner: str) -> dict[str, torch.Tensor]:
+        """Full initial tensors of ``owner``'s own parameters and buffers (the last owner is kept:
+        its tensors are usually read one after another)."""
+        if self._cache is not None and self._cache[0] == owner:
+            return self._cache[1]
+        module = self.sources.owners[owner]
+        attrs = [(kind, a) for kind, table in (("param", module._parameters), ("buffer", module._buffers))
+                 for a, t in table.items() if t is not None and f"{owner}/{a}" in self.sources.kinds]
+        shadow = _stand_in(module, self.sources.classes[owner], self.init_device)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(self.seed, owner))
+            self.init_fn(shadow)
+        values = {}
+        for kind, attr in attrs:
+            t = shadow._parameters[attr] if kind == "param" else shadow._buffers[attr]
+            t = t.detach()
+            if t.is_floating_point() and t.numel() and bool(torch.isnan(t).all()):
+                raise InitError(f"materialize: the init function left {kind} {attr!r} of module "
+                                f"{owner or '<root>'!r} ({type(module).__name__}) unset; give an init_fn that "
+                                "initialises it (or build that module's tensors off the meta device)")
+            values[attr] = t
+        self._cache = (owner, values)
+        return values
+
+    def initial(self, name: str) -> torch.Tensor:
+        """The full initial value of the tensor ``name`` (any alias of a tied tensor)."""
+        if name not in self.sources.tensors:
+            raise InitError(f"materialize: {name!r} is not a parameter or buffer of the model the plan was "
+                            "applied to; materialize the modules of that model")
+        owner, attr = self.sources.tensors[name]
+        return self.owner_values(owner)[attr]
+
+    def fill(self, named: dict[str, torch.Tensor]) -> None:
+        """Copy each tensor's initial value (its slice of it) into ``named`` (name -> real tensor),
+        owner by owner so each module's init runs once."""
+        order = sorted(named, key=lambda n: self.sources.tensors.get(n, ("", n)))
+        with torch.no_grad():
+            for name in order:
+                held = named[name]
+                value = self.initial(name)
+                local = _local_slice(value.to(held.device), held)
+                target = held.to_local() if isinstance(held, DTensor) else held
+                if tuple(target.shape) != tuple(local.shape):
+                    raise InitError(f"materialize: {name!r} holds a local shape {tuple(target.shape)} but its "
+                                    f"placements cut {tuple(local.shape)} from the full {tuple(value.shape)}")
+                target.copy_(local)
+
+
+def named_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under ``root`` by name, tied ones under each of their names."""
+    out = {}
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for table in (module._parameters, module._buffers):
+            for attr, t in table.items():
+                if t is not None:
+                    out[f"{mod_name}.{attr}" if mod_name else attr] = t
+    return out
+
+
+def _to_empty_in_place(root: nn.Module, device: torch.device) -> None:
+    """``root.to_empty(device)`` that keeps every tensor object (``swap_tensors``): an optimizer,
+    ZeRO-1 or a tied alias made before materialising still holds the real tensors afterwards
+    (plain meta parameters would otherwise become new Parameters, one per module)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        root.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def materialize(root: nn.Module, sources: InitSources, init_fn: InitFn, *, device: str | torch.device,
+                seed: int = 0, init_device: str | torch.device = "cpu") -> nn.Module:
+    """Allocate ``root``'s tensors on ``device`` (``to_empty``: FSDP2 keeps its sharded views)
+    and give each its plan-independent initial value. ``root`` names its modules as the original
+    model did (``sources`` was read from it before parallelizing). Returns ``root``."""
+    device = torch.device(device)
+    _to_empty_in_place(root, device)
+    tensors = {}
+    seen: set[int] = set()
+    for name, t in named_tensors(root).items():
+        if id(t) not in seen:   # a tied tensor is filled once, through its first name
+            seen.add(id(t))
+            tensors[name] = t
+    Materializer(sources, init_fn, seed=seed, init_device=init_device).fill(tensors)
+    log.debug("materialized %d tensors on %s (seed %d)", len(tensors), device, seed)
+    return root
+
+
+def default_init_fn(model: nn.Module) -> InitFn:
+    """The model's own per-module init: ``model.init_module(module)`` when the model defines it;
+    else transformers' ``_init_weights`` of the module's nearest pretrained model (by module
+    type: the stand-in is a copy); else each module's ``reset_parameters``. A module with tensors
+    and none of these is an error naming it."""
+    if hasattr(model, "init_module"):
+        return model.init_module
+    nearest: dict[type, nn.Module] = {}
+    owners = {n: m for n, m in model.named_modules() if hasattr(m, "_init_weights") and hasattr(m, "config")}
+    for name, module in model.named_modules():
+        prefix = name
+        while prefix not in owners and prefix:
+            prefix = prefix.rpartition(".")[0]
+        if prefix in owners:
+            nearest.setdefault(type(module), owners[prefix])
+
+    def init(module: nn.Module) -> None:
+        owner = nearest.get(type(module))
+        if owner is not None:
+            owner._init_weights(module)
+            return
+        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        if reset is None:
+            if module._parameters or module._buffers:
+                raise InitError(f"materialize: {type(module).__name__} has tensors "
+                                f"{sorted(list(module._parameters) + list(module._buffers))} and no reset_parameters; "
+                                "pass init_fn=<function that initialises one module's own tensors>")
+            return
+        reset()
+
+    return init
