@@ -6,7 +6,8 @@ are too: ``MeshNameError`` is re-exported here for callers of the planner.
 from hyper_parallel.errors import MeshNameError
 
 __all__ = ["AutoplanError", "CaptureError", "InfeasiblePlanError", "InvalidArgumentError", "InvalidConstraintError",
-           "MeshNameError", "MissingInputsError", "ModelTooLargeError", "PlanSchemaError", "PlanningError"]
+           "MeshNameError", "MissingInputsError", "ModelTooLargeError", "PlanSchemaError", "PlanningError",
+           "PretrainedWeightsError"]
 
 
 class AutoplanError(Exception):
@@ -45,3 +46,14 @@ class InvalidArgumentError(AutoplanError, ValueError):
 class InvalidConstraintError(InvalidArgumentError, InfeasiblePlanError):
     """A plan_cluster constraint that is malformed or that no plan can meet (a pp that does not
     divide the devices, micro-batches that do not divide the batch), refused before the search."""
+
+
+class PretrainedWeightsError(AutoplanError, ValueError):
+    """A pretrained weights directory that cannot be loaded into the model: no weights, an
+    unreadable or truncated file, a tensor the model lacks or holds with another shape. Raised
+    before any weight is touched; ``name`` is the first tensor at fault (model order),
+    ``expected``/``found`` its shapes in the model and in the files, ``file`` the file at fault."""
+
+    def __init__(self, message: str, name: str | None = None, expected=None, found=None, file: str | None = None):
+        super().__init__(message)
+        self.name, self.expected, self.found, self.file = name, expected, found, file

@@ -24,7 +24,7 @@ from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_
 from autoplan.parallelisms.data import dp_mesh as plan_dp_mesh
 from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import lm_loss
-from autoplan.plan.weights import HeldWeights
+from autoplan.plan.held_weights import HeldWeights
 from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.pipeline_parallel.microbatch import NO_SPLIT
 from hyper_parallel.parallel_dims import mesh_roles

@@ -23,7 +23,8 @@ from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_
 from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
-from autoplan.plan.weights import HeldWeights, ModelInit, mesh_device
+from autoplan.plan.held_weights import HeldWeights
+from autoplan.plan.weights import ModelInit, mesh_device
 from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.errors import MeshError, MicrobatchError
@@ -138,6 +139,18 @@ def _check_mesh(plan, mesh) -> None:
                         f"got shape {tuple(mesh.shape)} named {names}")
 
 
+def _check_model(plan, model: nn.Module) -> None:
+    """A plan is for one model class: its styles name that class's modules, and the soundness
+    checks (which parameters need their gradients reduced) ran on its code. Applied to another
+    class whose module names happen to match (a Llama plan on Qwen3: the same projections, but
+    q/k norms the plan never saw), it would train wrong without an error."""
+    planned = (plan.model or {}).get("type")
+    given = f"{type(model).__module__}.{type(model).__qualname__}"
+    if planned and planned != given:
+        raise InvalidArgumentError(f"plan.apply: the plan was made for a {planned}, the model is a {given}; plan "
+                                   "this model (autoplan / plan_cluster) and apply that plan")
+
+
 def block_modules(model: nn.Module, plan) -> list[nn.Module]:
     """The repeated blocks (what torchtitan wraps for FSDP and checkpoints), from the plan's
     decisions: every child of each block container."""
@@ -159,6 +172,7 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     then ``runner.materialize(seed)`` or ``runner.load_pretrained(path)`` gives this rank's shards
     their values."""
     _check_mesh(plan, mesh)
+    _check_model(plan, model)
     init = ModelInit.of(model)   # before any parallelism changes the model: for materialize / load
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
         runner = apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)

@@ -25,10 +25,21 @@ class ModelInit:
 
     sources: InitSources
     init_fn: InitFn
+    state_shapes: dict[str, tuple[int, ...]]   # the persistent tensors (state dict), model order
+    config: object | None = None               # a transformers model's config (for an HF export)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelInit":
-        return cls(InitSources.of(model), default_init_fn(model))
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+        return cls(InitSources.of(model), default_init_fn(model), shapes, getattr(model, "config", None))
+
+    def file_name(self, name: str) -> str:
+        """The name a tensor is stored under: its owner's (a tied alias is stored once)."""
+        owner, attr = self.sources.tensors.get(name, ("", name))
+        return f"{owner}.{attr}" if owner else attr
+
+    def is_alias(self, name: str) -> bool:
+        return self.file_name(name) != name
 
 
 def mesh_device(mesh) -> torch.device:
@@ -62,17 +73,3 @@ def materialize_runner(runner, *, seed: int = 0, init_fn: InitFn | None = None,
     left = held_tensors_on_meta(runner)
     if left:
         raise InitError(f"materialize: {len(left)} tensors are still on meta after materialising, e.g. {left[:3]}")
-
-
-class HeldWeights:
-    """What a runner offers for its weights (mixed into both runners). ``plan.apply`` sets
-    ``model_init`` (the original model's init facts) and ``device``."""
-
-    model_init: ModelInit | None = None
-    device: torch.device = torch.device("cpu")
-
-    def materialize(self, seed: int = 0, init_fn: InitFn | None = None,
-                    init_device: str | torch.device = "cpu") -> "HeldWeights":
-        """Give a model applied on meta its initial weights (see :func:`materialize_runner`)."""
-        materialize_runner(self, seed=seed, init_fn=init_fn, init_device=init_device)
-        return self

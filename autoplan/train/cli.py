@@ -51,7 +51,7 @@ def config_from_args(args) -> TrainConfig:
         min_lr=args.min_lr, warmup=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
         betas=betas, mixed_precision=args.mixed_precision, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, metrics=args.metrics,
-        log_every=args.log_every, progress=args.progress)
+        log_every=args.log_every, progress=args.progress, init=args.init, export_hf=args.export_hf)
 
 
 def _cmd_train(args) -> int:
@@ -96,8 +96,8 @@ def register(sub) -> None:
     t.add_argument("--hardware", default=None, help="planning profile (default: cpu on CPU, h100_sxm otherwise)")
     t.add_argument("--shard-all", action="store_true", help="when planning here: shard every unit (tiny models)")
     t.add_argument("--model", default=None,
-                   help="preset (autoplan.presets), hf:<model_type> or a local config.json "
-                        "(default: the plan's, else titan-llama-debug)")
+                   help="preset (autoplan.presets), hf:<model_type>, a local config.json or a save_pretrained "
+                        "directory (its weights are loaded; default: the plan's, else titan-llama-debug)")
     t.add_argument("--layers", type=int, default=None)
     t.add_argument("--model-arg", default=None, help="config overrides, e.g. dim=256,n_heads=8")
     t.add_argument("--seed", type=int, default=0)
@@ -120,6 +120,9 @@ def register(sub) -> None:
     t.add_argument("--metrics", default=None, help="metrics file on rank 0: .csv, .jsonl or .json")
     t.add_argument("--log-every", type=int, default=1)
     t.add_argument("--progress", default="auto", choices=("auto", "rich", "log", "none"))
+    t.add_argument("--init", default="auto", choices=("auto", "pretrained", "random"),
+                   help="auto: load the weights of a --model directory that has them, else initialise from --seed")
+    t.add_argument("--export-hf", default=None, help="after training, write the weights as a Hugging Face directory")
     t.set_defaults(func=_cmd_train)
     la = _launch_options(sub.add_parser("launch", help="print the torchrun command line a plan needs"))
     la.add_argument("plan")

@@ -43,6 +43,10 @@ class TrainConfig:
     metrics: str | None = None       # .csv, .json or .jsonl on rank 0
     log_every: int = 1
     progress: str = "auto"           # auto (rich on a TTY, log lines otherwise) | rich | log | none
+    # weights: "auto" loads the safetensors of a --model directory that has them and initialises
+    # otherwise; "pretrained" requires them; "random" initialises from seed even when they exist
+    init: str = "auto"
+    export_hf: str | None = None     # after training: write the weights as a Hugging Face directory
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,8 +1,11 @@
 """The training loop: model, plan, optimizer, data, checkpoints, progress — one Trainer.
 
-``Trainer(cfg)`` builds the model with random init on every rank, applies the plan with
+``Trainer(cfg)`` builds the model on the meta device (no memory), applies the plan there with
 hyper_parallel (TP styles, pipeline stages, FSDP or replicated data parallel), makes AdamW over
-this rank's parameters and, with ``cfg.resume``, loads a checkpoint resharded to this plan.
+this rank's parameters, and only then gives this rank's shards memory and values: the
+pretrained weights of a ``--model`` directory (each rank reading its slices), or the seed's
+plan-independent initial weights; with ``cfg.resume``, a checkpoint resharded to this plan.
+No rank ever holds the whole model.
 ``fit()`` runs the steps: the learning rate is a pure function of the step (so nothing about the
 schedule needs saving), every rank reads the same global batch and keeps its dp share, the loss
 reported is the global mean. bf16 autocast on accelerators (``mixed_precision="auto"``), fp32 on
@@ -27,7 +30,7 @@ from autoplan.train.data import token_stream
 from autoplan.train.env import device_type, init_distributed, plan_mesh
 from autoplan.train.errors import TrainConfigError
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
-from autoplan.train.model import build_model, flops_per_token
+from autoplan.train.model import build_model, flops_per_token, pretrained_weights
 from autoplan.train.plan_source import plan_for
 from autoplan.train.progress import Progress
 
@@ -81,12 +84,16 @@ class Trainer:
         self.plan = plan if plan is not None else plan_for(cfg, self.world, self.device)
         self.mesh = plan_mesh(self.plan, self.device)
         self._check_batch()
-        self.model = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device=self.device,
-                                 seed=cfg.seed)
+        weights = pretrained_weights(cfg)  # a bad --init or missing weights fail before any work
+        self.model = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device="meta")
         self.flops_per_token = flops_per_token(self.model, cfg.seq)
         self.runner = self.plan.apply(self.model, self.mesh, optimizer=self._optimizer)
         if not hasattr(self.runner, "stages"):  # FSDP/TP replaced the parameters: optimizer over the new ones
             self.runner.optimizer = self._optimizer(self.model.parameters())
+        if weights is not None and not cfg.resume:
+            self.runner.load_pretrained(weights, seed=cfg.seed)
+        else:   # a resume overwrites every parameter: the init only gives them memory (and buffers values)
+            self.runner.materialize(seed=cfg.seed)
         self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type != "cpu")
         self.peak = peak_flops(self.plan.mesh.get("hardware"), torch.bfloat16 if self.bf16 else torch.float32) \
             if self.rank == 0 else None  # rank 0 reports
@@ -194,5 +201,10 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, plan=None) -> TrainResult:
-    """Build a Trainer and run it to ``cfg.steps``: the Python form of ``autoplan train``."""
-    return Trainer(cfg, plan).fit()
+    """Build a Trainer and run it to ``cfg.steps`` (then write ``cfg.export_hf``): the Python form
+    of ``autoplan train``."""
+    trainer = Trainer(cfg, plan)
+    result = trainer.fit()
+    if cfg.export_hf:
+        trainer.runner.export_hf(cfg.export_hf)
+    return result

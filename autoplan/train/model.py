@@ -8,6 +8,7 @@ shards); ``device=...`` makes a whole copy real with the seed's plan-independent
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,10 @@ import torch.nn as nn
 from autoplan.models.llama import build_llama
 from autoplan.presets import UnknownPresetError, build_preset, get_preset, preset_config
 from autoplan.train.errors import TrainConfigError
+from autoplan.plan.pretrained import has_weights
 from hyper_parallel.core.materialize import InitSources, default_init_fn, materialize
+
+log = logging.getLogger(__name__)
 
 
 def _hf_config(spec: str, layers: int | None, overrides: dict[str, Any]):
@@ -60,8 +64,8 @@ def _build_on_meta(spec: str, layers: int | None, overrides: dict[str, Any]) -> 
         import transformers
 
         cfg = _hf_config(spec, layers, overrides)
-        with torch.device("meta"):
-            return transformers.AutoModelForCausalLM.from_config(cfg)
+        with torch.device("meta"):   # fp32 parameters (the optimizer's master copy) whatever dtype was saved
+            return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     try:
         preset = get_preset(spec)
     except UnknownPresetError as e:
@@ -70,6 +74,30 @@ def _build_on_meta(spec: str, layers: int | None, overrides: dict[str, Any]) -> 
     if preset.family == "titan":
         return build_llama(device="meta", **preset_config(spec, layers, **overrides).to_dict())
     return build_preset(spec, device="meta", num_layers=layers, **overrides)
+
+
+def pretrained_weights(cfg) -> Path | None:
+    """The directory whose safetensors the run starts from, or None (initialise from the seed).
+
+    ``cfg.init``: ``auto`` -- a ``--model`` directory (or a config.json beside them) that holds
+    weights is loaded, never silently replaced by a random init; ``pretrained`` -- weights are
+    required; ``random`` -- initialise from the seed even where weights exist (said in the log)."""
+    if cfg.init not in ("auto", "pretrained", "random"):
+        raise TrainConfigError(f"train: --init {cfg.init!r}: use auto, pretrained or random")
+    spec = Path(cfg.model)
+    folder = spec if spec.is_dir() else spec.parent if spec.suffix == ".json" and spec.is_file() else None
+    found = folder is not None and has_weights(folder)
+    if cfg.init == "pretrained" and not found:
+        raise TrainConfigError(f"train: --init pretrained: --model {cfg.model!r} is not a directory holding "
+                               "*.safetensors weights (save_pretrained writes config.json + model.safetensors)")
+    if cfg.init == "random":
+        if found:
+            log.warning("train: --init random: the weights in %s are not used", folder)
+        return None
+    if found and cfg.layers:
+        raise TrainConfigError(f"train: --layers {cfg.layers} with the pretrained weights in {folder}: the "
+                               "checkpoint holds every layer; drop --layers or pass --init random")
+    return folder if found else None
 
 
 def flops_per_token(model: nn.Module, seq: int) -> float:

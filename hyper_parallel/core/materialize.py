@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -185,21 +185,36 @@ def named_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
 
 def _to_empty_in_place(root: nn.Module, device: torch.device) -> None:
     """``root.to_empty(device)`` that keeps every tensor object (``swap_tensors``): an optimizer,
-    ZeRO-1 or a tied alias made before materialising still holds the real tensors afterwards
-    (plain meta parameters would otherwise become new Parameters, one per module)."""
+    ZeRO-1, a tied alias or a pipeline stage that references a tensor made before materialising
+    still holds the real one afterwards. Parameters are swapped by ``Module._apply`` under the
+    swap flag (plain meta parameters would otherwise become new Parameters, one per module);
+    buffers ``_apply`` always replaces in each module's table, so each new buffer is swapped into
+    the original object and put back wherever it was registered."""
+    buffers: dict[int, tuple[torch.Tensor, list[tuple[dict, str]]]] = {}
+    for _, module in root.named_modules(remove_duplicate=False):
+        for attr, t in module._buffers.items():
+            if t is not None:
+                buffers.setdefault(id(t), (t, []))[1].append((module._buffers, attr))
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         root.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+    for original, places in buffers.values():
+        table, attr = places[0]
+        if table[attr] is not original:
+            torch.utils.swap_tensors(original, table[attr])
+        for table, attr in places:
+            table[attr] = original
 
 
 def materialize(root: nn.Module, sources: InitSources, init_fn: InitFn, *, device: str | torch.device,
-                seed: int = 0, init_device: str | torch.device = "cpu") -> nn.Module:
-    """Allocate ``root``'s tensors on ``device`` (``to_empty``: FSDP2 keeps its sharded views)
-    and give each its plan-independent initial value. ``root`` names its modules as the original
-    model did (``sources`` was read from it before parallelizing). Returns ``root``."""
+                seed: int = 0, init_device: str | torch.device = "cpu", skip: Collection[str] = ()) -> nn.Module:
+    """Allocate ``root``'s tensors on ``device`` (``to_empty``, in place: FSDP2 keeps its sharded
+    views) and give each its plan-independent initial value -- except the tensors named in
+    ``skip``, left allocated for the caller to fill (a pretrained load). ``root`` names its
+    modules as the original model did (``sources`` was read from it before parallelizing)."""
     device = torch.device(device)
     _to_empty_in_place(root, device)
     tensors = {}
@@ -207,7 +222,8 @@ def materialize(root: nn.Module, sources: InitSources, init_fn: InitFn, *, devic
     for name, t in named_tensors(root).items():
         if id(t) not in seen:   # a tied tensor is filled once, through its first name
             seen.add(id(t))
-            tensors[name] = t
+            if name not in skip:
+                tensors[name] = t
     Materializer(sources, init_fn, seed=seed, init_device=init_device).fill(tensors)
     log.debug("materialized %d tensors on %s (seed %d)", len(tensors), device, seed)
     return root

@@ -18,3 +18,37 @@ def materialized_state(model: str, overrides: dict, plan_json: str, seed: int) -
     runner = plan.apply(meta, plan_mesh(plan, torch.device("cpu")))
     runner.materialize(seed=seed)
     return {k: v for k, v in gathered_state(runner).items() if k.startswith("model.")}
+
+
+def train_pretrained(runs: list[dict], steps: int, lr: float) -> list[dict]:
+    """For each run (``model``: a save_pretrained directory, ``plan``: a plan file, ``export``: an
+    empty directory): train ``steps`` steps from the directory's weights, export the result as an
+    HF directory; returns the losses and the gathered parameters (rank 0's copy is read)."""
+    from autoplan.train import TrainConfig, Trainer
+
+    out = []
+    for run in runs:
+        tr = Trainer(TrainConfig(model=run["model"], plan=run["plan"], batch=8, seq=16, steps=steps, lr=lr,
+                                 progress="none"))
+        losses = tr.fit().losses
+        state = {k[len("model."):]: v for k, v in tr.gathered_state().items() if k.startswith("model.")}
+        tr.runner.export_hf(run["export"])
+        out.append({"losses": losses, "state": state})
+    return out
+
+
+def refused_checkpoints(dirs: dict[str, tuple[str, str]]) -> dict[str, dict]:
+    """Each broken weights directory (with the plan of its model) must fail with PretrainedWeightsError in Trainer(...) on every
+    rank, before any step (name: the first tensor at fault, file: the file at fault)."""
+    from autoplan.errors import PretrainedWeightsError
+    from autoplan.train import TrainConfig, Trainer
+
+    out = {}
+    for case, (path, plan) in dirs.items():
+        try:
+            Trainer(TrainConfig(model=path, plan=plan, batch=8, seq=16, steps=1, progress="none"))
+            out[case] = {"error": None}
+        except PretrainedWeightsError as e:
+            out[case] = {"error": type(e).__name__, "name": e.name, "expected": e.expected, "found": e.found,
+                         "file": e.file, "message": str(e)}
+    return out

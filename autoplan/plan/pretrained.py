@@ -1,0 +1,157 @@
+"""Pretrained weights into a parallelized model: a Hugging Face safetensors directory.
+
+Each rank reads only the slices it holds. The reading is torch's distributed checkpoint with its
+Hugging Face storage reader (``HuggingFaceStorageReader``: safetensors ``get_slice`` per request),
+not hand-written slicing: DCP already maps every placement this runtime produces -- ``Shard``,
+FSDP2's shards, FSDP x TP's strided shards, uneven shards, pipeline stages holding a subset of
+the names -- to file offsets, exactly as it does when a training checkpoint is resharded, and the
+copy into each local shard casts the file's dtype (bf16, fp16) to the model's. Both the one-file
+(``model.safetensors``) and the sharded (``model.safetensors.index.json`` + parts) forms work:
+the reader takes every ``*.safetensors`` file's header.
+
+Before any weight is touched every rank reads the headers alone (no tensor data) and checks them
+against the *whole* model's persistent tensors, so every rank reaches the same verdict: a
+missing tensor, another shape, a tensor the model does not have, an unreadable or truncated
+file -- :class:`~autoplan.errors.PretrainedWeightsError` naming the first tensor at fault (model
+order) with both shapes, or the file. Tied weights are stored once, under their owner's name
+(``save_pretrained`` writes the embedding, not the tied head); a pipeline stage that holds the
+tied head alone reads it under the embedding's name. Non-persistent buffers (RoPE tables) are
+not in the files: they get the model's own init.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.tensor import DTensor
+
+from autoplan.errors import PretrainedWeightsError
+from autoplan.plan.held import held_module
+from autoplan.plan.weights import ModelInit, held_tensors_on_meta
+from hyper_parallel.core.materialize import materialize, named_tensors
+
+log = logging.getLogger(__name__)
+INDEX = "model.safetensors.index.json"
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding safetensors weights."""
+    path = Path(path)
+    return path.is_dir() and (any(path.glob("*.safetensors")) or (path / INDEX).is_file())
+
+
+def read_headers(path: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
+    """Every tensor of the safetensors files in ``path``: name -> (shape, dtype, file), read from
+    the headers alone. Unreadable, truncated or missing files raise PretrainedWeightsError."""
+    from safetensors import safe_open
+    from safetensors.torch import _getdtype
+
+    path = Path(path)
+    if not path.is_dir():
+        raise PretrainedWeightsError(f"pretrained weights {str(path)!r}: not a directory; give a directory written "
+                                     "by save_pretrained (config.json + model.safetensors)", file=str(path))
+    files = sorted(path.glob("*.safetensors"))
+    weight_map: dict[str, str] = {}
+    if (path / INDEX).is_file():
+        try:
+            weight_map = dict(json.loads((path / INDEX).read_text())["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise PretrainedWeightsError(f"pretrained weights {path}: {INDEX} is unreadable ({e})", file=INDEX) from None
+        listed = sorted(set(weight_map.values()) - {f.name for f in files})
+        if listed:
+            raise PretrainedWeightsError(f"pretrained weights {path}: {INDEX} lists {listed[0]!r}, which is missing "
+                                         f"({len(listed)} missing files)", file=listed[0])
+    if not files:
+        raise PretrainedWeightsError(f"pretrained weights {path}: no *.safetensors file", file=str(path))
+    out: dict[str, tuple[tuple[int, ...], torch.dtype, str]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for key in h.keys():
+                    sl = h.get_slice(key)
+                    if key in out:
+                        raise PretrainedWeightsError(f"pretrained weights {path}: {key!r} is in both {out[key][2]} and "
+                                                     f"{f.name}", name=key, file=f.name)
+                    out[key] = (tuple(sl.get_shape()), _getdtype(sl.get_dtype()), f.name)
+        except PretrainedWeightsError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for bad headers / truncation
+            raise PretrainedWeightsError(f"pretrained weights {path}: {f.name} is unreadable or truncated "
+                                         f"({type(e).__name__}: {e})", file=f.name) from None
+    for key, file in weight_map.items():
+        if key in out and out[key][2] != file:
+            raise PretrainedWeightsError(f"pretrained weights {path}: {INDEX} puts {key!r} in {file}, it is in "
+                                         f"{out[key][2]}", name=key, file=file)
+        if key not in out:
+            raise PretrainedWeightsError(f"pretrained weights {path}: {INDEX} lists {key!r} in {file}, which does "
+                                         "not hold it", name=key, file=file)
+    return out
+
+
+def check_against(facts: ModelInit, found: dict, path) -> None:
+    """Raise PretrainedWeightsError for the first persistent tensor of the model (model order)
+    that the files lack or hold with another shape, or the first file tensor the model lacks."""
+    for name, shape in facts.state_shapes.items():
+        if facts.is_alias(name):
+            continue
+        if name not in found:
+            raise PretrainedWeightsError(
+                f"pretrained weights {path}: tensor {name!r} of the model, shape {shape}, is not in the files "
+                f"({len(found)} tensors there, e.g. {sorted(found)[:3]}); is it a checkpoint of another model "
+                "or of another layout of this one?", name=name, expected=shape)
+        if tuple(found[name][0]) != shape:
+            raise PretrainedWeightsError(
+                f"pretrained weights {path}: tensor {name!r} has shape {found[name][0]} in {found[name][2]}, "
+                f"{shape} in the model", name=name, expected=shape, found=found[name][0], file=found[name][2])
+    extra = [k for k in found if k not in facts.state_shapes]
+    if extra:
+        raise PretrainedWeightsError(
+            f"pretrained weights {path}: tensor {extra[0]!r} (shape {found[extra[0]][0]}, in {found[extra[0]][2]}) "
+            f"is not a tensor of the model ({len(extra)} such); is it a checkpoint of another model?",
+            name=extra[0], found=found[extra[0]][0], file=found[extra[0]][2])
+
+
+def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
+    """Load the safetensors weights in ``path`` into what this rank holds (collective: every rank
+    calls it). The model may be on meta (the large-model path) or real; its non-persistent
+    buffers get the model's own init (``seed`` only matters for tensors no file holds: none
+    after the check, but buffers a model draws at random)."""
+    facts: ModelInit | None = getattr(runner, "model_init", None)
+    if facts is None:
+        raise PretrainedWeightsError("load_pretrained: this runner was not made by plan.apply")
+    found = read_headers(path)
+    check_against(facts, found, path)
+    root = held_module(runner)
+    held = named_tensors(root)
+    loaded = [n for n in held if n in facts.state_shapes]
+    materialize(root, facts.sources, facts.init_fn, device=runner.device, seed=seed, skip=set(loaded))
+    held = named_tensors(root)   # the same objects, now real
+    state: dict[str, torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, str]] = []
+    for name in loaded:
+        key, t = facts.file_name(name), held[name]
+        if key not in state:
+            state[key] = t.detach()
+        elif state[key] is not t and state[key].data_ptr() != t.data_ptr():
+            copies.append((t, key))
+    try:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    except BaseException as e:   # CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise PretrainedWeightsError(f"pretrained weights {path}: reading the tensors failed "
+                                     f"({type(e).__name__}: {str(e).strip()[:500]})") from None
+    with torch.no_grad():
+        for t, key in copies:   # a second holder of a tied tensor (separate objects on this rank)
+            src = state[key]
+            if isinstance(t, DTensor) and isinstance(src, DTensor) and t.placements != src.placements:
+                src = src.redistribute(t.device_mesh, t.placements)
+            t.copy_(src)
+    left = held_tensors_on_meta(runner)
+    if left:
+        raise PretrainedWeightsError(f"load_pretrained: {len(left)} tensors are still on meta, e.g. {left[:3]}")
+    log.info("loaded pretrained weights from %s (%d tensors on this rank)", path, len(state))
