@@ -70,3 +70,13 @@ class AlreadyParallelizedError(HyperParallelError, ValueError):
 
 class MeshNameError(MeshError):
     """A mesh dimension name that does not say which parallelism it carries, or two names for one."""
+
+
+class InvalidWorldError(HyperParallelError, ValueError):
+    """A fake world's size or rank that is not an int in range."""
+
+
+class WorldIsolationError(DistributedRunError):
+    """A fake world (planning's strategy probe, a dry run) that cannot be isolated from the
+    process's own process groups; the message says why and what to do instead (plan before
+    ``init_process_group`` or in a separate process, or pass a plan file)."""
