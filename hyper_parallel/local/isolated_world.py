@@ -96,12 +96,12 @@ def _check_isolatable() -> None:
             f"{', .'.join(missing)} (the c10d state this isolation swaps); plan before init_process_group "
             f"or in a separate process, or pass a plan file")
     world = c10d._world
-    if not hasattr(world, "pg_names") or not isinstance(world.pg_names, dict):
+    if not isinstance(world, c10d._World):
         raise WorldIsolationError(
-            f"isolated_world: this process's c10d world is a {type(world).__name__} without per-process "
-            f"group maps (a thread-local world, e.g. torch's threaded test backend); a process-wide swap "
-            f"would change every thread's groups. Plan outside that world (before it starts, or in a "
-            f"separate process), or pass a plan file")
+            f"isolated_world: this process's c10d world is a {type(world).__module__}.{type(world).__name__}, "
+            f"not torch's _World (e.g. the thread-local world of torch's threaded test backend); a process-wide "
+            f"swap would change the groups of every thread it serves. Plan outside that world (before it starts, "
+            f"or in a separate process), or pass a plan file")
 
 
 @contextlib.contextmanager
