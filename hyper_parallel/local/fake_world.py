@@ -16,11 +16,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hyper_parallel.errors import InvalidWorldError
-from hyper_parallel.local.dtensor_caches import clear_dtensor_caches
 from hyper_parallel.local.isolated_world import isolated_world
-
-# kept for callers of the old private name (tests destroying a world of their own)
-_clear_dtensor_caches = clear_dtensor_caches
 
 
 @contextlib.contextmanager
