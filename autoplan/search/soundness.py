@@ -374,8 +374,8 @@ def settle(search, chosen: dict, layout: str) -> bool:
     except WorldIsolationError as e:   # refuse rather than plan without the checks
         raise StrategyCheckError(
             f"autoplan: the sharded strategies at tp={search.tp} cannot be checked on the model in this process "
-            f"({e}); plan before init_process_group or in a separate process (plan.to_json) and load the "
-            f"plan file on every rank") from e
+            f"({e}); plan in a separate process (plan.to_json) and load the plan file on every rank, or plan "
+            f"where the c10d world is torch's own") from e
     report.seconds += time.perf_counter() - t0
     after = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
     for k in before - after:

@@ -93,8 +93,8 @@ def _check_isolatable() -> None:
     if missing:
         raise WorldIsolationError(
             f"isolated_world: torch {torch.__version__} has no torch.distributed.distributed_c10d."
-            f"{', .'.join(missing)} (the c10d state this isolation swaps); plan before init_process_group "
-            f"or in a separate process, or pass a plan file")
+            f"{', .'.join(missing)} (the c10d state this isolation swaps); plan with the pinned torch, or in a "
+            f"separate process and pass the plan file")
     world = c10d._world
     if not isinstance(world, c10d._World):
         raise WorldIsolationError(
@@ -193,8 +193,8 @@ class _Saved:
             raise WorldIsolationError(
                 f"isolated_world: could not register the process's own groups again after the block "
                 f"({'; '.join(failed)}); something inside the block registered a group under a real group's "
-                f"name outside torch.distributed's world. Restart the job; plan before init_process_group "
-                f"or pass a plan file")
+                f"name outside torch.distributed's world. Restart the job and plan in a separate process "
+                f"(pass the plan file)")
 
 
 def _rng_module():
