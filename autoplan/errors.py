@@ -7,7 +7,7 @@ from hyper_parallel.errors import MeshNameError
 
 __all__ = ["AutoplanError", "CaptureError", "InfeasiblePlanError", "InvalidArgumentError", "InvalidConstraintError",
            "MeshNameError", "MissingInputsError", "ModelTooLargeError", "PlanSchemaError", "PlanningError",
-           "PretrainedWeightsError"]
+           "PretrainedWeightsError", "StrategyCheckError"]
 
 
 class AutoplanError(Exception):
@@ -32,6 +32,12 @@ class PlanningError(AutoplanError):
 
 class InfeasiblePlanError(PlanningError, ValueError):
     """No plan satisfies the constraints (memory limit, divisibility)."""
+
+
+class StrategyCheckError(PlanningError, RuntimeError):
+    """The planner's check of sharded strategies on the model (a fake process group of the
+    tensor-parallel degree) cannot run in this process; planning refuses instead of returning a
+    plan without the checks. The message says why and where to plan instead."""
 
 
 class PlanSchemaError(AutoplanError, ValueError):

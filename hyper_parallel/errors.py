@@ -75,3 +75,13 @@ class MeshNameError(MeshError):
 class InitError(HyperParallelError, ValueError):
     """A meta-built model whose tensors cannot be given initial values: a module with tensors and
     no init function, a tensor the init function left unset, or a name the model does not have."""
+
+
+class InvalidWorldError(HyperParallelError, ValueError):
+    """A fake world's size or rank that is not an int in range."""
+
+
+class WorldIsolationError(DistributedRunError):
+    """A fake world (planning's strategy probe, a dry run) that cannot be isolated from the
+    process's own process groups; the message says why and what to do instead (plan before
+    ``init_process_group`` or in a separate process, or pass a plan file)."""

@@ -13,6 +13,13 @@ sharded options together (the k-th of every unit), each option of a failing set 
 ILP solves again. A sound model costs one run per tensor-parallel degree plus the shared
 replicated reference. Verdicts are kept per degree (on the prober) for every later search.
 Rejections carry their reason into the plan's notes.
+
+The runs happen on a fake process group of the degree in a c10d world of its own
+(:func:`hyper_parallel.local.fake_world`, isolated from the process's groups), so planning inside a
+launched job -- after ``init_process_group``, on every rank -- checks exactly what planning offline
+checks and gives the same plan, without a collective or any traffic on the job's groups. Where
+that isolation cannot work the search raises :class:`~autoplan.errors.StrategyCheckError` instead
+of planning without the checks.
 """
 from __future__ import annotations
 
@@ -20,11 +27,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.errors import InfeasiblePlanError
+from autoplan.errors import InfeasiblePlanError, StrategyCheckError
 from autoplan.search.probe import Finding, Prober, repaired
+from hyper_parallel.errors import WorldIsolationError
 from hyper_parallel.local import fake_world
 
 log = logging.getLogger(__name__)
@@ -355,11 +362,8 @@ def settle(search, chosen: dict, layout: str) -> bool:
     checker = SlotChecker(search, prober)
     before = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
     t0 = time.perf_counter()
-    if dist.is_initialized():
-        checker.reject_all("a process group is already initialised in this process; plan before "
-                           "init_process_group (or in another process) to check strategies")
-    else:
-        with fake_world(search.tp):
+    try:
+        with fake_world(search.tp):   # a world of its own: also inside a launched job (see module doc)
             mesh = init_device_mesh("cpu", (search.tp,), mesh_dim_names=("tp",))
             if checker.reference_fails(mesh):
                 pass   # every sharded option rejected, the reason in the report
@@ -367,6 +371,11 @@ def settle(search, chosen: dict, layout: str) -> bool:
                 verdicts.update({_key(slot, o): () for slot, o in pending.items()})
             else:
                 checker.check_layout(layout, mesh)
+    except WorldIsolationError as e:   # refuse rather than plan without the checks
+        raise StrategyCheckError(
+            f"autoplan: the sharded strategies at tp={search.tp} cannot be checked on the model in this process "
+            f"({e}); plan in a separate process (plan.to_json) and load the plan file on every rank, or plan "
+            f"where the c10d world is torch's own") from e
     report.seconds += time.perf_counter() - t0
     after = {_key(slot, o) for slot, opts in search.slots.items() for o in opts}
     for k in before - after:

@@ -77,7 +77,7 @@ class Trainer:
             raise TrainConfigError(f"train: --mixed-precision {cfg.mixed_precision!r}: use auto, bf16 or fp32")
         lr_at(cfg, 0)  # a bad schedule name fails before any work
         self.cfg = cfg
-        if plan is None and not dist.is_initialized():  # plan before the process group: see plan_source
+        if plan is None and not dist.is_initialized():  # plan while nothing else runs; same plan after (plan_source)
             plan = plan_for(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.device(device_type()))
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

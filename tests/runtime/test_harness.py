@@ -29,10 +29,10 @@ def test_failure_is_reported_with_rank_and_pool_recovers(pool2):
     assert pool2.run(_rank_sum) == [(0, 1.0), (1, 1.0)]
 
 
-def test_fake_world_counts_world_size_and_refuses_nesting():
+def test_fake_world_counts_world_size_and_nests_in_a_world_of_its_own():
     with fake_world(64):
         assert dist.get_world_size() == 64
-        with pytest.raises(DistributedRunError, match="already exists"):
-            with fake_world(8):
-                pass
+        with fake_world(8, rank=3):
+            assert (dist.get_world_size(), dist.get_rank()) == (8, 3)
+        assert (dist.get_world_size(), dist.get_rank()) == (64, 0)
     assert not dist.is_initialized()

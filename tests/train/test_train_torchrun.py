@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from autoplan import plan_cluster
 from autoplan.train.model import build_model
-from hyper_parallel.local.fake_world import _clear_dtensor_caches
+from hyper_parallel.local import clear_dtensor_caches
 from tests.train import train_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,7 @@ def world_of_one(monkeypatch):
     assert not [v for v in names if v in os.environ], "init_distributed wrote the rendezvous into os.environ"
     if dist.is_initialized():
         dist.destroy_process_group()
-    _clear_dtensor_caches()
+    clear_dtensor_caches()
 
 
 def test_cli_trains_dp_tp_plan_and_checkpoints(run_a, work):

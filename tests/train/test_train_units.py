@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from autoplan.cli import main
 from autoplan.plan import Plan
@@ -19,7 +20,9 @@ from autoplan.train.launch import format_command
 from autoplan.train.loop import lr_at
 from autoplan.train.metrics import MetricsWriter
 from autoplan.train.model import build_model, flops_per_token
+from autoplan.train.plan_source import plan_for
 from autoplan.train.progress import Progress
+from tests.train import train_workers
 
 
 def _plan(shape=(2, 1, 4), per_node=4) -> Plan:
@@ -181,3 +184,18 @@ def test_check_compatible_names_the_first_mismatch(tmp_path):
         with pytest.raises(CheckpointMismatchError, match=re.escape(text)) as err:
             check_compatible(build_model("titan-llama-debug", **kwargs), tmp_path / "c")
         assert err.value.name == name
+
+
+def test_every_rank_of_a_started_job_plans_the_offline_plan_and_disagreement_is_an_error(pool2):
+    """plan_for inside a job: each rank plans itself (strategy checks included: the probe's fake
+    group runs in a world of its own) and gets the plan planned with no process group."""
+    # h100_sxm: the "cpu" profile scales with torch.get_num_threads(), which the pool's ranks set to 1
+    kwargs = dict(model="titan-llama-debug", constraints={"tp": 2}, shard_all=True, hardware="h100_sxm", batch=8,
+                  seq=32)
+    assert not dist.is_initialized()
+    offline = plan_for(TrainConfig(**kwargs), 2, torch.device("cpu"))
+    offline.model["source"] = kwargs["model"]
+    assert offline.styles, offline
+    for got in pool2.run(train_workers.plan_in_job, kwargs):
+        assert got["plan"] == offline.to_json()
+        assert "the ranks planned different plans" in got["error"] and "[0]" in got["error"], got["error"]

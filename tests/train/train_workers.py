@@ -12,10 +12,13 @@ import io
 import logging
 
 import torch
+import torch.distributed as dist
 
 from autoplan.cli import main
 from autoplan.train import CheckpointMismatchError, TrainConfig, Trainer
 from autoplan.train.checkpoint import consolidated
+from autoplan.train.errors import TrainConfigError
+from autoplan.train.plan_source import _check_ranks_agree, plan_for
 
 HF_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256)
@@ -87,3 +90,17 @@ def mismatched_models(checkpoint: str, plan: str, lr: float) -> list[dict]:
         row["step_after"] = tr.step
         rows.append(row)
     return rows
+
+
+def plan_in_job(cfg_kwargs: dict) -> dict:
+    """``plan_for`` on a rank whose process group is up (every rank plans), then the agreement
+    check on a plan made to differ by rank: its plan JSON and the check's error."""
+    plan = plan_for(TrainConfig(**cfg_kwargs), dist.get_world_size(), torch.device("cpu"))
+    plan.model["source"] = f"rank {dist.get_rank()}"
+    try:
+        _check_ranks_agree(plan)
+        error = None
+    except TrainConfigError as e:
+        error = str(e)
+    plan.model["source"] = cfg_kwargs["model"]
+    return {"plan": plan.to_json(), "error": error}
