@@ -1,13 +1,14 @@
 """Pretrained weights into a parallelized model: a Hugging Face safetensors directory.
 
 Each rank reads only the slices it holds. The reading is torch's distributed checkpoint with its
-Hugging Face storage reader (``HuggingFaceStorageReader``: safetensors ``get_slice`` per request),
-not hand-written slicing: DCP already maps every placement this runtime produces -- ``Shard``,
+Hugging Face storage reader (``HuggingFaceStorageReader``), not a hand-written loader: DCP already maps every placement this runtime produces -- ``Shard``,
 FSDP2's shards, FSDP x TP's strided shards, uneven shards, pipeline stages holding a subset of
 the names -- to file offsets, exactly as it does when a training checkpoint is resharded, and the
 copy into each local shard casts the file's dtype (bf16, fp16) to the model's. Both the one-file
 (``model.safetensors``) and the sharded (``model.safetensors.index.json`` + parts) forms work:
-the reader takes every ``*.safetensors`` file's header.
+the reader takes every ``*.safetensors`` file's header. Only how a request's bytes are read is
+ours (:mod:`autoplan.plan.safetensors_slices`: ``pread`` of the slice's contiguous runs instead of
+a memory map, so a rank's resident memory holds its slices, not the pages of whole tensors).
 
 Before any weight is touched every rank reads the headers alone (no tensor data) and checks them
 against the *whole* model's persistent tensors, so every rank reaches the same verdict: a
@@ -26,11 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PretrainedWeightsError
 from autoplan.plan.held import held_module
+from autoplan.plan.safetensors_slices import SlicedHFReader
 from autoplan.plan.weights import ModelInit, held_tensors_on_meta
 from hyper_parallel.core.materialize import materialize, named_tensors
 
@@ -139,12 +140,16 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
         elif state[key] is not t and state[key].data_ptr() != t.data_ptr():
             copies.append((t, key))
     try:
-        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+        dcp.load(state, storage_reader=SlicedHFReader(str(path)))
     except BaseException as e:   # CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise PretrainedWeightsError(f"pretrained weights {path}: reading the tensors failed "
-                                     f"({type(e).__name__}: {str(e).strip()[:500]})") from None
+        failures = getattr(e, "failures", None) or {}   # DCP's CheckpointException: rank -> exception
+        first = next(iter(failures.values()), e)
+        first = first[0] if isinstance(first, tuple) else first   # (exception, frames)
+        raise PretrainedWeightsError(f"pretrained weights {path}: reading the tensors failed on "
+                                     f"{'ranks ' + str(sorted(failures)) if failures else 'this rank'} "
+                                     f"({type(first).__name__}: {str(first).strip()[:500]})") from None
     with torch.no_grad():
         for t, key in copies:   # a second holder of a tied tensor (separate objects on this rank)
             src = state[key]

@@ -34,7 +34,9 @@ from typing import Callable, Collection
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.errors import InitError
 
@@ -103,12 +105,25 @@ def _stand_in(module: nn.Module, cls: type, device: torch.device) -> nn.Module:
     return shadow
 
 
+def _strided_on_a_sharded_dim(p, placements) -> bool:
+    """FSDP x TP on one tensor dim (``_StridedShard(d)`` beside ``Shard(d)``) leaves each rank one
+    contiguous block, at the offset DTensor computes; other strided layouts do not."""
+    return isinstance(p, _StridedShard) and any(type(q) is Shard and q.dim == p.dim for q in placements)
+
+
 def _local_slice(full: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full`` as ``held`` lays it out (no communication)."""
-    if isinstance(held, DTensor):
-        part = distribute_tensor(full, held.device_mesh, held.placements, src_data_rank=None)
-        return part.to_local()
-    return full
+    """This rank's part of ``full`` as ``held`` lays it out (no communication). Plain shards are
+    a view of ``full`` (no copy: a copy of the shard would sit beside the full tensor at the peak);
+    other placements (FSDP x TP's strided shards) are cut by ``distribute_tensor``."""
+    if not isinstance(held, DTensor):
+        return full
+    if all(type(p) in (Shard, Replicate) or _strided_on_a_sharded_dim(p, held.placements) for p in held.placements):
+        shape, offset = compute_local_shape_and_global_offset(full.shape, held.device_mesh, held.placements)
+        view = full
+        for dim, (n, o) in enumerate(zip(shape, offset)):
+            view = view.narrow(dim, o, n)
+        return view
+    return distribute_tensor(full, held.device_mesh, held.placements, src_data_rank=None).to_local()
 
 
 class Materializer:
@@ -129,6 +144,7 @@ class Materializer:
         its tensors are usually read one after another)."""
         if self._cache is not None and self._cache[0] == owner:
             return self._cache[1]
+        self._cache = None   # the last owner's tensors go before this one's are made (peak: one module)
         module = self.sources.owners[owner]
         attrs = [(kind, a) for kind, table in (("param", module._parameters), ("buffer", module._buffers))
                  for a, t in table.items() if t is not None and f"{owner}/{a}" in self.sources.kinds]
@@ -140,7 +156,8 @@ class Materializer:
         for kind, attr in attrs:
             t = shadow._parameters[attr] if kind == "param" else shadow._buffers[attr]
             t = t.detach()
-            if t.is_floating_point() and t.numel() and bool(torch.isnan(t).all()):
+            sample = t.reshape(-1)[:: max(1, t.numel() // 4096)]   # no full-size temporary
+            if t.is_floating_point() and t.numel() and bool(torch.isnan(sample).all()):
                 raise InitError(f"materialize: the init function left {kind} {attr!r} of module "
                                 f"{owner or '<root>'!r} ({type(module).__name__}) unset; give an init_fn that "
                                 "initialises it (or build that module's tensors off the meta device)")
@@ -158,8 +175,14 @@ class Materializer:
 
     def fill(self, named: dict[str, torch.Tensor]) -> None:
         """Copy each tensor's initial value (its slice of it) into ``named`` (name -> real tensor),
-        owner by owner so each module's init runs once."""
-        order = sorted(named, key=lambda n: self.sources.tensors.get(n, ("", n)))
+        owner by owner so each module's init runs once -- the owners with the largest tensors first:
+        ``to_empty`` leaves pages untouched, so a large stand-in (an embedding) sits beside few
+        written shards rather than beside all of them."""
+        def size(name: str) -> int:
+            owner = self.sources.owners.get(self.sources.tensors.get(name, ("", ""))[0])
+            return -sum(t.numel() * t.element_size() for t in owner._parameters.values() if t is not None) \
+                if owner is not None else 0
+        order = sorted(named, key=lambda n: (size(n), self.sources.tensors.get(n, ("", n))))
         with torch.no_grad():
             for name in order:
                 held = named[name]
@@ -170,6 +193,7 @@ class Materializer:
                     raise InitError(f"materialize: {name!r} holds a local shape {tuple(target.shape)} but its "
                                     f"placements cut {tuple(local.shape)} from the full {tuple(value.shape)}")
                 target.copy_(local)
+                del value, local, target   # this owner's full tensors must not outlive the cache
 
 
 def named_tensors(root: nn.Module) -> dict[str, torch.Tensor]:
