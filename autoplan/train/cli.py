@@ -1,4 +1,4 @@
-"""``autoplan train`` and ``autoplan launch``: registered on the main CLI's subcommands.
+"""``autoplan train``, ``autoplan export-hf`` and ``autoplan launch``: registered on the main CLI's subcommands.
 
     torchrun --standalone --nproc-per-node 4 -m autoplan.cli train --plan plan.json --steps 20
     autoplan launch plan.json --nnodes 64 --rdzv-endpoint node0:29500 -- --steps 1000
@@ -13,9 +13,12 @@ import json
 import logging
 import os
 
+import torch
+
 from autoplan.plan import Plan
 from autoplan.train.config import TrainConfig
 from autoplan.train.errors import TrainConfigError
+from autoplan.train.export import export_checkpoint
 from autoplan.train.launch import format_command, torchrun_command
 from autoplan.train.loop import train
 
@@ -61,6 +64,12 @@ def _cmd_train(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0 and result.rows:
         first, last = result.rows[0]["loss"], result.rows[-1]["loss"]
         print(f"trained steps {result.start_step}..{result.step}: loss {first:.5f} -> {last:.5f}")
+    return 0
+
+
+def _cmd_export_hf(args) -> int:
+    out = export_checkpoint(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    print(f"wrote {out}")
     return 0
 
 
@@ -124,6 +133,11 @@ def register(sub) -> None:
                    help="auto: load the weights of a --model directory that has them, else initialise from --seed")
     t.add_argument("--export-hf", default=None, help="after training, write the weights as a Hugging Face directory")
     t.set_defaults(func=_cmd_train)
+    ex = sub.add_parser("export-hf", help="write a training checkpoint's model as a Hugging Face directory")
+    ex.add_argument("checkpoint", help="a step-N directory written by autoplan train")
+    ex.add_argument("--out", required=True, help="a new directory for config.json + model.safetensors")
+    ex.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    ex.set_defaults(func=_cmd_export_hf)
     la = _launch_options(sub.add_parser("launch", help="print the torchrun command line a plan needs"))
     la.add_argument("plan")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="launch options, then -- and flags for `autoplan train`")

@@ -7,7 +7,8 @@ Checked on the session's 4-rank gloo pool under tp=4, dp=2 x tp=2 with FSDP and 
   bit: the repo Llama and two transformers families;
 - a save_pretrained checkpoint (one fp32 file; a sharded bf16 index, tied embeddings) trains
   from its weights: the step-0 loss equals ``from_pretrained`` on one device (rtol 1e-5), and
-  after the steps the exported directory reloads to exactly the gathered parameters;
+  after the steps the exported directory reloads to exactly the gathered parameters -- written by
+  the ranks (``runner.export_hf``) and by ``autoplan export-hf`` from a training checkpoint;
 - a checkpoint of another shape, with a tensor missing, truncated, or with an index naming a
   missing file is refused with PretrainedWeightsError on every rank before training.
 """
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from autoplan import plan_cluster
+from autoplan.cli import main
 from autoplan.errors import PretrainedWeightsError
 from autoplan.plan.forward import lm_loss
 from autoplan.train.data import token_stream
@@ -106,6 +108,7 @@ def test_pretrained_weights_train_and_export_under_every_plan(checkpoints, pool4
     d, plans = checkpoints
     runs = [{"model": str(d / ck), "plan": str(plans[ck, p]), "export": str(d / f"out_{ck}_{p}")}
             for ck in ("llama_fp32", "qwen_bf16") for p in PLANS]
+    runs[-1]["checkpoint_dir"] = str(d / "ckpt")   # and a training checkpoint for autoplan export-hf
     results = pool4.run(weights_workers.train_pretrained, runs, 5, 1e-3)[0]
     for run, res in zip(runs, results):
         assert res["losses"][0] == pytest.approx(_one_device_loss(Path(run["model"])), rel=1e-5), run
@@ -114,6 +117,9 @@ def test_pretrained_weights_train_and_export_under_every_plan(checkpoints, pool4
         reloaded = {k: v for k, v in back.state_dict().items() if k in res["state"]}
         assert set(res["state"]) == set(back.state_dict()), run
         assert differences(res["state"], reloaded) == [], run
+    assert main(["export-hf", str(d / "ckpt/step-5"), "--out", str(d / "from_ckpt")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(d / "from_ckpt", dtype=torch.float32).state_dict()
+    assert differences(results[-1]["state"], {k: v for k, v in back.items() if k in results[-1]["state"]}) == []
 
 
 def test_mismatching_checkpoints_are_refused_before_training(checkpoints, pool4):

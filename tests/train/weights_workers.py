@@ -29,7 +29,7 @@ def train_pretrained(runs: list[dict], steps: int, lr: float) -> list[dict]:
     out = []
     for run in runs:
         tr = Trainer(TrainConfig(model=run["model"], plan=run["plan"], batch=8, seq=16, steps=steps, lr=lr,
-                                 progress="none"))
+                                 progress="none", checkpoint_dir=run.get("checkpoint_dir")))
         losses = tr.fit().losses
         state = {k[len("model."):]: v for k, v in tr.gathered_state().items() if k.startswith("model.")}
         tr.runner.export_hf(run["export"])
