@@ -14,7 +14,6 @@ Checked on the session's 4-rank gloo pool under tp=4, dp=2 x tp=2 with FSDP and 
 """
 from __future__ import annotations
 
-import copy
 import shutil
 from pathlib import Path
 
