@@ -5,7 +5,8 @@ Every rank writes the slices it holds and rank 0 consolidates them into full saf
 ``enable_consolidation``): no rank ever gathers the whole model, pipeline stages and FSDP / TP
 shards are written by whoever holds them, duplicates (replicas over dp, a tied head) once. Names
 are the original model's, tied tensors under their owner's name as ``save_pretrained`` writes
-them; rank 0 adds the model's ``config.json``.
+them; rank 0 adds the model's ``config.json``. A packed projection's strided shard (not one block
+of the tensor, which DCP assumes) is first redistributed to a plain shard.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
 
 from autoplan.errors import InvalidArgumentError
 from autoplan.plan.held import held_module
 from autoplan.plan.pretrained import INDEX
 from autoplan.plan.weights import ModelInit
+from hyper_parallel.core.dtensor.blocks import as_plain_shards, holds_one_block
 from hyper_parallel.core.materialize import named_tensors
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ def export_hf(runner, out: str | Path, *, dtype: torch.dtype | None = None) -> P
         key = facts.file_name(name)
         if name in facts.state_shapes and key not in state:
             t = t.detach()
+            if isinstance(t, DTensor) and not holds_one_block(t.placements):   # DCP would write it permuted
+                t = as_plain_shards(t)
             state[key] = t.to(dtype) if dtype is not None else t
     tmp = out.with_name(out.name + ".tmp")
     if rank == 0:

@@ -9,6 +9,9 @@ copy into each local shard casts the file's dtype (bf16, fp16) to the model's. B
 the reader takes every ``*.safetensors`` file's header. Only how a request's bytes are read is
 ours (:mod:`autoplan.plan.safetensors_slices`: ``pread`` of the slice's contiguous runs instead of
 a memory map, so a rank's resident memory holds its slices, not the pages of whole tensors).
+DCP assumes a rank's shard is one block of the global tensor; a packed projection's shard
+(``ColwiseParallel(packed=k)``: a slice of each fused projection) is not, so those tensors are
+read whole one at a time and sliced here.
 
 Before any weight is touched every rank reads the headers alone (no tensor data) and checks them
 against the *whole* model's persistent tensors, so every rank reaches the same verdict: a
@@ -31,9 +34,10 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PretrainedWeightsError
 from autoplan.plan.held import held_module
-from autoplan.plan.safetensors_slices import SlicedHFReader
+from autoplan.plan.safetensors_slices import SafetensorsFile, SlicedHFReader
 from autoplan.plan.weights import ModelInit, held_tensors_on_meta
-from hyper_parallel.core.materialize import materialize, named_tensors
+from hyper_parallel.core.dtensor.blocks import holds_one_block
+from hyper_parallel.core.materialize import local_slice, materialize, named_tensors
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
@@ -116,6 +120,18 @@ def check_against(facts: ModelInit, found: dict, path) -> None:
             name=extra[0], found=found[extra[0]][0], file=found[extra[0]][2])
 
 
+def _read_whole_then_slice(targets: dict[str, DTensor], found: dict, path: Path) -> None:
+    """Tensors whose shards are not one block (packed projections): each is read whole, one at a
+    time (the transient is one tensor), and this rank's strided slice is cut from it locally."""
+    with torch.no_grad():
+        for key, t in targets.items():
+            shape, _, file = found[key]
+            with SafetensorsFile(str(path / file)) as f:
+                full = f.read(key, [0] * len(shape), list(shape))
+            t.to_local().copy_(local_slice(full.to(t.dtype), t))
+            del full
+
+
 def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     """Load the safetensors weights in ``path`` into what this rank holds (collective: every rank
     calls it). The model may be on meta (the large-model path) or real; its non-persistent
@@ -133,9 +149,12 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     held = named_tensors(root)   # the same objects, now real
     state: dict[str, torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, str]] = []
+    strided: dict[str, torch.Tensor] = {}   # DCP would read a packed projection's shard at the wrong rows
     for name in loaded:
         key, t = facts.file_name(name), held[name]
-        if key not in state:
+        if isinstance(t, DTensor) and not holds_one_block(t.placements):
+            strided.setdefault(key, t)
+        elif key not in state:
             state[key] = t.detach()
         elif state[key] is not t and state[key].data_ptr() != t.data_ptr():
             copies.append((t, key))
@@ -150,6 +169,7 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
         raise PretrainedWeightsError(f"pretrained weights {path}: reading the tensors failed on "
                                      f"{'ranks ' + str(sorted(failures)) if failures else 'this rank'} "
                                      f"({type(first).__name__}: {str(first).strip()[:500]})") from None
+    _read_whole_then_slice(strided, found, Path(path))
     with torch.no_grad():
         for t, key in copies:   # a second holder of a tied tensor (separate objects on this rank)
             src = state[key]

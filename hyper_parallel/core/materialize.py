@@ -34,10 +34,10 @@ from typing import Callable, Collection
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from hyper_parallel.core.dtensor.blocks import holds_one_block
 from hyper_parallel.errors import InitError
 
 log = logging.getLogger(__name__)
@@ -105,19 +105,13 @@ def _stand_in(module: nn.Module, cls: type, device: torch.device) -> nn.Module:
     return shadow
 
 
-def _strided_on_a_sharded_dim(p, placements) -> bool:
-    """FSDP x TP on one tensor dim (``_StridedShard(d)`` beside ``Shard(d)``) leaves each rank one
-    contiguous block, at the offset DTensor computes; other strided layouts do not."""
-    return isinstance(p, _StridedShard) and any(type(q) is Shard and q.dim == p.dim for q in placements)
-
-
-def _local_slice(full: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+def local_slice(full: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full`` as ``held`` lays it out (no communication). Plain shards are
     a view of ``full`` (no copy: a copy of the shard would sit beside the full tensor at the peak);
     other placements (FSDP x TP's strided shards) are cut by ``distribute_tensor``."""
     if not isinstance(held, DTensor):
         return full
-    if all(type(p) in (Shard, Replicate) or _strided_on_a_sharded_dim(p, held.placements) for p in held.placements):
+    if holds_one_block(held.placements):
         shape, offset = compute_local_shape_and_global_offset(full.shape, held.device_mesh, held.placements)
         view = full
         for dim, (n, o) in enumerate(zip(shape, offset)):
@@ -187,7 +181,7 @@ class Materializer:
             for name in order:
                 held = named[name]
                 value = self.initial(name)
-                local = _local_slice(value.to(held.device), held)
+                local = local_slice(value.to(held.device), held)
                 target = held.to_local() if isinstance(held, DTensor) else held
                 if tuple(target.shape) != tuple(local.shape):
                     raise InitError(f"materialize: {name!r} holds a local shape {tuple(target.shape)} but its "

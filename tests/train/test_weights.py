@@ -4,8 +4,9 @@ directory's -- and trained state goes back out as a directory ``from_pretrained`
 
 Checked on the session's 4-rank gloo pool under tp=4, dp=2 x tp=2 with FSDP and pp=2 x tp=2:
 - initial weights gathered after meta init equal one device's (``build_model(seed)``) bit for
-  bit: the repo Llama and two transformers families;
-- a save_pretrained checkpoint (one fp32 file; a sharded bf16 index, tied embeddings) trains
+  bit: the repo Llama and three transformers families (Phi-3: packed projections);
+- a save_pretrained checkpoint (one fp32 file; a sharded bf16 index, tied embeddings; Phi-3's
+  packed projections, whose strided shards torch DCP cannot map) trains
   from its weights: the step-0 loss equals ``from_pretrained`` on one device (rtol 1e-5), and
   after the steps the exported directory reloads to exactly the gathered parameters -- written by
   the ranks (``runner.export_hf``) and by ``autoplan export-hf`` from a training checkpoint;
@@ -35,7 +36,8 @@ transformers = pytest.importorskip("transformers")
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, vocab_size=256)
-MODELS = {"titan-llama-debug": {}, "hf:llama": SMALL, "hf:qwen3": dict(SMALL, head_dim=16)}
+PHI3 = dict(SMALL, pad_token_id=0, eos_token_id=1, bos_token_id=1)   # packed qkv_proj / gate_up_proj
+MODELS = {"titan-llama-debug": {}, "hf:llama": SMALL, "hf:qwen3": dict(SMALL, head_dim=16), "hf:phi3": PHI3}
 PLANS = {"tp4": dict(dp=1, tp=4, pp=1), "dp2tp2": dict(dp=2, tp=2, pp=1, fsdp=True), "pp2tp2": dict(dp=1, pp=2, tp=2)}
 
 
@@ -87,8 +89,9 @@ def checkpoints(tmp_path_factory):
                                                                                   tie_word_embeddings=True))
     qwen.to(torch.bfloat16).save_pretrained(d / "qwen_bf16", max_shard_size="40KB")
     assert (d / "qwen_bf16/model.safetensors.index.json").is_file()
+    transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(**PHI3)).save_pretrained(d / "phi3_fp32")
     plans = {}
-    for ck in ("llama_fp32", "qwen_bf16"):
+    for ck in ("llama_fp32", "qwen_bf16", "phi3_fp32"):
         meta = build_model(str(d / ck), device="meta")
         for name, cons in PLANS.items():
             plans[ck, name] = d / f"{ck}_{name}.json"
@@ -107,6 +110,8 @@ def test_pretrained_weights_train_and_export_under_every_plan(checkpoints, pool4
     d, plans = checkpoints
     runs = [{"model": str(d / ck), "plan": str(plans[ck, p]), "export": str(d / f"out_{ck}_{p}")}
             for ck in ("llama_fp32", "qwen_bf16") for p in PLANS]
+    runs.insert(0, {"model": str(d / "phi3_fp32"), "plan": str(plans["phi3_fp32", "dp2tp2"]),
+                    "export": str(d / "out_phi3_dp2tp2")})   # packed projections under FSDP x TP
     runs[-1]["checkpoint_dir"] = str(d / "ckpt")   # and a training checkpoint for autoplan export-hf
     results = pool4.run(weights_workers.train_pretrained, runs, 5, 1e-3)[0]
     for run, res in zip(runs, results):
