@@ -108,7 +108,8 @@ def _stand_in(module: nn.Module, cls: type, device: torch.device) -> nn.Module:
 def local_slice(full: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full`` as ``held`` lays it out (no communication). Plain shards are
     a view of ``full`` (no copy: a copy of the shard would sit beside the full tensor at the peak);
-    other placements (FSDP x TP's strided shards) are cut by ``distribute_tensor``."""
+    other placements (a packed projection's strided shard) are cut by ``distribute_tensor`` on the
+    held tensor's device."""
     if not isinstance(held, DTensor):
         return full
     if holds_one_block(held.placements):
@@ -117,7 +118,7 @@ def local_slice(full: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         for dim, (n, o) in enumerate(zip(shape, offset)):
             view = view.narrow(dim, o, n)
         return view
-    return distribute_tensor(full, held.device_mesh, held.placements, src_data_rank=None).to_local()
+    return distribute_tensor(full.to(held.device), held.device_mesh, held.placements, src_data_rank=None).to_local()
 
 
 class Materializer:
@@ -181,7 +182,7 @@ class Materializer:
             for name in order:
                 held = named[name]
                 value = self.initial(name)
-                local = local_slice(value.to(held.device), held)
+                local = local_slice(value, held)   # a view on the init device; copy_ moves only the slice
                 target = held.to_local() if isinstance(held, DTensor) else held
                 if tuple(target.shape) != tuple(local.shape):
                     raise InitError(f"materialize: {name!r} holds a local shape {tuple(target.shape)} but its "

@@ -31,3 +31,25 @@ def as_plain_shards(t: DTensor) -> DTensor:
     via = [Replicate() if isinstance(p, _StridedShard) else p for p in t.placements]
     plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
     return t.redistribute(t.device_mesh, via).redistribute(t.device_mesh, plain)
+
+
+def dcp_mappable(state: dict) -> tuple[dict, list[tuple[str, DTensor]]]:
+    """``state`` with every strided entry replaced by a plain-shard copy, for DCP to save or to load
+    into; the replaced ``(key, original)`` pairs come back for :func:`copy_back` after a load."""
+    out, replaced = {}, []
+    for key, value in state.items():
+        if isinstance(value, DTensor) and not holds_one_block(value.placements):
+            out[key] = as_plain_shards(value)
+            replaced.append((key, value))
+        else:
+            out[key] = value
+    return out, replaced
+
+
+def copy_back(loaded: dict, replaced: list[tuple[str, DTensor]]) -> None:
+    """After DCP loaded into the plain-shard copies, put each value back into its strided original."""
+    for key, original in replaced:
+        plain = loaded[key]
+        via = [Replicate() if isinstance(p, _StridedShard) else p for p in original.placements]
+        strided = plain.redistribute(plain.device_mesh, via).redistribute(plain.device_mesh, original.placements)
+        original.to_local().copy_(strided.to_local())
