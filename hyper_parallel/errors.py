@@ -85,3 +85,16 @@ class WorldIsolationError(DistributedRunError):
     """A fake world (planning's strategy probe, a dry run) that cannot be isolated from the
     process's own process groups; the message says why and what to do instead (plan before
     ``init_process_group`` or in a separate process, or pass a plan file)."""
+
+
+class PipelinePeerFailedError(PipelineError):
+    """Another rank of the pipeline group failed inside the same step; raised on every waiting rank
+    within seconds instead of at the process group's timeout. ``failed_rank``: its global rank."""
+
+    def __init__(self, failed_rank: int, reason: str, rank: int):
+        super().__init__(f"pipeline rank {rank}: global rank {failed_rank} failed inside this step "
+                         f"({reason}); this rank stopped waiting for it")
+        self.failed_rank, self.reason, self.rank = failed_rank, reason, rank
+
+    def __reduce__(self):   # rebuilt from its fields when it crosses processes (RankPool results)
+        return type(self), (self.failed_rank, self.reason, self.rank)

@@ -7,13 +7,22 @@ embedding and soft-caps the logits in its forward, Granite multiplies both by it
 match the generic decoder spine and then train something else once cut (measured: Gemma-2 cut
 into two stages stepped to a different loss and gradients). So a model the spine does not know is
 refused, and one it knows is run on a small copy both ways: the two outputs must be equal.
+
+The comparison must be able to see what a spine can get wrong: a sliding window or attention chunk
+the spine does not honour changes nothing on a sequence shorter than the window (EXAONE-4: gap 0.0
+at 8 and 16 tokens, 2.14 at 32, and pipelined plans trained wrong gradients). So the sequence is
+longer than every window/chunk length the small copy's config declares (those are shrunk to a few
+tokens, ``shrink.WINDOW``), and every parameter of the copy is perturbed from its initialisation,
+so a skipped norm scale or bias shows.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn as nn
 
-from autoplan.verify.shrink import recipe_for
+from autoplan.verify.shrink import attention_extents, recipe_for
 from hyper_parallel.core.pipeline_parallel.split import spine_for, spine_gap
 from hyper_parallel.errors import StageSplitError
 
@@ -21,6 +30,10 @@ from hyper_parallel.errors import StageSplitError
 # bit-equal when it computes the same function (measured 0.0 on Llama-, Mistral-, Qwen3-, Phi-3-,
 # OLMo-2-, Starcoder2- and Granite-shaped copies; Gemma-2 differs by 1.3e-3)
 GAP_TOLERANCE = 1e-5
+GUARD_MARGIN = 8      # tokens beyond the longest window/chunk: several positions fall outside it
+GUARD_MAX_TOKENS = 256
+GUARD_MIN_TOKENS = 8
+GUARD_PERTURB = 0.2   # noise on every parameter of the copy: norms far from 1, biases far from 0
 
 
 def pipeline_refusal(model: nn.Module) -> str | None:
@@ -53,9 +66,21 @@ _GAPS: dict[tuple[str, str], float] = {}   # (class, config) -> gap: copies of o
 
 def _small_copy_gap(model: nn.Module) -> float:
     """The spine gap of a small copy of ``model`` (built from its config, fp32, on the CPU)."""
-    small = recipe_for(model, [2], seed=0).build().eval()
+    recipe = dataclasses.replace(recipe_for(model, [2], seed=0), perturb=GUARD_PERTURB)
+    small = recipe.build().eval()
     vocab = int(getattr(small.config, "vocab_size", 0) or 0)
     if vocab < 2:
         return float("inf")
-    tokens = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, vocab, (1, guard_length(small.config)), generator=torch.Generator().manual_seed(0))
     return spine_gap(small, tokens)
+
+
+def guard_length(config) -> int:
+    """Tokens the guard compares on: past every window/chunk ``config`` declares, by a margin.
+    A window longer than ``GUARD_MAX_TOKENS`` (a config the shrink left long) cannot be seen:
+    raises, and the caller refuses."""
+    extents = attention_extents(config.to_dict())
+    longest = max(extents.values(), default=0)
+    if longest + GUARD_MARGIN > GUARD_MAX_TOKENS:
+        raise StageSplitError(f"window/chunk settings {extents} exceed the {GUARD_MAX_TOKENS} tokens the guard runs")
+    return max(GUARD_MIN_TOKENS, longest + GUARD_MARGIN)

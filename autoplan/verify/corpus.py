@@ -48,6 +48,15 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    # a sliding window on every layer (Mistral-7B-v0.1's 4096; shrunk below the checked sequence)
+    "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+    # sliding windows on three layers of four, no RoPE on the global ones (issue 29: pipelined
+    # plans ran every layer without its window)
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {}),
+    # per-layer-type masks and RoPE tables, scaled embedding inside its module
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    # LayerNorm1P, squared-ReLU MLP (Nemotron-4's shape with GQA)
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {"num_key_value_heads": 8}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {}),
     "bert": ("BertConfig", "BertForMaskedLM", {"hidden_size": 1024, "num_attention_heads": 16,

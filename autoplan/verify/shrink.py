@@ -29,6 +29,9 @@ from autoplan.errors import PlanningError
 HEAD_DIM = 8          # per-head width of the small copy (even: rotary embeddings pair dimensions)
 LAYERS = 2            # repeated blocks kept per stack
 BASE_WIDTH = 16       # multiple (times the degrees) every shrunk width starts from
+# attention windows and chunks of the small copy: shorter than the sequences it is checked on
+# (numerics: 16 tokens), so a runtime that drops a window (a mask, a chunk) shows as a difference
+WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,9 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
     for k in list(out):
         if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
             out[k] = 0.0
+    for k, v in attention_extents(d).items():
+        if v > WINDOW and "." not in k:   # nested configs (composite models) are not shrunk here
+            out[k] = WINDOW
     if "max_position_embeddings" in d:
         out["max_position_embeddings"] = max(64, min(d["max_position_embeddings"], 512))
     if "n_positions" in d:
@@ -151,6 +157,26 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
             out[k] = 0
     out.pop("architectures", None)
     out.pop("transformers_version", None)
+    return out
+
+
+def _is_extent_key(key: str) -> bool:
+    """Config keys holding an attention window or chunk length (``sliding_window``,
+    ``attention_chunk_size``, ``chunk_size``, ...), not layer counts or patterns that share the
+    words (Qwen2's ``max_window_layers``, ``sliding_window_pattern``)."""
+    k = key.lower()
+    return ("window" in k or "chunk" in k) and not any(w in k for w in ("layers", "pattern", "feed_forward"))
+
+
+def attention_extents(d: dict) -> dict[str, int]:
+    """Every positive int-valued window/chunk setting of a config dict (nested configs as
+    ``text_config.sliding_window``): the lengths a sequence must exceed for a check to see them."""
+    out: dict[str, int] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in attention_extents(v).items()})
+        elif isinstance(v, int) and not isinstance(v, bool) and v > 0 and _is_extent_key(k):
+            out[k] = v
     return out
 
 

@@ -35,3 +35,35 @@ def test_split_backward_equals_full_backward(tie):
     for name in ref:
         torch.testing.assert_close(grads[name], ref[name], rtol=0, atol=0, msg=name)
     torch.testing.assert_close(dx, ref_dx, rtol=0, atol=0)
+
+
+def test_grouping_tells_parameters_apart_by_identity():
+    """Merging tap groups once removed a group with ``list.remove``, which compares groups with
+    ``==`` and so their parameters element-wise: two groups of one multi-valued tensor each, the
+    second hit by a later parameter, raised "Boolean value of Tensor ... ambiguous" (Nemotron at
+    pp=2 x tp=2; a DTensor beside a tensor raised "mixed torch.Tensor and DTensor")."""
+    from hyper_parallel.core.pipeline_parallel.weight_grad import _group
+
+    params = [torch.randn(3), torch.randn(3), torch.randn(3), torch.randn(3)]
+    nodes = ["n0", "n1", "n2", "n3"]
+    taps_of = {"n0": {"a"}, "n1": {"b"}, "n2": {"b", "c"}, "n3": {"c"}}
+    groups = _group(params, nodes, taps_of)
+    assert [sorted(ns) for _, ns, _ in groups] == [["n0"], ["n1", "n2", "n3"]]
+    merged = groups[1][0]
+    assert len(merged) == 3 and all(any(p is q for q in merged) for p in params[1:])
+
+
+def test_split_backward_equals_full_backward_nemotron():
+    """A transformers Nemotron (LayerNorm1P, squared-ReLU MLP) cut in two: I then W equals B."""
+    from autoplan.verify.shrink import ModelRecipe
+
+    cfg = dict(model_type="nemotron", model_class="NemotronForCausalLM", hidden_size=32, intermediate_size=64,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4, vocab_size=64)
+    model = ModelRecipe(hf_config=cfg, seed=1).build()
+    twin = copy.deepcopy(model)
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    grads, dx = _run(split_model(model, ["model.layers.2"]), x, y, split=True)
+    ref, ref_dx = _run(split_model(twin, ["model.layers.2"]), x, y, split=False)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(dx, ref_dx, rtol=0, atol=0)

@@ -363,3 +363,45 @@ def run_dtensor_activations(names) -> list[dict]:
         res.update(case=name, dtensor_inputs=sorted({str(s) for s in seen}))
         out.append(res)
     return out
+
+
+class InjectedFailure(RuntimeError):
+    """The error the fail-fast test raises inside one rank's stage."""
+
+
+def run_fail_fast(fail_rank: int, fail_at_call: int = 2, m: int = 4) -> dict:
+    """A 1F1B step on a fresh gloo group of every rank in which ``fail_rank``'s stage raises at
+    its ``fail_at_call``-th forward: what every rank raised, and how long after the step began.
+    A fresh group, so the messages abandoned by the failure never reach a later test's step."""
+    import time
+
+    from hyper_parallel.errors import PipelinePeerFailedError
+
+    group = dist.new_group(backend="gloo")
+    rank = dist.get_rank()
+    p = dist.get_world_size()
+    x, y = data(4, 8)
+    ir = Schedule1F1B.ir(p, m)
+    stages = build_stages(build_model("titan", False, p), ir, group=group)
+    if rank == fail_rank:
+        module, calls = stages[0].module, []
+        original = module.forward
+
+        def failing(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == fail_at_call:
+                raise InjectedFailure(f"injected on rank {rank}")
+            return original(*args, **kwargs)
+
+        module.forward = failing
+    sched = Schedule1F1B(stages, m, lm_loss)
+    t0 = time.perf_counter()
+    try:
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == p - 1 else None)
+        return dict(rank=rank, error=None, seconds=time.perf_counter() - t0)
+    except PipelinePeerFailedError as exc:
+        return dict(rank=rank, error=type(exc).__name__, failed_rank=exc.failed_rank, message=str(exc),
+                    seconds=time.perf_counter() - t0)
+    except InjectedFailure as exc:
+        return dict(rank=rank, error=type(exc).__name__, failed_rank=rank, message=str(exc),
+                    notes=list(getattr(exc, "__notes__", [])), seconds=time.perf_counter() - t0)

@@ -58,3 +58,38 @@ def test_nothing_fits_names_the_degrees_the_tp_search_refused():
     with pytest.raises(InfeasiblePlanError, match="nothing fits .*; tp=1 refused: "):
         plan_cluster(llama, 4, hardware="h100_sxm", batch=(8, seq_len(llama)),
                      constraints={"pp": 2, "dp": 2, "tp": 1}, allow_replicated_units=False)
+
+
+WINDOWED = ("exaone4", "mistral_swa", "gemma3")
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_the_guard_sees_a_spine_that_drops_sliding_windows(family, monkeypatch):
+    """Issue 29: the spine ran EXAONE-4's layers without their sliding window and the guard
+    compared 8 tokens, shorter than the window, so pipelined plans trained wrong gradients. The
+    guard now runs past every window/chunk the copy's config declares (windows shrunk to a few
+    tokens) on a perturbed copy: a spine that gives every layer the full causal mask is refused
+    with the gap it measured (8.44 on EXAONE-4, 10.8 on Mistral with a window, where both were
+    0.0 before); Gemma-3's copy fails to run that way (its RoPE is per layer kind): refused too."""
+    from hyper_parallel.core.pipeline_parallel import split
+
+    monkeypatch.setattr(pipeline_support, "_GAPS", {})
+    monkeypatch.setattr(split, "_layer_kind", lambda config, fqn: "full_attention")
+    why = pipeline_support.pipeline_refusal(real_model(family))
+    assert why is not None and ("differs from its forward by" in why or "could not be checked" in why), why
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_the_spine_builds_each_layer_kind_its_mask(family, monkeypatch):
+    """The spine builds the mask (and RoPE table, Gemma-3) of each layer's attention kind as the
+    model's forward does, so these windowed models pipeline: their copies are bit-equal."""
+    from autoplan.verify.shrink import recipe_for
+
+    model = real_model(family)
+    small = recipe_for(model, [2]).build()
+    length = pipeline_support.guard_length(small.config)
+    windows = [v for k, v in small.config.to_dict().items() if k == "sliding_window"]
+    assert windows and length > max(windows), (length, windows)
+    monkeypatch.setattr(pipeline_support, "_GAPS", {})
+    assert pipeline_support.pipeline_refusal(model) is None
+    assert pipeline_support._small_copy_gap(model) == 0.0

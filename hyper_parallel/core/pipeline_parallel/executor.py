@@ -54,6 +54,13 @@ class StepState:
         self.sends: list = []
         self.losses: dict[int, torch.Tensor] = {}
         self.pre = pre
+        self.failure = None   # a failfast.StepFailure: waits give up when a peer failed
+
+    def wait(self, work) -> None:
+        if self.failure is None:
+            work.wait()
+        else:
+            self.failure.wait(work)
 
 
 def _global(group, group_rank: int) -> int:
@@ -173,7 +180,7 @@ class Executor:
     def _take(self, a: Action, st: StepState) -> list[torch.Tensor]:
         bufs, works = st.recv.pop(a)
         for w in works:
-            w.wait()
+            st.wait(w)
         return bufs
 
     # ---- compute ---------------------------------------------------------------------------
@@ -275,7 +282,7 @@ class Executor:
                 fsdp_hooks[a.kind.value](a.stage)
             i += 1
         for w, _ in st.sends:
-            w.wait()
+            st.wait(w)
         st.sends.clear()
         if st.recv:
             raise PipelineError(f"rank {self.rank}: receives never consumed: {sorted(map(str, st.recv))}")

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from hyper_parallel.core.pipeline_parallel import generators
 from hyper_parallel.core.pipeline_parallel.executor import StepState, run_program
+from hyper_parallel.core.pipeline_parallel.failfast import StepFailure
 from hyper_parallel.core.pipeline_parallel.fsdp_actions import fsdp_hooks, has_fsdp, prepare_fsdp_backward
 from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, split_microbatches
 from hyper_parallel.core.pipeline_parallel.mpipe import Preprocess, PreprocessState
@@ -24,7 +25,7 @@ from hyper_parallel.core.pipeline_parallel.shape_inference import infer_boundari
 from hyper_parallel.core.pipeline_parallel.shared_params import SharedParameters
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
-from hyper_parallel.errors import MicrobatchError, PipelineError, ScheduleError
+from hyper_parallel.errors import MicrobatchError, PipelineError, PipelinePeerFailedError, ScheduleError
 
 log = logging.getLogger(__name__)
 # bytes of the per-step agreement all-reduce: the input signature, then (value, -value) for the
@@ -131,8 +132,20 @@ class PipelineScheduleRuntime:
         """One training step (forward and backward of every micro-batch; no optimizer step).
 
         Returns the mean micro-batch loss on the rank holding the last stage, else None; fills
-        ``losses`` with the per-micro-batch losses there.
+        ``losses`` with the per-micro-batch losses there. A rank that fails inside the step flags
+        it for the group (failfast.py): its peers raise PipelinePeerFailedError within seconds
+        instead of waiting on its messages until the group times out.
         """
+        failure = StepFailure.begin(self.group)
+        try:
+            return self._step(args, target, losses, kwargs, failure)
+        except BaseException as exc:
+            if failure is not None and not isinstance(exc, PipelinePeerFailedError):
+                failure.fail(exc)
+                exc.add_note(f"pipeline step {failure.step}: global rank {failure.rank} failed; its peers were told")
+            raise
+
+    def _step(self, args, target, losses, kwargs, failure) -> torch.Tensor | None:
         m = self.n_microbatches
         pre = PreprocessState.begin(self.preprocess, kwargs, m, self.dp_group) \
             if self.preprocess is not None else None
@@ -159,6 +172,7 @@ class PipelineScheduleRuntime:
             prepare_fsdp_backward(self.stages)
         st = StepState(self.stages, mb_args, mb_kwargs, targets, self.loss_fn,
                        1.0 / m if self.scale_grads else 1.0, self._metas[key], m, self.loss_context, pre)
+        st.failure = failure
         out = run_program(self.ir, self.pp_rank, self.group, st, self.overlap,
                           fsdp_hooks(self.stages) if self.fsdp else None, post_ahead=not self.fifo)
         if self.shared is not None:

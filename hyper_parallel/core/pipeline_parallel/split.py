@@ -116,13 +116,36 @@ def _hf_units(m: nn.Module) -> list[str]:
     return ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(n)] + ["model.norm", "lm_head"]
 
 
-def _hf_layer_context(config, rotary: nn.Module, h: torch.Tensor, kwargs: dict) -> dict:
-    """Positions, RoPE and the causal mask of transformers' decoder layers, rebuilt on a stage.
-    They cover the whole sequence: the step's ``sequence_length`` (the pipeline runner passes it)
-    when the hidden state that reached this stage is a local sequence shard (sequence parallel:
-    attention gathers the sequence before it applies them), else the hidden state's length; the
-    step's ``position_ids`` when given (context parallel: this rank's chunks)."""
-    from transformers.masking_utils import create_causal_mask
+# the mask each attention kind gets from transformers' decoder forwards (``config.layer_types``)
+_MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
+                  "chunked_attention": "create_chunked_causal_mask"}
+
+
+def _layer_kind(config, fqn: str) -> str:
+    """The attention kind of decoder layer ``fqn`` as the model's forward reads it: its entry in
+    ``config.layer_types`` (EXAONE-4, Gemma-2/3, Qwen2: a per-layer sliding window), else a
+    sliding window for every layer when the config sets one (Mistral, Starcoder2, Phi-3 build
+    ``create_sliding_window_causal_mask`` then), else full causal attention. The spine must
+    honour it: a layer run with the full causal mask in place of its window computes another
+    function once the sequence is longer than the window (EXAONE-4 trained wrong gradients)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[int(fqn.rsplit(".", 1)[1])]
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and not isinstance(window, bool) and getattr(config, "use_sliding_window", True):
+        return "sliding_attention"
+    return "full_attention"
+
+
+def _hf_layer_context(config, rotary: nn.Module, h: torch.Tensor, kwargs: dict, fqns: Sequence[str]) -> dict:
+    """Positions, RoPE and the masks of transformers' decoder layers ``fqns``, rebuilt on a stage
+    as the model's forward builds them: one mask (and, when the rotary module takes a
+    ``layer_type``, one RoPE table -- Gemma-3) per attention kind of those layers. They cover the
+    whole sequence: the step's ``sequence_length`` (the pipeline runner passes it) when the hidden
+    state that reached this stage is a local sequence shard (sequence parallel: attention gathers
+    the sequence before it applies them), else the hidden state's length; the step's
+    ``position_ids`` when given (context parallel: this rank's chunks)."""
+    import transformers.masking_utils as masking
 
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
@@ -133,23 +156,41 @@ def _hf_layer_context(config, rotary: nn.Module, h: torch.Tensor, kwargs: dict) 
     like = h if h.shape[1] == length else h[:, :1].expand(h.shape[0], length, *h.shape[2:])
     mask_kwargs = dict(config=config, inputs_embeds=like, attention_mask=kwargs.get("attention_mask"),
                        position_ids=position_ids)
-    params = inspect.signature(create_causal_mask).parameters
+    params = inspect.signature(masking.create_causal_mask).parameters
     mask_kwargs["cache" if "cache" in params else "past_key_values"] = None
-    return dict(attention_mask=create_causal_mask(**mask_kwargs), position_ids=position_ids,
-                position_embeddings=rotary(like, position_ids=position_ids))
+    kinds = {fqn: _layer_kind(config, fqn) for fqn in fqns}
+    masks, rope = {}, {}
+    per_kind_rope = "layer_type" in inspect.signature(rotary.forward).parameters
+    for kind in sorted(set(kinds.values())):
+        builder = getattr(masking, _MASK_BUILDERS.get(kind, ""), None)
+        if builder is None:
+            raise StageSplitError(f"split: decoder layers of kind {kind!r} ({type(config).__name__}.layer_types) "
+                                  f"have no known mask; known: {sorted(_MASK_BUILDERS)} (add one with register_spine)")
+        masks[kind] = builder(**mask_kwargs)
+        rope[kind] = rotary(like, position_ids, layer_type=kind) if per_kind_rope else None
+    if not per_kind_rope:
+        shared = rotary(like, position_ids=position_ids)
+        rope = {kind: shared for kind in rope}
+    return dict(kinds=kinds, masks=masks, rope=rope, position_ids=position_ids)
+
+
+def _hf_layer_call(module, fqn: str, h, ctx):
+    kind = ctx["kinds"][fqn]
+    return module(h, attention_mask=ctx["masks"][kind], position_ids=ctx["position_ids"],
+                  position_embeddings=ctx["rope"][kind], use_cache=False)
 
 
 def _hf_context(stage, h, kwargs) -> dict:
-    """Positions, RoPE and the causal mask, rebuilt on every stage that runs decoder layers."""
-    if not any(u.startswith("model.layers.") for u in stage.units):
+    """Positions, RoPE and the masks, rebuilt on every stage that runs decoder layers."""
+    layers = [u for u in stage.units if u.startswith("model.layers.")]
+    if not layers:
         return {}
-    return _hf_layer_context(stage.config, stage.get_submodule("model.rotary_emb"), h, kwargs)
+    return _hf_layer_context(stage.config, stage.get_submodule("model.rotary_emb"), h, kwargs, layers)
 
 
 def _hf_call(stage, fqn, module, h, ctx):
     if fqn.startswith("model.layers."):
-        return module(h, attention_mask=ctx["attention_mask"], position_ids=ctx["position_ids"],
-                      position_embeddings=ctx["position_embeddings"], use_cache=False)
+        return _hf_layer_call(module, fqn, h, ctx)
     return module(h)
 
 
@@ -171,7 +212,8 @@ def _hf_vl_units(m: nn.Module) -> list[str]:
 
 def _hf_vl_layer_context(stage, h, kwargs) -> dict:
     return _hf_layer_context(getattr(stage.config, "text_config", stage.config),
-                             stage.get_submodule("model.language_model.rotary_emb"), h, kwargs)
+                             stage.get_submodule("model.language_model.rotary_emb"), h, kwargs,
+                             [u for u in stage.units if ".layers." in u])
 
 
 def _hf_vl_call(stage, fqn, module, h, ctx):
@@ -184,10 +226,9 @@ def _hf_vl_call(stage, fqn, module, h, ctx):
         mask = (h == stage.config.image_token_id).unsqueeze(-1).expand_as(emb)
         return emb.masked_scatter(mask, vision.to(emb.dtype))
     if ".layers." in fqn:
-        if "attention_mask" not in ctx:   # built lazily: stage 0 only knows the hidden state after embedding
+        if "masks" not in ctx:   # built lazily: stage 0 only knows the hidden state after embedding
             ctx.update(_hf_vl_layer_context(stage, h, ctx.get("kwargs", {})))
-        return module(h, attention_mask=ctx["attention_mask"], position_ids=ctx["position_ids"],
-                      position_embeddings=ctx["position_embeddings"], use_cache=False)
+        return _hf_layer_call(module, fqn, h, ctx)
     return module(h)
 
 

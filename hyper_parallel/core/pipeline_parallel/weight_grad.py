@@ -115,19 +115,23 @@ class DeferredWeightGrad:
 
 
 def _group(params, p_nodes, taps_of) -> list[tuple[list, list, list]]:
-    """Merge parameters whose tap sets overlap into one group."""
+    """Merge parameters whose tap sets overlap into one group (parameters and nodes are told
+    apart by identity and position only)."""
     groups: list[tuple[list, list, set]] = []
     for p, n in zip(params, p_nodes):
         taps = taps_of.get(n)
         if not taps:
             continue
-        hit = [g for g in groups if g[2] & taps]
+        hit = [i for i, g in enumerate(groups) if g[2] & taps]
         merged = ([p], [n], set(taps))
-        for g in hit:
-            merged[0].extend(g[0])
-            merged[1].extend(g[1])
-            merged[2].update(g[2])
-            groups.remove(g)
+        for i in hit:
+            merged[0].extend(groups[i][0])
+            merged[1].extend(groups[i][1])
+            merged[2].update(groups[i][2])
+        # by position, never ``groups.remove``: that compares groups with ``==``, which compares
+        # their parameters element-wise (an error for tensors with more than one value, and for a
+        # torch.Tensor beside a DTensor -- Nemotron at pp=2 x tp=2 crashed here)
+        groups = [g for i, g in enumerate(groups) if i not in hit]
         groups.append(merged)
     return [(ps, ns, sorted(ts, key=id)) for ps, ns, ts in groups]
 
