@@ -1,7 +1,7 @@
 """Memory while a rank builds, shards and initialises (or loads) a model larger than its share.
 
 Each rank of a 4-rank gloo job under torchrun constructs ``Trainer(...)`` for an HF Llama-shaped
-model of ~610 MB in fp32 (hidden 1024, 8 layers, vocabulary 32000) under tp=4 and dp=2 x tp=2
+model of 604 MB in fp32 (hidden 1024, 8 layers, vocabulary 32768) under tp=4 and dp=2 x tp=2
 with FSDP, from a random init and from a ``save_pretrained`` directory. Measured on every rank:
 the growth of its peak RSS during ``Trainer(...)`` (the peak is reset first through
 ``/proc/self/clear_refs``), beside the bytes of the parameters it holds and the plan's predicted
@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks/results"
 CONFIG = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=16,
-              num_key_value_heads=16, vocab_size=32000, tie_word_embeddings=False)
+              num_key_value_heads=16, vocab_size=32768, tie_word_embeddings=False)
 PLANS = {"tp4": dict(dp=1, tp=4, pp=1), "dp2tp2_fsdp": dict(dp=2, tp=2, pp=1, fsdp=True)}
 LIMIT_OF_MODEL = 0.35
 MARGIN = 64 << 20
