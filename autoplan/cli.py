@@ -370,10 +370,14 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, non-zero exit
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the CLI's contract: one line, non-zero exit; BaseException
+        # because torch's DCP CheckpointException derives from it, not from Exception
         if args.verbose:
             raise
-        print(f"autoplan {args.command}: error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        text = str(e).strip() or type(e).__name__
+        print(f"autoplan {args.command}: error: {type(e).__name__}: {text.splitlines()[0]}", file=sys.stderr)
         return 2
 
 

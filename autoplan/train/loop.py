@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoplan.train import checkpoint
+from autoplan.train import checkpoint, manifest, restart
 from autoplan.train.config import TrainConfig
 from autoplan.train.data import token_stream
 from autoplan.train.env import device_type, init_distributed, plan_mesh
 from autoplan.train.errors import TrainConfigError
+from autoplan.train.guard import GradClipper, check_loss
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from autoplan.train.model import build_model, flops_per_token
 from autoplan.train.plan_source import plan_for
@@ -73,6 +74,7 @@ class Trainer:
         if cfg.mixed_precision not in ("auto", "bf16", "fp32"):
             raise TrainConfigError(f"train: --mixed-precision {cfg.mixed_precision!r}: use auto, bf16 or fp32")
         lr_at(cfg, 0)  # a bad schedule name fails before any work
+        cfg.check()    # so does a meaningless setting (--steps 0, --checkpoint-every without a directory)
         self.cfg = cfg
         if plan is None and not dist.is_initialized():  # plan before the process group: see plan_source
             plan = plan_for(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.device(device_type()))
@@ -93,8 +95,8 @@ class Trainer:
         self.data = token_stream(cfg.data, batch=cfg.batch, seq=cfg.seq, vocab=_vocab(self.model), seed=cfg.seed,
                                  tokenizer=cfg.tokenizer, token_dtype=cfg.token_dtype)
         self.step = 0
-        if cfg.resume:
-            self.resume(checkpoint.resolve(cfg.resume, cfg.checkpoint_dir))
+        if (start := restart.start_point(cfg)) is not None:  # --resume auto|latest|never|PATH, collective
+            self.resume(start)
 
     def _check_batch(self) -> None:
         """The global batch must split over dp and into the plan's micro-batches (a pipeline's, or
@@ -123,10 +125,11 @@ class Trainer:
         self.step = int(state["step"])
         self.data.restore(state["data"])
 
-    def save(self) -> str:
+    def save(self, integrity: bool = True) -> str:
         state = {"data": self.data.state(), "config": self.cfg.to_dict(), "plan_mesh": self.plan.mesh,
                  "world": self.world}
-        return str(checkpoint.save(self.runner, self.cfg.checkpoint_dir, self.step, state))
+        info = {"plan_mesh": self.plan.mesh, "world": self.world, "model": manifest.fingerprint(self.model)}
+        return str(checkpoint.save(self.runner, self.cfg.checkpoint_dir, self.step, state, info, integrity))
 
     def gathered_state(self) -> dict[str, Any]:
         """Full parameters and optimizer state by FQN (collective); for checks on small models."""
@@ -155,18 +158,25 @@ class Trainer:
         self.step += 1
         tps = self.cfg.batch * self.cfg.seq / step_s
         mem, kind = memory_gib(self.device)
-        return {"step": self.step, "loss": self._global_loss(loss), "lr": lr, "step_s": step_s,
-                "tokens_per_s": tps,
-                "mfu": tps * self.flops_per_token / (self.world * self.peak) if self.peak else None,
-                "memory_gib": mem, "memory_kind": kind}
+        row = {"step": self.step, "loss": self._global_loss(loss), "lr": lr, "step_s": step_s,
+               "tokens_per_s": tps,
+               "mfu": tps * self.flops_per_token / (self.world * self.peak) if self.peak else None,
+               "memory_gib": mem, "memory_kind": kind}
+        if getattr(self, "_clipper", None) is not None:
+            row["grad_norm"] = self._clipper.last_norm
+        return row
 
     def fit(self, until: int | None = None) -> TrainResult:
         """Train up to step ``until`` (default ``cfg.steps``), saving every ``checkpoint_every``."""
         cfg = self.cfg
         until = cfg.steps if until is None else until
         result = TrainResult(start_step=self.step, step=self.step)
-        writer = MetricsWriter(cfg.metrics if self.rank == 0 else None, append=self.step > 0)
+        if self.step >= until:
+            log.info("train: at step %d already, --steps %d: nothing to train", self.step, until)
+            return result
+        writer = MetricsWriter(cfg.metrics if self.rank == 0 else None, start_step=self.step)
         progress = Progress(cfg.progress, until, self.step, self.rank, cfg.log_every)
+        self._clipper = GradClipper(self.runner, cfg.clip_grad_norm) if cfg.clip_grad_norm else None
         progress.note(f"training {cfg.model} steps {self.step}..{until} on mesh "
                       f"{dict(zip(self.plan.mesh['names'], self.plan.mesh['shape']))}"
                       f"{' (pipeline ' + self.plan.pipeline['schedule'] + ')' if self._pipelined else ''}")
@@ -178,6 +188,7 @@ class Trainer:
                 row.pop("last")
                 writer.write(row)
                 result.rows.append(row)
+                check_loss(row["loss"], self.step, cfg.max_loss, self.device)  # before this step can be saved
                 due = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                 if cfg.checkpoint_dir and (due or self.step == until):
                     result.checkpoints.append(self.save())
@@ -185,6 +196,9 @@ class Trainer:
         finally:
             progress.close()
             writer.close()
+            if self._clipper is not None:
+                self._clipper.remove()
+                self._clipper = None
         result.step = self.step
         return result
 
