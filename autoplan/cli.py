@@ -360,6 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    """The first line of an error; for torch's CheckpointException (whose own first line lists only
+    rank numbers) the first failing rank's error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, pair = next(iter(failures.items()))
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        return f"rank {rank}: {type(inner).__name__}: {_one_line(inner)}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -376,8 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         # because torch's DCP CheckpointException derives from it, not from Exception
         if args.verbose:
             raise
-        text = str(e).strip() or type(e).__name__
-        print(f"autoplan {args.command}: error: {type(e).__name__}: {text.splitlines()[0]}", file=sys.stderr)
+        print(f"autoplan {args.command}: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
 
 

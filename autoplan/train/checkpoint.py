@@ -217,9 +217,13 @@ def _wrapped(path: Path, file: str, what: str, fn):
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CheckpointCorruptError(f"checkpoint {path}: {what} failed on {file}: {type(e).__name__}: {first}",
-                                     path, file, f"{type(e).__name__}: {first}") from None
+        failures = getattr(e, "failures", None)   # CheckpointException: {rank: (error, traceback)}
+        inner = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
+        named = re.search(r"__\d+_\d+\.distcp", str(inner))
+        file = named.group(0) if named else file
+        raise CheckpointCorruptError(f"checkpoint {path}: {what} failed on {file}: {type(inner).__name__}: {first}",
+                                     path, file, f"{type(inner).__name__}: {first}") from None
 
 
 def load(runner, model: nn.Module, path: str | Path) -> dict[str, Any]:
