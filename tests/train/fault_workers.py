@@ -122,35 +122,20 @@ def corruption(root: str, plan: str) -> dict:
     return out
 
 
-def restart_by_rerun(root: str, plan: str) -> dict:
-    """The same ``autoplan train`` command: a run that crashes at step 5 (every rank raises, as a
-    job whose rank died would end), the same command again, and an uninterrupted reference."""
-    from autoplan.train import loop
-
-    def argv(d: str) -> list[str]:
-        return ["train", "--plan", plan, "--steps", "8", "--lr", "2e-3", "--checkpoint-dir", f"{root}/{d}",
-                "--checkpoint-every", "3", "--metrics", f"{root}/{d}.csv", "--progress", "none"]
-
-    ref = cli(argv("ref"))
-    original = loop.Trainer.train_step
-
-    def crashing(self):
-        if self.step + 1 == 5:
-            raise RuntimeError("simulated crash before step 5")
-        return original(self)
-
-    loop.Trainer.train_step = crashing
-    try:
-        first = cli(argv("run"))
-    finally:
-        loop.Trainer.train_step = original
-    second = cli(argv("run"))
-    third = cli(argv("run"))  # a finished run: nothing to do, nothing touched
-    fresh = cli(argv("run")[:-2] + ["--resume", "never", "--progress", "none"])
-    return {"rc": [ref["rc"], first["rc"], second["rc"], third["rc"], fresh["rc"]],
-            "outputs": [first["stdout"], second["stdout"], third["stdout"], fresh["stdout"]],
-            "logs": [second["log"], fresh["log"]],
-            "dirs": sorted(p.name for p in Path(root, "run").iterdir())}
+def rerun_semantics(root: str, plan: str) -> dict:
+    """The same ``autoplan train`` command run again on a finished run does nothing and touches
+    nothing; ``--resume never`` into its directory is refused; with ``--overwrite`` it starts
+    fresh and deletes the newer checkpoints. (A crashed run's rerun: test_fault_restart.py.)"""
+    argv = ["train", "--plan", plan, "--steps", "4", "--lr", "2e-3", "--checkpoint-dir", f"{root}/ckpt",
+            "--checkpoint-every", "2", "--metrics", f"{root}/m.csv", "--progress", "none"]
+    done = cli(argv)
+    again = cli(argv)
+    never = cli(argv + ["--resume", "never"])
+    dirs_after_never = sorted(p.name for p in Path(root, "ckpt").iterdir())
+    over = cli(argv[:4] + ["1"] + argv[5:] + ["--resume", "never", "--overwrite"])
+    return {"rc": [done["rc"], again["rc"], never["rc"], over["rc"]], "again": again["stdout"],
+            "kept": dirs_after_never, "over_log": over["log"], "over_stdout": over["stdout"],
+            "dirs": sorted(p.name for p in Path(root, "ckpt").iterdir())}
 
 
 def divergence(root: str, plan: str) -> dict:

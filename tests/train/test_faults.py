@@ -5,7 +5,7 @@ and end of every file, a truncated or missing shard, garbage metadata, a torn tr
 directory holding train_state.json alone -- must fail at resume with a CheckpointError naming the
 file, on every rank, before anything is loaded; ``latest`` and ``--resume auto`` fall back to the
 newest good checkpoint. The same launch command run again after a crash resumes (the metrics file
-keeps every step once); a diverging loss stops the run before it saves; clipping reports the same
+keeps every step once: test_fault_restart.py); a finished run rerun does nothing; a diverging loss stops the run before it saves; clipping reports the same
 global gradient norm under every plan. The real-kill and self-restart runs under torchrun are in
 test_fault_restart.py.
 """
@@ -77,16 +77,16 @@ def test_damaged_checkpoints_fail_typed_and_latest_falls_back(plans, pool4, tmp_
     assert res["after_auto"] == ["step-2", "step-4", "step-4.replaced-1", "step-5", "step-9"]
 
 
-def test_same_command_after_a_crash_resumes(plans, pool4, tmp_path):
-    res = pool4.run(fault_workers.restart_by_rerun, str(tmp_path), plans["dp2tp2"])
-    assert [r["rc"] for r in res] == [[0, 2, 0, 0, 2]] * 4   # every rank: the same outcome
+def test_rerunning_a_finished_run_and_starting_fresh_over_one(plans, pool4, tmp_path):
+    res = pool4.run(fault_workers.rerun_semantics, str(tmp_path), plans["dp2tp2"])
+    assert [r["rc"] for r in res] == [[0, 0, 2, 0]] * 4   # every rank: the same outcome
     res = res[0]
-    assert "trained steps 3..8" in res["outputs"][1] and "nothing to train" in res["outputs"][2]
-    assert res["dirs"] == ["step-3", "step-6", "step-8"]
-    ref = list(csv.DictReader(open(tmp_path / "ref.csv")))
-    run = list(csv.DictReader(open(tmp_path / "run.csv")))
-    assert [int(r["step"]) for r in run] == list(range(1, 9))   # no row lost or repeated
-    assert [float(r["loss"]) for r in run] == pytest.approx([float(r["loss"]) for r in ref], rel=1e-5)
+    assert "nothing to train" in res["again"]
+    assert res["kept"] == ["step-2", "step-4"]   # --resume never refused, nothing deleted
+    assert "trained steps 0..1" in res["over_stdout"] and "--overwrite: deleted 2" in res["over_log"]
+    assert res["dirs"] == ["step-1"]
+    rows = list(csv.DictReader(open(tmp_path / "m.csv")))
+    assert [int(r["step"]) for r in rows] == [1]
 
 
 def test_diverging_loss_stops_before_saving(plans, pool4, tmp_path):
