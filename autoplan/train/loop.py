@@ -25,7 +25,7 @@ from autoplan.train import checkpoint, manifest, restart
 from autoplan.train.config import TrainConfig
 from autoplan.train.data import token_stream
 from autoplan.train.env import device_type, init_distributed, plan_mesh
-from autoplan.train.errors import TrainConfigError
+from autoplan.train.errors import DivergenceError, TrainConfigError
 from autoplan.train.guard import GradClipper, check_loss
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from autoplan.train.model import build_model, flops_per_token
@@ -126,10 +126,15 @@ class Trainer:
         self.data.restore(state["data"])
 
     def save(self, integrity: bool = True) -> str:
+        """Save this step and wait for the manifest (collective)."""
+        return str(self.begin_save(integrity).finish())
+
+    def begin_save(self, integrity: bool = True) -> checkpoint.PendingSave:
+        """Write this step's files; the manifest is hashed in the background until ``.finish()``."""
         state = {"data": self.data.state(), "config": self.cfg.to_dict(), "plan_mesh": self.plan.mesh,
                  "world": self.world}
         info = {"plan_mesh": self.plan.mesh, "world": self.world, "model": manifest.fingerprint(self.model)}
-        return str(checkpoint.save(self.runner, self.cfg.checkpoint_dir, self.step, state, info, integrity))
+        return checkpoint.begin_save(self.runner, self.cfg.checkpoint_dir, self.step, state, info, integrity)
 
     def gathered_state(self) -> dict[str, Any]:
         """Full parameters and optimizer state by FQN (collective); for checks on small models."""
@@ -180,19 +185,30 @@ class Trainer:
         progress.note(f"training {cfg.model} steps {self.step}..{until} on mesh "
                       f"{dict(zip(self.plan.mesh['names'], self.plan.mesh['shape']))}"
                       f"{' (pipeline ' + self.plan.pipeline['schedule'] + ')' if self._pipelined else ''}")
+        pending = None   # the last save, hashed in the background while the next step runs
         try:
             while self.step < until:
                 row = self.train_step()
+                if pending is not None and self._finished(pending, result, progress, wait=False):
+                    pending = None
                 row["last"] = self.step == until
                 progress.update(row)
                 row.pop("last")
                 writer.write(row)
                 result.rows.append(row)
-                check_loss(row["loss"], self.step, cfg.max_loss, self.device)  # before this step can be saved
+                try:
+                    check_loss(row["loss"], self.step, cfg.max_loss, self.device)  # before this step is saved
+                except DivergenceError:
+                    if pending is not None:   # the last good checkpoint is complete before the run stops
+                        self._finished(pending, result, progress, wait=True)
+                    raise
                 due = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                 if cfg.checkpoint_dir and (due or self.step == until):
-                    result.checkpoints.append(self.save())
-                    progress.note(f"checkpoint step {self.step} -> {result.checkpoints[-1]}")
+                    if pending is not None:
+                        self._finished(pending, result, progress, wait=True)
+                    pending = self.begin_save()
+            if pending is not None:
+                self._finished(pending, result, progress, wait=True)
         finally:
             progress.close()
             writer.close()
@@ -201,6 +217,16 @@ class Trainer:
                 self._clipper = None
         result.step = self.step
         return result
+
+    @staticmethod
+    def _finished(pending: checkpoint.PendingSave, result: TrainResult, progress: Progress, wait: bool) -> bool:
+        """Complete a background save: ``wait`` for it, or only if every rank's hashing is done."""
+        path = pending.finish() if wait else pending.poll()
+        if path is None:
+            return False
+        result.checkpoints.append(str(path))
+        progress.note(f"checkpoint step {pending.step} -> {path}")
+        return True
 
     @property
     def _pipelined(self) -> bool:

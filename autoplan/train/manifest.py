@@ -9,8 +9,9 @@ global shapes). It is written after every other file, atomically (``os.replace``
 directory is renamed into place after it, so a directory with a manifest is complete by
 construction and a manifest that verifies means every byte is as written.
 
-Why CRC-32 (``zlib.crc32``): it is the fastest hash in the standard library here (~2 GB/s over
-a buffer, against ~0.9 GB/s for blake2b; xxhash is not installed), detects every burst error up
+Why CRC-32 (``zlib.crc32``): it is the fastest hash in the standard library here (~2.1 GB/s over
+a buffer, against ~0.9 GB/s for blake2b; xxhash is not installed), releases the GIL, so chunks of
+a file are hashed on all cores at once, and detects every burst error up
 to 32 bits and any other corruption with probability 1 - 2^-32 -- this guards against disks,
 copies and crashes, not adversaries. Each rank hashes the files IT wrote (DCP's
 ``__<rank>_<n>.distcp``) right after writing them, from the page cache, in parallel with the
@@ -26,6 +27,7 @@ import logging
 import mmap
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +41,51 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 
 
+CHUNK = 64 << 20   # files are hashed in 64 MiB chunks, in parallel threads (zlib.crc32 releases the GIL)
+
+
+def _chunk_crc(path: Path, start: int, length: int) -> int:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        try:
+            return zlib.crc32(view[start:start + length])
+        finally:
+            view.release()
+
+
+def _threads() -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def digests(paths: list[Path]) -> list[tuple[int, str]]:
+    """(size, checksum) of each file: the CRC-32 of each 64 MiB chunk, computed in parallel threads,
+    folded into one CRC-32 (of the chunk CRCs) -- a flip anywhere changes its chunk's CRC and so
+    the result. One chunk: the file's plain CRC-32."""
+    sizes = [Path(p).stat().st_size for p in paths]
+    tasks = [(i, start, min(CHUNK, size - start)) for i, size in enumerate(sizes) for start in range(0, size, CHUNK)]
+    if len(tasks) > 1:
+        with ThreadPoolExecutor(min(_threads(), len(tasks))) as pool:
+            crcs = list(pool.map(lambda t: _chunk_crc(Path(paths[t[0]]), t[1], t[2]), tasks))
+    else:
+        crcs = [_chunk_crc(Path(paths[t[0]]), t[1], t[2]) for t in tasks]
+    per_file: list[list[int]] = [[] for _ in paths]
+    for (i, _, _), crc in zip(tasks, crcs):
+        per_file[i].append(crc)
+    out = []
+    for size, parts in zip(sizes, per_file):
+        crc = parts[0] if len(parts) == 1 else zlib.crc32(b"".join(c.to_bytes(4, "little") for c in parts))
+        out.append((size, f"{crc if parts else 0:08x}"))
+    return out
+
+
 def digest(path: str | Path) -> tuple[int, str]:
-    """(size, CRC-32 as 8 hex digits) of one file, over a memory map (no copy)."""
-    path = Path(path)
-    size = path.stat().st_size
-    crc = 0
-    if size:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            crc = zlib.crc32(m)
-    return size, f"{crc:08x}"
+    """(size, checksum as 8 hex digits) of one file (see :func:`digests`)."""
+    return digests([Path(path)])[0]
 
 
 def entries(directory: str | Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name in names:
-        size, crc = digest(Path(directory) / name)
-        out[name] = {"size": size, "crc32": crc}
-    return out
+    found = digests([Path(directory) / n for n in names])
+    return {name: {"size": size, "crc32": crc} for name, (size, crc) in zip(names, found)}
 
 
 def rank_files(directory: str | Path, rank: int) -> list[str]:
@@ -74,7 +104,7 @@ def fingerprint(model: nn.Module) -> str:
 def write(directory: str | Path, files: dict[str, dict[str, Any]], **info) -> Path:
     """Write ``manifest.json`` atomically; ``info``: step, plan mesh, world, model fingerprint."""
     directory = Path(directory)
-    body = {"format": FORMAT, "hash": "crc32", **info, "files": dict(sorted(files.items()))}
+    body = {"format": FORMAT, "hash": f"crc32 of {CHUNK >> 20} MiB chunks", **info, "files": dict(sorted(files.items()))}
     tmp = directory / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(body, indent=1, sort_keys=True) + "\n")
