@@ -31,6 +31,7 @@ from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from autoplan.train.model import build_model, flops_per_token
 from autoplan.train.plan_source import plan_for
 from autoplan.train.progress import Progress
+from autoplan.train.quiet import quiet_known_warnings
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class Trainer:
         if self.step >= until:
             log.info("train: at step %d already, --steps %d: nothing to train", self.step, until)
             return result
+        quiet_known_warnings(self.rank)   # FSDP2's view-output warning: explained once, see quiet.py
         writer = MetricsWriter(cfg.metrics if self.rank == 0 else None, start_step=self.step)
         progress = Progress(cfg.progress, until, self.step, self.rank, cfg.log_every)
         self._clipper = GradClipper(self.runner, cfg.clip_grad_norm) if cfg.clip_grad_norm else None
