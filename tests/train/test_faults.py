@@ -133,3 +133,24 @@ def test_cli_wraps_base_exception_errors(monkeypatch, capsys):
     assert main(["train", "--model", "titan-llama-debug", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["autoplan train: error: CheckpointException: rank 0: RuntimeError: shard unreadable"], err
+
+
+def test_planning_probe_failures_become_a_note_not_tracebacks(capsys):
+    """torch logs each failed fake-tensor probe as an ERROR with a traceback; while planning they
+    are counted into the plan's notes instead (plan_source._ProbeFailures)."""
+    import logging
+
+    from autoplan.train.plan_source import _ProbeFailures
+
+    fake_log, probes = logging.getLogger("torch._subclasses.fake_tensor"), _ProbeFailures()
+    fake_log.addFilter(probes)
+    try:
+        try:
+            raise RuntimeError("Attempting to broadcast a dimension of length 16 at -1!")
+        except RuntimeError:
+            fake_log.exception("failed while attempting to run meta for %s", "aten.mul.Tensor")
+    finally:
+        fake_log.removeFilter(probes)
+    assert probes.count == 1 and "aten.mul.Tensor: RuntimeError: Attempting to broadcast" in probes.first
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
