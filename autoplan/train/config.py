@@ -66,8 +66,7 @@ class TrainConfig:
                                                                    if flag == "--steps" else ""))
         if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
             bad("--layers", self.layers, "must be an integer >= 1")
-        for flag, value, low in (("--lr", self.lr, 0.0), ("--min-lr", self.min_lr, -1.0),
-                                 ("--weight-decay", self.weight_decay, -1.0)):
+        for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr), ("--weight-decay", self.weight_decay)):
             if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
                 bad(flag, value, "must be a finite number " + ("> 0" if flag == "--lr" else ">= 0"))
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
