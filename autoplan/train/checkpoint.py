@@ -158,7 +158,9 @@ class PendingSave:
         self._entries: dict[str, Any] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._hash, args=(names,), name=f"hash-{final.name}", daemon=True)
-        if integrity:
+        if integrity and sum((tmp / n).stat().st_size for n in names) < manifest.CHUNK:
+            self._hash(names)   # a small share hashes in milliseconds: no window in which a crash loses it
+        elif integrity:
             self._thread.start()
 
     def _hash(self, names: list[str]) -> None:
@@ -170,13 +172,14 @@ class PendingSave:
     def poll(self) -> Path | None:
         """Finish if every rank's hashing is done (collective: one all-reduce), else None -- the
         training loop polls after each step, so a save blocks the loop only for its writes."""
-        done = torch.tensor(0.0 if self.integrity and self._thread.is_alive() else 1.0, device=_collective_device())
+        busy = self.integrity and self._thread.is_alive()
+        done = torch.tensor(0.0 if busy else 1.0, device=_collective_device())
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         return self.finish() if done.item() else None
 
     def finish(self) -> Path:
         """Wait for the hashing, gather every rank's entries, write the manifest, rename (collective)."""
-        if self.integrity:
+        if self.integrity and self._thread.ident is not None:
             self._thread.join()
         if self._error is not None:
             raise CheckpointError(f"checkpoint {self.tmp}: hashing its files failed: {self._error}") from self._error

@@ -209,6 +209,8 @@ class Trainer:
                     if pending is not None:
                         self._finished(pending, result, progress, wait=True)
                     pending = self.begin_save()
+                    if self._finished(pending, result, progress, wait=False):   # hashed already (small)
+                        pending = None
             if pending is not None:
                 self._finished(pending, result, progress, wait=True)
         finally:

@@ -54,7 +54,9 @@ def _chunk_crc(path: Path, start: int, length: int) -> int:
 
 
 def _threads() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """This rank's share of the host's cores (torchrun's LOCAL_WORLD_SIZE ranks hash at once), 1 to 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 
 def digests(paths: list[Path]) -> list[tuple[int, str]]:

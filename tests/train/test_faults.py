@@ -4,10 +4,10 @@ Checkpoints damaged in every way a cluster damages them -- a 16-byte flip at the
 and end of every file, a truncated or missing shard, garbage metadata, a torn train state, a step
 directory holding train_state.json alone -- must fail at resume with a CheckpointError naming the
 file, on every rank, before anything is loaded; ``latest`` and ``--resume auto`` fall back to the
-newest good checkpoint. The same launch command run again after a crash resumes (the metrics file
-keeps every step once: test_fault_restart.py); a finished run rerun does nothing; a diverging loss stops the run before it saves; clipping reports the same
-global gradient norm under every plan. The real-kill and self-restart runs under torchrun are in
-test_fault_restart.py.
+newest good checkpoint. A finished run's command run again does nothing, ``--resume never`` into
+a used directory is refused; a diverging loss stops the run before it saves; clipping reports the
+same global gradient norm under every plan; settings that mean nothing are refused up front. The
+real-kill rerun and self-restart runs under torchrun are in test_fault_restart.py.
 """
 from __future__ import annotations
 
