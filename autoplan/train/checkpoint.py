@@ -96,8 +96,9 @@ def latest(root: str | Path) -> Path | None:
     for _, path in step_dirs(root):
         try:
             manifest.verify(path)
-        except CheckpointCorruptError as e:
-            log.warning("checkpoint %s is not usable (%s: %s); trying an older one", path, e.file, e.reason)
+        except CheckpointCorruptError as e:   # every rank got the same verdict; rank 0 says it
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                log.warning("checkpoint %s is not usable (%s: %s); trying an older one", path, e.file, e.reason)
             continue
         return path
     return None
