@@ -360,6 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    """The first line of an error; for torch's CheckpointException (whose own first line lists only
+    rank numbers) the first failing rank's error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, pair = next(iter(failures.items()))
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        return f"rank {rank}: {type(inner).__name__}: {_one_line(inner)}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -370,10 +382,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, non-zero exit
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the CLI's contract: one line, non-zero exit; BaseException
+        # because torch's DCP CheckpointException derives from it, not from Exception
         if args.verbose:
             raise
-        print(f"autoplan {args.command}: error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        print(f"autoplan {args.command}: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -7,9 +7,12 @@ under tp=4, under pp=2 x tp=2 or on one device. Pipeline stages keep the origina
 (hyper_parallel's ``split_model`` registers each unit under its original path); a rank with
 several stages is presented to DCP as one module holding all its units (:func:`state_module`).
 
-A step directory holds the DCP files plus ``train_state.json`` (step, data position, settings)
-and ``rng.pt``; it is written under ``<name>.tmp`` and renamed when complete, so a crash mid-save
-never leaves a directory that looks loadable. Before anything is loaded every parameter name and
+A step directory holds the DCP files plus ``train_state.json`` (step, data position, settings),
+``rng.pt`` and, written last, ``manifest.json`` (every file's size and CRC-32: :mod:`.manifest`);
+it is written under ``<name>.tmp`` and renamed when complete, so a crash mid-save never leaves a
+directory that looks loadable, and a checkpoint is loaded only when its manifest verifies. A
+failure reading one -- a flipped byte, a truncated shard, garbage metadata, a broken train state
+-- is a CheckpointCorruptError naming the checkpoint and the file, on every rank. Before anything is loaded every parameter name and
 global shape is checked against the checkpoint's metadata on every rank, so a checkpoint of
 another model fails with :class:`CheckpointMismatchError` naming the first mismatching
 parameter and leaves the model and optimizer untouched.
@@ -21,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from autoplan.plan.held import held_module as state_module
-from autoplan.train.errors import CheckpointError, CheckpointMismatchError
+from autoplan.train import manifest
+from autoplan.train.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from hyper_parallel.core.dtensor.blocks import copy_back, dcp_mappable
+from hyper_parallel.platform import device_type
 
 log = logging.getLogger(__name__)
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -45,34 +52,135 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step}"
 
 
+def step_dirs(root: str | Path | None) -> list[tuple[int, Path]]:
+    """Every ``step-N`` directory under ``root``, newest first (complete or not; see :func:`latest`).
+    Rank 0's listing when a process group is up, so every rank walks the same list collectively."""
+    found: list[tuple[int, Path]] = []
+    if root and Path(root).is_dir():
+        found = sorted(((int(m.group(1)), p) for p in Path(root).iterdir()
+                        if (m := _STEP_DIR.match(p.name)) and p.is_dir()), reverse=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    return found
+
+
 def latest(root: str | Path) -> Path | None:
-    """The highest complete ``step-N`` directory under ``root`` (None when there is none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_DIR.match(p.name)) and (p / TRAIN_STATE).is_file()]
-    return max(found)[1] if found else None
+    """The newest ``step-N`` directory under ``root`` whose manifest verifies (None when none does);
+    newer ones that fail are skipped with a warning naming their first bad file. Collective when a
+    process group is up: every rank must call it, and every rank gets the same answer."""
+    for _, path in step_dirs(root):
+        try:
+            manifest.verify(path)
+        except CheckpointCorruptError as e:   # every rank got the same verdict; rank 0 says it
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                log.warning("checkpoint %s is not usable (%s: %s); trying an older one", path, e.file, e.reason)
+            continue
+        return path
+    return None
 
 
 def resolve(resume: str, root: str | Path | None) -> Path:
-    """``resume``: ``latest`` (under ``root``) or a step directory."""
+    """``resume``: ``latest`` (the newest verified under ``root``) or a step directory (verified
+    when loaded). Collective for ``latest``."""
     if resume == "latest":
         if root is None:
             raise CheckpointError("train: --resume latest needs --checkpoint-dir")
         path = latest(root)
         if path is None:
-            raise CheckpointError(f"train: --resume latest: no complete step-N checkpoint under {root}")
+            raise CheckpointError(f"train: --resume latest: no verified step-N checkpoint under {root} "
+                                  f"({len(step_dirs(root))} step directories)")
         return path
     path = Path(resume)
-    if not (path / TRAIN_STATE).is_file():
-        raise CheckpointError(f"train: --resume {resume!r}: not a complete checkpoint directory "
-                              f"(no {TRAIN_STATE}); give a step-N directory or 'latest'")
+    if not path.is_dir():
+        raise CheckpointError(f"train: --resume {resume!r}: no such checkpoint directory; give a step-N "
+                              "directory, 'latest', 'auto' or 'never'")
     return path
 
 
-def save(runner, root: str | Path, step: int, train_state: dict[str, Any]) -> Path:
-    """Write this step's checkpoint (collective: every rank calls it)."""
+def _move_aside(final: Path) -> Path:
+    """Rename a step directory out of the way instead of deleting it (a save never destroys data)."""
+    k = 1
+    while (aside := final.with_name(f"{final.name}.replaced-{k}")).exists():
+        k += 1
+    os.replace(final, aside)
+    log.warning("checkpoint: %s existed (not verified or from an earlier attempt); moved to %s", final, aside)
+    return aside
+
+
+def _collective_device() -> torch.device:
+    """Where a tensor for a collective on the default group lives (nccl/hccl need the accelerator)."""
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    dev = device_type()
+    return torch.device(dev, getattr(torch, dev).current_device())
+
+
+class PendingSave:
+    """A checkpoint whose files are written (under ``step-N.tmp``) while this rank's manifest
+    entries are computed in a background thread; :meth:`finish` (collective) gathers them, writes
+    the manifest and renames the directory into place.
+
+    Why a thread: CRC-32 runs at ~2 GB/s a core, DCP writes ~0.7 GB/s here, so hashing after the
+    write adds ~30 % to a save (benchmarks/checkpoint_integrity.md); the training loop instead
+    polls after each following step and finishes the save once every rank's hashing is done, so
+    the hashing overlaps training (on an accelerator the CPU is idle then). A crash before
+    ``finish`` leaves only the ``.tmp`` directory, which nothing loads: the run resumes from the
+    checkpoint before, which is why the window is kept to the few steps hashing takes."""
+
+    def __init__(self, tmp: Path, final: Path, step: int, info: dict[str, Any], integrity: bool):
+        self.tmp, self.final, self.step, self.info, self.integrity = tmp, final, step, info, integrity
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        names = manifest.rank_files(tmp, self.rank) + (([".metadata", "rng.pt", TRAIN_STATE]) if self.rank == 0 else [])
+        self._entries: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._hash, args=(names,), name=f"hash-{final.name}", daemon=True)
+        if integrity and sum((tmp / n).stat().st_size for n in names) < manifest.CHUNK:
+            self._hash(names)   # a small share hashes in milliseconds: no window in which a crash loses it
+        elif integrity:
+            self._thread.start()
+
+    def _hash(self, names: list[str]) -> None:
+        try:
+            self._entries = manifest.entries(self.tmp, names)
+        except BaseException as e:  # noqa: BLE001 - re-raised by finish() in the caller's thread
+            self._error = e
+
+    def poll(self) -> Path | None:
+        """Finish if every rank's hashing is done (collective: one all-reduce), else None -- the
+        training loop polls after each step, so a save blocks the loop only for its writes."""
+        busy = self.integrity and self._thread.is_alive()
+        done = torch.tensor(0.0 if busy else 1.0, device=_collective_device())
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self.finish() if done.item() else None
+
+    def finish(self) -> Path:
+        """Wait for the hashing, gather every rank's entries, write the manifest, rename (collective)."""
+        if self.integrity and self._thread.ident is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(f"checkpoint {self.tmp}: hashing its files failed: {self._error}") from self._error
+        parts: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(self._entries, parts, dst=0)
+        if self.rank == 0:
+            if self.integrity:
+                manifest.write(self.tmp, {k: v for part in parts for k, v in part.items()}, step=self.step, **self.info)
+            if self.final.exists():
+                _move_aside(self.final)
+            os.replace(self.tmp, self.final)
+        dist.barrier()
+        log.debug("checkpoint step %d -> %s", self.step, self.final)
+        return self.final
+
+
+def begin_save(runner, root: str | Path, step: int, train_state: dict[str, Any], info: dict[str, Any] | None = None,
+               integrity: bool = True) -> PendingSave:
+    """Write this step's checkpoint files (collective: every rank calls it) and start hashing them;
+    ``.finish()`` completes it. Each rank hashes the DCP files it wrote; rank 0 also writes and
+    hashes ``rng.pt`` and ``train_state.json`` and, at finish, the manifest (``info``: plan mesh,
+    world, model fingerprint). ``integrity=False`` skips the manifest -- only to measure its cost
+    (the result is not loadable)."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
@@ -81,15 +189,18 @@ def save(runner, root: str | Path, step: int, train_state: dict[str, Any]) -> Pa
         tmp.mkdir(parents=True)
     dist.barrier()
     msd, osd = get_state_dict(state_module(runner), runner.optimizer, options=OPTIONS)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    # packed projections' strided shards are written as plain ones (DCP: "overlapping chunks")
+    dcp.save({"model": dcp_mappable(msd)[0], "optim": dcp_mappable(osd)[0]}, checkpoint_id=str(tmp))
     if rank == 0:
         torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
         (tmp / TRAIN_STATE).write_text(json.dumps(dict(train_state, step=step), indent=1, sort_keys=True) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    dist.barrier()
-    log.debug("checkpoint step %d -> %s", step, final)
-    return final
+    return PendingSave(tmp, final, step, dict(info or {}), integrity)
+
+
+def save(runner, root: str | Path, step: int, train_state: dict[str, Any], info: dict[str, Any] | None = None,
+         integrity: bool = True) -> Path:
+    """Write this step's checkpoint and wait for its manifest (collective): :func:`begin_save` + finish."""
+    return begin_save(runner, root, step, train_state, info, integrity).finish()
 
 
 def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -124,27 +235,68 @@ def check_compatible(model: nn.Module, path: str | Path) -> None:
             tuple(saved[extra[0]].size) if isinstance(saved[extra[0]], TensorStorageMetadata) else None)
 
 
+def _train_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((path / TRAIN_STATE).read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no integer 'step'")
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"checkpoint {path}: file {TRAIN_STATE}: unreadable ({e})", path, TRAIN_STATE,
+                                     "unreadable") from None
+    return state
+
+
+def _wrapped(path: Path, file: str, what: str, fn):
+    """Run ``fn``; a failure inside torch (DCP's CheckpointException derives from BaseException)
+    becomes CheckpointCorruptError naming the checkpoint and the file."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        failures = getattr(e, "failures", None)   # CheckpointException: {rank: (error, traceback)}
+        inner = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
+        named = re.search(r"__\d+_\d+\.distcp", str(inner))
+        file = named.group(0) if named else file
+        raise CheckpointCorruptError(f"checkpoint {path}: {what} failed on {file}: {type(inner).__name__}: {first}",
+                                     path, file, f"{type(inner).__name__}: {first}") from None
+
+
 def load(runner, model: nn.Module, path: str | Path) -> dict[str, Any]:
     """Load parameters, optimizer state and RNG from ``path`` into this rank's share, resharded
-    to the current plan; returns the saved train state (step, data position, ...)."""
+    to the current plan; returns the saved train state (step, data position, ...).
+
+    Collective. Before anything is loaded: the manifest verifies every file (every rank gets the
+    same CheckpointCorruptError naming the first bad one), the train state parses, and every
+    parameter name and global shape matches (CheckpointMismatchError)."""
     path = Path(path)
-    check_compatible(model, path)
+    body = manifest.verify(path)
+    state = _train_state(path)
+    if body.get("model") and body["model"] != manifest.fingerprint(model):
+        log.debug("checkpoint %s: model fingerprint %s differs from this model's", path, body["model"])
+    _wrapped(path, ".metadata", "reading the metadata", lambda: check_compatible(model, path))
     module = state_module(runner)
     msd, osd = get_state_dict(module, runner.optimizer, options=OPTIONS)
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = _wrapped(path, ".metadata", "reading the metadata",
+                    lambda: dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     missing = [k for k in osd if f"optim.{k}" not in meta]
     if missing:
         raise CheckpointMismatchError(
             f"checkpoint {path}: optimizer entry {missing[0]!r} is not in the checkpoint ({len(missing)} "
             "missing); was it written with another optimizer?", missing[0])
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(module, runner.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=OPTIONS)
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    rng = _wrapped(path, "rng.pt", "reading the RNG state", lambda: torch.load(path / "rng.pt", weights_only=True))
+    (m_plain, m_back), (o_plain, o_back) = dcp_mappable(msd), dcp_mappable(osd)
+    holder = {"model": m_plain, "optim": o_plain}
+    _wrapped(path, "__*.distcp", "loading the tensors", lambda: dcp.load(holder, checkpoint_id=str(path)))
+    copy_back(holder["model"], m_back)   # into the packed projections' strided shards
+    copy_back(holder["optim"], o_back)
+    set_state_dict(module, runner.optimizer, model_state_dict=msd, optim_state_dict=osd, options=OPTIONS)
     torch.set_rng_state(rng["cpu"])
-    log.info("resumed from %s", path)
-    return json.loads((path / TRAIN_STATE).read_text())
+    log.info("resumed from %s (step %d, verified)", path, state["step"])
+    return state
 
 
 def gathered_state(runner) -> dict[str, Any]:

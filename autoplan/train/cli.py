@@ -54,16 +54,21 @@ def config_from_args(args) -> TrainConfig:
         min_lr=args.min_lr, warmup=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
         betas=betas, mixed_precision=args.mixed_precision, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, metrics=args.metrics,
-        log_every=args.log_every, progress=args.progress, init=args.init, export_hf=args.export_hf)
+        log_every=args.log_every, progress=args.progress, overwrite=args.overwrite, max_loss=args.max_loss,
+        clip_grad_norm=args.clip_grad_norm, init=args.init, export_hf=args.export_hf)
 
 
 def _cmd_train(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("autoplan.train").setLevel(logging.INFO)
-    result = train(config_from_args(args))
+    cfg = config_from_args(args)
+    cfg.check()  # a meaningless setting fails before the process group, the plan or the model
+    result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0 and result.rows:
         first, last = result.rows[0]["loss"], result.rows[-1]["loss"]
         print(f"trained steps {result.start_step}..{result.step}: loss {first:.5f} -> {last:.5f}")
+    elif int(os.environ.get("RANK", "0")) == 0:
+        print(f"nothing to train: the run is at step {result.step} already (--steps {cfg.steps})")
     return 0
 
 
@@ -125,7 +130,16 @@ def register(sub) -> None:
     t.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "fp32"))
     t.add_argument("--checkpoint-dir", default=None)
     t.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
-    t.add_argument("--resume", default=None, help="'latest' (in --checkpoint-dir) or a step-N directory")
+    t.add_argument("--resume", default=None,
+                   help="auto (default with --checkpoint-dir: the newest verified checkpoint there, else start "
+                        "fresh), latest (it must exist), never, or a step-N directory")
+    t.add_argument("--overwrite", action="store_true",
+                   help="allow starting fresh (or from an older step) into a --checkpoint-dir holding newer "
+                        "checkpoints: they are deleted")
+    t.add_argument("--max-loss", type=float, default=None,
+                   help="stop with DivergenceError when the loss exceeds this (a non-finite loss always stops)")
+    t.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip the global gradient norm to this; the norm goes into the metrics as grad_norm")
     t.add_argument("--metrics", default=None, help="metrics file on rank 0: .csv, .jsonl or .json")
     t.add_argument("--log-every", type=int, default=1)
     t.add_argument("--progress", default="auto", choices=("auto", "rich", "log", "none"))

@@ -5,8 +5,11 @@ program, and a checkpoint can record the settings it was written with.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from autoplan.train.errors import TrainConfigError
 
 
 @dataclass
@@ -39,7 +42,7 @@ class TrainConfig:
     # checkpoints and output
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0        # 0: only at the end when checkpoint_dir is set
-    resume: str | None = None        # "latest" (in checkpoint_dir) or a step directory
+    resume: str | None = None        # auto (default with checkpoint_dir) | latest | never | a step directory
     metrics: str | None = None       # .csv, .json or .jsonl on rank 0
     log_every: int = 1
     progress: str = "auto"           # auto (rich on a TTY, log lines otherwise) | rich | log | none
@@ -47,6 +50,40 @@ class TrainConfig:
     # otherwise; "pretrained" requires them; "random" initialises from seed even when they exist
     init: str = "auto"
     export_hf: str | None = None     # after training: write the weights as a Hugging Face directory
+
+    # faults (restart.py, guard.py)
+    overwrite: bool = False          # allow deleting checkpoints beyond the start step (fresh start into a used dir)
+    max_loss: float | None = None    # stop (DivergenceError) when the loss exceeds this; non-finite always stops
+    clip_grad_norm: float | None = None  # clip the global gradient norm to this; reported as grad_norm
+
+    def check(self) -> None:
+        """Reject settings that cannot mean anything (TrainConfigError naming the flag, the value and
+        what is valid) -- before a process group, a model or a checkpoint is touched."""
+        def bad(flag: str, value, valid: str):
+            raise TrainConfigError(f"train: {flag} {value!r}: {valid}")
+
+        for flag, value, low in (("--steps", self.steps, 1), ("--batch", self.batch, 1), ("--seq", self.seq, 1),
+                                 ("--log-every", self.log_every, 1), ("--warmup", self.warmup, 0),
+                                 ("--checkpoint-every", self.checkpoint_every, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                bad(flag, value, f"must be an integer >= {low}" + (" (nothing would be trained)"
+                                                                   if flag == "--steps" else ""))
+        if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
+            bad("--layers", self.layers, "must be an integer >= 1")
+        for flag, value in (("--lr", self.lr), ("--min-lr", self.min_lr), ("--weight-decay", self.weight_decay)):
+            if not math.isfinite(value) or value < 0 or (flag == "--lr" and value == 0):
+                bad(flag, value, "must be a finite number " + ("> 0" if flag == "--lr" else ">= 0"))
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad("--betas", ",".join(map(str, self.betas)), "expected two numbers in [0, 1), e.g. 0.9,0.95")
+        for flag, value in (("--max-loss", self.max_loss), ("--clip-grad-norm", self.clip_grad_norm)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                bad(flag, value, "must be a finite number > 0 (leave it out to disable)")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            bad("--checkpoint-every", self.checkpoint_every, "saves nothing without --checkpoint-dir")
+        if self.resume in ("auto", "latest") and not self.checkpoint_dir:
+            bad("--resume", self.resume, "needs --checkpoint-dir (or give a step-N directory)")
+        if self.overwrite and not self.checkpoint_dir:
+            bad("--overwrite", True, "only means something with --checkpoint-dir")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -24,7 +24,10 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     dev = device_type()
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        if "RANK" in os.environ:   # torchrun (or a launcher like it) set the rendezvous
+        if _restarted_under_agent_store():
+            dist.init_process_group(backend_for(dev), store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        elif "RANK" in os.environ:   # torchrun (or a launcher like it) set the rendezvous
             dist.init_process_group(backend_for(dev), timeout=timeout)
         else:   # a world of one, without writing the rendezvous into the caller's environment
             dist.init_process_group(backend_for(dev), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
@@ -34,6 +37,25 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     getattr(torch, dev).set_device(local)
     return torch.device(dev, local)
+
+
+def _restarted_under_agent_store() -> bool:
+    return ("RANK" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+
+
+def _attempt_store(timeout: timedelta):
+    """The torchrun agent's store under a prefix of this restart attempt.
+
+    Why: torchrun (2.13) restarts workers against the same agent TCPStore without a per-attempt
+    prefix (torch/distributed/rendezvous.py: "We create a new TCPStore for every retry so no need
+    to add prefix" -- but the server is the agent's and keeps the dead attempt's keys). gloo then
+    reads the dead ranks' addresses and fails with "Gloo connectFullMesh failed ... Connection
+    refused" (measured: --max-restarts 1, 4 gloo ranks, one killed). A prefix per attempt gives
+    every attempt fresh keys, so ``torchrun --max-restarts N`` restarts a job by itself."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"autoplan/attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def plan_mesh(plan, device: torch.device):

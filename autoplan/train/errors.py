@@ -29,3 +29,29 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     def __init__(self, message: str, name: str, expected=None, found=None):
         super().__init__(message)
         self.name, self.expected, self.found = name, expected, found
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint whose files do not match its manifest (or that has none): a flipped byte, a
+    truncated or missing shard, garbage metadata. Raised on every rank before anything is loaded.
+
+    ``path`` is the step directory, ``file`` the first bad file in it (None: the directory itself)
+    and ``reason`` what is wrong with it."""
+
+    def __init__(self, message: str, path=None, file: str | None = None, reason: str = ""):
+        super().__init__(message)
+        self.path, self.file, self.reason = path, file, reason
+
+
+class CheckpointConflictError(CheckpointError):
+    """A run that would overwrite or drop checkpoints it did not write (a fresh start, or a resume
+    from an older step, into a directory holding newer ones) without ``--overwrite``."""
+
+
+class DivergenceError(TrainError):
+    """The loss became non-finite or exceeded ``--max-loss``: the run stops at ``step`` before
+    saving it, so the last checkpoint stays the last good one."""
+
+    def __init__(self, message: str, step: int, loss: float):
+        super().__init__(message)
+        self.step, self.loss = step, loss

@@ -24,15 +24,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoplan.train import checkpoint
+from autoplan.train import checkpoint, manifest, restart
 from autoplan.train.config import TrainConfig
 from autoplan.train.data import token_stream
 from autoplan.train.env import device_type, init_distributed, plan_mesh
-from autoplan.train.errors import TrainConfigError
+from autoplan.train.errors import DivergenceError, TrainConfigError
+from autoplan.train.guard import GradClipper, check_loss
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from autoplan.train.model import build_model, flops_per_token, pretrained_weights
 from autoplan.train.plan_source import plan_for
 from autoplan.train.progress import Progress
+from autoplan.train.quiet import quiet_known_warnings
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class Trainer:
         if cfg.mixed_precision not in ("auto", "bf16", "fp32"):
             raise TrainConfigError(f"train: --mixed-precision {cfg.mixed_precision!r}: use auto, bf16 or fp32")
         lr_at(cfg, 0)  # a bad schedule name fails before any work
+        cfg.check()    # so does a meaningless setting (--steps 0, --checkpoint-every without a directory)
         self.cfg = cfg
         if plan is None and not dist.is_initialized():  # plan while nothing else runs; same plan after (plan_source)
             plan = plan_for(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.device(device_type()))
@@ -90,7 +93,8 @@ class Trainer:
         self.runner = self.plan.apply(self.model, self.mesh, optimizer=self._optimizer)
         if not hasattr(self.runner, "stages"):  # FSDP/TP replaced the parameters: optimizer over the new ones
             self.runner.optimizer = self._optimizer(self.model.parameters())
-        if weights is not None and not cfg.resume:
+        start = restart.start_point(cfg)  # --resume auto|latest|never|PATH, collective
+        if weights is not None and start is None:
             self.runner.load_pretrained(weights, seed=cfg.seed)
         else:   # a resume overwrites every parameter: the init only gives them memory (and buffers values)
             self.runner.materialize(seed=cfg.seed)
@@ -100,8 +104,8 @@ class Trainer:
         self.data = token_stream(cfg.data, batch=cfg.batch, seq=cfg.seq, vocab=_vocab(self.model), seed=cfg.seed,
                                  tokenizer=cfg.tokenizer, token_dtype=cfg.token_dtype)
         self.step = 0
-        if cfg.resume:
-            self.resume(checkpoint.resolve(cfg.resume, cfg.checkpoint_dir))
+        if start is not None:
+            self.resume(start)
 
     def _check_batch(self) -> None:
         """The global batch must split over dp and into the plan's micro-batches (a pipeline's, or
@@ -130,10 +134,16 @@ class Trainer:
         self.step = int(state["step"])
         self.data.restore(state["data"])
 
-    def save(self) -> str:
+    def save(self, integrity: bool = True) -> str:
+        """Save this step and wait for the manifest (collective)."""
+        return str(self.begin_save(integrity).finish())
+
+    def begin_save(self, integrity: bool = True) -> checkpoint.PendingSave:
+        """Write this step's files; the manifest is hashed in the background until ``.finish()``."""
         state = {"data": self.data.state(), "config": self.cfg.to_dict(), "plan_mesh": self.plan.mesh,
                  "world": self.world}
-        return str(checkpoint.save(self.runner, self.cfg.checkpoint_dir, self.step, state))
+        info = {"plan_mesh": self.plan.mesh, "world": self.world, "model": manifest.fingerprint(self.model)}
+        return checkpoint.begin_save(self.runner, self.cfg.checkpoint_dir, self.step, state, info, integrity)
 
     def gathered_state(self) -> dict[str, Any]:
         """Full parameters and optimizer state by FQN (collective); for checks on small models."""
@@ -162,38 +172,73 @@ class Trainer:
         self.step += 1
         tps = self.cfg.batch * self.cfg.seq / step_s
         mem, kind = memory_gib(self.device)
-        return {"step": self.step, "loss": self._global_loss(loss), "lr": lr, "step_s": step_s,
-                "tokens_per_s": tps,
-                "mfu": tps * self.flops_per_token / (self.world * self.peak) if self.peak else None,
-                "memory_gib": mem, "memory_kind": kind}
+        row = {"step": self.step, "loss": self._global_loss(loss), "lr": lr, "step_s": step_s,
+               "tokens_per_s": tps,
+               "mfu": tps * self.flops_per_token / (self.world * self.peak) if self.peak else None,
+               "memory_gib": mem, "memory_kind": kind}
+        if getattr(self, "_clipper", None) is not None:
+            row["grad_norm"] = self._clipper.last_norm
+        return row
 
     def fit(self, until: int | None = None) -> TrainResult:
         """Train up to step ``until`` (default ``cfg.steps``), saving every ``checkpoint_every``."""
         cfg = self.cfg
         until = cfg.steps if until is None else until
         result = TrainResult(start_step=self.step, step=self.step)
-        writer = MetricsWriter(cfg.metrics if self.rank == 0 else None, append=self.step > 0)
+        if self.step >= until:
+            log.info("train: at step %d already, --steps %d: nothing to train", self.step, until)
+            return result
+        quiet_known_warnings(self.rank)   # FSDP2's view-output warning: explained once, see quiet.py
+        writer = MetricsWriter(cfg.metrics if self.rank == 0 else None, start_step=self.step)
         progress = Progress(cfg.progress, until, self.step, self.rank, cfg.log_every)
+        self._clipper = GradClipper(self.runner, cfg.clip_grad_norm) if cfg.clip_grad_norm else None
         progress.note(f"training {cfg.model} steps {self.step}..{until} on mesh "
                       f"{dict(zip(self.plan.mesh['names'], self.plan.mesh['shape']))}"
                       f"{' (pipeline ' + self.plan.pipeline['schedule'] + ')' if self._pipelined else ''}")
+        pending = None   # the last save, hashed in the background while the next step runs
         try:
             while self.step < until:
                 row = self.train_step()
+                if pending is not None and self._finished(pending, result, progress, wait=False):
+                    pending = None
                 row["last"] = self.step == until
                 progress.update(row)
                 row.pop("last")
                 writer.write(row)
                 result.rows.append(row)
+                try:
+                    check_loss(row["loss"], self.step, cfg.max_loss, self.device)  # before this step is saved
+                except DivergenceError:
+                    if pending is not None:   # the last good checkpoint is complete before the run stops
+                        self._finished(pending, result, progress, wait=True)
+                    raise
                 due = cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0
                 if cfg.checkpoint_dir and (due or self.step == until):
-                    result.checkpoints.append(self.save())
-                    progress.note(f"checkpoint step {self.step} -> {result.checkpoints[-1]}")
+                    if pending is not None:
+                        self._finished(pending, result, progress, wait=True)
+                    pending = self.begin_save()
+                    if self._finished(pending, result, progress, wait=False):   # hashed already (small)
+                        pending = None
+            if pending is not None:
+                self._finished(pending, result, progress, wait=True)
         finally:
             progress.close()
             writer.close()
+            if self._clipper is not None:
+                self._clipper.remove()
+                self._clipper = None
         result.step = self.step
         return result
+
+    @staticmethod
+    def _finished(pending: checkpoint.PendingSave, result: TrainResult, progress: Progress, wait: bool) -> bool:
+        """Complete a background save: ``wait`` for it, or only if every rank's hashing is done."""
+        path = pending.finish() if wait else pending.poll()
+        if path is None:
+            return False
+        result.checkpoints.append(str(path))
+        progress.note(f"checkpoint step {pending.step} -> {path}")
+        return True
 
     @property
     def _pipelined(self) -> bool:

@@ -52,13 +52,42 @@ def _check_ranks_agree(plan: Plan) -> None:
             f"`autoplan plan` and pass --plan plan.json to every rank")
 
 
+class _ProbeFailures(logging.Filter):
+    """Swallows torch's fake-tensor ERROR records (each a full traceback) while the planner probes
+    layouts: a probe that fails is how the planner learns a sharding cannot work (e.g. OLMo-2's
+    q/k norm over tensor-parallel heads printed ~300 traceback lines on rank 0). They are
+    counted into the plan's notes and logged at debug level, one line each."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.first = 0, None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        line = f"{record.getMessage().splitlines()[0]}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}" \
+            if exc is not None else record.getMessage().splitlines()[0]
+        self.count += 1
+        self.first = self.first or line
+        log.debug("planning probe failed under fake tensors (expected): %s", line)
+        return False
+
+
 def _plan(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
     hardware = cfg.hardware or ("cpu" if device.type == "cpu" else "h100_sxm")
     meta = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device="meta")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    plan = plan_cluster(meta, world, hardware=hardware, batch=(cfg.batch, cfg.seq), devices_per_node=per_node,
-                        constraints=dict(cfg.constraints), allow_replicated_units=not cfg.shard_all,
-                        dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    probes = _ProbeFailures()
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addFilter(probes)
+    try:
+        plan = plan_cluster(meta, world, hardware=hardware, batch=(cfg.batch, cfg.seq), devices_per_node=per_node,
+                            constraints=dict(cfg.constraints), allow_replicated_units=not cfg.shard_all,
+                            dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    finally:
+        fake_log.removeFilter(probes)
+    if probes.count:
+        plan.notes.append(f"planning: {probes.count} layout probe(s) failed under fake tensors, as expected for a "
+                          f"sharding the model's shapes cannot take (first: {probes.first})")
     plan.model["source"] = cfg.model
     if cfg.layers:
         plan.model["layers_override"] = cfg.layers

@@ -165,3 +165,14 @@ def test_mismatching_checkpoints_are_refused_before_training(checkpoints, pool4)
     with pytest.raises(PretrainedWeightsError):   # the same check in this process, no ranks
         from autoplan.plan.pretrained import read_headers
         read_headers(truncated)
+
+
+def test_packed_projections_checkpoint_and_resume_across_plans(checkpoints, pool4):
+    """Phi-3's packed qkv/gate_up shards are strided: a training checkpoint of them must save (DCP
+    refused "overlapping chunks") and resume under another plan to exactly the saved state."""
+    d, plans = checkpoints
+    order = [str(plans["phi3_fp32", p]) for p in ("tp4", "dp2tp2", "pp2tp2")]
+    res = pool4.run(weights_workers.packed_resume, str(d / "phi3_fp32"), order, str(d / "phi3_ckpt"))[0]
+    for plan in order[1:]:
+        assert res[plan]["step"] == 2
+        assert differences(res["saved"], res[plan]["state"]) == [], plan

@@ -52,3 +52,18 @@ def refused_checkpoints(dirs: dict[str, tuple[str, str]]) -> dict[str, dict]:
             out[case] = {"error": type(e).__name__, "name": e.name, "expected": e.expected, "found": e.found,
                          "file": e.file, "message": str(e)}
     return out
+
+
+def packed_resume(model: str, plans: list[str], root: str) -> dict:
+    """Train 2 steps under ``plans[0]`` saving a checkpoint, then resume it under each other plan:
+    the gathered state right after each resume (a packed projection's strided shards included)."""
+    from autoplan.train import TrainConfig, Trainer
+
+    base = dict(model=model, batch=8, seq=16, lr=1e-3, progress="none", checkpoint_dir=root)
+    first = Trainer(TrainConfig(plan=plans[0], steps=2, **base))
+    first.fit()
+    out = {"saved": first.gathered_state()}
+    for plan in plans[1:]:
+        tr = Trainer(TrainConfig(plan=plan, steps=3, **base))
+        out[plan] = {"step": tr.step, "state": tr.gathered_state()}
+    return out
