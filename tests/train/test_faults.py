@@ -12,7 +12,6 @@ real-kill rerun and self-restart runs under torchrun are in test_fault_restart.p
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 import torch
