@@ -120,26 +120,11 @@ def test_cp_plans_verify_fsdp_over_cp_and_replicated_dp_cp():
         assert (plan.fsdp["enabled"], dim) in {(True, "cp"), (False, "dp_cp")}
 
 
-@pytest.fixture
-def gloo_link(monkeypatch):
-    """The ``cpu`` profile with its links pinned to a gloo loopback as calibration measures it on
-    this machine kind (1 ms per message): the measured host profile keeps guessed links (50 us)
-    until a calibration in the same cache replaces them, so the variant picked at 64 tokens
-    depended on which tests had run before."""
-    from cost_models.hardware import catalog
-    from cost_models.hardware.host import measure_host
-    from cost_models.hardware.profile import Link
-
-    link = Link(name="loopback_gloo", bandwidth=2e9, latency=1e-3)
-    pinned = measure_host().with_overrides(intra_node=link, inter_node=link)
-    monkeypatch.setattr(catalog, "measure_host", lambda force=False: pinned)
-
-
 @pytest.mark.parametrize("hardware,shape,variant", [("h100_sxm", (8, 4, 2), "ring"), ("cpu", (4, 4, 4), "allgather")])
-def test_cp_plans_verify_exactly_at_world_64(hardware, shape, variant, gloo_link):
+def test_cp_plans_verify_exactly_at_world_64(hardware, shape, variant):
     """Llama-3-8B's shape at world 64: the ring at 8K tokens on H100s (exchange hidden behind
     attention), the all-gather on the cpu profile over gloo at 64 tokens (latency-bound: fewer
-    messages win)."""
+    messages win; the suite's cpu profile is pinned in tests/conftest.py)."""
     model = repo_llama_8b(2)
     batch = (shape[0], 8192) if hardware != "cpu" else (shape[0], 64)
     plan = autoplan(model, MeshSpec(shape, ("dp", "cp", "tp"), hardware), batch=batch)
