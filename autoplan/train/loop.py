@@ -96,8 +96,11 @@ class Trainer:
         start = restart.start_point(cfg)  # --resume auto|latest|never|PATH, collective
         if weights is not None and start is None:
             self.runner.load_pretrained(weights, seed=cfg.seed)
+            log.info("weights: loaded from %s (each rank read its slices)", weights)
         else:   # a resume overwrites every parameter: the init only gives them memory (and buffers values)
             self.runner.materialize(seed=cfg.seed)
+            if start is None:
+                log.info("weights: initialised from seed %d (the same under every plan)", cfg.seed)
         self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type != "cpu")
         self.peak = peak_flops(self.plan.mesh.get("hardware"), torch.bfloat16 if self.bf16 else torch.float32) \
             if self.rank == 0 else None  # rank 0 reports
