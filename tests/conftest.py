@@ -34,7 +34,7 @@ def _pin_cpu_profile() -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="autoplan-test-cache-"))
     os.environ["AUTOPLAN_CACHE_DIR"] = str(root)
-    os.environ["AUTOPLAN_TESTS_CACHE_PINNED"] = "1"
+    os.environ["AUTOPLAN_TESTS_CACHE_PINNED"] = str(os.getpid())   # the process that removes it at the end
     (cache_dir() / "hardware").mkdir(parents=True, exist_ok=True)
     stem = host_key().rsplit("-t", 1)[0]
     for threads in range(1, max(16, os.cpu_count() or 1) + 1):   # host_key names the thread count
@@ -69,3 +69,5 @@ def pytest_sessionfinish(session, exitstatus):
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+    if os.environ.get("AUTOPLAN_TESTS_CACHE_PINNED") == str(os.getpid()):
+        shutil.rmtree(os.environ["AUTOPLAN_CACHE_DIR"], ignore_errors=True)
