@@ -37,3 +37,9 @@ def device_module(device: str | None = None):
     """torch.cuda / torch.npu / None for cpu: the per-device runtime module."""
     device = device or device_type()
     return getattr(torch, device, None) if device != "cpu" else None
+
+
+def current_device(device: str | None = None) -> torch.device:
+    """This process's device of type ``device``: the cpu, or the accelerator's current index."""
+    module = device_module(device)
+    return torch.device(device or device_type(), module.current_device()) if module is not None else torch.device("cpu")

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.errors import InvalidArgumentError
 from autoplan.plan.held import held_module
 from autoplan.plan.pretrained import INDEX
+from autoplan.plan.safetensors_slices import SafetensorsFile
 from autoplan.plan.weights import ModelInit
 from hyper_parallel.core.dtensor.blocks import as_plain_shards, holds_one_block
 from hyper_parallel.core.materialize import named_tensors
@@ -74,8 +75,6 @@ def export_hf(runner, out: str | Path, *, dtype: torch.dtype | None = None) -> P
 
 def _name_like_save_pretrained(folder: Path) -> None:
     """One file becomes ``model.safetensors``; several get an index, as save_pretrained writes them."""
-    from safetensors import safe_open
-
     (folder / INDEX).unlink(missing_ok=True)   # the consolidation's own index names its part files
     files = sorted(folder.glob("*.safetensors"))
     if len(files) == 1:
@@ -85,7 +84,7 @@ def _name_like_save_pretrained(folder: Path) -> None:
     total = 0
     for f in files:
         total += f.stat().st_size
-        with safe_open(str(f), framework="pt") as h:
-            weight_map.update({k: f.name for k in h.keys()})
+        with SafetensorsFile(str(f)) as h:
+            weight_map.update({k: f.name for k in h.tensors()})
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
                                            indent=2) + "\n")

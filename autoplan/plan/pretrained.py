@@ -52,9 +52,6 @@ def has_weights(path: str | Path) -> bool:
 def read_headers(path: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, str]]:
     """Every tensor of the safetensors files in ``path``: name -> (shape, dtype, file), read from
     the headers alone. Unreadable, truncated or missing files raise PretrainedWeightsError."""
-    from safetensors import safe_open
-    from safetensors.torch import _getdtype
-
     path = Path(path)
     if not path.is_dir():
         raise PretrainedWeightsError(f"pretrained weights {str(path)!r}: not a directory; give a directory written "
@@ -75,18 +72,16 @@ def read_headers(path: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dty
     out: dict[str, tuple[tuple[int, ...], torch.dtype, str]] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
-                    sl = h.get_slice(key)
-                    if key in out:
-                        raise PretrainedWeightsError(f"pretrained weights {path}: {key!r} is in both {out[key][2]} and "
-                                                     f"{f.name}", name=key, file=f.name)
-                    out[key] = (tuple(sl.get_shape()), _getdtype(sl.get_dtype()), f.name)
-        except PretrainedWeightsError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for bad headers / truncation
+            with SafetensorsFile(str(f)) as h:
+                tensors = h.tensors()
+        except (OSError, ValueError, KeyError, TypeError) as e:   # a bad or truncated header
             raise PretrainedWeightsError(f"pretrained weights {path}: {f.name} is unreadable or truncated "
                                          f"({type(e).__name__}: {e})", file=f.name) from None
+        for key, (shape, dtype) in tensors.items():
+            if key in out:
+                raise PretrainedWeightsError(f"pretrained weights {path}: {key!r} is in both {out[key][2]} and "
+                                             f"{f.name}", name=key, file=f.name)
+            out[key] = (shape, dtype, f.name)
     for key, file in weight_map.items():
         if key in out and out[key][2] != file:
             raise PretrainedWeightsError(f"pretrained weights {path}: {INDEX} puts {key!r} in {file}, it is in "

@@ -24,10 +24,11 @@ from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
 from autoplan.plan.held_weights import HeldWeights
-from autoplan.plan.weights import ModelInit, mesh_device
+from autoplan.plan.weights import ModelInit
 from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.errors import MeshError, MicrobatchError
+from hyper_parallel.platform import current_device
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
         runner = apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
     else:
         runner = _apply_one_stage(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
-    runner.model_init, runner.device = init, mesh_device(mesh)
+    runner.model_init, runner.device = init, current_device(mesh.device_type)
     return runner
 
 

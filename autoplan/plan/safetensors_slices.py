@@ -1,4 +1,4 @@
-"""Reading a slice of a safetensors tensor with plain file reads, for DCP's Hugging Face reader.
+"""Safetensors files read with plain file reads: headers (checked), and slices for DCP's reader.
 
 torch's ``HuggingFaceStorageReader`` reads each request through ``safe_open(...).get_slice``,
 which maps the whole file: a column slice (a row-parallel projection's shard) touches every page
@@ -31,9 +31,39 @@ class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
-        (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-        self.header = json.loads(os.pread(self.fd, n, 8))
-        self.base = 8 + n
+        try:
+            self.header, self.base = self._checked_header()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _checked_header(self) -> tuple[dict, int]:
+        """The header, checked the way safetensors checks it on open: a JSON table whose tensors
+        have known dtypes and lie inside the file (a truncated file fails here, not at a read)."""
+        size = os.fstat(self.fd).st_size
+        raw = os.pread(self.fd, 8, 0)
+        if len(raw) < 8:
+            raise ValueError(f"{self.path}: {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise ValueError(f"{self.path}: a header of {n} bytes in a file of {size}")
+        header = json.loads(os.pread(self.fd, n, 8))
+        data = size - 8 - n
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            if info.get("dtype") not in DTYPES:
+                raise ValueError(f"{self.path}: {key} has dtype {info.get('dtype')!r}, not one of {sorted(DTYPES)}")
+            begin, end = info["data_offsets"]
+            want = math.prod(info["shape"]) * torch.empty((), dtype=DTYPES[info["dtype"]]).element_size()
+            if end > data or end - begin != want:
+                raise ValueError(f"{self.path}: {key} needs bytes {begin}..{end} of {data} "
+                                 f"(truncated, or not a safetensors file)")
+        return header, 8 + n
+
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every tensor's name -> (shape, dtype)."""
+        return {k: (tuple(v["shape"]), DTYPES[v["dtype"]]) for k, v in self.header.items() if k != "__metadata__"}
 
     def close(self) -> None:
         os.close(self.fd)

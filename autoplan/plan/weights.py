@@ -42,16 +42,6 @@ class ModelInit:
         return self.file_name(name) != name
 
 
-def mesh_device(mesh) -> torch.device:
-    """The device this rank trains on: the mesh's device type (its current index on accelerators)."""
-    kind = mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, kind, None)
-    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
-    return torch.device(kind, index)
-
-
 def held_tensors_on_meta(runner) -> list[str]:
     """Names of the tensors this rank trains that are still on the meta device."""
     out = [n for n, t in named_tensors(held_module(runner)).items() if t.device.type == "meta"]

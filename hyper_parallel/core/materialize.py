@@ -122,9 +122,9 @@ def local_slice(full: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 
 
 class Materializer:
-    """Makes the meta tensors of ``modules`` real on ``device`` and initialises them (see module
-    doc). ``modules``: name -> module under the original model's names, e.g. a pipeline rank's
-    stage units; names not in ``sources`` are errors (a module the original model did not have)."""
+    """Computes each tensor's initial value owner by owner and copies this rank's slice of it into
+    the tensors given to :meth:`fill` (named as in the original model, e.g. a pipeline rank's
+    stage units; a name ``sources`` does not know is an error)."""
 
     def __init__(self, sources: InitSources, init_fn: InitFn, *, seed: int = 0,
                  init_device: str | torch.device = "cpu"):
