@@ -7,7 +7,8 @@ Checked on the session's 4-rank gloo pool under tp=4, dp=2 x tp=2 with FSDP and 
   bit: the repo Llama and three transformers families (Phi-3: packed projections);
 - a save_pretrained checkpoint (one fp32 file; a sharded bf16 index, tied embeddings; Phi-3's
   packed projections, whose strided shards torch DCP cannot map) trains
-  from its weights: the step-0 loss equals ``from_pretrained`` on one device (rtol 1e-5), and
+  from its weights: the step-0 loss equals ``from_pretrained`` on one device (rtol 1e-5), so do
+  the next losses and every parameter after 5 steps (one device trained the same way), and
   after the steps the exported directory reloads to exactly the gathered parameters -- written by
   the ranks (``runner.export_hf``) and by ``autoplan export-hf`` from a training checkpoint;
 - a checkpoint of another shape, with a tensor missing, truncated, or with an index naming a
@@ -99,11 +100,21 @@ def checkpoints(tmp_path_factory):
     return d, plans
 
 
-def _one_device_loss(path: Path) -> float:
+def _one_device_run(path: Path, steps: int, lr: float) -> tuple[list[float], dict]:
+    """``from_pretrained`` on one device, trained as the Trainer trains (AdamW, betas 0.9/0.95, the
+    same token stream): its losses and its parameters after ``steps``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    x, y = token_stream("synthetic", batch=8, seq=16, vocab=model.config.vocab_size, seed=0).next()
-    with torch.no_grad():
-        return float(lm_loss(model(x).logits, y))
+    data = token_stream("synthetic", batch=8, seq=16, vocab=model.config.vocab_size, seed=0)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        x, y = data.next()
+        opt.zero_grad()
+        loss = lm_loss(model(x).logits, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def test_pretrained_weights_train_and_export_under_every_plan(checkpoints, pool4):
@@ -115,7 +126,15 @@ def test_pretrained_weights_train_and_export_under_every_plan(checkpoints, pool4
     runs[-1]["checkpoint_dir"] = str(d / "ckpt")   # and a training checkpoint for autoplan export-hf
     results = pool4.run(weights_workers.train_pretrained, runs, 5, 1e-3)[0]
     for run, res in zip(runs, results):
-        assert res["losses"][0] == pytest.approx(_one_device_loss(Path(run["model"])), rel=1e-5), run
+        one_losses, one_state = _one_device_run(Path(run["model"]), 5, 1e-3)
+        assert res["losses"][0] == pytest.approx(one_losses[0], rel=1e-5), run
+        assert res["losses"] == pytest.approx(one_losses, rel=1e-5), run   # every step, against one device
+        for k, v in res["state"].items():   # every parameter after 5 steps
+            # AdamW turns a gradient near zero into a step of ~lr whatever its size, so an element whose
+            # gradient is reduction-order noise may move by up to lr (measured: 1 element in ~4k, 1.3e-4);
+            # the rest must agree as gradients do
+            diff = (v - one_state[k]).abs()
+            assert float(diff.max()) <= 1e-3 and float(diff.mean()) < 1e-6, (run, k, float(diff.max()))
         assert len(res["losses"]) == 5 and res["losses"][-1] < res["losses"][0], res["losses"]
         back = transformers.AutoModelForCausalLM.from_pretrained(run["export"], dtype=torch.float32)
         reloaded = {k: v for k, v in back.state_dict().items() if k in res["state"]}
