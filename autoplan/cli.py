@@ -15,6 +15,7 @@ from autoplan.review import (
     diff, importers, plot_communication, plot_memory, plot_timeline, save_figure, to_hf_tp_plan, to_python, to_torch,
 )
 from autoplan.review.compare import compare_plans
+from autoplan.review.report import write_report
 from hyper_parallel.parallel_dims import ParallelDims, mesh_roles
 from autoplan.train.cli import register as register_train
 from autoplan.verify import verify
@@ -280,6 +281,17 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from pathlib import Path
+
+    names = args.names.split(",") if args.names else [Path(p).stem for p in args.plans]
+    if len(names) != len(args.plans):
+        raise InvalidArgumentError(f"report --names: {len(names)} names for {len(args.plans)} plan files")
+    path = write_report([Plan.from_json(p) for p in args.plans], args.output, names, title=args.title)
+    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KB, self-contained: open it in any browser)")
+    return 0
+
+
 def _cmd_cost_models(args) -> int:
     return cost_main([args.command, *args.rest])
 
@@ -352,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("kind", choices=("memory", "communication", "timeline"))
     pt.add_argument("-o", "--output", required=True)
     pt.set_defaults(func=_cmd_plot)
+    rp = sub.add_parser("report", help="one self-contained HTML page of a plan, or a comparison of several")
+    rp.add_argument("plans", nargs="+", help="plan JSON files (several: a comparison first)")
+    rp.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    rp.add_argument("--names", default=None, help="comma-separated names (default: file stems)")
+    rp.add_argument("--title", default=None)
+    rp.set_defaults(func=_cmd_report)
     for name in ("profile", "calibrate", "hardware"):
         c = sub.add_parser(name, help=f"cost_models {name} (see: autoplan {name} -h)", add_help=False)
         c.add_argument("rest", nargs=argparse.REMAINDER)

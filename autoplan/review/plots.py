@@ -1,10 +1,17 @@
 """Plots a reviewer reads: pipeline timeline per rank, memory per rank by kind, communication
-by collective and mesh dimension. Each returns a matplotlib Figure (Agg backend, so it works
-headless and in tests); ``save_figure`` writes PNG. matplotlib is imported inside the
-functions so importing autoplan never touches it.
+by collective and mesh dimension.
+
+Each returns a :class:`PlanFigure`: a matplotlib Figure that needs no backend and no pyplot (it
+saves headless, in tests and on servers) and shows itself in notebooks. A bare Figure made
+without pyplot displays as ``<Figure size ...>`` text in Jupyter unless pyplot's inline backend
+happens to be active; PlanFigure carries its own ``_repr_png_``, so IPython (Jupyter, VS Code)
+renders it as an image under any backend. The process-wide matplotlib backend is never changed.
+``save_figure`` writes PNG/SVG; ``PlanFigure.png()`` / ``.svg()`` give the bytes/text for HTML.
+matplotlib is imported when a plot is made, so importing autoplan never touches it.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from autoplan.review.stages import simulate_pipeline
@@ -12,16 +19,42 @@ from autoplan.review.stages import simulate_pipeline
 _COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868", "BACKWARD_INPUT": "#DD8452",
            "BACKWARD_WEIGHT": "#55A868"}
 _MEM_KINDS = ("params", "grads", "optimizer", "activations")
+NOTEBOOK_DPI = 72     # what a notebook embeds: readable on screen, ~20-40 KB per figure
+_FIGURE_CLASS = None
 
 
-def _plt():
-    import matplotlib
+def figure_class():
+    """The PlanFigure class (a matplotlib Figure subclass), made on first use."""
+    global _FIGURE_CLASS
+    if _FIGURE_CLASS is None:
+        from matplotlib.figure import Figure
 
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")
-    from matplotlib.figure import Figure
+        class PlanFigure(Figure):
+            """A matplotlib Figure that IPython displays as PNG and that renders without pyplot."""
 
-    return Figure
+            def png(self, dpi: int = NOTEBOOK_DPI) -> bytes:
+                buf = io.BytesIO()
+                self.savefig(buf, format="png", dpi=dpi)
+                return buf.getvalue()
+
+            def svg(self) -> str:
+                buf = io.StringIO()
+                self.savefig(buf, format="svg")
+                text = buf.getvalue()
+                return text[text.index("<svg"):]   # no XML prolog: embeddable in HTML
+
+            def _repr_png_(self) -> bytes:   # IPython's image/png formatter
+                return self.png()
+
+        PlanFigure.__qualname__ = "PlanFigure"   # picklable as autoplan.review.plots.PlanFigure
+        globals()["PlanFigure"] = _FIGURE_CLASS = PlanFigure
+    return _FIGURE_CLASS
+
+
+def new_figure(**kwargs):
+    """A PlanFigure (``figsize=`` etc. as for matplotlib's Figure): for plots of one's own tables
+    that should show in a notebook and save headless like the ones here."""
+    return figure_class()(**kwargs)
 
 
 def _name(plan) -> str:
@@ -29,35 +62,57 @@ def _name(plan) -> str:
     return str(plan.model.get("plan_name") or "x".join(f"{n}{s}" for n, s in zip(m["names"], m["shape"])))
 
 
-def plot_timeline(plan=None, *, sim=None, p2p_s: float | None = None, title: str | None = None):
-    """Pipeline timeline: one row per rank, a box per compute action (F/B/W) per micro-batch."""
-    Figure = _plt()
-    if sim is None:
-        sim = simulate_pipeline(plan, p2p_s)
+def _draw_timeline(ax, sim, title: str | None) -> None:
     tl = sim.timeline
     work = tl[~tl["kind"].astype(str).str.contains("SEND|RECV")]
     ranks = sorted(work["rank"].unique())
     multi = work["stage"].nunique() > len(ranks)   # virtual stages: name the stage too
-    fig = Figure(figsize=(10, 0.6 * len(ranks) + 1.5))
-    ax = fig.add_subplot()
-    for _, r in work.iterrows():
-        kind = str(r["kind"])
-        ax.barh(r["rank"], r["end"] - r["start"], left=r["start"], color=_COLORS.get(kind, "#8172B3"),
-                edgecolor="white", linewidth=0.5)
-        if r["end"] - r["start"] > sim.step_time / 60:
-            label = f"{kind}{r['microbatch']}" + (f"\ns{r['stage']}" if multi else "")
-            ax.text((r["start"] + r["end"]) / 2, r["rank"], label, ha="center", va="center", fontsize=6,
-                    color="white")
+    labelled = len(work) <= 400                    # past that the labels are unreadable anyway
+    for (rank, kind), rows in work.groupby(["rank", work["kind"].astype(str)]):
+        spans = list(zip(rows["start"], rows["end"] - rows["start"]))
+        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=_COLORS.get(kind, "#8172B3"), edgecolor="white",
+                       linewidth=0.5)
+    if labelled:
+        for r in work.itertuples():
+            if r.end - r.start > sim.step_time / 60:
+                label = f"{r.kind}{r.microbatch}" + (f"\ns{r.stage}" if multi else "")
+                ax.text((r.start + r.end) / 2, r.rank, label, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
+    ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)
     ax.set_xlabel("time (s)")
     idle = 1 - sum(sim.busy) / (len(sim.busy) * sim.step_time) if sim.step_time else 0.0
-    ax.set_title(title or f"{sim.schedule}: step {sim.step_time:.3g} s, idle {idle:.1%} (mean over ranks)")
+    ax.set_title(title or f"{sim.schedule}: step {sim.step_time:.3g} s, idle {idle:.1%} (mean over ranks)",
+                 fontsize=9)
     from matplotlib.patches import Patch
 
     kinds = sorted(work["kind"].astype(str).unique())
     ax.legend(handles=[Patch(color=_COLORS.get(k, "#8172B3"), label=k) for k in kinds], loc="upper left",
               bbox_to_anchor=(1.005, 1.0), fontsize=7)
+
+
+def plot_timeline(plan=None, *, sim=None, p2p_s: float | None = None, title: str | None = None,
+                  names: list[str] | None = None):
+    """Pipeline timeline: one row per rank, a box per compute action (F/B/W) per micro-batch.
+
+    ``plan`` may be a list of plans: one panel each, on a shared time axis, so schedules and
+    bubbles compare at a glance (``names`` titles the panels)."""
+    if isinstance(plan, (list, tuple)):
+        plans = list(plan)
+        names = names or [_name(p) for p in plans]
+        sims = [simulate_pipeline(p, p2p_s) for p in plans]
+        heights = [0.45 * len(set(s.timeline["rank"])) + 0.9 for s in sims]
+        fig = new_figure(figsize=(10, sum(heights) + 0.6))
+        axes = fig.subplots(len(plans), 1, sharex=True, squeeze=False,
+                            gridspec_kw={"height_ratios": heights})[:, 0]
+        for ax, name, sim in zip(axes, names, sims):
+            _draw_timeline(ax, sim, f"{name} -- {sim.schedule}: step {sim.step_time:.3g} s")
+        fig.tight_layout()
+        return fig
+    if sim is None:
+        sim = simulate_pipeline(plan, p2p_s)
+    ranks = sim.timeline["rank"].nunique()
+    fig = new_figure(figsize=(10, 0.6 * ranks + 1.5))
+    _draw_timeline(fig.add_subplot(), sim, title)
     fig.tight_layout()
     return fig
 
@@ -85,7 +140,6 @@ def _rank_memory(plan) -> tuple[list[str], dict[str, list[float]]]:
 def plot_memory(plans, names: list[str] | None = None, *, limit_bytes: float | None = None):
     """Stacked bars of memory per rank by kind (params, grads, optimizer, activations), one
     group per plan (or per pipeline rank), with the device capacity as a line when given."""
-    Figure = _plt()
     plans = plans if isinstance(plans, (list, tuple)) else [plans]
     names = names or [_name(p) for p in plans]
     labels, stacks = [], {}
@@ -96,7 +150,7 @@ def plot_memory(plans, names: list[str] | None = None, *, limit_bytes: float | N
             idx = len(labels) - 1
             for k, vals in by.items():
                 stacks.setdefault(k, {})[idx] = vals[i]
-    fig = Figure(figsize=(max(5, 1.2 * len(labels) + 2), 4))
+    fig = new_figure(figsize=(max(5, 1.2 * len(labels) + 2), 4))
     ax = fig.add_subplot()
     bottom = [0.0] * len(labels)
     for kind, vals in stacks.items():
@@ -126,9 +180,8 @@ def communication_table(plan):
 
 def plot_communication(plan):
     """Bars of bytes moved per step by each collective kind, one colour per mesh dimension."""
-    Figure = _plt()
     table = communication_table(plan)
-    fig = Figure(figsize=(7, 4))
+    fig = new_figure(figsize=(7, 4))
     ax = fig.add_subplot()
     kinds = sorted(table["kind"].unique())
     dims = sorted(table["mesh_dim"].unique())
@@ -147,7 +200,7 @@ def plot_communication(plan):
 
 
 def save_figure(fig, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``fig`` as PNG (the format follows the suffix) and return the path."""
+    """Write ``fig`` to ``path`` (PNG, SVG or PDF by the suffix) and return the path."""
     path = Path(path)
     fig.savefig(path, dpi=dpi)
     return path
