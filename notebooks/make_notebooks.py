@@ -1,16 +1,30 @@
-"""Writes the notebooks in this folder from the cell sources below (outputs are not stored).
+"""Writes the notebooks in this folder from the cell sources below, executes them in a fresh
+kernel and stores them with their outputs (tables and figures), so a reader sees the results on
+a repository page or in a review without running anything.
 
 Keeping the sources here makes them reviewable as plain Python; tests/review/test_notebooks.py
-executes the .ipynb files so they never rot. Run: ``.venv/bin/python notebooks/make_notebooks.py``.
+executes the .ipynb files in a fresh kernel and checks that every figure cell (tagged
+``figure``) shows an image. Run: ``.venv/bin/python notebooks/make_notebooks.py`` (about two
+minutes here; ``--no-execute`` writes the sources only).
 """
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 from pathlib import Path
 
 import nbformat
+from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
+FIGURE_TAG = "figure"   # a cell that must display an image (asserted by the tests)
+
+
+def figure_cell(source: str):
+    """A code cell whose output is a figure."""
+    return new_code_cell(source, metadata={"tags": [FIGURE_TAG]})
 
 LLAMA70B = [
     new_markdown_cell("# Llama-3-70B on 64 H100: autoplan vs the torchtitan plan\n\n"
@@ -43,9 +57,9 @@ LLAMA70B = [
     new_code_cell("print(plan.explain('layers.0.attention.wo'))\nprint(plan.explain('output'))"),
     new_code_cell("plan.summary()[['unit', 'count', 'strategy', 'stream', 'compute_s', 'comm_s', 'memory_bytes']]"),
     new_markdown_cell("## Memory and communication"),
-    new_code_cell("fig = autoplan.review.plot_memory([plan, megatron], ['autoplan', 'megatron'], "
-                  "limit_bytes=80 * 2**30)\nfig"),
-    new_code_cell("plan.plot_communication()"),
+    figure_cell("fig = autoplan.review.plot_memory([plan, megatron], ['autoplan', 'megatron'], "
+                "limit_bytes=80 * 2**30)\nfig"),
+    figure_cell("plan.plot_communication()"),
     new_markdown_cell("## The whole cluster: dp x pp x tp, pipeline schedules, micro-batches\n\n"
                       "`plan_cluster` searches every factorization of the 64 devices (and the pipeline cuts, "
                       "schedule and micro-batching when pp > 1). Below: its best plan beside the expert's, then "
@@ -57,8 +71,8 @@ LLAMA70B = [
                   "compare_plans([best, piped, expert])[['mesh', 'pp', 'schedule', 'act_ckpt', 'step_s', 'vs_best', "
                   "'mem_total_gib']]"),
     new_code_cell("piped.stage_table()"),
-    new_code_cell("piped.plot_timeline()"),
-    new_code_cell("piped.plot_memory(limit_bytes=80 * 2**30)"),
+    figure_cell("piped.plot_timeline()"),
+    figure_cell("piped.plot_memory(limit_bytes=80 * 2**30)"),
     new_markdown_cell("## Hand it to torch or HF"),
     new_code_cell("hf = plan.to_hf_tp_plan(model)\n"
                   "print('HF can express:', hf.tp_plan)\nprint('HF cannot:', hf.not_expressible)\n"
@@ -91,12 +105,12 @@ SWEEP = [
                   "table = compare_plans(plans, names)\n"
                   "table[['hardware', 'devices', 'step_s', 'tokens_per_s', 'tokens_per_s_per_device', 'comm_fraction', "
                   "'mem_total_gib', 'act_ckpt']]"),
-    new_code_cell("import matplotlib\nmatplotlib.use('Agg')\nfrom matplotlib.figure import Figure\n"
-                  "fig = Figure(figsize=(7, 4)); ax = fig.add_subplot()\n"
-                  "for hw, rows in table.groupby('hardware'):\n"
-                  "    ax.plot(rows['devices'], rows['tokens_per_s'] / 1e3, marker='o', label=hw)\n"
-                  "ax.set_xscale('log', base=2); ax.set_xlabel('devices'); ax.set_ylabel('predicted k tokens / s')\n"
-                  "ax.set_title('Llama-3-70B shape, tp 8, 8 x 8192 tokens per dp rank'); ax.legend()\nfig"),
+    figure_cell("from autoplan.review import new_figure   # a matplotlib Figure that shows itself in notebooks\n"
+                "fig = new_figure(figsize=(7, 4)); ax = fig.add_subplot()\n"
+                "for hw, rows in table.groupby('hardware'):\n"
+                "    ax.plot(rows['devices'], rows['tokens_per_s'] / 1e3, marker='o', label=hw)\n"
+                "ax.set_xscale('log', base=2); ax.set_xlabel('devices'); ax.set_ylabel('predicted k tokens / s')\n"
+                "ax.set_title('Llama-3-70B shape, tp 8, 8 x 8192 tokens per dp rank'); ax.legend()\nfig"),
     new_code_cell("# scaling efficiency: throughput per device relative to the smallest mesh\n"
                   "eff = table.groupby('hardware')['tokens_per_s_per_device'].transform(lambda s: s / s.iloc[0])\n"
                   "table.assign(efficiency=eff)[['hardware', 'devices', 'efficiency']]"
@@ -131,18 +145,78 @@ APPLY = [
                   "      f'{demo.predicted_step_s * 1e3:.1f} ms, measured {demo.measured_step_s * 1e3:.1f} ms')"),
 ]
 
+COMPARE = [
+    new_markdown_cell("# Compare plans of one model side by side\n\n"
+                      "Four plans for the Llama-3-8B shape (torchtitan's module names) on 64 H100s, 128 sequences "
+                      "of 8192 tokens: autoplan's pick over every dp x pp x tp split, the best plans with a 2- and "
+                      "a 4-stage pipeline, and torchtitan's hand-written TP/SP plan at tp 8 -- all priced by the "
+                      "same cost model. The same comparison as one HTML page: "
+                      "`autoplan report a.json b.json c.json -o plans.html`."),
+    new_code_cell("import autoplan\n"
+                  "from autoplan import MeshSpec, compare_plans\n"
+                  "from autoplan.cluster import plan_cluster\n"
+                  "from autoplan.presets import build_preset\n"
+                  "from autoplan.review import import_torchtitan, plot_memory, plot_timeline\n"
+                  "model = build_preset('titan-llama3-8b')   # on meta: shapes only\n"
+                  "batch = (128, 8192)"),
+    new_code_cell("plans = {\n"
+                  "    'autoplan': plan_cluster(model, 64, batch=batch),\n"
+                  "    'pp 2': plan_cluster(model, 64, batch=batch, constraints={'pp': 2}),\n"
+                  "    'pp 4 x tp 2': plan_cluster(model, 64, batch=batch, constraints={'pp': 4, 'tp': 2}),\n"
+                  "    'torchtitan tp 8': import_torchtitan(model, MeshSpec((8, 8), ('dp', 'tp'), 'h100_sxm'), "
+                  "batch=batch),\n"
+                  "}\n"
+                  "table = compare_plans(plans)\n"
+                  "table[['mesh', 'pp', 'schedule', 'fsdp', 'act_ckpt', 'step_s', 'vs_best', 'comm_fraction', "
+                  "'tokens_per_s_per_device', 'mem_total_gib']]"),
+    new_markdown_cell("## Memory per rank\n\nPipelined plans show one bar per pipeline rank (the fullest "
+                      "bounds the plan); the dashed line is an H100's 80 GB."),
+    figure_cell("plot_memory(list(plans.values()), list(plans), limit_bytes=80 * 2**30)"),
+    new_markdown_cell("## Timelines on one time axis\n\nOne simulated training step per plan, per pipeline "
+                      "rank: forward (F), input-gradient (I/B) and weight-gradient (W) work of each micro-batch."),
+    figure_cell("plot_timeline(list(plans.values()), names=list(plans))"),
+    new_markdown_cell("## Where do two plans differ, and why?"),
+    new_code_cell("plans['autoplan'].diff(plans['torchtitan tp 8']).head(10)"),
+    new_code_cell("print(plans['pp 4 x tp 2'].explain('layers.0.attention.wq'))"),
+    new_code_cell("plans['pp 4 x tp 2'].stage_table()"),
+]
+
 NOTEBOOKS = {"01_llama3_70b_vs_torchtitan.ipynb": LLAMA70B, "02_sweep_devices_hardware.ipynb": SWEEP,
-             "03_apply_and_verify_on_cpu.ipynb": APPLY}
+             "03_apply_and_verify_on_cpu.ipynb": APPLY, "04_compare_plans.ipynb": COMPARE}
 
 
-def main() -> None:
-    for name, cells in NOTEBOOKS.items():
-        for i, cell in enumerate(cells):
-            cell.id = f"cell-{i:02d}"   # stable ids: regenerating gives no diff
-        nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                "language": "python"}})
-        nbformat.validate(nb)
+def build(name: str):
+    """The notebook ``name`` from its cell sources (no outputs)."""
+    cells = [nbformat.from_dict(c) for c in NOTEBOOKS[name]]
+    for i, cell in enumerate(cells):
+        cell.id = f"cell-{i:02d}"   # stable ids: regenerating changes only what the outputs change
+    nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                            "language": "python"}})
+    nbformat.validate(nb)
+    return nb
+
+
+def execute(nb, timeout: int = 600):
+    """Run ``nb`` top to bottom in a fresh python3 kernel started in this folder (this interpreter's
+    bin folder first on PATH, so the kernel is this environment's Python)."""
+    env_path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+    os.environ["PATH"] = env_path
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(HERE)}}).execute()
+    return nb
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="notebooks to write (default: all)")
+    parser.add_argument("--no-execute", action="store_true", help="write the sources without outputs")
+    args = parser.parse_args(argv)
+    for name in args.names or NOTEBOOKS:
+        nb = build(name)
+        if not args.no_execute:
+            execute(nb)
         nbformat.write(nb, HERE / name)
+        print(f"wrote {HERE / name} ({(HERE / name).stat().st_size / 1024:.0f} KB)")
 
 
 if __name__ == "__main__":

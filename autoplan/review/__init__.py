@@ -18,12 +18,13 @@ from autoplan.review.importers import (
     styles_from_hf,
 )
 from autoplan.review.modules import module_table
-from autoplan.review.plots import plot_communication, plot_memory, plot_timeline, save_figure
+from autoplan.review.plots import new_figure, plot_communication, plot_memory, plot_timeline, save_figure
+from autoplan.review.report import plan_report, write_report
 from autoplan.review.stages import simulate_pipeline, stage_table
 
 __all__ = [
     "compare_plans", "diff", "explain", "Explanation", "to_torch", "to_hf_tp_plan", "to_python", "HFExport",
     "import_plan", "import_torchtitan", "import_hf_tp_plan", "styles_from_expert", "styles_from_hf",
     "module_table", "plot_communication", "plot_memory", "plot_timeline", "save_figure", "simulate_pipeline",
-    "stage_table",
+    "stage_table", "new_figure", "plan_report", "write_report",
 ]

@@ -62,7 +62,7 @@ def _name(plan) -> str:
     return str(plan.model.get("plan_name") or "x".join(f"{n}{s}" for n, s in zip(m["names"], m["shape"])))
 
 
-def _draw_timeline(ax, sim, title: str | None) -> None:
+def _draw_timeline(ax, sim, title: str | None, min_label_s: float | None = None) -> None:
     tl = sim.timeline
     work = tl[~tl["kind"].astype(str).str.contains("SEND|RECV")]
     ranks = sorted(work["rank"].unique())
@@ -74,14 +74,14 @@ def _draw_timeline(ax, sim, title: str | None) -> None:
                        linewidth=0.5)
     if labelled:
         for r in work.itertuples():
-            if r.end - r.start > sim.step_time / 60:
+            if r.end - r.start > (min_label_s if min_label_s is not None else sim.step_time / 60):
                 label = f"{r.kind}{r.microbatch}" + (f"\ns{r.stage}" if multi else "")
                 ax.text((r.start + r.end) / 2, r.rank, label, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)
     ax.set_xlabel("time (s)")
     idle = 1 - sum(sim.busy) / (len(sim.busy) * sim.step_time) if sim.step_time else 0.0
-    ax.set_title(title or f"{sim.schedule}: step {sim.step_time:.3g} s, idle {idle:.1%} (mean over ranks)",
+    ax.set_title(title or f"{sim.schedule}: simulated step {sim.step_time:.3g} s, idle {idle:.1%} (mean over ranks)",
                  fontsize=9)
     from matplotlib.patches import Patch
 
@@ -104,8 +104,9 @@ def plot_timeline(plan=None, *, sim=None, p2p_s: float | None = None, title: str
         fig = new_figure(figsize=(10, sum(heights) + 0.6))
         axes = fig.subplots(len(plans), 1, sharex=True, squeeze=False,
                             gridspec_kw={"height_ratios": heights})[:, 0]
+        longest = max(s.step_time for s in sims)
         for ax, name, sim in zip(axes, names, sims):
-            _draw_timeline(ax, sim, f"{name} -- {sim.schedule}: step {sim.step_time:.3g} s")
+            _draw_timeline(ax, sim, f"{name} -- {sim.schedule}: simulated step {sim.step_time:.3g} s", longest / 25)
         fig.tight_layout()
         return fig
     if sim is None:
