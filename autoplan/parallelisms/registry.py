@@ -2,7 +2,7 @@
 
 Adding a parallelism: write its entry (a ``Parallelism`` subclass in its own file of this package,
 with the runtime calls it makes) and add one line here; its plan section, schema, consistency
-checks and place in the runners follow from the entry. See the README's "Adding a parallelism".
+checks and place in the runners follow from the entry. See docs/adding_a_parallelism.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Where hyper_parallel's parallelize_module follows torch's, side by side with torch (the
-deliberate differences are listed in the README, "Differences from torch's styles"):
+deliberate differences are listed in docs/runtime.md, "Differences from torch's styles"):
 
 - a plan key matching no module is skipped with a warning (``strict=True``: an error);
 - no plan: a warning and nothing changes (``strict=True``: an error);
