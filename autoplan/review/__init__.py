@@ -2,9 +2,11 @@
 
 Everything here reads a :class:`~autoplan.plan.Plan` as data and turns it into something a
 person (or another framework) can use: a torch-native style dict, HF ``tp_plan`` strings, a
-Python snippet, an explanation of one decision, a diff of two plans, a comparison table or a
-matplotlib Figure. Nothing here changes a plan; imports go through ``autoplan(styles=...)`` so
-hand-written plans are priced by the same cost model as the planner's own.
+Python snippet, an explanation of one decision, a diff of two plans, a comparison table, a
+figure that shows itself in notebooks (``PlanFigure``) or one self-contained HTML page of a
+whole plan or of several side by side (``write_report``). Nothing here changes a plan;
+imports go through ``autoplan(styles=...)`` so hand-written plans are priced by the same cost
+model as the planner's own.
 """
 from autoplan.review.compare import compare_plans
 from autoplan.review.diff import diff

@@ -66,6 +66,15 @@ def _kv(rows: dict[str, Any], table_id: str) -> str:
     return f'<table class="data" id="{table_id}">{body}</table>'
 
 
+def _cell(value: Any) -> Any:
+    """A table cell: a mesh {"dp": 32, "pp": 4} as "dp32 x pp4", a list as "a, b"; the rest as is."""
+    if isinstance(value, dict):
+        return " x ".join(f"{k}{v}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value))
+    return value
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -150,8 +159,9 @@ def _plan_section(plan, name: str, row: dict[str, Any], i: int) -> str:
     limit = _capacity(plan)
     mem = {k: f"{v / 2**30:.2f} GiB" for k, v in plan.predictions.get("memory_bytes", {}).items()}
     refused = _refusals(plan)
-    alts = pd.DataFrame(plan.alternatives)
-    alts = alts[[c for c in alts.columns if not isinstance(alts[c].iloc[0], (list, dict))]] if len(alts) else alts
+    alts = pd.DataFrame(plan.alternatives).map(_cell)
+    first = [c for c in ("name", "mesh", "schedule", "step_s", "memory_bytes") if c in alts.columns]
+    alts = alts[first + [c for c in alts.columns if c not in first]]
     sections = [
         f'<section id="{pid}"><h2>{_esc(name)}</h2><p><code>{_esc(repr(plan))}</code></p>',
         "<h3>Summary</h3>", _kv(_summary(plan, row), f"{pid}-summary"),
@@ -193,12 +203,11 @@ def _comparison(plans, names: list[str], table) -> str:
              _figure(plot_memory(plans, names, limit_bytes=_capacity(plans[0])), "comparison-memory",
                      "memory per rank of every plan"),
              _figure(plot_timeline(plans, names=names), "comparison-timeline", "timelines of every plan")]
-    for name, plan in zip(names[1:], plans[1:]):
+    for i, (name, plan) in enumerate(zip(names[1:], plans[1:]), start=1):
         d = diff(plans[0], plan)
         parts.append(f"<h3>{_esc(names[0])} vs {_esc(name)}</h3>"
                      + ("<p>identical</p>" if d.empty else
-                        f"<details><summary>{len(d)} difference(s)</summary>{_table(d, f'diff-{_esc(name)}')}"
-                        "</details>"))
+                        f"<details><summary>{len(d)} difference(s)</summary>{_table(d, f'diff-{i}')}</details>"))
     parts.append("</section>")
     return "".join(parts)
 
