@@ -83,7 +83,8 @@ def _open_in_browser(page: Path, tmp_path: Path, units: dict[str, list[str]]) ->
         table = result["tables"][f"{pid}-decisions"]
         assert all(u in table for u in names), (pid, names, table[:500])
     shot = tmp_path / (page.stem + ".png")
-    run = _chromium("--window-size=1280,1600", f"--screenshot={shot}", page.as_uri(), user_dir=tmp_path / "profile-shot")
+    run = _chromium("--window-size=1280,1600", f"--screenshot={shot}", page.as_uri(),
+                    user_dir=tmp_path / "profile-shot")
     assert run.returncode == 0 and shot.stat().st_size > 20_000, run.stderr[-2000:]
     return result
 
