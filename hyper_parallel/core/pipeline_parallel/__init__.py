@@ -28,7 +28,8 @@ from hyper_parallel.core.pipeline_parallel.schedule_facts import (
 )
 from hyper_parallel.core.pipeline_parallel.simulator import SimResult, StageCost, simulate
 from hyper_parallel.core.pipeline_parallel.split import (
-    HFVisionTower, Spine, StageModule, even_cuts, register_spine, split_model, stage_units, tied_parameters,
+    HFVisionTower, Spine, StageModule, even_cuts, pipeline_units, prepare_split, register_spine, split_gap, split_model,
+    stage_units, tied_parameters,
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
@@ -39,7 +40,7 @@ __all__ = [
     "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
     "split_microbatches", "Preprocess", "HFVisionTower",
     # stage split
-    "split_model", "split_graph", "even_cuts", "stage_units", "tied_parameters", "StageModule",
+    "split_model", "split_graph", "even_cuts", "pipeline_units", "prepare_split", "split_gap", "stage_units", "tied_parameters", "StageModule",
     "GraphStageModule", "Spine", "register_spine",
     # schedule IR, generators, validator, simulator (torch-free)
     "Action", "ActionKind", "PipelineSchedule", "from_orders", "lower",
