@@ -13,8 +13,9 @@ the forward; it *runs* it:
   hidden state comes in (argument position or keyword) and the shape of what it returns.
 - **Stage forward** (:class:`ForwardStage`): the model's own top-level forward, with the units of
   other stages swapped out at their call sites (the parent's ``_modules`` entry, for the duration of
-  the call): a unit *before* the stage returns the received activation in place of its output (a
-  stand-in: no compute, no hooks, no collectives); the stage's first unit gets the received
+  the call): a unit *before* the stage returns zeros shaped as its traced output for the step's
+  batch and full sequence (a stand-in: no compute, no hooks, no collectives -- the forward's code
+  between them reads only shapes, dtypes and devices); the stage's first unit gets the received
   activation as its hidden state; the first unit of the *next* stage ends the forward, and the
   hidden state it was about to get is the stage's output. Everything else -- masks, positions,
   scaling, soft-capping, tied heads -- is the model's code, run where it runs without a pipeline.
@@ -47,12 +48,31 @@ _RUNNER_KWARGS = ("sequence_length",)   # keywords the pipeline runner adds for 
 @dataclass
 class UnitCall:
     """One call the forward makes from a container: the unit's FQN, where its hidden state enters
-    (a position or a keyword), and the tree of what it returned (leaves: True for a tensor)."""
+    (a position or a keyword), and the tree of what it returned (leaves: (shape, dtype) of a tensor
+    on the trace's (TRACE_BATCH, TRACE_SEQ) tokens, None for anything else)."""
 
     fqn: str
     slot: int | str | None
     out_spec: Any
-    out_tensors: list[bool]
+    out_leaves: list[tuple[tuple[int, ...], torch.dtype] | None]
+
+    def stand_in(self, batch: int, seq: int, like: torch.Tensor) -> Any:
+        """What the unit returns, in shape, for ``batch`` sequences of ``seq`` tokens: zeros (a
+        floating-point leaf in the activation's dtype) on the activation's device. The leading
+        dimensions that were the trace's batch and sequence become the step's."""
+        device = like.to_local().device if hasattr(like, "to_local") else like.device
+        leaves = []
+        for leaf in self.out_leaves:
+            if leaf is None:
+                leaves.append(None)
+                continue
+            shape, dtype = list(leaf[0]), leaf[1]
+            if shape and shape[0] == TRACE_BATCH:
+                shape[0] = batch
+            if len(shape) > 1 and shape[1] == TRACE_SEQ:
+                shape[1] = seq
+            leaves.append(torch.zeros(shape, dtype=like.dtype if dtype.is_floating_point else dtype, device=device))
+        return tree_unflatten(leaves, self.out_spec)
 
 
 @dataclass
@@ -108,10 +128,13 @@ def _slot(args: tuple, kwargs: dict) -> int | str | None:
     return None
 
 
+TRACE_BATCH, TRACE_SEQ = 2, 5   # the trace's tokens: sizes no hidden width takes
+
+
 def _tiny_input(model: nn.Module) -> torch.Tensor:
     p = next(model.parameters())
     device = p.to_local().device if hasattr(p, "to_local") else p.device
-    return torch.zeros(1, 4, dtype=torch.long, device=device)
+    return torch.zeros(TRACE_BATCH, TRACE_SEQ, dtype=torch.long, device=device)
 
 
 def model_kwargs(model: nn.Module, kwargs: dict) -> dict:
@@ -186,7 +209,8 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
                                   "once, at one place of the forward")
         seen.add(fqn)
         leaves, spec = tree_flatten(out)
-        calls.append(UnitCall(fqn, _slot(*rec), spec, [isinstance(v, torch.Tensor) for v in leaves]))
+        calls.append(UnitCall(fqn, _slot(*rec), spec, [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
+                                                       else None for v in leaves]))
 
     handles = []
     for m in model.modules():
@@ -303,16 +327,9 @@ class ForwardStage:
         received = x
         try:
             if self.start is not None:
-                stand_in = received.detach()
-
-                def skip(real, args, kw, fqn=None):
-                    call = self.index[fqn]
-                    leaves = [stand_in if t and i == call.out_tensors.index(True) else None
-                              for i, t in enumerate(call.out_tensors)]
-                    return tree_unflatten(leaves, call.out_spec)
-
+                batch, seq = received.shape[0], int(kwargs.get("sequence_length") or received.shape[1])
                 for fqn in self.before:
-                    swaps.append(self._swap(fqn, lambda r, a, k, fqn=fqn: skip(r, a, k, fqn)))
+                    swaps.append(self._swap(fqn, lambda r, a, k, c=self.index[fqn]: c.stand_in(batch, seq, received)))
                 slot = self.index[self.start].slot
 
                 def enter(real, args, kw):
