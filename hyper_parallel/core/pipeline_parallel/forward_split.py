@@ -128,7 +128,8 @@ def _slot(args: tuple, kwargs: dict) -> int | str | None:
     return None
 
 
-TRACE_BATCH, TRACE_SEQ = 2, 5   # the trace's tokens: sizes no hidden width takes
+# the trace's tokens: a sequence context parallelism can split (2·cp divides it for cp <= 8)
+TRACE_BATCH, TRACE_SEQ = 2, 16
 
 
 def _tiny_input(model: nn.Module) -> torch.Tensor:
@@ -195,7 +196,8 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
             module._hp_trace_args = (args, kwargs)
 
     def post(module, args, kwargs, out):
-        stack.pop()
+        if stack and stack[-1] == id(module):
+            stack.pop()
         rec = module.__dict__.pop("_hp_trace_args", None)
         if rec is None:
             return
