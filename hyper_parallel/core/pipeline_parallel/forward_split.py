@@ -225,8 +225,8 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
     except StageSplitError:
         raise
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run on a tiny input cannot be traced
-        raise StageSplitError(f"split: {type(model).__name__}'s forward could not be traced on a (1, 4) token "
-                              f"input ({type(exc).__name__}: {str(exc)[:200]})") from exc
+        raise StageSplitError(f"split: {type(model).__name__}'s forward could not be traced on a ({TRACE_BATCH}, "
+                              f"{TRACE_SEQ}) token input ({type(exc).__name__}: {str(exc)[:200]})") from exc
     finally:
         for h in handles:
             h.remove()
