@@ -143,9 +143,9 @@ class ClusterSearch:
         return model_moe_groups(self.meta, self.graph(b), self.structure(b).dtype_bytes)
 
     def _unit_names(self) -> list[str]:
-        """Pipeline units in execution order: the runtime's spine when it knows the model, else
-        (a model priced at pp=1 only) embedding, every block, final norms, head from the
-        captured structure."""
+        """Pipeline units in execution order: the runtime split's cut points (``pipeline_units``)
+        when it can cut the model, else (a model priced at pp=1 only) embedding, every block,
+        final norms, head from the captured structure."""
         if self.pipeline_refusal is None:
             return pipeline_units(self.model)
         st = self.structure(self.mb_sizes[0])

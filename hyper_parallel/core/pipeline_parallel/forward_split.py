@@ -30,6 +30,7 @@ the stand-ins cannot carry (two values crossing a block boundary) shows as a gap
 """
 from __future__ import annotations
 
+import gc
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -220,7 +221,8 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
     try:
         # fake tensors: no memory, no compute, and transformers skips its data-dependent mask checks
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), _Bf16GroupedMM():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.no_grad(), mode, _Bf16GroupedMM():
             model(_tiny_input(model), **model_kwargs(model, {}))
     except StageSplitError:
         raise
@@ -232,6 +234,10 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
             h.remove()
         for m in model.modules():
             m.__dict__.pop("_hp_trace_args", None)
+        # the fake mode holds weak references to the parameters it converted, and torch refuses to
+        # swap a tensor with one (materialising a meta model does): drop the mode now
+        mode = None
+        gc.collect()
     blocks = [c.fqn for c in calls if c.fqn.startswith(prefix + ".")]
     if not blocks:
         raise StageSplitError(f"split: {type(model).__name__}'s forward never called a block of {prefix}")
