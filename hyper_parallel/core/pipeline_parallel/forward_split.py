@@ -315,8 +315,8 @@ class ForwardStage:
     """Runs stage ``units`` of ``model`` by running the model's forward (see the module docstring)."""
 
     def __init__(self, model: nn.Module, trace: ForwardTrace, units: Sequence[str], stage_index: int,
-                 n_stages: int, next_unit: str | None):
-        self.model, self.trace = model, trace
+                 next_unit: str | None):
+        self.model = model
         self.index = {c.fqn: c for c in trace.calls}
         order = [c.fqn for c in trace.calls]
         self.start = units[0] if stage_index > 0 else None

@@ -296,7 +296,7 @@ class StageModule(nn.Module):
             shared = trace.shared
             # the model root is not registered: the stage holds only its own units' parameters
             object.__setattr__(self, "_forward_stage",
-                               ForwardStage(model, trace, self.units, stage_index, n_stages, next_unit))
+                               ForwardStage(model, trace, self.units, stage_index, next_unit))
         else:
             shared = spine.shared(model)
         for fqn in list(units) + list(shared):
