@@ -31,7 +31,6 @@ from hyper_parallel.core.pipeline_parallel import (
     build_schedule,
     build_stages,
     simulate,
-    split_graph,
     split_model,
     validate_schedule,
 )
@@ -74,7 +73,7 @@ __all__ = [
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "balanced_routing", "expert_parallel_collectives",
-    "split_model", "split_graph", "build_stages",
+    "split_model", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
     "ContextParallel", "apply_context_parallel", "shard_batch", "unshard_sequence", "local_positions",
     "cp_cross_entropy", "average_gradients",

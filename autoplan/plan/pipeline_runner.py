@@ -168,6 +168,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     # the registry's order with the pipeline around it: the whole model first (tensor parallel,
     # so every stage's layouts agree), then this rank's stages, then the rest on the stages
     target = ApplyTarget(model=model, mesh=mesh, pipelined=True)
+    pipe.prepare_split(model)   # the stages run the model's forward: read it before TP shards the modules
     apply_to_model(plan, target)
     tp_mesh = target.state.get("tp_mesh")
     cls = facts.schedule_class

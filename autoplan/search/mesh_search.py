@@ -48,7 +48,7 @@ from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
-from hyper_parallel.core.pipeline_parallel.split import spine_for
+from hyper_parallel.core.pipeline_parallel.split import pipeline_units
 from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -143,11 +143,11 @@ class ClusterSearch:
         return model_moe_groups(self.meta, self.graph(b), self.structure(b).dtype_bytes)
 
     def _unit_names(self) -> list[str]:
-        """Pipeline units in execution order: the runtime's spine when it knows the model, else
-        (a model priced at pp=1 only) embedding, every block, final norms, head from the
-        captured structure."""
+        """Pipeline units in execution order: the runtime split's cut points (``pipeline_units``)
+        when it can cut the model, else (a model priced at pp=1 only) embedding, every block,
+        final norms, head from the captured structure."""
         if self.pipeline_refusal is None:
-            return list(spine_for(self.model).units(self.model))
+            return pipeline_units(self.model)
         st = self.structure(self.mb_sizes[0])
         names = [st.embedding.fqn] if st.embedding else []
         for g in st.blocks:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class UnitCost:
-    """One pipeline unit (a spine FQN) per micro-batch on one rank: forward, backward-input and
+    """One pipeline unit (a cut point of the runtime's split) per micro-batch on one rank: forward, backward-input and
     backward-weight seconds (tensor-parallel collectives included), bytes of parameter state
     (params + grads + optimizer, after FSDP), saved activation bytes per micro-batch, and its
     data-parallel communication seconds per step (FSDP: two all-gathers and a reduce-scatter;

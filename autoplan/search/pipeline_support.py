@@ -1,12 +1,11 @@
 """Whether the runtime can pipeline a model, asked of the runtime itself.
 
-A pipelined plan applies only if ``hyper_parallel``'s split knows the model (a spine adapter) and
-the spine computes the model's function: spines match models by their attributes, and a
-transformers model whose forward does more than running its units in order -- Gemma-2 scales the
-embedding and soft-caps the logits in its forward, Granite multiplies both by its config -- would
-match the generic decoder spine and then train something else once cut (measured: Gemma-2 cut
-into two stages stepped to a different loss and gradients). So a model the spine does not know is
-refused, and one it knows is run on a small copy both ways: the two outputs must be equal.
+A pipelined plan applies only if ``hyper_parallel``'s split can cut the model (its forward traces
+into one block stack with units around it -- an encoder-decoder is refused, naming its two stacks)
+and the stages compute the model's function. A stage runs the model's own forward with the other
+stages' units stood in for; a forward whose data flow the stand-ins cannot carry (two values
+crossing a block boundary) would train something else once cut. So the model is cut at every
+boundary on a small copy and run both ways: the two outputs must be equal.
 
 The comparison must be able to see what a spine can get wrong: a sliding window or attention chunk
 the spine does not honour changes nothing on a sequence shorter than the window (EXAONE-4: gap 0.0
@@ -23,12 +22,11 @@ import torch
 import torch.nn as nn
 
 from autoplan.verify.shrink import attention_extents, recipe_for
-from hyper_parallel.core.pipeline_parallel.split import spine_for, spine_gap
+from hyper_parallel.core.pipeline_parallel.split import pipeline_units, spine_for, split_gap
 from hyper_parallel.errors import StageSplitError
 
-# the spine runs the model's own modules in the model's order: in fp32 on the CPU the outputs are
-# bit-equal when it computes the same function (measured 0.0 on Llama-, Mistral-, Qwen3-, Phi-3-,
-# OLMo-2-, Starcoder2- and Granite-shaped copies; Gemma-2 differs by 1.3e-3)
+# the stages run the model's own code: in fp32 on the CPU the outputs are bit-equal when the split
+# computes the same function
 GAP_TOLERANCE = 1e-5
 GUARD_MARGIN = 8      # tokens beyond the longest window/chunk: several positions fall outside it
 GUARD_MAX_TOKENS = 256
@@ -39,9 +37,11 @@ GUARD_PERTURB = 0.2   # noise on every parameter of the copy: norms far from 1, 
 def pipeline_refusal(model: nn.Module) -> str | None:
     """Why ``model`` cannot be cut into pipeline stages by the runtime; None when it can."""
     try:
-        spine = spine_for(model)
+        pipeline_units(model)
     except StageSplitError as exc:
         return f"pipeline parallelism needs the runtime to cut the model into stages: {exc}"
+    spine = spine_for(model)
+    how = f"the runtime's {spine.name!r} spine" if spine is not None else "the runtime's stages (the model's forward)"
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict") or not getattr(config, "model_type", None):
         return None   # a model written with its spine (the repo's Llama and VL model)
@@ -50,14 +50,12 @@ def pipeline_refusal(model: nn.Module) -> str | None:
         try:
             _GAPS[key] = _small_copy_gap(model)
         except Exception as exc:  # noqa: BLE001 - a copy that cannot be built or run proves nothing: refuse
-            return (f"the runtime's {spine.name!r} spine could not be checked against {type(model).__name__}'s "
-                    f"forward on a small copy ({type(exc).__name__}: {str(exc)[:200]}); teach the split this "
-                    "model with register_spine")
+            return (f"{how} could not be checked against {type(model).__name__}'s forward on a small copy "
+                    f"({type(exc).__name__}: {str(exc)[:200]})")
     gap = _GAPS[key]
     if gap > GAP_TOLERANCE:
-        return (f"the runtime's {spine.name!r} spine runs {type(model).__name__}'s units in order, and on a small "
-                f"copy that differs from its forward by {gap:.3g} (its forward does more than its units, e.g. a "
-                "scaled embedding or soft-capped logits); teach the split this model with register_spine")
+        return (f"{how}, cut at every boundary of a small copy of {type(model).__name__}, differs from its forward "
+                f"by {gap:.3g} (more than one value crosses a stage boundary)")
     return None
 
 
@@ -72,7 +70,7 @@ def _small_copy_gap(model: nn.Module) -> float:
     if vocab < 2:
         return float("inf")
     tokens = torch.randint(0, vocab, (1, guard_length(small.config)), generator=torch.Generator().manual_seed(0))
-    return spine_gap(small, tokens)
+    return split_gap(small, tokens)
 
 
 def guard_length(config) -> int:

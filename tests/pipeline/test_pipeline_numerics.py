@@ -11,7 +11,7 @@ import pytest
 
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES
 from tests.pipeline.workers import (
-    run_dtensor_activations, run_errors, run_graph_split, run_kwargs_and_counts, run_parallel, run_pure_pp, run_torch_compare,
+    run_dtensor_activations, run_errors, run_kwargs_and_counts, run_parallel, run_pure_pp, run_torch_compare,
 )
 
 SCHEDULES = list(SCHEDULE_NAMES)
@@ -51,16 +51,6 @@ def test_kwargs_reach_every_stage_at_any_micro_batch_count(pool2):
 def test_overlapped_receives_give_the_same_numbers(pool2):
     cases = [("titan", True, name, 4, 4, 8, 8) for name in SCHEDULES]
     _check_pure(pool2.run(run_pure_pp, cases, overlap=True), len(cases))
-
-
-def test_graph_split_of_an_exported_model(pool2):
-    cases = [(True, "1F1B", ["layers.2"]), (False, "ZBV", ["layers.1", "layers.2", "norm"])]
-    results = pool2.run(run_graph_split, cases)
-    _check_grads(results, len(cases))
-    for i in range(len(cases)):
-        held = [r[i] for r in results if r[i]["loss_err"] is not None]
-        assert len(held) == 1 and held[0]["loss_err"] < 1e-5, held
-        assert all(r[i]["kinds"] == ["GraphStageModule"] for r in results)
 
 
 def test_same_split_and_schedule_through_torch_pipelining(pool2):

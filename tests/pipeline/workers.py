@@ -278,13 +278,6 @@ class _Toy(torch.nn.Module):
         return self.head(h)
 
 
-def _toy_spine():
-    from hyper_parallel.core.pipeline_parallel import Spine
-    return Spine("toy", lambda m: isinstance(m, _Toy),
-                 lambda m: ["emb"] + [f"blocks.{i}" for i in range(len(m.blocks))] + ["head"],
-                 lambda stage, fqn, module, h, ctx: module(h))
-
-
 def run_kwargs_and_counts(cases) -> list[dict]:
     """HF Llama with a left-padding attention mask passed as a step kwarg (split per micro-batch,
     seen by every stage), at micro-batch counts that are not powers of two.
@@ -306,34 +299,12 @@ def run_kwargs_and_counts(cases) -> list[dict]:
     return out
 
 
-def run_graph_split(cases) -> list[dict]:
-    """Graph-split stages (torch.export) of the repo Llama: cases (tie, schedule name, cuts)."""
-    out = []
-    p = dist.get_world_size()
-    for tie, name, cuts in cases:
-        m, batch, seq = 2 * p, 4 * p, 8
-        x, y = data(batch, seq)
-        ref_loss, ref_grads = reference("titan", tie, 4, x, y)
-        model = build_model("titan", tie, 4)
-        cls = schedule_facts(name).schedule_class
-        stages = build_stages(model, cls.ir(p, m), cuts=cuts, example_args=(x[: batch // m],))
-        loss = cls(stages, m, lm_loss).step(x, target=y)
-        res = compare(stages, ref_grads, loss, ref_loss)
-        res.update(case=(tie, name), kinds=sorted({type(s.module).__name__ for s in stages}))
-        out.append(res)
-    return out
-
-
 def run_dtensor_activations(names) -> list[dict]:
     """(pp=2, tp=2): every block ends in RowwiseParallel(output_layouts=Shard(1),
     use_local_output=False), so DTensors with Shard(1) cross the stage boundary."""
     from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from hyper_parallel.core.pipeline_parallel import register_spine
-    from hyper_parallel.core.pipeline_parallel.split import SPINES
     from hyper_parallel.local import cached_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    if not any(s.name == "toy" for s in SPINES):
-        register_spine(_toy_spine())
     mesh = cached_mesh((2, 2), ("pp", "tp"))
     tp_mesh = mesh["tp"]
     x, y = data(4, 8)

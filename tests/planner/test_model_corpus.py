@@ -8,7 +8,7 @@ The slice covers one family per hazard: a norm over the full projection width on
 the count made local), Conv1D layers (GPT-2), relative position bias and two stacks
 (T5), a decoder's cross-attention sharded by heads beside its self-attention under FSDP (BART), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
 biases on the sequence-sharded stream (Starcoder2), Falcon's grouped fused q/k/v and in-place MLP output, Bloom's
-ALiBi bias (per-head rows folded into the batch), and two pipelined cases."""
+ALiBi bias (per-head rows folded into the batch), and pipelined cases."""
 import pytest
 
 from autoplan.verify.corpus import run_case
@@ -31,15 +31,18 @@ SLICE = [
     ("falcon", "dp2_tp2", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded_owned_output")),
     # Bloom: ALiBi bias built once by the model with heads folded into the batch, cut to the rank's heads
     ("bloom", "dp2_tp2", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
-    # pipelined (plan_cluster, pp fixed): a transformers model cut between decoder layers on a
-    # sequence-sharded stream (the receiving stage builds positions and mask for the whole
-    # sequence); a model the runtime cannot cut into stages is refused
+    # pipelined (plan_cluster, pp fixed; benchmarks/pipeline_corpus.py runs every family): the stages
+    # run the model's own forward between their cuts (forward_split.py). A transformers model cut
+    # between decoder layers on a sequence-sharded stream (the receiving stage's forward builds
+    # positions and masks for the whole sequence); GPT-NeoX and GPT-2 (its head tied to the
+    # embedding on another stage) that no adapter knows
     ("mistral", "pp2_tp2", "forced_S", ("attention:heads_sharded", "mlp:hidden_sharded")),
     ("gpt_neox", "pp2_dp2", "default", ()),
+    ("gpt2", "pp2_tp2", "default", ()),
     # issue 29: sliding windows (shrunk below the checked 16 tokens) on three layers of four
     # (EXAONE-4) and per-layer-kind masks and RoPE (Gemma-3) pipelined as the forward runs them;
-    # Gemma-2's forward scales and soft-caps outside its units (refused with the gap); Nemotron's
-    # weight pass crashed on ranks 2-3
+    # Gemma-2's forward scales and soft-caps outside its units; Nemotron's weight pass crashed on
+    # ranks 2-3
     ("exaone4", "pp2_tp2", "default", ("attention:heads_sharded",)),
     ("gemma3", "pp2_tp2", "default", ("attention:heads_sharded",)),
     ("gemma2", "pp2_tp2", "default", ()),

@@ -12,7 +12,6 @@ from hyper_parallel.core.pipeline_parallel.builder import build_stages
 from hyper_parallel.core.pipeline_parallel.generators import (
     gpipe, interleaved_1f1b, one_f_one_b, zbv, zero_bubble_h1,
 )
-from hyper_parallel.core.pipeline_parallel.graph_split import GraphStageModule, split_graph
 from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, split_microbatches
 from hyper_parallel.core.pipeline_parallel.mpipe import Preprocess
 from hyper_parallel.core.pipeline_parallel.mpipe_ir import mpipe
@@ -28,7 +27,8 @@ from hyper_parallel.core.pipeline_parallel.schedule_facts import (
 )
 from hyper_parallel.core.pipeline_parallel.simulator import SimResult, StageCost, simulate
 from hyper_parallel.core.pipeline_parallel.split import (
-    HFVisionTower, Spine, StageModule, even_cuts, register_spine, split_model, stage_units, tied_parameters,
+    HFVisionTower, Spine, StageModule, even_cuts, pipeline_units, prepare_split, register_spine, split_gap, split_model,
+    stage_units, tied_parameters,
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
@@ -39,8 +39,8 @@ __all__ = [
     "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
     "split_microbatches", "Preprocess", "HFVisionTower",
     # stage split
-    "split_model", "split_graph", "even_cuts", "stage_units", "tied_parameters", "StageModule",
-    "GraphStageModule", "Spine", "register_spine",
+    "split_model", "even_cuts", "pipeline_units", "prepare_split", "split_gap", "stage_units", "tied_parameters", "StageModule",
+    "Spine", "register_spine",
     # schedule IR, generators, validator, simulator (torch-free)
     "Action", "ActionKind", "PipelineSchedule", "from_orders", "lower",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "zbv", "build_schedule",

@@ -7,7 +7,6 @@ from typing import Sequence
 import torch.distributed as dist
 import torch.nn as nn
 
-from hyper_parallel.core.pipeline_parallel.graph_split import split_graph
 from hyper_parallel.core.pipeline_parallel.schedule_ir import PipelineSchedule
 from hyper_parallel.core.pipeline_parallel.split import even_cuts, split_model
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
@@ -15,23 +14,18 @@ from hyper_parallel.errors import StageSplitError
 
 
 def build_stages(model: nn.Module, schedule: PipelineSchedule, group=None,
-                 cuts: Sequence[str] | None = None, device=None, activation_mesh=None,
-                 example_args: Sequence | None = None) -> list[PipelineStage]:
+                 cuts: Sequence[str] | None = None, device=None, activation_mesh=None) -> list[PipelineStage]:
     """This pipeline rank's stages of ``model`` for ``schedule`` (an IR, e.g. ``Schedule1F1B.ir(p, m)``).
 
-    ``cuts`` default to :func:`even_cuts` for the schedule's stage count. With ``example_args``
-    (one *micro-batch* of inputs) the model is split by graph (torch.export) instead of by spine.
+    ``cuts`` default to :func:`even_cuts` for the schedule's stage count.
     """
     n = schedule.n_stages
-    if cuts is None and example_args is not None:
-        raise StageSplitError("build_stages: a graph split needs explicit cuts")
     cuts = even_cuts(model, n) if cuts is None else list(cuts)
     if len(cuts) != n - 1:
         raise StageSplitError(f"build_stages: {schedule.name} has {n} stages, so it needs {n - 1} cuts; "
                               f"got {len(cuts)}: {cuts}")
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     mine = schedule.stages_of(rank)
-    modules = split_model(model, cuts, mine) if example_args is None else \
-        split_graph(model, example_args, cuts, mine)
+    modules = split_model(model, cuts, mine)
     return [PipelineStage(m, s, n, group=group, device=device, activation_mesh=activation_mesh)
             for s, m in zip(mine, modules)]

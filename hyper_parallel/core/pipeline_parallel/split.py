@@ -1,15 +1,17 @@
 """Stage split: cut a model at FQNs and build this rank's stage modules, keeping the original FQNs.
 
-A decoder model is read as a *spine*: the units that run one after another on the hidden state
-(embedding, each block, final norm, head), plus the modules and buffers every stage needs for its
-side inputs (RoPE tables, masks). A cut ``"layers.2"`` starts a stage at that unit. Stage modules
-reference the original submodules (no copy), registered under their original paths, so TP plans,
-FSDP and checkpoints address ``layers.2.attention.wq`` exactly as on the full model, and parameters
-tied inside the model (embedding and head) stay one Parameter when one rank holds both stages.
+A stage holds the units between two cuts (a cut ``"model.layers.2"`` starts a stage at that unit).
+Stage modules reference the original submodules (no copy), registered under their original paths,
+so TP plans, FSDP and checkpoints address ``model.layers.2.self_attn.q_proj`` exactly as on the
+full model, and parameters tied inside the model (embedding and head) stay one Parameter when one
+rank holds both stages.
 
-Spine adapters exist for the repo's torchtitan-style Llama and for HF decoder ``*ForCausalLM``
-models (Llama, Qwen2, Mistral layout: ``model.embed_tokens``, ``model.layers.N``, ``model.norm``,
-``model.rotary_emb``, ``lm_head``); ``register_spine`` adds more.
+What a stage runs: for any model, the model's own forward between its cuts (forward_split.py:
+units read from a trace of the forward, the other stages' units stood in for at their call sites).
+Spines -- adapters that call a family's units in order themselves -- remain only for the repo's
+own models whose step carries inputs a forward does not take (the torchtitan Llama's context-
+parallel ``positions``, the vision-language models' MPipe tower output); ``register_spine`` adds
+one. :func:`split_gap` checks either kind against the model's forward.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from hyper_parallel.core.pipeline_parallel.forward_split import ForwardStage, model_kwargs, trace_forward
 from hyper_parallel.errors import StageSplitError
 
 
@@ -103,18 +106,7 @@ def _vl_call(stage, fqn, module, h, ctx):
     return out
 
 
-# ---- HF decoder-only *ForCausalLM ------------------------------------------------------------
-
-def _hf_matches(m: nn.Module) -> bool:
-    base = getattr(m, "model", None)
-    return (hasattr(m, "lm_head") and base is not None
-            and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
-
-
-def _hf_units(m: nn.Module) -> list[str]:
-    n = len(m.model.layers)
-    return ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(n)] + ["model.norm", "lm_head"]
-
+# ---- what transformers' decoder layers take (the LLaVA spine builds it per stage) -------------
 
 # the mask each attention kind gets from transformers' decoder forwards (``config.layer_types``)
 _MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
@@ -178,20 +170,6 @@ def _hf_layer_call(module, fqn: str, h, ctx):
     kind = ctx["kinds"][fqn]
     return module(h, attention_mask=ctx["masks"][kind], position_ids=ctx["position_ids"],
                   position_embeddings=ctx["rope"][kind], use_cache=False)
-
-
-def _hf_context(stage, h, kwargs) -> dict:
-    """Positions, RoPE and the masks, rebuilt on every stage that runs decoder layers."""
-    layers = [u for u in stage.units if u.startswith("model.layers.")]
-    if not layers:
-        return {}
-    return _hf_layer_context(stage.config, stage.get_submodule("model.rotary_emb"), h, kwargs, layers)
-
-
-def _hf_call(stage, fqn, module, h, ctx):
-    if fqn.startswith("model.layers."):
-        return _hf_layer_call(module, fqn, h, ctx)
-    return module(h)
 
 
 # ---- transformers' LLaVA-style VL models: ``model.vision_tower`` + ``model.multi_modal_projector`` (the
@@ -265,8 +243,6 @@ SPINES: list[Spine] = [
     Spine("hf-llava", _hf_vl_matches, _hf_vl_units, _hf_vl_call,
           context=lambda stage, h, kwargs: {"vision": kwargs.get("vision"), "kwargs": kwargs},
           shared=lambda m: ["model.language_model.rotary_emb"], context_on_input=True),
-    Spine("hf-causal-lm", _hf_matches, _hf_units, _hf_call, context=_hf_context,
-          shared=lambda m: ["model.rotary_emb"]),
 ]
 
 
@@ -275,24 +251,38 @@ def register_spine(spine: Spine) -> None:
     SPINES.insert(0, spine)
 
 
-def spine_for(model: nn.Module) -> Spine:
+def spine_for(model: nn.Module) -> Spine | None:
+    """The spine that runs ``model``'s stages, or None: its stages run the model's own forward."""
     for spine in SPINES:
         if spine.matches(model):
             return spine
-    raise StageSplitError(
-        f"split_model: no spine adapter knows {type(model).__name__}; known: "
-        f"{[s.name for s in SPINES]} (add one with register_spine)")
+    return None
+
+
+def pipeline_units(model: nn.Module) -> list[str]:
+    """The units a cut may start a stage at, in execution order (the planner's stage boundaries).
+    Raises StageSplitError naming why when the model cannot be cut (forward_split.trace_forward)."""
+    spine = spine_for(model)
+    return list(spine.units(model)) if spine is not None else trace_forward(model).units
+
+
+def prepare_split(model: nn.Module) -> None:
+    """Read the model's forward (once per architecture) while its modules are still plain: the
+    pipeline runner calls it before tensor parallelism shards them."""
+    if spine_for(model) is None:
+        trace_forward(model)
 
 
 class StageModule(nn.Module):
     """One pipeline stage: the units between two cuts, under their original FQNs.
 
     ``forward(x, **kwargs)`` takes the model input on the first stage and the previous stage's
-    hidden state elsewhere; kwargs (e.g. an attention mask) reach every stage.
+    hidden state elsewhere; kwargs (e.g. an attention mask) reach every stage. Without a spine the
+    stage runs the model's own forward (forward_split.ForwardStage) between its cuts.
     """
 
-    def __init__(self, model: nn.Module, spine: Spine, units: Sequence[str], stage_index: int,
-                 n_stages: int):
+    def __init__(self, model: nn.Module, spine: Spine | None, units: Sequence[str], stage_index: int,
+                 n_stages: int, next_unit: str | None = None):
         super().__init__()
         self.spine = spine
         self.units = list(units)
@@ -301,9 +291,17 @@ class StageModule(nn.Module):
         self.config = getattr(model, "config", None)
         visual = getattr(model, "visual", None)
         self.deepstack_levels = len(getattr(visual, "deepstack", ()))
-        for fqn in list(units) + spine.shared(model):
+        if spine is None:
+            trace = trace_forward(model)
+            shared = trace.shared
+            # the model root is not registered: the stage holds only its own units' parameters
+            object.__setattr__(self, "_forward_stage",
+                               ForwardStage(model, trace, self.units, stage_index, next_unit))
+        else:
+            shared = spine.shared(model)
+        for fqn in list(units) + list(shared):
             self._attach(fqn, model.get_submodule(fqn))
-        for name in spine.buffers(model):
+        for name in (spine.buffers(model) if spine is not None else []):
             self.register_buffer(name, getattr(model, name), persistent=False)
 
     def _attach(self, fqn: str, module: nn.Module) -> None:
@@ -324,6 +322,8 @@ class StageModule(nn.Module):
         return self.stage_index == self.n_stages - 1
 
     def forward(self, x, **kwargs):
+        if self.spine is None:
+            return self._forward_stage(x, kwargs)
         h, ctx = x, None
         for i, fqn in enumerate(self.units):
             if ctx is None and (self.spine.context_on_input or not (self.is_first and i == 0)):
@@ -337,8 +337,10 @@ class StageModule(nn.Module):
 
 
 def stage_units(model: nn.Module, cuts: Sequence[str]) -> list[list[str]]:
-    """The unit FQNs of each stage for cut points ``cuts`` (each the first unit of a stage)."""
-    units = spine_for(model).units(model)
+    """The unit FQNs of each stage for cut points ``cuts`` (each the first unit of a stage); the
+    first stage also holds the units the forward runs between the embedding and the first block
+    (position embeddings, embedding norms), which are no cut points."""
+    units = pipeline_units(model)
     cuts = list(cuts)
     where = []
     for c in cuts:
@@ -351,7 +353,15 @@ def stage_units(model: nn.Module, cuts: Sequence[str]) -> list[list[str]]:
         raise StageSplitError(f"split_model: cuts {cuts} must be distinct, in model order and after "
                               f"the first unit {units[0]!r}")
     bounds = [0] + where + [len(units)]
-    return [units[a:b] for a, b in zip(bounds, bounds[1:])]
+    groups = [units[a:b] for a, b in zip(bounds, bounds[1:])]
+    if spine_for(model) is None:
+        groups[0] = groups[0][:1] + trace_forward(model).lead + groups[0][1:]
+    return groups
+
+
+def _blocks(model: nn.Module, units: list[str]) -> list[str]:
+    """The blocks among ``units`` (a spine's: between the embedding and the final norm and head)."""
+    return units[1:-2] if spine_for(model) is not None else trace_forward(model).blocks
 
 
 def even_cuts(model: nn.Module, n_stages: int) -> list[str]:
@@ -359,9 +369,9 @@ def even_cuts(model: nn.Module, n_stages: int) -> list[str]:
     with the last); with more stages than blocks, the embedding, norm and head get stages too."""
     if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
         raise StageSplitError(f"even_cuts: n_stages={n_stages!r} must be an integer >= 1")
-    units = spine_for(model).units(model)
-    blocks = units[1:-2]
-    pool, offset = (blocks, 1) if n_stages <= len(blocks) else (units, 0)
+    units = pipeline_units(model)
+    blocks = _blocks(model, units)
+    pool = blocks if n_stages <= len(blocks) else units
     if n_stages > len(units):
         raise StageSplitError(f"even_cuts: {n_stages} stages need at least as many units; "
                               f"{type(model).__name__} has {len(units)}")
@@ -384,26 +394,31 @@ def split_model(model: nn.Module, cuts: Sequence[str], stage_indices: Sequence[i
             raise StageSplitError(f"split_model: stage {i} does not exist; {len(cuts)} cuts make "
                                   f"{len(groups)} stages")
     tied = tied_parameters(model, cuts)
-    stages = [StageModule(model, spine, groups[i], i, len(groups)) for i in idx]
+    stages = [StageModule(model, spine, groups[i], i, len(groups),
+                          groups[i + 1][0] if i + 1 < len(groups) else None) for i in idx]
     for st in stages:
         st.tied_groups = tied  # every rank needs the full list: the gradient sum is collective
     return stages
 
 
-def spine_gap(model: nn.Module, tokens: torch.Tensor) -> float:
-    """Largest absolute difference between ``model``'s output and its spine's units run in order
-    on ``tokens`` (one stage holding every unit): 0 when the spine computes the model's function.
-    A spine matches models by their attributes; a model whose forward does more than its units in
-    order (an embedding scaled in the model's forward, soft-capped logits, per-layer masks) would
-    match and then train a different function once cut. Run it on a small copy of the model."""
+def split_gap(model: nn.Module, tokens: torch.Tensor) -> float:
+    """Largest absolute difference between ``model``'s output and its stages run in order on
+    ``tokens``: 0 when the split computes the model's function. Without a spine the model is cut
+    at every boundary (every stage's stand-ins run); a spine runs as one stage holding every unit
+    (a spine matches models by attributes, and one whose forward does more than its units would
+    match and train another function). Run it on a small copy of the model."""
+    spine = spine_for(model)
+    cuts = [] if spine is not None else pipeline_units(model)[1:]
     with torch.no_grad():
-        want = model(tokens)
-        (stage,) = split_model(model, [])
-        got = stage(tokens)
-    want, got = (getattr(o, "logits", o) for o in (want, got))
-    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or want.shape != got.shape:
+        want = model(tokens, **({} if spine is not None else model_kwargs(model, {})))
+        h = tokens
+        for stage in split_model(model, cuts):
+            h = stage(h, sequence_length=tokens.shape[1])
+    want = getattr(want, "logits", want)
+    want = want[0] if isinstance(want, (tuple, list)) else want
+    if not isinstance(want, torch.Tensor) or not isinstance(h, torch.Tensor) or want.shape != h.shape:
         return float("inf")
-    return float((want.float() - got.float()).abs().max())
+    return float((want.float() - h.float()).abs().max())
 
 
 def tied_parameters(model: nn.Module, cuts: Sequence[str]) -> list[dict[int, str]]:
