@@ -18,7 +18,9 @@ ZeRO-1 or replicated over ``dp``) runs as usual on top: each dp rank then holds 
 worth of batch shards.
 
 Applied to the whole model after tensor parallel (``parallelize_module`` of the styles on the ep
-dimension, strict); registry order between tp and ac.
+dimension, strict); registry order between tp and ac. With a pipeline (pp > 1) the same: the
+styles go on the whole model before the cut, the pipeline runner shards every micro-batch's rows
+over ep inside each stage, and ``ExpertGradSync`` runs on this rank's stages after the schedule.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from hyper_parallel import ColwiseParallel, ExpertParallel, RowwiseParallel, bal
 from hyper_parallel.core.collective import merged_rows
 from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.core.expert_parallel import balanced_assignment
-from hyper_parallel.errors import DivisibilityError, LayoutError, UnsupportedModuleError
+from hyper_parallel.errors import LayoutError, UnsupportedModuleError
 from hyper_parallel.local import CollectiveRecorder, cached_mesh, fake_world, grads_by_name
 
 VOCAB, BATCH, SEQ = 64, 4, 8

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
