@@ -172,3 +172,25 @@ def test_kimi_k2_layout_plans_and_dry_runs_at_world_64():
     assert a2a == [384 * 8, copies * 256 * 4, received * 256 * 4], a2a
     result = verify(plan, model)
     assert result.passed, (result.error, result.mismatches())
+
+
+
+@pytest.mark.parametrize("rank,empty", [(0, False), (3, True)])
+def test_a_rank_without_experts_leaves_them_out_of_fsdp(rank, empty):
+    """6 experts over ep=4 are held 2, 2, 2, 0: rank 3's expert shards are empty, which FSDP2's
+    reduce-scatter rejects, so they are left out of FSDP there (averaged over dp by the runner;
+    the numerics with FSDP over dp=2 x ep=4: benchmarks/ep_numerics.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyper_parallel import parallelize_module
+    from hyper_parallel.core.dtensor import fsdp_unshardable
+    from hyper_parallel.local import fake_world
+
+    with torch.device("meta"):
+        model = build("mixtral", n_experts=6)[0].to("meta")
+    with fake_world(4, rank=rank):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        parallelize_module(model, mesh, {"model.layers.*.mlp.experts": ExpertParallel()}, strict=True)
+        left_out = {n for n, p in model.named_parameters() if any(p is q for q in fsdp_unshardable(model))}
+    experts = {n for n, _ in model.named_parameters() if ".experts." in n}
+    assert left_out == (experts if empty else set()), left_out

@@ -23,7 +23,8 @@ def run_ep_pipeline(cases: list[tuple[str, str]], batch: int = 8, seq: int = 8, 
         plan = Plan.from_json(plan_json)
         label = f"{model_name}/{'x'.join(f'{n}{s}' for n, s in zip(plan.mesh['names'], plan.mesh['shape']))}"
         mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
-        ref, par = build(model_name)[0], build(model_name)[0]
+        name, _, n_experts = model_name.partition(":")   # "mixtral:6": 6 experts
+        ref, par = (build(name, n_experts=int(n_experts or 8))[0] for _ in range(2))
         runner = plan.apply(par, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=lr))
         g = torch.Generator().manual_seed(11)
         tokens, targets = (torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(2))
