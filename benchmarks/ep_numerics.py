@@ -2,7 +2,8 @@
 (plan_mesh on a fixed mesh, plan_cluster for pipelined ones), applied with plan.apply, one SGD
 step compared with one device -- loss (rtol 1e-5), every gradient and every updated parameter
 (rtol 1e-4 / atol 1e-6). Cases the tests leave out for time: uneven experts (6 over ep=4: one rank
-holds none) with FSDP and inside a pipeline, ep=4 x pp=2, expert TP inside a pipeline.
+holds none) with FSDP and inside a pipeline, ep=4 x pp=2, ep with a tp dimension, every schedule
+kind (ZeroBubble, 1F1B with full recomputation, Interleaved1F1B, ZBV).
 Writes benchmarks/results/ep_numerics.csv and .md.
 
     PYTHONPATH=. .venv/bin/python benchmarks/ep_numerics.py
@@ -30,7 +31,9 @@ ONE_STAGE = [("mixtral:6", (2, 4)), ("qwen3_moe:6", (2, 4))]
 PIPELINED = [("mixtral", {"dp": 1, "ep": 4, "pp": 2, "tp": 1}),
              ("mixtral:6", {"dp": 1, "ep": 4, "pp": 2, "tp": 1}),
              ("qwen3_moe", {"dp": 1, "ep": 2, "pp": 2, "tp": 2}),
-             ("qwen3_moe", {"dp": 2, "ep": 2, "pp": 2, "tp": 1, "schedule": "1F1B", "activation_checkpointing": True})]
+             ("qwen3_moe", {"dp": 2, "ep": 2, "pp": 2, "tp": 1, "schedule": "1F1B", "activation_checkpointing": True}),
+             ("mixtral", {"dp": 2, "ep": 2, "pp": 2, "tp": 1, "schedule": "Interleaved1F1B"}),
+             ("qwen3_moe:6", {"dp": 1, "ep": 4, "pp": 2, "tp": 1, "schedule": "ZBV"})]
 
 
 def _model(spec: str):
