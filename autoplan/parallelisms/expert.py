@@ -32,6 +32,7 @@ from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
 from autoplan.parallelisms.data import allreduce_gradients, dp_degree, unique_params
 from hyper_parallel import parallelize_module, style_from_dict
 from hyper_parallel.core.tensor_parallel import match_modules
+from hyper_parallel.errors import PipelineError
 
 _STYLE = {"type": "object", "required": ["style", "args"], "additionalProperties": False,
           "properties": {"style": {"const": "ExpertParallel"}, "args": {"type": "object"}}}
@@ -161,6 +162,11 @@ class ExpertParallelism(Parallelism):
         names = tuple(target.mesh.mesh_dim_names or ())
         if section["dim"] not in names:
             return
+        if target.pipelined and (plan.pipeline or {}).get("preprocess") and target.mesh[section["dim"]].size() > 1:
+            # the MPipe tower lives outside the stages: ExpertGradSync would not average its gradients
+            raise PipelineError(f"plan.apply: an ep dimension ({section['dim']}={target.mesh[section['dim']].size()})"
+                                f" with an MPipe tower (pipeline.preprocess) is not supported: the tower's gradients "
+                                f"are not averaged over {section['dim']}; plan without ep or without the tower")
         if section["styles"]:
             parallelize_module(target.model, target.mesh,
                                {k: style_from_dict(v) for k, v in section["styles"].items()},

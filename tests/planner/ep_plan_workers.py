@@ -53,7 +53,7 @@ def run_all(cases: list[tuple[str, str, str]]) -> dict:
     for label, plan_json, model_name, *batch in cases:
         try:
             out[label] = run_plan(plan_json, model_name, *batch)
-        except Exception as exc:  # noqa: BLE001 - reported per case
+        except Exception:  # noqa: BLE001 - reported per case
             import traceback
             out[label] = {"error": traceback.format_exc()[-1500:]}
     return out

@@ -5,9 +5,11 @@ transformers' Mixtral / Qwen3-MoE / DeepSeek-V3 / GPT-OSS and the repo MoE model
 and shared experts are left to the other styles. Rank r of the ep group keeps the experts
 ``routing.expert_blocks`` gives it -- ``[r*L, min((r+1)*L, E))`` with ``L = ceil(E/ep)``, so ep
 need not divide E (6 experts over ep=4: 2, 2, 2, 0) -- (3-D weights: a DTensor ``Shard(0)``, which
-splits them the same way; a ModuleList: the other experts' parameters become meta tensors), and the container's forward becomes: route every token copy to
-its expert's rank (all-to-all, counts first), run the local experts (one grouped GEMM), send the
-outputs back (all-to-all), scale each copy by its routing weight and sum a token's copies.
+splits them the same way; a ModuleList: the other experts' parameters become meta tensors), and
+the container's forward becomes: route every token copy to its expert's rank (all-to-all, counts
+first; per-peer row counts, so no split needs to be even), run the local experts (one grouped
+GEMM), send the outputs back (all-to-all), scale each copy by its routing weight and sum a
+token's copies.
 
 ``tp_dim``: expert tensor parallelism inside each ep group (3-D weights only): gate_up is split
 column-wise (each rank its slice of both the gate and the up half), down row-wise, and the
@@ -161,15 +163,14 @@ class ExpertParallel(ParallelStyle):
 
         def forward(hidden_states, top_k_index, top_k_weights, *rest, **kwargs):
             if style.split_tokens and ep > 1:
-                rank = ep_rank
                 if hidden_states.shape[0] % ep:
                     raise DivisibilityError(f"{where}: split_tokens needs the token count "
                                             f"{hidden_states.shape[0]} divisible by {style.ep_dim} = {ep}")
-                hidden = SplitTokens.apply(hidden_states, rank, ep, ep_group)
-                weights = SplitTokens.apply(top_k_weights, rank, ep, ep_group)
-                index = top_k_index.chunk(ep, dim=0)[rank]
+                hidden = SplitTokens.apply(hidden_states, ep_rank, ep, ep_group)
+                weights = SplitTokens.apply(top_k_weights, ep_rank, ep, ep_group)
+                index = top_k_index.chunk(ep, dim=0)[ep_rank]
                 out = style._forward(module, layout, hidden, index, weights, ep, ep_rank, first, ep_group, tp_group)
-                return GatherTokens.apply(out, rank, ep, ep_group)
+                return GatherTokens.apply(out, ep_rank, ep, ep_group)
             return style._forward(module, layout, hidden_states, top_k_index, top_k_weights, ep, ep_rank, first,
                                   ep_group, tp_group)
 
