@@ -152,7 +152,7 @@ def check_styles(styles: Any, who: str) -> dict | None:
 
 # ------------------------------------------------------------------ plan_cluster's own arguments
 CONSTRAINT_KEYS = ("dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
-                   "activation_checkpointing", "virtual_stages", "dp_mode", "recompute")
+                   "activation_checkpointing", "virtual_stages", "dp_mode", "recompute", "expert_parallel")
 
 
 def check_sequence(value: Any, name: str, who: str) -> list:
@@ -222,6 +222,8 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
     for key, valid in (("dp_mode", DP_MODES), ("recompute", RECOMPUTE)):
         if key in cons and cons[key] not in valid:
             raise InvalidConstraintError(f"{who}: constraints[{key!r}]={cons[key]!r}; valid: {list(valid)}")
+    if "expert_parallel" in cons:   # True: ExpertParallel only, False: replicated experts (ep as dp)
+        strict_bool(cons["expert_parallel"], "constraints['expert_parallel']", who, InvalidConstraintError)
     for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):
         if key in cons:
             strict_bool(cons[key], f"constraints[{key!r}]", who, InvalidConstraintError)

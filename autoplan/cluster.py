@@ -10,6 +10,7 @@ Plan: the TP styles come from ``autoplan()`` on the winning mesh (so ``plan.appl
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Sequence
@@ -27,6 +28,7 @@ from autoplan.search.context_cost import LOSS_BYTES
 from autoplan.capture.inputs import meta_view
 from autoplan.search.mesh_candidates import MESH_NAMES, Candidate, ranked_alternatives
 from autoplan.search.mesh_search import ClusterSearch, search_dtype
+from autoplan.search.pipeline_experts import ep_layer_rows, ep_sync_row, expert_shards
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.sharding import param_shards
@@ -42,12 +44,18 @@ CLUSTER_ONLY = frozenset({"devices_per_node", "constraints", "schedules", "micro
                           "graphs", "alternatives", "max_simulations", "time_budget_s"})
 
 
-def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
+def _shards(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None) -> list:
+    """Rank 0's parameter shapes after TP and (with an ep dimension) ExpertParallel."""
+    st = search.structure(best.b, best.cp)
+    shards = param_shards(search.graph(best.b, best.cp), styles, best.tp, [g.prefix for g in st.blocks])
+    return expert_shards(shards, search.moe_groups, ep, best.ep, best.tp) if best.ep > 1 else shards
+
+
+def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict, ep: dict | None = None) -> list[dict]:
     """FSDP2 traffic of pipeline rank ``rank``, exactly as the pipeline runner wraps it: every
     block of its stages is a unit, each stage root holds the rest (embedding, norm, head)."""
     c = best.choice
-    st = search.structure(best.b, best.cp)
-    shards = param_shards(search.graph(best.b, best.cp), styles, best.tp, [g.prefix for g in st.blocks])
+    shards = _shards(search, best, styles, ep)
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     units: dict[tuple, int] = {}
@@ -72,12 +80,11 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) 
     return [Collective(k, p, b, n, dim).to_row() for k, p, b, n in rows]
 
 
-def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict) -> list[int]:
-    """Parameter bytes each pipeline rank holds after TP and FSDP (tied parameters once), one
+def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None = None) -> list[int]:
+    """Parameter bytes each pipeline rank holds after TP, EP and FSDP (tied parameters once), one
     pass over the parameter shards for all ranks."""
     c = best.choice
-    st = search.structure(best.b, best.cp)
-    shards = param_shards(search.graph(best.b, best.cp), styles, best.tp, [g.prefix for g in st.blocks])
+    shards = _shards(search, best, styles, ep)
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     rank_of = {u: s2r[s] for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) for u in names[a:b]}
@@ -104,10 +111,12 @@ def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dic
     return [Collective("all_reduce", "backward", n * st.dtype_bytes, dim="dp").to_row()]
 
 
-def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict | None = None
-               ) -> tuple[list[dict], dict[str, float]]:
+def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict | None = None,
+               ep: dict | None = None) -> tuple[list[dict], dict[str, float]]:
     """Collectives and memory of pipeline rank ``rank``: the TP collectives of its units once per
-    micro-batch, the dp collectives once per step, and the P2P sends of its stage boundaries."""
+    micro-batch, the dp collectives once per step, and the P2P sends of its stage boundaries;
+    with an ep dimension (``ep``: the plan's ``parallel.ep``) its MoE layers' all-to-alls per
+    micro-batch and the gradient all-reduce over ep once per step."""
     from collections import defaultdict
 
     c = best.choice
@@ -181,13 +190,38 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         if best.cp > 1:
             _add_cp_rows(agg, search, best, rank, mine, stage_of, twice)
         if best.dp * best.cp > 1:
-            rows = _fsdp_rows(search, best, rank, styles) if best.fsdp else _flat_dp_rows(search, best, rank, styles)
+            rows = _fsdp_rows(search, best, rank, styles, ep) if best.fsdp else _flat_dp_rows(search, best, rank, styles)
             for row in rows:
                 agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
+        if best.ep > 1:
+            _add_ep_rows(agg, search, best, [names[i] for i in sorted(mine)], stage_of, index, twice, styles, ep)
     inflight = c.peak_inflight[rank] / max(1, sum(1 for r in s2r if r == rank))
     mem["activations"] *= inflight
     rows = merged_rows(Collective(k, p, b, n, d) for (k, d, p, b), n in agg.items())
     return rows, dict(mem)
+
+
+def _add_ep_rows(agg: dict, search: ClusterSearch, best: Candidate, mine: list[str], stage_of: dict, index: dict,
+                 twice: bool, styles: dict, ep: dict | None) -> None:
+    """Expert parallel on one pipeline rank (units ``mine``): every MoE layer's ExpertParallel
+    collectives per micro-batch (the forward ones again in backward under full recomputation;
+    backward twice where split-backward FSDP stages run it twice, as the TP rows), and the
+    all-reduce over ep of its non-expert gradients once per step."""
+    c = best.choice
+    st = search.structure(best.b, best.cp)
+    per_unit = ep_layer_rows(search.moe_groups, ep, tokens=best.b * search.seq, dtype_bytes=st.dtype_bytes,
+                             ep=best.ep, tp=best.tp)
+    for u in mine:
+        rows = list(per_unit.get(u, ()))
+        if best.recompute == "full":
+            rows += [dataclasses.replace(col, phase="backward") for col in rows if col.phase == "forward"]
+        for col in rows:
+            w = 2 if twice and col.phase == "backward" and stage_of[index[u]] > 0 else 1
+            agg[(col.kind, col.dim, col.phase, int(col.nbytes))] += col.count * w * c.m
+    sync = ep_sync_row(_shards(search, best, styles, ep), search.moe_groups, ep, mine,
+                       best.dp * best.cp if best.fsdp else 1, "ep")
+    if sync is not None:
+        agg[(sync.kind, sync.dim, sync.phase, int(sync.nbytes))] += 1
 
 
 def _add_cp_rows(agg: dict, search: ClusterSearch, best: Candidate, rank: int, mine: set, stage_of: dict,
@@ -231,8 +265,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     Args:
         batch: ``(global_batch, seq_len)`` in sequences.
         hardware: hardware profile (default h100_sxm).
-        constraints: fix any of ``dp, pp, tp, schedule, microbatches, microbatch_size, fsdp,
-            activation_checkpointing, virtual_stages`` (e.g. ``{"pp": 2}``).
+        constraints: fix any of ``dp, pp, tp, cp, ep, schedule, microbatches, microbatch_size, fsdp,
+            activation_checkpointing, virtual_stages, dp_mode, recompute`` (e.g. ``{"pp": 2}``), and
+            ``expert_parallel`` (True: the ep dimension splits the experts, False: it is data parallel
+            with replicated experts; unset: priced).
         microbatch_sizes: sequences per micro-batch to consider (one capture each).
         graphs: ``{micro-batch size: ModelGraph}`` already captured at ``(b, seq_len)``.
     Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
@@ -295,7 +331,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                             memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
                             activation_checkpointing=best.recompute == "full",
                             allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                            styles=searched, prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b)
+                            styles=searched, prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b,
+                            expert_parallel=constraints.get("expert_parallel"))
         tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
                           "constraints": solver.constraints}
         ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
@@ -311,10 +348,11 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
         s2r = list(schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank)
         rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
-        collectives, mem = _rank_rows(search, best, 0, tp_plan.styles)
+        ep_section = tp_plan.parallel.get("ep")
+        collectives, mem = _rank_rows(search, best, 0, tp_plan.styles, ep_section)
         if c.p == 1:  # one stage: the TP planner's exact rows, x micro-batches (dry_run.verify checks them)
             collectives = tp_plan.predictions["collectives"]
-        _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles) if rank else (None, mem)
+        _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles, ep_section) if rank else (None, mem)
         if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
             worst_mem = {k: v for k, v in tp_plan.predictions["memory_bytes"].items() if k != "total"}
         busy = max(c.busy_s)
@@ -327,9 +365,9 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                           for row in c.per_stage],
             "collectives_rank": 0,
             # every pipeline rank's exact collectives and parameter bytes: verify dry-runs each rank
-            "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles)[0]
+            "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles, ep_section)[0]
                                  for r in range(c.p)] if c.p > 1 else [],
-            "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles),
+            "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles, ep_section),
         }
         add_tower(tp_plan, model, search, best)   # a VL model's vision tower: MPipe (issue 20)
         collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives

@@ -18,7 +18,9 @@ ZeRO-1 or replicated over ``dp``) runs as usual on top: each dp rank then holds 
 worth of batch shards.
 
 Applied to the whole model after tensor parallel (``parallelize_module`` of the styles on the ep
-dimension, strict); registry order between tp and ac.
+dimension, strict); registry order between tp and ac. With a pipeline (pp > 1) the same: the
+styles go on the whole model before the cut, the pipeline runner shards every micro-batch's rows
+over ep inside each stage, and ``ExpertGradSync`` runs on this rank's stages after the schedule.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
 from autoplan.parallelisms.data import allreduce_gradients, dp_degree, unique_params
 from hyper_parallel import parallelize_module, style_from_dict
 from hyper_parallel.core.tensor_parallel import match_modules
+from hyper_parallel.errors import PipelineError
 
 _STYLE = {"type": "object", "required": ["style", "args"], "additionalProperties": False,
           "properties": {"style": {"const": "ExpertParallel"}, "args": {"type": "object"}}}
@@ -76,15 +79,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class ExpertGradSync:
     """What follows backward on the ep dimension (see the module docstring): one all-reduce over
-    ep of every non-expert gradient (averaged), expert gradients divided by ep."""
+    ep of every non-expert gradient (averaged), expert gradients divided by ep.
 
-    def __init__(self, model: nn.Module, plan, ep_mesh):
-        self.model, self.plan, self.group, self.ep = model, plan, ep_mesh.get_group(), ep_mesh.size()
+    ``target``: the ApplyTarget the plan was applied to; its ``roots`` (the model, or this rank's
+    pipeline stages -- they keep the model's module paths, so the plan's patterns match them
+    too) are read when called, after the pipeline cut and FSDP have replaced the parameters. The
+    ranks of an ep group share their pipeline coordinate, so they hold the same stages and
+    reduce the same parameters in the same order."""
+
+    def __init__(self, target: ApplyTarget, plan, ep_mesh):
+        self.target, self.plan, self.group, self.ep = target, plan, ep_mesh.get_group(), ep_mesh.size()
 
     def __call__(self) -> None:
-        # parameters looked up now: FSDP replaced them after this was built
-        experts = {id(p) for p in expert_parameters(self.model, self.plan)}
-        params = unique_params(self.model)
+        roots = self.target.roots or [self.target.model]
+        experts = {id(p) for root in roots for p in expert_parameters(root, self.plan)}
+        seen: set[int] = set()
+        params = [p for root in roots for p in unique_params(root) if not (id(p) in seen or seen.add(id(p)))]
         allreduce_gradients([p for p in params if id(p) not in experts], self.group, self.ep)
         with torch.no_grad():
             for p in params:
@@ -106,11 +116,6 @@ class ExpertParallelism(Parallelism):
                                   "styles may be empty)"):
             return
         ep_name = roles.get("ep")
-        pp = data["parallel"].get("pp")
-        if pp and int(pp.get("pp", 1)) > 1:
-            raise section_error("ep", "", "set in a pipelined plan: expert parallel runs on one pipeline stage "
-                                "only for now (the pipeline runner neither shards the batch over ep nor averages "
-                                "gradients over it)")
         tp_name = data["parallel"]["tp"]["dim"] or roles.get("tp")
         for pattern, spec in section["styles"].items():
             if not pattern or any(not atom for atom in pattern.split(".")):
@@ -157,6 +162,11 @@ class ExpertParallelism(Parallelism):
         names = tuple(target.mesh.mesh_dim_names or ())
         if section["dim"] not in names:
             return
+        if target.pipelined and (plan.pipeline or {}).get("preprocess") and target.mesh[section["dim"]].size() > 1:
+            # the MPipe tower lives outside the stages: ExpertGradSync would not average its gradients
+            raise PipelineError(f"plan.apply: an ep dimension ({section['dim']}={target.mesh[section['dim']].size()})"
+                                f" with an MPipe tower (pipeline.preprocess) is not supported: the tower's gradients "
+                                f"are not averaged over {section['dim']}; plan without ep or without the tower")
         if section["styles"]:
             parallelize_module(target.model, target.mesh,
                                {k: style_from_dict(v) for k, v in section["styles"].items()},
@@ -164,5 +174,5 @@ class ExpertParallelism(Parallelism):
         ep_mesh = target.mesh[section["dim"]]
         if ep_mesh.size() > 1:
             target.state["ep_mesh"] = ep_mesh
-            target.state["ep_sync"] = ExpertGradSync(target.model, plan, ep_mesh)
+            target.state["ep_sync"] = ExpertGradSync(target, plan, ep_mesh)
 

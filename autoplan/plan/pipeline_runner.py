@@ -1,11 +1,14 @@
-"""Apply a plan with pp > 1: this rank's stage(s), TP on the tp sub-mesh, FSDP on dp, the schedule.
+"""Apply a plan with pp > 1: this rank's stage(s), TP on the tp sub-mesh, EP on ep, FSDP on dp, the schedule.
 
 Order matters and follows the runtime's tested recipe (tests/pipeline/workers.py): the TP styles
 go on the whole model first (every rank builds the same model, so the layouts agree across
 stages), then the model is cut at the plan's cuts and only the stages the schedule places on
 this pipeline rank are kept, then each block of those stages and the stage root are wrapped with
 FSDP over dp (tied parameters shared between stages are left out of FSDP: the runtime sums their
-gradients across stages itself). ``step`` runs every micro-batch, then the optimizer.
+gradients across stages itself). Expert parallel is applied with TP, on the whole model; its ep
+dimension shards every micro-batch's rows (ep borrows from dp) and averages gradients after the
+schedule, with the one-stage runner's code (``autoplan.parallelisms.expert``). ``step`` runs every
+micro-batch, then the optimizer.
 """
 from __future__ import annotations
 
@@ -59,13 +62,16 @@ class PipelineRunner(HeldWeights):
     returned on every rank is the global one (mean over micro-batches and dp ranks)."""
 
     def __init__(self, plan, stages, schedule, optimizer, pp_group, last_pp_rank: int, dp_mesh=None,
-                 batch_mesh=None, cp_mesh=None, root=None):
+                 batch_mesh=None, cp_mesh=None, root=None, ep_mesh=None, ep_sync=None):
         self.plan, self.stages, self.schedule, self.optimizer = plan, stages, schedule, optimizer
         self.pp_group, self.last_pp_rank, self.dp_mesh = pp_group, last_pp_rank, dp_mesh
         # context parallel: dp_mesh is the gradient mesh (dp x cp), batch_mesh splits batch rows (dp),
         # cp_mesh each sequence (head + tail chunks); root: the model before the cut (its position argument)
         self.batch_mesh = dp_mesh if cp_mesh is None else batch_mesh
         self.cp_mesh, self.root = cp_mesh, root
+        # expert parallel: the ep dimension shards each micro-batch's rows inside every stage, and
+        # ``ep_sync`` averages the gradients over it after the schedule (parallelisms.expert)
+        self.ep_mesh, self.ep_sync = ep_mesh, ep_sync
         idx = {s.stage_index for s in stages}
         self.first, self.last = 0 in idx, schedule.ir.n_stages - 1 in idx
 
@@ -74,9 +80,11 @@ class PipelineRunner(HeldWeights):
         return [s.module for s in self.stages]
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's share of a global batch along dim 0 (its dp coordinate), then (context
-        parallel) its head and tail chunks of every sequence."""
+        """This rank's share of a global batch along dim 0 (its dp coordinate, then its ep
+        coordinate when the plan's ep dimension shards the batch, as ``Runner.local_batch``),
+        then (context parallel) its head and tail chunks of every sequence."""
         inputs, targets = dp_share(inputs, targets, self.batch_mesh, "PipelineRunner")
+        inputs, targets = dp_share(inputs, targets, self.ep_mesh, "PipelineRunner")
         return cp_share(inputs, targets, self.cp_mesh)
 
     def step_kwargs(self, inputs: torch.Tensor) -> dict:
@@ -89,7 +97,11 @@ class PipelineRunner(HeldWeights):
 
     def data_parallel_step(self) -> bool:
         """After the schedule: replicated dp all-reduces this rank's gradients; ZeRO-1 reduce-
-        scatters them, steps its slice, all-gathers the parameters (True: optimizer stepped)."""
+        scatters them, steps its slice, all-gathers the parameters (True: optimizer stepped).
+        Expert parallel's ep dimension first averages the gradients over its batch shards (after
+        the schedule has summed tied parameters across stages)."""
+        if self.ep_sync is not None:
+            self.ep_sync()
         zero1 = getattr(self, "zero1", None)
         if zero1 is not None:
             zero1.step(self.optimizer)
@@ -116,9 +128,10 @@ class PipelineRunner(HeldWeights):
             value = loss.detach().to(torch.float64).reshape(())
         src = dist.get_global_rank(self.pp_group, self.last_pp_rank)
         dist.broadcast(value, src=src, group=self.pp_group)
-        if self.dp_mesh is not None and self.dp_mesh.size() > 1:
-            dist.all_reduce(value, group=dp_group(self.dp_mesh))
-            value /= self.dp_mesh.size()
+        for mesh in (self.dp_mesh, self.ep_mesh):   # every rank's loss is its batch shard's mean
+            if mesh is not None and mesh.size() > 1:
+                dist.all_reduce(value, group=dp_group(mesh))
+                value /= mesh.size()
         return float(value)
 
 
@@ -222,7 +235,8 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     last_rank = ir.stage_to_rank[ir.n_stages - 1]
     runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank,
                             dp_mesh if (use_dp or replicate_dp or zero1_dp) else None,
-                            batch_mesh=batch_mesh, cp_mesh=cp_mesh, root=model)
+                            batch_mesh=batch_mesh, cp_mesh=cp_mesh, root=model,
+                            ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"))
     runner.replicate_dp = replicate_dp
     runner.fsdp_replicated = target.state.get("fsdp_replicated", []) if use_dp else []
     runner.zero1 = Zero1([p for st in stages for p in unique_params(st.module)], dp_mesh.get_group(),

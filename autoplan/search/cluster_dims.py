@@ -22,9 +22,8 @@ Which degrees are tried (the search's cost grows with one capture per (micro-bat
   can hook; with cp > 1 a micro-batch is one sequence (context parallelism exists because one
   sequence is already too big), and at such lengths every micro-batch is one sequence.
 - ep: for models whose capture recognised MoE layers ExpertParallel takes (3-D expert
-  weights), powers of two dividing every MoE layer's expert count; ep > 1 only without a
-  pipeline (the pipeline runner shards no batch over ep: the ``ep`` entry refuses pp > 1),
-  except when a constraint fixes both (pricing a published layout).
+  weights), powers of two dividing every MoE layer's expert count, with or without a pipeline
+  (the pipeline runner shards every micro-batch over ep inside the stages).
 ``constraints={"cp": k}`` / ``{"ep": k}`` fix the degree (1 turns it off).
 """
 from __future__ import annotations

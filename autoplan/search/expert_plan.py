@@ -25,6 +25,29 @@ def _under(pattern: str, param_fqn: str) -> bool:
     return fqn_matches(pattern, param_fqn.rsplit(".", 1)[0])
 
 
+def shard_experts(shards: list[ParamShard], styled: list, ep: int, tp: int) -> list[ParamShard]:
+    """Rank 0's shapes under ExpertParallel: ``styled`` holds (MoEGroup, ExpertParallel) pairs;
+    dim 0 (experts) over ep, the expert-TP dimension (gate_up's output, down's input) over tp
+    where the style has a tp_dim. One place for the one-stage plan and every pipeline rank."""
+    out = []
+    for s in shards:
+        hit = next(((g, st) for g, st in styled if _under(g.pattern, s.fqn)), None)
+        if hit is None or not s.local_shape:
+            out.append(s)
+            continue
+        g, style = hit
+        shape = list(s.local_shape)
+        shape[0] = -(-shape[0] // ep)
+        if style.tp_dim is not None:
+            name = s.fqn.rsplit(".", 1)[-1]
+            out_dim, in_dim = (2, 1) if g.layout.transposed else (1, 2)
+            d = {"gate_up_proj": out_dim, "down_proj": in_dim, "gate_up_proj_bias": 1}.get(name)
+            if d is not None:
+                shape[d] = -(-shape[d] // tp)
+        out.append(dataclasses.replace(s, local_shape=tuple(shape)))
+    return out
+
+
 class ExpertPlanning:
     def __init__(self, model, graph, structure, ctx, spec, imbalance: float = IMBALANCE,
                  expert_parallel: bool | None = None, groups=None):
@@ -62,25 +85,8 @@ class ExpertPlanning:
         return [(g, o) for g, o in zip(self.choice.groups, self.choice.chosen) if o.style is not None]
 
     def shard(self, shards: list[ParamShard]) -> list[ParamShard]:
-        """Rank 0's shapes with the chosen ExpertParallel styles: dim 0 (experts) over ep, the
-        expert-TP dimension (gate_up's output, down's input) over tp."""
-        out = []
-        for s in shards:
-            hit = next(((g, o) for g, o in self._ep_groups() if _under(g.pattern, s.fqn)), None)
-            if hit is None or not s.local_shape:
-                out.append(s)
-                continue
-            g, o = hit
-            shape = list(s.local_shape)
-            shape[0] = -(-shape[0] // self.ep)
-            if o.style.tp_dim is not None:
-                name = s.fqn.rsplit(".", 1)[-1]
-                out_dim, in_dim = (2, 1) if g.layout.transposed else (1, 2)
-                d = {"gate_up_proj": out_dim, "down_proj": in_dim, "gate_up_proj_bias": 1}.get(name)
-                if d is not None:
-                    shape[d] = -(-shape[d] // self.tp)
-            out.append(dataclasses.replace(s, local_shape=tuple(shape)))
-        return out
+        """Rank 0's shapes with the chosen ExpertParallel styles (:func:`shard_experts`)."""
+        return shard_experts(shards, [(g, o.style) for g, o in self._ep_groups()], self.ep, self.tp)
 
     def finish(self, shards: list[ParamShard], use_fsdp: bool, dp: int, recompute_blocks: bool = False) -> dict:
         """Collectives, step-time terms, decision rows and notes of the choice (``shards``: the

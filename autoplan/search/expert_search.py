@@ -182,9 +182,7 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
         name = "expert_parallel" if etp == 1 else "expert_parallel_tp"
         style = ExpertParallel(ep_dim=ep_name, tp_dim=tp_name if etp > 1 else None)
         excluded = None
-        if group.experts % ep:
-            excluded = f"{group.experts} experts are not divisible by {ep_name}={ep}"
-        elif etp > 1 and (group.layout.kind != "stacked" or group.layout.ffn % etp):
+        if etp > 1 and (group.layout.kind != "stacked" or group.layout.ffn % etp):
             excluded = (f"expert TP needs 3-D expert weights with F divisible by {tp_name}={etp} "
                         f"(kind {group.layout.kind}, F={group.layout.ffn})")
         elif group.layout.kind != "stacked":
@@ -201,7 +199,7 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
                 excluded = str(exc)
         compute = ctx.compute_time(group.work, etp) * n * imbalance
         comm = sum(ctx.collective_time(c) for c in colls)
-        reason = (f"{group.experts // ep if not group.experts % ep else '?'} of {group.experts} experts per rank, "
+        reason = (f"{-(-group.experts // ep)} of {group.experts} experts per rank, "
                   f"tokens by all-to-all over {ep_name}" + (f", expert weights split over {tp_name}" if etp > 1 else ""))
         state = ctx.state_bytes(group.param_bytes * n, ep * etp)
         local = max(group.experts // ep, 1)

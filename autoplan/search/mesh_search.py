@@ -88,7 +88,8 @@ class ClusterSearch:
         self.dtype = search_dtype(self.hw, dtype)
         self.cons = dict(constraints or {})
         unknown = set(self.cons) - {"dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
-                                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute"}
+                                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute",
+                                    "expert_parallel"}
         if unknown:
             raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
         self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)
@@ -314,7 +315,7 @@ class ClusterSearch:
                                           memory_left=self.limit - used)
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
-                                     groups=self.moe_groups)
+                                     groups=self.moe_groups, expert_parallel=self.cons.get("expert_parallel"))
             add_ep(acc, names, options, all_targets, experts)
         units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
@@ -401,8 +402,8 @@ class ClusterSearch:
 
     def meshes(self) -> list[tuple[int, int, int, int, int]]:
         """(dp, pp, tp, cp, ep) to search: dp x pp x tp factorizations of the devices each cp or
-        ep degree leaves (``cluster_dims``: which degrees, cp after dp, ep borrowed from dp and
-        only without a pipeline; cp with a pipeline where the runtime runs it)."""
+        ep degree leaves (``cluster_dims``: which degrees, cp after dp, ep borrowed from dp, with
+        or without a pipeline; cp with a pipeline where the runtime runs it)."""
         n_units = len(self.unit_names)
         rest = {k: v for k, v in self.cons.items() if k not in ("cp", "ep")}
         out = []
@@ -414,7 +415,7 @@ class ClusterSearch:
                     continue
                 max_pp = n_units if self.pipeline_refusal is None else 1
                 for dp, pp, tp in mesh_factorizations(self.devices // (cp * ep), self.dpn, max_pp, rest):
-                    if (ep > 1 and pp > 1) or (cp > 1 and pp > 1 and not CP_WITH_PP):
+                    if cp > 1 and pp > 1 and not CP_WITH_PP:
                         continue
                     out.append((dp, pp, tp, cp, ep))
         return out
@@ -512,7 +513,7 @@ class ClusterSearch:
                  ac=None, cuts: str = "even", v: int = 1, cp: int = 1, ep: int = 1) -> Candidate:
         """Price one fixed plan (e.g. an expert's) with the same costs: even or balanced cuts;
         ``ac=None`` takes the faster fitting of with/without activation checkpointing. Any cp /
-        ep / pp combination is priced, also those the runtime cannot apply yet (ep with pp)."""
+        ep / pp combination is priced."""
         if self.gb % (dp * ep * b):
             raise InfeasiblePlanError(f"evaluate: global batch {self.gb} not divisible by dp*ep*b = {dp * ep * b}")
         m = self.gb // (dp * ep * b)

@@ -7,7 +7,8 @@ apply_pipeline_plan, r's stages get fake storage, one warm-up step runs unrecord
 recorded step. Compared exactly per (kind, mesh dim, bytes) with counts against
 ``plan.pipeline["rank_collectives"][r]``: TP collectives of r's stages (on the last stage with
 loss parallel: the vocabulary-parallel loss's, never a full-vocabulary gather), FSDP per unit,
-the P2P sends and receives of its stage boundaries and the runtime's signature all-reduce; with an
+the P2P sends and receives of its stage boundaries and the runtime's signature all-reduce, expert
+parallel's all-to-alls (under balanced routing, as dry_run.py) and its gradient all-reduce over ep; with an
 MPipe tower (``pipeline.preprocess``) also the transposed tower outputs and their gradients (P2P)
 and the tower-gradient all-reduce, run with the tower inputs ``model.extra_inputs(tokens)`` gives.
 
@@ -32,13 +33,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
-from autoplan.parallelisms.data import dp_degree
 from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.parallelisms.context import cp_share
+from autoplan.parallelisms.expert import batch_shards
 from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, meta_copy,
                                         plan_dtype)
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
+from hyper_parallel import balanced_routing
 from hyper_parallel.local import CollectiveRecorder, fake_world
 
 log = logging.getLogger(__name__)
@@ -86,9 +88,10 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for st in runner.stages
                      for p in st.module.parameters())
         tp_mesh = None
-        if shapes_model is not None:   # the same tensor-parallel styles, on the copy that infers shapes
+        if shapes_model is not None:   # the same tensor- and expert-parallel styles, on the copy that infers shapes
             shaped = ApplyTarget(model=shapes_model, mesh=mesh, pipelined=True)
             parallelism("tp").apply_to_model(plan, shaped)
+            parallelism("ep").apply_to_model(plan, shaped)
             tp_mesh = shaped.state.get("tp_mesh")
         pre = runner.schedule.preprocess   # an MPipe plan's tower: on every rank, outside the stages
         fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -99,9 +102,11 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
                 pre.module.to_empty(device="cpu")
             if shapes_model is not None:
                 shapes_model.to_empty(device="cpu")
-        with fake:
-            inputs, targets = dry_batch(plan, dp_degree(plan), inputs)
-            inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # as PipelineRunner.local_batch
+        # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
+        with fake, balanced_routing():
+            # one dp x ep rank's rows (the ep dimension shards the batch), as PipelineRunner.local_batch
+            inputs, targets = dry_batch(plan, batch_shards(plan), inputs)
+            inputs, targets = cp_share(inputs, targets, runner.cp_mesh)
             step_kwargs = runner.step_kwargs(inputs)
             extra = _tower_inputs(meta, pre, inputs)
             if shapes_model is not None:

@@ -16,8 +16,9 @@ from tests.runtime.ep_workers import VOCAB, build
 def run_plan(plan_json: str, model_name: str, batch: int = 4, seq: int = 8, lr: float = 0.1) -> dict:
     plan = Plan.from_json(plan_json)
     mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
-    ref, _ = build(model_name)
-    par, _ = build(model_name)
+    name, _, n_experts = model_name.partition(":")   # "mixtral:6": 6 experts (ep_workers.run_case's convention)
+    ref, _ = build(name, n_experts=int(n_experts or 8))
+    par, _ = build(name, n_experts=int(n_experts or 8))
     runner = plan.apply(par, mesh)
     runner.optimizer = torch.optim.SGD(par.parameters(), lr=lr)
     g = torch.Generator().manual_seed(11)
@@ -47,12 +48,12 @@ def run_plan(plan_json: str, model_name: str, batch: int = 4, seq: int = 8, lr: 
 
 
 def run_all(cases: list[tuple[str, str, str]]) -> dict:
-    """cases: (label, plan JSON, model name)."""
+    """cases: (label, plan JSON, model name[, global batch rows])."""
     out = {}
-    for label, plan_json, model_name in cases:
+    for label, plan_json, model_name, *batch in cases:
         try:
-            out[label] = run_plan(plan_json, model_name)
-        except Exception as exc:  # noqa: BLE001 - reported per case
+            out[label] = run_plan(plan_json, model_name, *batch)
+        except Exception:  # noqa: BLE001 - reported per case
             import traceback
             out[label] = {"error": traceback.format_exc()[-1500:]}
     return out

@@ -145,3 +145,52 @@ def test_repo_moe_layer_is_captured_with_routed_flops():
     rows, h, f = 2 * 8 * 2, 32, 16
     gemm = 2 * rows * h * 2 * f + 2 * rows * f * h
     assert module_work(graph, "layers.1.feed_forward.experts").flops >= 3 * gemm
+
+
+def test_kimi_k2_layout_plans_and_dry_runs_at_world_64():
+    """Kimi K2's expert layout (DeepSeek-V3 architecture, 384 routed experts, top-8, 4,096 tokens
+    = 32,768 routed copies per rank, which 384 does not divide) on dp=4 x ep=16: ExpertParallel is
+    planned (24 experts per rank, uneven all-to-all rows under balanced routing) and the dry run at
+    world 64 issues exactly the predicted collectives. Widths shrunk (hidden 256) to keep it quick;
+    the full widths plan and verify the same way (docs/expert_parallel.md)."""
+    import transformers as tf
+
+    cfg = tf.DeepseekV3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=384,
+                              n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+                              qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=4096, use_cache=False)
+    with torch.device("meta"):
+        model = tf.DeepseekV3ForCausalLM(cfg)
+    plan = _plan(model, (4, 16), ("dp", "ep"), hardware="h100_sxm", batch=(64, 4096), expert_parallel=True)
+    assert plan.parallel["ep"]["styles"] == {"model.layers.1.mlp.experts": ExpertParallel().to_dict()}
+    a2a = sorted({r["bytes"] for r in plan.predictions["collectives"] if r["kind"] == "all_to_all"})
+    copies = 4096 * 8
+    # 32,768 = 85 x 384 + 128: the first 128 experts get 86 copies from every rank, so rank 0's 24 experts
+    # receive 16 x 24 x 86 rows (sent back by combine) while it dispatches 32,768
+    received = 16 * 24 * (copies // 384 + 1)
+    assert a2a == [384 * 8, copies * 256 * 4, received * 256 * 4], a2a
+    result = verify(plan, model)
+    assert result.passed, (result.error, result.mismatches())
+
+
+
+@pytest.mark.parametrize("rank,empty", [(0, False), (3, True)])
+def test_a_rank_without_experts_leaves_them_out_of_fsdp(rank, empty):
+    """6 experts over ep=4 are held 2, 2, 2, 0: rank 3's expert shards are empty, which FSDP2's
+    reduce-scatter rejects, so they are left out of FSDP there (averaged over dp by the runner;
+    the numerics with FSDP over dp=2 x ep=4: benchmarks/ep_numerics.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyper_parallel import parallelize_module
+    from hyper_parallel.core.dtensor import fsdp_unshardable
+    from hyper_parallel.local import fake_world
+
+    with torch.device("meta"):
+        model = build("mixtral", n_experts=6)[0].to("meta")
+    with fake_world(4, rank=rank):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+        parallelize_module(model, mesh, {"model.layers.*.mlp.experts": ExpertParallel()}, strict=True)
+        left_out = {n for n, p in model.named_parameters() if any(p is q for q in fsdp_unshardable(model))}
+    experts = {n for n, _ in model.named_parameters() if ".experts." in n}
+    assert left_out == (experts if empty else set()), left_out

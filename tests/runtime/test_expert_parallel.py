@@ -20,6 +20,9 @@ from tests.runtime import ep_workers
 MODELS4 = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "repo", "repo_list"]
 CASES4 = [(m, c) for m in MODELS4 for c in ("ep2", "ep4", "ep2xtp2", "dp2xep2") if (m, c) != ("repo_list", "ep2xtp2")]
 CASES4 += [(m, "ep4split") for m in ("mixtral", "deepseek_v3", "repo_list")] + [("mixtral", "ep2xtp2attn")]
+# 6 experts over ep=4 (2, 2, 2, 0 per rank: one rank holds none) and 16 routed copies per rank: uneven
+# all-to-all splits, every token count routes
+CASES4 += [("mixtral:6", "ep4"), ("repo_list:6", "ep4")]
 CASES8 = [(m, "dp2xep2xtp2") for m in ("deepseek_v3", "gpt_oss")]
 
 
@@ -38,7 +41,6 @@ def test_one_step_equals_one_device_on_4_ranks(pool4):
     _check_numerics(reports, CASES4)
     for rank, rep in enumerate(reports):
         errors = rep["errors"]
-        assert "num_experts = 6 is not divisible by ep = 4" in errors["divisible"]["message"], errors
         assert "not an experts container" in errors["wrong_module"]["message"] or \
             "has no forward" in errors["wrong_module"]["message"], errors
         assert "needs 3-D expert weights" in errors["list_tp"]["message"], errors
@@ -59,6 +61,7 @@ def test_dp_ep_tp_on_8_ranks(pool8):
     (64, (8, 8), ("dp", "ep"), None, 16, False),
     (64, (8, 4, 2), ("dp", "ep", "tp"), "tp", 8, True),
     (8, (4, 1, 2), ("dp", "ep", "tp"), "tp", 8, False),   # ep = 1: expert TP only, no all-to-all
+    (8, (1, 4, 2), ("dp", "ep", "tp"), "tp", 6, False),   # 6 experts over ep=4, 32 copies: uneven rows
 ])
 def test_predicted_collectives_equal_issued_in_a_dry_run(world, shape, names, tp_dim, experts, split):
     issued, predicted = ep_workers.dry_run_collectives(world, shape, names, tp_dim, experts, batch=2, seq=8,
@@ -107,11 +110,15 @@ def test_balanced_assignment_and_prediction_errors():
     idx = balanced_assignment(16, 2, 8)
     assert torch.bincount(idx.flatten(), minlength=8).tolist() == [4] * 8
     assert all(len(set(row.tolist())) == 2 for row in idx)
-    with pytest.raises(DivisibilityError, match="not divisible by num_experts"):
-        balanced_assignment(3, 2, 8)
-    with pytest.raises(DivisibilityError, match="experts = 6 is not divisible by ep = 4"):
-        expert_parallel_collectives(ExpertParallel(), tokens=16, hidden=8, ffn=8, top_k=2, experts=6,
-                                    dtype_bytes=2, ep=4)
+    # any token count routes: 6 copies over 8 experts, the first 6 get one each
+    assert torch.bincount(balanced_assignment(3, 2, 8).flatten(), minlength=8).tolist() == [1] * 6 + [0] * 2
+    with pytest.raises(DivisibilityError, match="top_k = 9 exceeds num_experts = 8"):
+        balanced_assignment(3, 9, 8)
+    # 6 experts over ep=4 (rank 0 owns 2), 32 copies: rank 0 receives 4 x (6 + 6) = 48 rows, sends 32
+    rows = expert_parallel_collectives(ExpertParallel(), tokens=16, hidden=8, ffn=8, top_k=2, experts=6,
+                                       dtype_bytes=2, ep=4)
+    assert sorted((r.phase, r.nbytes) for r in rows if r.nbytes > 64) == [("backward", 32 * 16), ("backward", 48 * 16),
+                                                                          ("forward", 32 * 16), ("forward", 48 * 16)]
     rows = ExpertParallel().predicted_collectives(tokens=16, hidden=8, ffn=8, top_k=2, experts=8, dtype_bytes=2, ep=1)
     assert rows == []
 

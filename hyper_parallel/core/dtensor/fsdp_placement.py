@@ -28,12 +28,19 @@ def strided_dims(param: nn.Parameter) -> set[int]:
     return {p.dim % param.ndim for p in param.placements if isinstance(p, _StridedShard)}
 
 
+def _local_numel(p: nn.Parameter) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
 def fsdp_unshardable(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters of ``module`` strided-sharded by tensor parallelism on every dimension (a packed
-    projection's bias): FSDP2 cannot shard them without scrambling their global view."""
+    """Parameters of ``module`` FSDP2 cannot shard: strided-sharded by tensor parallelism on every
+    dimension (a packed projection's bias: sharding would scramble its global view), or holding
+    no element on this rank (an ep rank that owns no expert when ep does not divide the expert
+    count: FSDP2's reduce-scatter rejects an empty gradient). The ranks of a dp group share every
+    other mesh coordinate, so they agree on this list."""
     seen, out = set(), []
     for p in module.parameters():
-        if id(p) not in seen and p.ndim and strided_dims(p) >= set(range(p.ndim)):
+        if id(p) not in seen and p.ndim and (strided_dims(p) >= set(range(p.ndim)) or not _local_numel(p)):
             seen.add(id(p))
             out.append(p)
     return out

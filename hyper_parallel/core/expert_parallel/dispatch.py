@@ -1,8 +1,8 @@
 """Token dispatch and combine for expert parallelism, and expert tensor parallelism's f/g pair.
 
 A rank holds ``T`` tokens, each routed to ``top_k`` experts out of ``E``; experts are split in
-``ep`` contiguous blocks of ``L = E / ep`` (rank r of the ep group owns experts
-``[r*L, (r+1)*L)``). Dispatch sorts the ``T * top_k`` token copies by expert (so they are
+``ep`` contiguous blocks of ``L = ceil(E / ep)`` (rank r of the ep group owns experts
+``[r*L, min((r+1)*L, E))``: ``routing.expert_blocks``, the way DTensor shards the weights). Dispatch sorts the ``T * top_k`` token copies by expert (so they are
 grouped by destination rank), exchanges the per-expert counts with one all-to-all, then sends
 the rows with a second; the receiver regroups them by local expert for the grouped GEMM.
 Combine reverses both steps. The row all-to-alls are autograd functions (their backward is the
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+from hyper_parallel.core.expert_parallel.routing import balanced_counts, balanced_order, expert_blocks
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -35,28 +37,34 @@ class Dispatch:
 
 
 def exchange_counts(per_expert: torch.Tensor, ep: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """[ep, L]: rows each source rank sends to each of my local experts."""
-    return _wait(funcol.all_to_all_single(per_expert, None, None, group)).view(ep, -1)
+    """[ep, ceil(E / ep)]: rows each source rank sends to each of my local experts (zeros past my
+    last expert when ep does not divide E: the counts are padded to equal blocks per rank)."""
+    size = -(-per_expert.numel() // ep)
+    padded = torch.nn.functional.pad(per_expert, (0, size * ep - per_expert.numel()))
+    return _wait(funcol.all_to_all_single(padded, None, None, group)).view(ep, size)
 
 
 def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, ep: int,
-             group: dist.ProcessGroup, balanced: bool) -> tuple[torch.Tensor, Dispatch]:
-    """Send every token copy to the rank that owns its expert; rows come back grouped by local expert."""
+             group: dist.ProcessGroup, balanced: bool, rank: int) -> tuple[torch.Tensor, Dispatch]:
+    """Send every token copy to the rank that owns its expert; rows come back grouped by local expert.
+
+    Any split: the experts are owned in ``expert_blocks`` (uneven when ep does not divide E) and
+    the all-to-alls take per-peer row counts, so no rank needs the same number of rows as another."""
     top_k = top_k_index.shape[-1]
-    local = num_experts // ep
+    blocks = expert_blocks(num_experts, ep)
     if balanced:
         order, send_splits, recv_splits, local_counts, regroup = _balanced_plan(
-            top_k_index.numel(), num_experts, ep, group, hidden.device)
+            top_k_index.numel(), num_experts, ep, rank, group, hidden.device)
     else:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         per_expert = torch.bincount(flat, minlength=num_experts)
-        recv = exchange_counts(per_expert, ep, group)
-        send_splits = per_expert.view(ep, local).sum(1).tolist()
+        recv = exchange_counts(per_expert, ep, group)[:, :blocks[rank][1]]
+        send_splits = [int(per_expert[a:a + n].sum()) for a, n in blocks]
         recv_splits = recv.sum(1).tolist()
         local_counts = recv.sum(0).tolist()
         # received rows are ordered (source rank, local expert); regroup them by local expert
-        expert_of_row = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
+        expert_of_row = torch.repeat_interleave(torch.arange(recv.shape[1], device=hidden.device).repeat(ep),
                                                 recv.reshape(-1).to(hidden.device))
         regroup = torch.argsort(expert_of_row, stable=True)
     token_of_copy = torch.div(order, top_k, rounding_mode="floor")
@@ -66,18 +74,29 @@ def dispatch(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int, 
     return received[regroup], info
 
 
-def _balanced_plan(copies: int, num_experts: int, ep: int, group: dist.ProcessGroup, device):
+def _balanced_plan(copies: int, num_experts: int, ep: int, rank: int, group: dist.ProcessGroup, device):
     """Dispatch bookkeeping under balanced routing (copy j -> expert j % E), from sizes alone.
 
     Nothing here reads tensor values, so it runs on meta and fake tensors (verify's dry runs):
-    each expert gets c = copies / E copies from every rank; sorting copies by expert is a
-    transpose of [copies / E, E]; received rows (source, local expert, c) regroup by a transpose.
-    The count exchange is still issued -- it is part of a real step's traffic."""
-    c, local = copies // num_experts, num_experts // ep
-    exchange_counts(torch.full((num_experts,), c, dtype=torch.int64, device=device), ep, group)
-    order = torch.arange(copies, device=device).view(c, num_experts).t().reshape(-1)
-    regroup = torch.arange(copies, device=device).view(ep, local, c).transpose(0, 1).reshape(-1)
-    return order, [c * local] * ep, [c * local] * ep, [c * ep] * local, regroup
+    expert e gets ``balanced_counts(copies, E)[e]`` copies from every rank (every rank of the
+    group routes the same number of copies); received rows (source rank, local expert, copy)
+    regroup by local expert. The count exchange is still issued -- it is part of a real step's
+    traffic."""
+    counts = balanced_counts(copies, num_experts)
+    blocks = expert_blocks(num_experts, ep)
+    exchange_counts(torch.tensor(counts, dtype=torch.int64, device=device), ep, group)
+    order = balanced_order(copies, num_experts, device)
+    first, n = blocks[rank]
+    mine = counts[first:first + n]
+    received = sum(mine)
+    pieces, offset = [], 0
+    for c in mine:   # local expert l: its c rows from each source s sit at s * received + offset
+        pieces.append((torch.arange(ep, device=device)[:, None] * received + offset
+                       + torch.arange(c, device=device)[None, :]).reshape(-1))
+        offset += c
+    regroup = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+    send = [sum(counts[a:a + k]) for a, k in blocks]
+    return order, send, [received] * ep, [c * ep for c in mine], regroup
 
 
 def combine(expert_out: torch.Tensor, info: Dispatch, top_k_weights: torch.Tensor, num_tokens: int,

@@ -105,7 +105,7 @@ def stacked_experts(module: nn.Module, layout: ExpertsLayout, x: torch.Tensor, c
     expert_of_row = None
     if layout.biases:
         expert_of_row = torch.cat([torch.full((n,), e, dtype=torch.long, device=x.device)  # sizes only: fake-safe
-                                   for e, n in enumerate(counts)])
+                                   for e, n in enumerate(counts)] + [torch.zeros(0, dtype=torch.long, device=x.device)])
     h = grouped_mm(x, gu, counts)
     if layout.biases:
         h = h + local(module.gate_up_proj_bias)[expert_of_row]
@@ -126,4 +126,4 @@ def list_experts(module: nn.Module, layout: ExpertsLayout, first: int, x: torch.
     for i, n in enumerate(counts):
         pieces.append(experts[first + i](x[start:start + n]))
         start += n
-    return torch.cat(pieces, dim=0) if pieces else x.new_zeros(0, x.shape[-1])
+    return torch.cat(pieces, dim=0) if pieces else x * 0   # no local expert: empty, still in the graph

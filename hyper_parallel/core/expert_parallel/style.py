@@ -2,11 +2,14 @@
 
 Applied with ``parallelize_module`` to the *experts container* (``block.experts`` in
 transformers' Mixtral / Qwen3-MoE / DeepSeek-V3 / GPT-OSS and the repo MoE model); the router
-and shared experts are left to the other styles. Rank r of the ep group keeps experts
-``[r*E/ep, (r+1)*E/ep)`` (3-D weights: a DTensor ``Shard(0)``; a ModuleList: the other experts'
-parameters become meta tensors), and the container's forward becomes: route every token copy to
-its expert's rank (all-to-all, counts first), run the local experts (one grouped GEMM), send the
-outputs back (all-to-all), scale each copy by its routing weight and sum a token's copies.
+and shared experts are left to the other styles. Rank r of the ep group keeps the experts
+``routing.expert_blocks`` gives it -- ``[r*L, min((r+1)*L, E))`` with ``L = ceil(E/ep)``, so ep
+need not divide E (6 experts over ep=4: 2, 2, 2, 0) -- (3-D weights: a DTensor ``Shard(0)``, which
+splits them the same way; a ModuleList: the other experts' parameters become meta tensors), and
+the container's forward becomes: route every token copy to its expert's rank (all-to-all, counts
+first; per-peer row counts, so no split needs to be even), run the local experts (one grouped
+GEMM), send the outputs back (all-to-all), scale each copy by its routing weight and sum a
+token's copies.
 
 ``tp_dim``: expert tensor parallelism inside each ep group (3-D weights only): gate_up is split
 column-wise (each rank its slice of both the gate and the up half), down row-wise, and the
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,7 +47,13 @@ from hyper_parallel.core.expert_parallel.dispatch import (
 )
 from hyper_parallel.core.expert_parallel.layouts import ExpertsLayout, list_experts, read_layout, stacked_experts
 from hyper_parallel.core.expert_parallel.predict import expert_parallel_collectives
-from hyper_parallel.core.expert_parallel.routing import balanced_assignment, balanced_routing_active
+from hyper_parallel.core.expert_parallel.routing import (
+    balanced_assignment,
+    balanced_counts,
+    balanced_order,
+    balanced_routing_active,
+    expert_blocks,
+)
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle
 from hyper_parallel.errors import DivisibilityError, LayoutError, MeshError, StyleSpecError, UnsupportedModuleError
 
@@ -78,8 +86,7 @@ def _local_order(top_k_index, num_experts: int, balanced: bool) -> tuple:
     """ep == 1: (token copies sorted by expert, rows per expert); from sizes alone when balanced."""
     copies = top_k_index.numel()
     if balanced:
-        c = copies // num_experts
-        return torch.arange(copies, device=top_k_index.device).view(c, num_experts).t().reshape(-1), [c] * num_experts
+        return balanced_order(copies, num_experts, top_k_index.device), balanced_counts(copies, num_experts)
     flat = top_k_index.reshape(-1)
     return flat.argsort(stable=True), flat.bincount(minlength=num_experts).tolist()
 
@@ -116,10 +123,6 @@ class ExpertParallel(ParallelStyle):
         where = self._where(fqn)
         layout = read_layout(module, where)
         ep_mesh, tp_mesh, _ = _dims(mesh, self.ep_dim, self.tp_dim, where)
-        ep = ep_mesh.size()
-        if layout.num_experts % ep:
-            raise DivisibilityError(f"{where}: num_experts = {layout.num_experts} is not divisible by "
-                                    f"{self.ep_dim} = {ep} (valid: ep sizes dividing {layout.num_experts})")
         if tp_mesh is not None:
             if layout.kind != "stacked":
                 raise UnsupportedModuleError(f"{where}: tp_dim={self.tp_dim!r} needs 3-D expert weights; "
@@ -135,9 +138,8 @@ class ExpertParallel(ParallelStyle):
         where = self._where(fqn)
         layout = self.check_module(module, mesh, fqn)
         ep_mesh, tp_mesh, param_mesh = _dims(mesh, self.ep_dim, self.tp_dim, where)
-        ep = ep_mesh.size()
-        local_n = layout.num_experts // ep
-        first = ep_mesh.get_local_rank() * local_n
+        ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        first, local_n = expert_blocks(layout.num_experts, ep)[ep_rank]   # uneven when ep does not divide E
         if layout.kind == "stacked":
             for name, placements in self._placements(layout, param_mesh).items():
                 param = module._parameters.get(name)
@@ -161,16 +163,15 @@ class ExpertParallel(ParallelStyle):
 
         def forward(hidden_states, top_k_index, top_k_weights, *rest, **kwargs):
             if style.split_tokens and ep > 1:
-                rank = first // local_n
                 if hidden_states.shape[0] % ep:
                     raise DivisibilityError(f"{where}: split_tokens needs the token count "
                                             f"{hidden_states.shape[0]} divisible by {style.ep_dim} = {ep}")
-                hidden = SplitTokens.apply(hidden_states, rank, ep, ep_group)
-                weights = SplitTokens.apply(top_k_weights, rank, ep, ep_group)
-                index = top_k_index.chunk(ep, dim=0)[rank]
-                out = style._forward(module, layout, hidden, index, weights, ep, first, ep_group, tp_group)
-                return GatherTokens.apply(out, rank, ep, ep_group)
-            return style._forward(module, layout, hidden_states, top_k_index, top_k_weights, ep, first,
+                hidden = SplitTokens.apply(hidden_states, ep_rank, ep, ep_group)
+                weights = SplitTokens.apply(top_k_weights, ep_rank, ep, ep_group)
+                index = top_k_index.chunk(ep, dim=0)[ep_rank]
+                out = style._forward(module, layout, hidden, index, weights, ep, ep_rank, first, ep_group, tp_group)
+                return GatherTokens.apply(out, ep_rank, ep, ep_group)
+            return style._forward(module, layout, hidden_states, top_k_index, top_k_weights, ep, ep_rank, first,
                                   ep_group, tp_group)
 
         record.add_flag(module, "forward", forward)
@@ -190,7 +191,7 @@ class ExpertParallel(ParallelStyle):
         ep_first = param_mesh.mesh_dim_names[0] == self.ep_dim
         return {n: ((Shard(0), p) if ep_first else (p, Shard(0))) for n, p in tp_part.items()}
 
-    def _forward(self, module, layout, hidden, top_k_index, top_k_weights, ep, first, ep_group, tp_group):
+    def _forward(self, module, layout, hidden, top_k_index, top_k_weights, ep, ep_rank, first, ep_group, tp_group):
         tokens, top_k = top_k_index.shape[0], top_k_index.shape[-1]
         balanced = self.balanced or balanced_routing_active()
         if balanced:
@@ -200,7 +201,7 @@ class ExpertParallel(ParallelStyle):
                               f"which meta/fake tensors do not have; run dry runs inside balanced_routing() "
                               f"(or with ExpertParallel(balanced=True))")
         if ep > 1:
-            rows, info = dispatch(hidden, top_k_index, layout.num_experts, ep, ep_group, balanced)
+            rows, info = dispatch(hidden, top_k_index, layout.num_experts, ep, ep_group, balanced, ep_rank)
             counts = info.local_counts
         else:
             info = None
