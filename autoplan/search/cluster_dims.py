@@ -173,6 +173,10 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
         dp_whole = ctx.comm_time(ctx.fsdp_collectives(whole, 1) + ctx.ddp_collectives(whole, 1), latency=not ctx.fsdp)
         dp_shard = ctx.comm_time(ctx.fsdp_collectives(whole, shard) + ctx.ddp_collectives(whole, shard),
                                  latency=not ctx.fsdp)
+        # one FSDP all-gather of the layer (what a pipeline re-gathers when it finds the unit
+        # resharded, row 6): the expert shard's bytes too, not the whole layer's
+        gather_whole = ctx.comm_time(ctx.fsdp_collectives(whole, 1)[:1], latency=False)
+        gather_shard = ctx.comm_time(ctx.fsdp_collectives(whole, shard)[:1], latency=False)
         opt_whole = ctx.optimizer_time(0, ctx.optimizer_elements(whole, 1), ctx.dp_mode != "replicate")
         opt_shard = ctx.optimizer_time(0, ctx.optimizer_elements(whole, shard), ctx.dp_mode != "replicate")
         for i in units:
@@ -185,6 +189,7 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
                 acc[i][5] += ctx.comm_time(colls) / n
             else:
                 acc[i][5] += (dp_shard - dp_whole) * per_layer
+                acc[i][6] += (gather_shard - gather_whole) * per_layer
                 acc[i][7] += (opt_shard - opt_whole) * per_layer
                 expert_units[i] = expert_units.get(i, 0.0) + whole * per_layer
     # the all-reduce over ep of every non-expert gradient, this rank's local bytes
