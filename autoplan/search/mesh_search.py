@@ -25,7 +25,8 @@ from autoplan.capture import capture
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.search.cluster_dims import (
-    CP_MIN_SEQ, add_cp, add_ep, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees, model_moe_groups,
+    CP_MIN_SEQ, add_cp, add_ep, add_expert_compute, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees,
+    model_moe_groups,
 )
 from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
 from autoplan.search.costing import RECOMPUTE, CostContext
@@ -312,6 +313,9 @@ class ClusterSearch:
             self.cp_choices[key] = add_cp(acc, names, st, self.graph(b, cp), ctx, self._chosen[tp_key], cp=cp, b=b,
                                           seq=self.seq, tp=tp, dtype_bytes=st.dtype_bytes,
                                           memory_left=self.limit - used)
+        if ep == 1 and self.moe_groups:
+            add_expert_compute(acc, names, self.moe_groups, ctx, tokens=b * self.seq // cp,
+                               dtype_bytes=st.dtype_bytes)
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups)
