@@ -32,6 +32,7 @@ import pandas as pd
 from autoplan.cluster import mfu_bound_note
 from autoplan.errors import InfeasiblePlanError
 from autoplan.presets import build_preset
+from autoplan.search.expert_search import expert_options
 from autoplan.search.mesh_search import ClusterSearch
 
 OUT = Path(__file__).parent / "results" / "moe_published_runs"
@@ -174,7 +175,8 @@ def price(run: Run, free: bool) -> dict:
         return row
     row.update({"predicted_s": best.step_s, "ratio": best.step_s / run.measured_s, "recompute": best.recompute,
                 "m": best.choice.m, "price_s": time.perf_counter() - t0, **terms(best),
-                "ep_a2a_s": a2a_seconds(search, best, run) if run.ep > 1 else 0.0,
+                "ep_term_s": ep_seconds(search, best) if run.ep > 1 else 0.0,
+                "experts_as": experts_as(search, best, run),
                 "predicted_mem_gib": max(best.choice.rank_memory) / 2**30})
     if free:
         t1 = time.perf_counter()
@@ -191,9 +193,23 @@ def price(run: Run, free: bool) -> dict:
     return row
 
 
-def a2a_seconds(search, cand, run: Run) -> float:
-    """Seconds per step on the busiest pipeline rank the expert layers' all-to-alls (and the
-    expert compute change) add: the same plan priced with ep folded into dp, differenced."""
+def experts_as(search, cand, run: Run) -> str:
+    """How the expert layers were priced: ExpertParallel at the published ep, or replicated
+    (and why: an ExpertParallel option the pricing refuses)."""
+    if run.ep == 1:
+        return "replicated (no ep)"
+    g = search.moe_groups[0]
+    ctx = search.ctx(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.cp, cand.ep)
+    opts = expert_options(g, ctx, tokens=cand.b * run.seq, dtype_bytes=search.structure(cand.b).dtype_bytes,
+                          ep_name="ep", ep=run.ep, tp_name=None, tp=1, imbalance=1.0)
+    ep_opt = next(o for o in opts if o.style is not None)
+    return f"ExpertParallel ep{run.ep}" if ep_opt.excluded is None else f"replicated: {ep_opt.excluded}"
+
+
+def ep_seconds(search, cand) -> float:
+    """Seconds per step on the busiest pipeline rank that ep changes against the same plan with
+    ep folded into dp: the expert layers' all-to-alls plus the expert compute change (fewer local
+    experts' weights to read: negative when that outweighs the all-to-alls)."""
     units, _ = search.unit_costs(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.b, ep=cand.ep)
     dense, _ = search.unit_costs(cand.dp * cand.ep, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.b)
     per_mb = sum(u.forward + u.backward_input + u.backward_weight for u in units) - \
@@ -205,20 +221,24 @@ def write(df: pd.DataFrame) -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(OUT.with_suffix(".csv"), index=False, float_format="%.6g")
     ok = df.dropna(subset=["ratio"]) if "ratio" in df else df.iloc[:0]
+    if "experts_as" in ok:   # a run whose experts could not be priced at its published ep is not its layout
+        ok = ok[~ok.experts_as.fillna("").str.startswith("replicated:")]
     inside = (ok.ratio >= 0.85) & (ok.ratio <= 1.15)
     lg = ok.ratio.map(lambda r: abs(math.log2(r)))
     cols = [c for c in ["case", "source", "hardware", "devices", "published", "recompute", "m", "measured_s",
-                        "predicted_s", "ratio", "busy_s", "ep_a2a_s", "bubble_s", "dp_and_optimizer_s",
+                        "predicted_s", "ratio", "experts_as", "busy_s", "ep_term_s", "bubble_s", "dp_and_optimizer_s",
                         "predicted_mem_gib", "error"] if c in df]
     lines = ["# Published MoE training runs: predicted vs measured step time", "", __doc__.split("\n\n")[1], "",
              "Regenerate with `PYTHONPATH=$PWD .venv/bin/python benchmarks/moe_published_runs.py`.", "",
-             f"**{int(inside.sum())} of {len(ok)}** priced runs within 15 % ({len(df) - len(ok)} not priced); "
+             f"**{int(inside.sum())} of {len(ok)}** runs priced at their published layout within 15 % "
+             f"({len(df) - len(ok)} not priced at it: see experts_as); "
              f"{int(((ok.ratio < 0.75) | (ok.ratio > 1.25)).sum())} outside 25 %; ratio range "
              f"{ok.ratio.min():.3f}-{ok.ratio.max():.3f}; median |log2(ratio)| "
              f"{statistics.median(lg) if len(lg) else float('nan'):.3f}. No constant is fitted to these runs: "
              "leaving a source out refits nothing, so the leave-one-source-out ratios are these.", "",
-             "`busy_s` includes `ep_a2a_s` (the expert layers' all-to-alls and expert-compute change on the busiest "
-             "pipeline rank, by differencing the same plan with ep folded into dp).", "",
+             "`busy_s` includes `ep_term_s`: what ep changes on the busiest pipeline rank against the same plan "
+             "with ep folded into dp (the expert layers' all-to-alls, plus the expert compute change: a rank with "
+             "fewer local experts reads fewer weights, so it can be negative).", "",
              df[cols].to_markdown(index=False, floatfmt=".4g"), ""]
     by = ok.assign(inside=inside).groupby("source").agg(cases=("case", "count"), within_15pct=("inside", "sum"),
                                                        median_ratio=("ratio", "median"))

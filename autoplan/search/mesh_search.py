@@ -102,6 +102,7 @@ class ClusterSearch:
         self._tp: dict[tuple, tuple] = {}
         self.tp_solver: dict[tuple, Any] = {}   # (tp, b, recompute) -> the TP ILP's SolverInfo
         self._structures: dict[int, Any] = {}
+        self._moe_groups: dict[tuple[int, int], list] = {}   # (b, cp) -> MoE groups of that graph
         self._ctx: dict[tuple, Any] = {}
         self._probers: dict[int, Any] = {}
         self._target_cache: dict[tuple, list[int]] = {}   # (slot, owner, in block, cp) -> pipeline units
@@ -142,6 +143,14 @@ class ClusterSearch:
         """The model's MoE layers ExpertParallel can take (empty for a dense model)."""
         b = self.mb_sizes[0]
         return model_moe_groups(self.meta, self.graph(b), self.structure(b).dtype_bytes)
+
+    def moe_groups_at(self, b: int, cp: int = 1) -> list:
+        """The MoE groups of the graph of micro-batch ``b`` (and ``cp``): their captured work is what
+        the TP search counted for that micro-batch, which the expert repricing replaces."""
+        key = (b, cp)
+        if key not in self._moe_groups:
+            self._moe_groups[key] = model_moe_groups(self.meta, self.graph(b, cp), self.structure(b, cp).dtype_bytes)
+        return self._moe_groups[key]
 
     def _unit_names(self) -> list[str]:
         """Pipeline units in execution order: the runtime's spine when it knows the model, else
@@ -314,11 +323,11 @@ class ClusterSearch:
                                           seq=self.seq, tp=tp, dtype_bytes=st.dtype_bytes,
                                           memory_left=self.limit - used)
         if ep == 1 and self.moe_groups:
-            add_expert_compute(acc, names, self.moe_groups, ctx, tokens=b * self.seq // cp,
+            add_expert_compute(acc, names, self.moe_groups_at(b, cp), ctx, tokens=b * self.seq // cp,
                                dtype_bytes=st.dtype_bytes)
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
-                                     groups=self.moe_groups)
+                                     groups=self.moe_groups_at(b))
             add_ep(acc, names, options, all_targets, experts)
         units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
