@@ -105,6 +105,12 @@ def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
     compute_change = (grouped_expert_time(ctx, g, ep=8, **kw) - grouped_expert_time(ctx, g, ep=1, **kw)) * g.count / 3
     a2a_forward = sum(u.forward for u in ep8) - sum(u.forward for u in dense) - compute_change
     assert a2a_forward > 0
+    # FSDP: a pipeline's re-gather of a MoE block (UnitCost.dp_gather_s) moves the experts' ep shard,
+    # not the whole layer (cluster_dims.add_ep scales it with the reductions and the optimizer step)
+    f_ep8, _ = search.unit_costs(8, 1, 1, "fsdp", "none", 1, ep=8)
+    ctx8 = search.ctx(8, 1, 1, "fsdp", "none", 1, 8)
+    whole_layers = g.count * ctx8.comm_time(ctx8.fsdp_collectives(g.param_bytes, 1)[:1], latency=False)
+    assert sum(u.dp_gather_s for u in f_ep8) < 0.5 * whole_layers
     cand = search.evaluate(4, 2, 1, "1F1B", 1, "fsdp", "none", ep=8)
     assert cand.step_s > 0 and cand.mesh == {"dp": 4, "ep": 8, "pp": 2, "tp": 1}
 
