@@ -37,6 +37,7 @@ from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 from autoplan.search.tower_plan import add_tower
 from hyper_parallel.core.collective import Collective, merged_rows
 from cost_models.hardware import load_hardware
+from cost_models.published_mfu import StepTerms, mfu_note, predicted_mfu
 
 log = logging.getLogger(__name__)
 # the keywords plan_cluster takes beyond autoplan's: autoplan(model, N, ...) forwards exactly these
@@ -396,6 +397,22 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                 f"reduce-scatters) {c.m} times, replicated dp / ZeRO-1 reduce once per step")
         if search.pipeline_refusal:
             tp_plan.notes.append(f"pp=1 only: {search.pipeline_refusal}")
+        note = mfu_bound_note(search, best)
+        if note:
+            tp_plan.notes.append(note)
         with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
         tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
         return tp_plan
+
+
+def mfu_bound_note(search, cand) -> str | None:
+    """``cost_models.published_mfu.mfu_note`` for a priced candidate: its MFU by the captured
+    graph's forward + backward FLOPs (no recomputation) against the best published for its
+    hardware and model class (MoE when the search found expert groups)."""
+    g = search.graph(cand.b, cand.cp)
+    flops = (g.total_flops() + g.total_flops(backward=True)) * search.gb * cand.cp / cand.b
+    ch = cand.choice
+    busy = max(ch.busy_s)
+    terms = StepTerms(busy, max(ch.sim_step_s - busy, 0.0), max(ch.step_s - ch.sim_step_s, 0.0))
+    mfu = predicted_mfu(flops, cand.step_s, search.devices, search.hw.peak(search.dtype))
+    return mfu_note(search.hardware, bool(search.moe_groups), mfu, terms)

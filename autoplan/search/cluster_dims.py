@@ -10,7 +10,8 @@ or an ep degree. The prices themselves are not written again: cp's comes from
 ``expert_plan.ExpertPlanning`` (the runtime's all-to-alls, imbalance factor), the same objects the
 fixed-mesh planner (``mesh_plan.plan_mesh``) uses for the plan it then writes.
 
-Mesh layout: ``(dp, cp | ep, pp, tp)``. cp sits right after dp (gradients average over the
+Mesh layout: ``(dp, cp | ep, pp, tp)``; ``(dp, pp, ep, tp)`` for ep with a pipeline (``cluster_spec``).
+cp sits right after dp (gradients average over the
 flattened dp x cp mesh, FSDP on it, as torchtitan folds cp into FSDP); ep borrows from dp (each
 ep rank holds other sequences, as torchtitan's EP borrows data-parallel ranks), so the batch is
 split dp x ep ways. One of cp and ep per plan (not both yet).
@@ -34,7 +35,7 @@ from typing import Sequence
 
 from autoplan.search.context_cost import CPChoice, price_cp
 from autoplan.search.expert_plan import ExpertPlanning
-from autoplan.search.expert_search import moe_groups
+from autoplan.search.expert_search import expert_time, moe_groups
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.errors import HyperParallelError
@@ -45,15 +46,27 @@ CP_MIN_SEQ = 32768     # tokens per sequence from which cp > 1 is tried
 CP_MIN_CHUNK = 4096    # tokens per cp rank at least (seq / cp)
 
 
-def cluster_names(cp: int = 1, ep: int = 1) -> tuple[str, ...]:
-    """Mesh dimension names of a cluster plan: dp, then cp or ep when used, pp, tp."""
+def cluster_names(cp: int = 1, ep: int = 1, pp: int = 1) -> tuple[str, ...]:
+    """Mesh dimension names of a cluster plan: dp, then cp or ep when used, pp, tp -- except ep with
+    a pipeline: dp, pp, ep, tp (see :func:`cluster_spec`)."""
+    if ep > 1 and pp > 1:
+        return ("dp",) + (("cp",) if cp > 1 else ()) + ("pp", "ep", "tp")
     return ("dp",) + (("cp",) if cp > 1 else ()) + (("ep",) if ep > 1 else ()) + ("pp", "tp")
 
 
 def cluster_spec(dp: int, pp: int, tp: int, cp: int, ep: int, hardware: str, devices_per_node: int) -> ParallelDims:
-    """The ParallelDims of one candidate (size-1 cp / ep left out, dp / pp / tp always named)."""
-    shape = (dp,) + ((cp,) if cp > 1 else ()) + ((ep,) if ep > 1 else ()) + (pp, tp)
-    return ParallelDims(shape, cluster_names(cp, ep), hardware, devices_per_node)
+    """The ParallelDims of one candidate (size-1 cp / ep left out, dp / pp / tp always named).
+
+    With ep and a pipeline the ep dimension sits inside pp (next to tp): an expert group's
+    all-to-alls, every layer and micro-batch, stay on NVLink when ep x tp fits a node, and the
+    pipeline's one activation per hop takes the slower link -- as Megatron-Core (pp outermost, ep
+    within dp) and torchtitan (pp outside dp_shard x ep) lay it out. Without a pipeline the two
+    orders are the same ranks, so (dp, ep, pp=1, tp) stays."""
+    if ep > 1 and pp > 1:
+        shape: tuple[int, ...] = (dp,) + ((cp,) if cp > 1 else ()) + (pp, ep, tp)
+    else:
+        shape = (dp,) + ((cp,) if cp > 1 else ()) + ((ep,) if ep > 1 else ()) + (pp, tp)
+    return ParallelDims(shape, cluster_names(cp, ep, pp), hardware, devices_per_node)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -161,7 +174,8 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
             continue
         base = opts[0]
         n = len(units)
-        delta = (o.compute_s - base.compute_s) / n
+        # against what the TP search counted for these experts (their captured work, replicated)
+        delta = (o.compute_s - ctx.compute_time(g.work, 1) * g.count) / n
         colls = list(o.collectives)
         fwd = ctx.comm_time([c for c in colls if c.phase == "forward"]) / n if o.style is not None else 0.0
         bwd = ctx.comm_time([c for c in colls if c.phase != "forward"]) / n if o.style is not None else 0.0
@@ -172,6 +186,10 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
         dp_whole = ctx.comm_time(ctx.fsdp_collectives(whole, 1) + ctx.ddp_collectives(whole, 1), latency=not ctx.fsdp)
         dp_shard = ctx.comm_time(ctx.fsdp_collectives(whole, shard) + ctx.ddp_collectives(whole, shard),
                                  latency=not ctx.fsdp)
+        # one FSDP all-gather of the layer (what a pipeline re-gathers when it finds the unit
+        # resharded, row 6): the expert shard's bytes too, not the whole layer's
+        gather_whole = ctx.comm_time(ctx.fsdp_collectives(whole, 1)[:1], latency=False)
+        gather_shard = ctx.comm_time(ctx.fsdp_collectives(whole, shard)[:1], latency=False)
         opt_whole = ctx.optimizer_time(0, ctx.optimizer_elements(whole, 1), ctx.dp_mode != "replicate")
         opt_shard = ctx.optimizer_time(0, ctx.optimizer_elements(whole, shard), ctx.dp_mode != "replicate")
         for i in units:
@@ -184,6 +202,7 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
                 acc[i][5] += ctx.comm_time(colls) / n
             else:
                 acc[i][5] += (dp_shard - dp_whole) * per_layer
+                acc[i][6] += (gather_shard - gather_whole) * per_layer
                 acc[i][7] += (opt_shard - opt_whole) * per_layer
                 expert_units[i] = expert_units.get(i, 0.0) + whole * per_layer
     # the all-reduce over ep of every non-expert gradient, this rank's local bytes
@@ -202,3 +221,24 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
                                                         experts.ep_dim), latency=False)
     if names:
         acc[0][7] += ctx.collective_time(Collective("all_reduce", "backward", 1, 1, experts.ep_dim))
+
+
+def add_expert_compute(acc: list[list[float]], names: list[str], groups: Sequence, ctx, *, tokens: int,
+                       dtype_bytes: int) -> None:
+    """Replicated experts (no ep dimension): reprice each MoE layer's experts, which the TP search
+    counted as the captured ops of its block, as :func:`expert_search.grouped_expert_time` prices
+    them (grouped GEMMs at their per-expert shape, the routing glue by its traffic). ``tokens``:
+    one micro-batch's tokens on this rank. (With ep > 1 :func:`add_ep` does this for its options.)"""
+    index = {n: i for i, n in enumerate(names)}
+    for g in groups:
+        owner = g.pattern[: -len(g.rel) - 1]
+        units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
+        if not units:
+            continue
+        new = expert_time(ctx, g, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=1)
+        per_unit = (new - ctx.compute_time(g.work, 1)) * g.count / len(units)
+        extra = per_unit / 3 if ctx.checkpoint_blocks else 0.0   # the recomputed forward
+        for i in units:
+            acc[i][0] += per_unit / 3
+            acc[i][1] += per_unit / 3 + extra
+            acc[i][2] += per_unit / 3

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.views import module_summary
 from autoplan.search.structure import Work, module_work
+from cost_models.compute import gemm_efficiency
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.expert_parallel import ExpertParallel
 from hyper_parallel.core.expert_parallel.layouts import ExpertsLayout, read_layout
@@ -94,7 +95,7 @@ class ExpertChoice:
     chosen: list[ExpertOption]
     options: list[list[ExpertOption]]
     imbalance: float
-    base_compute_s: float            # what the TP search already counts for the experts (replicated)
+    base_compute_s: float            # what the TP search already counts for the experts (replicated, captured work)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -169,11 +170,47 @@ def moe_groups(graph: ModelGraph, model, dtype_bytes: int) -> list[MoEGroup]:
     return out
 
 
+def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int) -> float:
+    """Seconds per call of one MoE layer's experts on one rank, from what the hardware runs:
+
+    - the grouped GEMMs (gate/up, then down) at the achieved efficiency of one expert's GEMM shape
+      (``cost_models.compute.gemm_efficiency``: M = the rows an expert receives, N / K = hidden and
+      the expert's ffn / etp), a roofline against the bytes of the weights this rank holds -- its
+      E/ep local experts, not all E;
+    - the routing glue at its real HBM traffic: permute (read + write each routed row), the
+      activation (read gate/up, write its product), unpermute and the weighted combine (read each
+      row, write each token), the backward twice the forward;
+    - the container's kernel launches.
+    Balanced routing (the imbalance factor multiplies the result): every rank receives as many
+    routed rows as it sends, ``tokens x top_k``."""
+    hw, lay = ctx.hardware, group.layout
+    peak, bw = hw.peak(ctx.dtype), hw.memory_bandwidth * hw.efficiency.memory
+    rows = tokens * group.top_k
+    local = max(lay.num_experts // max(ep, 1), 1)
+    h, f = lay.hidden, lay.ffn / etp
+    m = rows / local
+    t = 0.0
+    for n_out, k_in in ((2 * f, h), (h, f)):            # gate_up (concatenated or two of f), down
+        flops = 3 * 2.0 * rows * n_out * k_in            # forward + backward (input and weight grads)
+        weight_bytes = 3 * local * n_out * k_in * dtype_bytes
+        t += max(flops / (peak * gemm_efficiency(hw, m, n_out, k_in)), weight_bytes / bw)
+    glue = (2 * rows * h + 3 * rows * f + rows * h + tokens * h) * dtype_bytes   # forward bytes
+    return t + 3 * glue / bw + group.work.kernels * hw.efficiency.kernel_overhead
+
+
+def expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int) -> float:
+    """:func:`grouped_expert_time` on datasheet profiles; on a calibrated eager host (``ctx.runtime``)
+    the captured work as every other op there (measured per-kernel overheads dominate)."""
+    if ctx.runtime is not None or getattr(ctx.hardware, "device_type", None) == "cpu":
+        return ctx.compute_time(group.work, etp)
+    return grouped_expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=ep, etp=etp)
+
+
 def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_name: str, ep: int,
                    tp_name: str | None, tp: int, imbalance: float) -> list[ExpertOption]:
     """The candidates for one group (see the module docstring), priced per step."""
     n = group.count
-    base = ctx.compute_time(group.work, 1) * n
+    base = expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=1) * n
     out = []
     ar = Collective("all_reduce", "backward", int(group.param_bytes), count=n, dim=ep_name)
     out.append(ExpertOption("replicated", None, [ar], base, ctx.collective_time(ar), ctx.state_bytes(group.param_bytes * n, 1),
@@ -197,7 +234,7 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
                 colls = [dataclasses.replace(c, count=c.count * n) for c in per_layer]
             except HyperParallelError as exc:
                 excluded = str(exc)
-        compute = ctx.compute_time(group.work, etp) * n * imbalance
+        compute = expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=ep, etp=etp) * n * imbalance
         comm = sum(ctx.collective_time(c) for c in colls)
         reason = (f"{-(-group.experts // ep)} of {group.experts} experts per rank, "
                   f"tokens by all-to-all over {ep_name}" + (f", expert weights split over {tp_name}" if etp > 1 else ""))
@@ -233,7 +270,7 @@ def choose_experts(groups: list[MoEGroup], ctx, *, tokens: int, dtype_bytes: int
             min(runnable, key=lambda o: (o.state_bytes, o.step_s))
         chosen.append(pick)
         options.append(opts)
-        base += opts[0].compute_s
+        base += ctx.compute_time(g.work, 1) * g.count   # what the TP search counted for these experts
     notes = [f"expert parallel: routing imbalance factor {imbalance:g} assumed (the busiest rank's expert "
              f"compute / the balanced share; 1.0 = balanced routing)"]
     for g, pick, opts in zip(groups, chosen, options):

@@ -25,7 +25,8 @@ from autoplan.capture import capture
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.search.cluster_dims import (
-    CP_MIN_SEQ, add_cp, add_ep, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees, model_moe_groups,
+    CP_MIN_SEQ, add_cp, add_ep, add_expert_compute, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees,
+    model_moe_groups,
 )
 from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
 from autoplan.search.costing import RECOMPUTE, CostContext
@@ -102,6 +103,7 @@ class ClusterSearch:
         self._tp: dict[tuple, tuple] = {}
         self.tp_solver: dict[tuple, Any] = {}   # (tp, b, recompute) -> the TP ILP's SolverInfo
         self._structures: dict[int, Any] = {}
+        self._moe_groups: dict[tuple[int, int], list] = {}   # (b, cp) -> MoE groups of that graph
         self._ctx: dict[tuple, Any] = {}
         self._probers: dict[int, Any] = {}
         self._target_cache: dict[tuple, list[int]] = {}   # (slot, owner, in block, cp) -> pipeline units
@@ -142,6 +144,14 @@ class ClusterSearch:
         """The model's MoE layers ExpertParallel can take (empty for a dense model)."""
         b = self.mb_sizes[0]
         return model_moe_groups(self.meta, self.graph(b), self.structure(b).dtype_bytes)
+
+    def moe_groups_at(self, b: int, cp: int = 1) -> list:
+        """The MoE groups of the graph of micro-batch ``b`` (and ``cp``): their captured work is what
+        the TP search counted for that micro-batch, which the expert repricing replaces."""
+        key = (b, cp)
+        if key not in self._moe_groups:
+            self._moe_groups[key] = model_moe_groups(self.meta, self.graph(b, cp), self.structure(b, cp).dtype_bytes)
+        return self._moe_groups[key]
 
     def _unit_names(self) -> list[str]:
         """Pipeline units in execution order: the runtime split's cut points (``pipeline_units``)
@@ -313,9 +323,12 @@ class ClusterSearch:
             self.cp_choices[key] = add_cp(acc, names, st, self.graph(b, cp), ctx, self._chosen[tp_key], cp=cp, b=b,
                                           seq=self.seq, tp=tp, dtype_bytes=st.dtype_bytes,
                                           memory_left=self.limit - used)
+        if ep == 1 and self.moe_groups:
+            add_expert_compute(acc, names, self.moe_groups_at(b, cp), ctx, tokens=b * self.seq // cp,
+                               dtype_bytes=st.dtype_bytes)
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
-                                     groups=self.moe_groups, expert_parallel=self.cons.get("expert_parallel"))
+                                     groups=self.moe_groups_at(b), expert_parallel=self.cons.get("expert_parallel"))
             add_ep(acc, names, options, all_targets, experts)
         units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes

@@ -10,7 +10,7 @@ from autoplan import autoplan, plan_cluster
 from autoplan.capture import capture
 from autoplan.errors import InvalidConstraintError
 from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
-from autoplan.search.expert_search import _pattern, moe_groups
+from autoplan.search.expert_search import _pattern, grouped_expert_time, moe_groups
 from autoplan.models import build_llama
 from autoplan.presets import build_preset
 from autoplan.search.mesh_candidates import mesh_factorizations
@@ -97,7 +97,20 @@ def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
     dense, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1)      # 8 data-parallel replicas
     ep8, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1, ep=8)  # the same x ep8: experts / 8
     assert sum(u.state_bytes for u in ep8) < sum(u.state_bytes for u in dense)
-    assert sum(u.forward for u in ep8) > sum(u.forward for u in dense)   # the forward all-to-alls
+    # ep8 changes the forward by the experts' compute (one local expert's weights read instead of
+    # eight: grouped_expert_time) plus the forward all-to-alls, which must be priced (> 0)
+    ctx = search.ctx(8, 1, 1, "replicate", "none", 1, 8)
+    g = search.moe_groups[0]
+    kw = dict(tokens=1024, dtype_bytes=search.structure(1).dtype_bytes, etp=1)
+    compute_change = (grouped_expert_time(ctx, g, ep=8, **kw) - grouped_expert_time(ctx, g, ep=1, **kw)) * g.count / 3
+    a2a_forward = sum(u.forward for u in ep8) - sum(u.forward for u in dense) - compute_change
+    assert a2a_forward > 0
+    # FSDP: a pipeline's re-gather of a MoE block (UnitCost.dp_gather_s) moves the experts' ep shard,
+    # not the whole layer (cluster_dims.add_ep scales it with the reductions and the optimizer step)
+    f_ep8, _ = search.unit_costs(8, 1, 1, "fsdp", "none", 1, ep=8)
+    ctx8 = search.ctx(8, 1, 1, "fsdp", "none", 1, 8)
+    whole_layers = g.count * ctx8.comm_time(ctx8.fsdp_collectives(g.param_bytes, 1)[:1], latency=False)
+    assert sum(u.dp_gather_s for u in f_ep8) < 0.5 * whole_layers
     cand = search.evaluate(4, 2, 1, "1F1B", 1, "fsdp", "none", ep=8)
     assert cand.step_s > 0 and cand.mesh == {"dp": 4, "ep": 8, "pp": 2, "tp": 1}
 
