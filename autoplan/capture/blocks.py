@@ -119,7 +119,7 @@ def _raw_signature(child: nn.Module) -> list[tuple[str, str, tuple, dict[str, ob
 
 def _signatures(children: list[tuple[str, nn.Module]]) -> list[tuple]:
     """Structural signature per child; a setting equal to the child's own index in every child
-    (``layer_idx``) is left out."""
+    that has it (``layer_idx``) is left out."""
     raws = [_raw_signature(c) for _, c in children]
     keys = {(rel, k) for raw in raws for rel, _, _, sc in raw for k in sc}
     def equals_index(key: tuple[str, str], name: str, raw) -> bool:
@@ -128,7 +128,16 @@ def _signatures(children: list[tuple[str, nn.Module]]) -> list[tuple]:
             for rel, _, _, sc in raw
         )
 
-    index_like = {key for key in keys if all(equals_index(key, name, raw) for (name, _), raw in zip(children, raws))}
+    def has(key: tuple[str, str], raw) -> bool:
+        return any(rel == key[0] and key[1] in sc for rel, _, _, sc in raw)
+
+    # a key counts when every child that has it holds its own index there (Mllama's cross-attention
+    # layers have no ``self_attn.layer_idx``; the self-attention layers around them do)
+    index_like = set()
+    for key in keys:
+        holders = [(name, raw) for (name, _), raw in zip(children, raws) if has(key, raw)]
+        if len(holders) > 1 and all(equals_index(key, name, raw) for name, raw in holders):
+            index_like.add(key)
     return [
         tuple(
             (rel, typ, tensors, tuple(sorted((k, v) for k, v in sc.items() if (rel, k) not in index_like)))

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from autoplan.capture.image_inputs import image_inputs
 from autoplan.errors import CaptureError, MissingInputsError, ModelTooLargeError
 
 DEFAULT_MAX_COPY_BYTES = 8 * 2**30
@@ -89,9 +90,12 @@ def inputs_from_batch(model: nn.Module, batch: Any, dtype: torch.dtype | None = 
         if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             dec = spec.decoder_seq_len or spec.seq_len
             kwargs["decoder_input_ids"] = torch.zeros(spec.batch_size, dec, dtype=torch.long, device="meta")
-        extra = getattr(model, "extra_inputs", None)   # a VL model's images for the tokens (plan/forward.py)
-        if callable(extra):
-            kwargs.update(to_meta_tree(extra(ids), dtype))
+        extra = image_inputs(model)   # a VL model's images for the tokens, as plan/forward.py gives them
+        if extra is not None:
+            images = to_meta_tree(extra(ids), dtype)
+            if "input_ids" in images and "input_ids" not in kwargs:
+                kwargs[next(k for k, v in kwargs.items() if v is ids)] = images.pop("input_ids")
+            kwargs.update(images)
     return (), with_defaults(model, kwargs)
 
 

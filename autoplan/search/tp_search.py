@@ -305,6 +305,12 @@ class TPSearch:
             where, why = self.structure.not_units[0]
             raise InfeasiblePlanError(f"{where}: cannot be tensor-parallel at tp={self.tp}: {why}; "
                                       f"allow replicated units")
+        if self.structure.outside_units:
+            where, n = self.structure.outside_units[0]
+            raise InfeasiblePlanError(
+                f"{where}: {n:,} parameters in linear layers that no unit plans (outside every repeated "
+                f"block group, embedding and head), so they would stay replicated at tp={self.tp}; "
+                f"allow replicated units")
         for slot in self.slots:
             if self._must_shard(slot) and all(o.strategy.name == "replicate" for o in self.slots[slot]):
                 why = next((o.strategy.extra.get("tp_excluded") for o in self.slots[slot]
