@@ -192,6 +192,7 @@ def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator
     for g in groups:
         by_prefix[g.prefix].append(g)
     restore: list[tuple[nn.Module, str, nn.Module]] = []
+    configs: list[tuple[object, int]] = []
     rename: dict[str, str] = {}
     try:
         for prefix, gs in by_prefix.items():
@@ -208,8 +209,17 @@ def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator
             parent = model.get_submodule(parent_name) if parent_name else model
             restore.append((parent, attr, container))
             setattr(parent, attr, short)
+            # the stack's config says how many layers it has; transformers resolves hidden-state
+            # indices counted from the end by it (LLaVA's vision_feature_layer=-2), so it must
+            # say the shortened count while the stack is short
+            config = getattr(parent, "config", None)
+            if getattr(config, "num_hidden_layers", None) == len(container) and not isinstance(config, nn.Module):
+                configs.append((config, config.num_hidden_layers))
+                config.num_hidden_layers = len(short)
         yield rename
     finally:
+        for config, count in reversed(configs):
+            config.num_hidden_layers = count
         for parent, attr, container in reversed(restore):
             setattr(parent, attr, container)
 

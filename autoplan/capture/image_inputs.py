@@ -21,6 +21,7 @@ holds some rows of a batch builds the same images for them as one device does fo
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autoplan.errors import CaptureError
 
@@ -51,8 +54,8 @@ class ImageBatch:
                                f"image tokens and text after it; give sequences longer than {self.per_image}")
         ids = tokens.clone()
         ids[..., : self.per_image] = self.token_id
-        if tokens.is_meta:
-            pixels = torch.empty((rows, *self.pixel_shape), dtype=self.dtype, device="meta")
+        if tokens.is_meta or is_fake(tokens):   # shapes only: a capture, a probe on fake tensors
+            pixels = torch.empty((rows, *self.pixel_shape), dtype=self.dtype, device=tokens.device)
         else:
             pixels = torch.stack([_row_image(row, self.pixel_shape, self.dtype) for row in tokens])
         out = {"input_ids": ids}
@@ -75,6 +78,7 @@ def _row_image(row: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) ->
 
 
 _DERIVED: "weakref.WeakKeyDictionary[nn.Module, ImageBatch | None]" = weakref.WeakKeyDictionary()
+_BY_CONFIG: dict[tuple, ImageBatch] = {}
 
 
 def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
@@ -84,13 +88,23 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
     if callable(hook):
         return hook
     if model not in _DERIVED:
-        _DERIVED[model] = derive(model)
+        if not is_vision_language(model):
+            _DERIVED[model] = None
+        else:
+            # copies of one model (the probe's styled copies, every rank's) share the measurement:
+            # it depends only on the class, the config and the dtype, and a styled copy's tower
+            # may not run outside its step
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            key = (type(model), model.config.to_json_string(use_diff=False), dtype)
+            if key not in _BY_CONFIG:
+                _BY_CONFIG[key] = derive(model)
+            _DERIVED[model] = _BY_CONFIG[key]
     return _DERIVED[model]
 
 
 def is_vision_language(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    return getattr(config, "vision_config", None) is not None and callable(getattr(model, "get_image_features", None))
+    """A transformers model with a vision tower (its config has a ``vision_config``)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
 
 
 def derive(model: nn.Module) -> ImageBatch | None:
@@ -102,6 +116,10 @@ def derive(model: nn.Module) -> ImageBatch | None:
     if token_id is None:
         raise CaptureError(f"{name}: its config names no image token (image_token_id / image_token_index), so "
                            f"image inputs cannot be placed in the text; give the model an extra_inputs(tokens) hook")
+    if not callable(getattr(model, "get_image_features", None)):
+        raise CaptureError(f"{name}: no get_image_features: its images do not enter as image tokens in the text "
+                           f"(cross-attention, as Mllama's), which autoplan does not build yet; give the model an "
+                           f"extra_inputs(tokens) hook")
     takes = inspect.signature(model.get_image_features).parameters
     forward_takes = inspect.signature(model.forward).parameters
     unknown = [k for k in ("image_grid_thw", "aspect_ratio_ids") if k in takes or k in forward_takes]
@@ -125,20 +143,41 @@ def derive(model: nn.Module) -> ImageBatch | None:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     one_image = ImageBatch(int(token_id), 0, (channels, size, size), layout, dtype)
-    kwargs = one_image(torch.ones((1, 1), dtype=torch.long, device=device))
-    kwargs.pop("input_ids")
     try:
-        with torch.no_grad():
-            features = model.get_image_features(**kwargs)
+        features = _one_image_features(model, one_image, device)
     except Exception as exc:  # noqa: BLE001 - a tower that cannot run one image is refused, typed
         raise CaptureError(f"{name}.get_image_features failed on one {size}x{size} image: "
                            f"{type(exc).__name__}: {exc}") from exc
     hidden = _first_int(config.get_text_config(), ("hidden_size", "d_model"))
     count = _feature_rows(features, hidden)
+    if count is not None and not isinstance(count, int):
+        raise CaptureError(f"{name}: the number of image features depends on the pixel values ({count}: the tower "
+                           f"filters images by their content), which a model on meta cannot measure; give the model "
+                           f"an extra_inputs(tokens) hook")
     if count is None:
         raise CaptureError(f"{name}.get_image_features returned no features of the text width {hidden}; give the "
                            f"model an extra_inputs(tokens) hook")
     return ImageBatch(int(token_id), count, (channels, size, size), layout, dtype)
+
+
+def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.device):
+    """``model.get_image_features`` of one image. A model on meta runs a copy on fake tensors
+    with a shape environment: a tower that reads its image sizes (Pixtral) gets them as
+    constants, and checks on data become deferred assertions."""
+    if device.type != "meta":
+        with torch.no_grad():
+            kwargs = one_image(torch.ones((1, 1), dtype=torch.long, device=device))
+            kwargs.pop("input_ids")
+            return model.get_image_features(**kwargs)
+    stand_in = copy.deepcopy(model)
+    # on the CPU whatever device context the caller is in: fake tensors of one device
+    with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), torch.no_grad():
+        stand_in.to_empty(device="cpu")
+        kwargs = one_image(torch.ones((1, 1), dtype=torch.long))
+        kwargs.pop("input_ids")
+        if "image_sizes" in kwargs:   # as plain ints: a fake tensor keeps no values to slice by
+            kwargs["image_sizes"] = [list(one_image.pixel_shape[-2:])]
+        return stand_in.get_image_features(**kwargs)
 
 
 def _tiled(model: nn.Module) -> bool:

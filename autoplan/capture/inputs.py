@@ -103,7 +103,10 @@ def with_defaults(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Turn off KV caches: a training step has none and caches are objects export cannot return."""
     params = _forward_params(model)
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    has_cache = "use_cache" in params or (takes_any and hasattr(getattr(model, "config", None), "use_cache"))
+    config = getattr(model, "config", None)
+    # a composite config (a VL model's) keeps use_cache in its text_config
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    has_cache = "use_cache" in params or (takes_any and (hasattr(config, "use_cache") or hasattr(text, "use_cache")))
     if has_cache and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}
     return kwargs

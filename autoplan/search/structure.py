@@ -606,7 +606,8 @@ _OUTSIDE_SHARE = 0.01
 
 
 def outside_units(graph: ModelGraph, covered: list[str]) -> list[tuple[str, int]]:
-    """Linear layers in no block group and not the embedding, head or final norms, grouped under
+    """Linear layers that run in the traced step, in no block group and not the embedding, head or
+    final norms, grouped under
     the child of the root-most module that holds only such layers, with their parameter count;
     only parts holding at least 1 % of the model's parameters."""
     def inside(fqn: str, prefixes: list[str]) -> bool:
@@ -614,7 +615,7 @@ def outside_units(graph: ModelGraph, covered: list[str]) -> list[tuple[str, int]
 
     loose = {fqn: info.num_params for fqn, info in graph.modules.items()
              if info.nn_base in _SHARDABLE_LINEARS and info.block is None and info.num_params
-             and not inside(fqn, covered)}
+             and not inside(fqn, covered) and graph.nodes_in(fqn)}   # run in the step (SigLIP's unused head is not)
     if not loose:
         return []
     # the largest ancestor whose linear layers are all loose ones: one entry per model part
