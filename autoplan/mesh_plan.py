@@ -19,6 +19,7 @@ import torch
 
 from autoplan import arguments as A
 from autoplan.capture import capture
+from autoplan.capture.inputs import BatchSpec
 from autoplan.errors import InfeasiblePlanError, InvalidArgumentError, MissingInputsError, PlanningError
 from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
@@ -218,7 +219,10 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         limit += experts.best_saving()
     search = best = cp_choice = None
     info = None
-    seq = structure.blocks[0].seq_len if structure.blocks else 1
+    # the probe runs the model on token ids: the batch's sequence, not the first block's (a VL
+    # model's first block is its vision tower's, over image patches)
+    seq = BatchSpec.coerce(batch).seq_len if batch is not None else (
+        structure.blocks[0].seq_len if structure.blocks else 1)
     if prober is None and tp > 1 and graph.blocks:
         prober = Prober(model, graph.blocks, tp, (1, seq), dtype)
     ac_modes = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]

@@ -119,7 +119,7 @@ def _raw_signature(child: nn.Module) -> list[tuple[str, str, tuple, dict[str, ob
 
 def _signatures(children: list[tuple[str, nn.Module]]) -> list[tuple]:
     """Structural signature per child; a setting equal to the child's own index in every child
-    (``layer_idx``) is left out."""
+    that has it (``layer_idx``) is left out."""
     raws = [_raw_signature(c) for _, c in children]
     keys = {(rel, k) for raw in raws for rel, _, _, sc in raw for k in sc}
     def equals_index(key: tuple[str, str], name: str, raw) -> bool:
@@ -128,7 +128,16 @@ def _signatures(children: list[tuple[str, nn.Module]]) -> list[tuple]:
             for rel, _, _, sc in raw
         )
 
-    index_like = {key for key in keys if all(equals_index(key, name, raw) for (name, _), raw in zip(children, raws))}
+    def has(key: tuple[str, str], raw) -> bool:
+        return any(rel == key[0] and key[1] in sc for rel, _, _, sc in raw)
+
+    # a key counts when every child that has it holds its own index there (Mllama's cross-attention
+    # layers have no ``self_attn.layer_idx``; the self-attention layers around them do)
+    index_like = set()
+    for key in keys:
+        holders = [(name, raw) for (name, _), raw in zip(children, raws) if has(key, raw)]
+        if len(holders) > 1 and all(equals_index(key, name, raw) for name, raw in holders):
+            index_like.add(key)
     return [
         tuple(
             (rel, typ, tensors, tuple(sorted((k, v) for k, v in sc.items() if (rel, k) not in index_like)))
@@ -183,6 +192,7 @@ def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator
     for g in groups:
         by_prefix[g.prefix].append(g)
     restore: list[tuple[nn.Module, str, nn.Module]] = []
+    configs: list[tuple[object, int]] = []
     rename: dict[str, str] = {}
     try:
         for prefix, gs in by_prefix.items():
@@ -199,8 +209,17 @@ def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator
             parent = model.get_submodule(parent_name) if parent_name else model
             restore.append((parent, attr, container))
             setattr(parent, attr, short)
+            # the stack's config says how many layers it has; transformers resolves hidden-state
+            # indices counted from the end by it (LLaVA's vision_feature_layer=-2), so it must
+            # say the shortened count while the stack is short
+            config = getattr(parent, "config", None)
+            if getattr(config, "num_hidden_layers", None) == len(container) and not isinstance(config, nn.Module):
+                configs.append((config, config.num_hidden_layers))
+                config.num_hidden_layers = len(short)
         yield rename
     finally:
+        for config, count in reversed(configs):
+            config.num_hidden_layers = count
         for parent, attr, container in reversed(restore):
             setattr(parent, attr, container)
 

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from autoplan.capture.image_inputs import image_inputs
 from autoplan.errors import CaptureError, MissingInputsError, ModelTooLargeError
 
 DEFAULT_MAX_COPY_BYTES = 8 * 2**30
@@ -89,9 +90,12 @@ def inputs_from_batch(model: nn.Module, batch: Any, dtype: torch.dtype | None = 
         if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             dec = spec.decoder_seq_len or spec.seq_len
             kwargs["decoder_input_ids"] = torch.zeros(spec.batch_size, dec, dtype=torch.long, device="meta")
-        extra = getattr(model, "extra_inputs", None)   # a VL model's images for the tokens (plan/forward.py)
-        if callable(extra):
-            kwargs.update(to_meta_tree(extra(ids), dtype))
+        extra = image_inputs(model)   # a VL model's images for the tokens, as plan/forward.py gives them
+        if extra is not None:
+            images = to_meta_tree(extra(ids), dtype)
+            if "input_ids" in images and "input_ids" not in kwargs:
+                kwargs[next(k for k, v in kwargs.items() if v is ids)] = images.pop("input_ids")
+            kwargs.update(images)
     return (), with_defaults(model, kwargs)
 
 
@@ -99,7 +103,10 @@ def with_defaults(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Turn off KV caches: a training step has none and caches are objects export cannot return."""
     params = _forward_params(model)
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    has_cache = "use_cache" in params or (takes_any and hasattr(getattr(model, "config", None), "use_cache"))
+    config = getattr(model, "config", None)
+    # a composite config (a VL model's) keeps use_cache in its text_config
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    has_cache = "use_cache" in params or (takes_any and (hasattr(config, "use_cache") or hasattr(text, "use_cache")))
     if has_cache and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}
     return kwargs

@@ -83,7 +83,8 @@ class Runner(HeldWeights):
             return cp_cross_entropy(logits, targets, self.dp_mesh)
         return self.loss_fn(logits, targets)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, on_phase: Callable | None = None):
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, on_phase: Callable | None = None,
+                         **extra):
         """Forward and backward of this rank's local batch as ``self.microbatches`` equal
         micro-batches of rows (gradient accumulation); returns the step's loss (detached).
 
@@ -107,12 +108,21 @@ class Runner(HeldWeights):
             raise MicrobatchError(f"Runner.step: this rank's local batch has {inputs.shape[0]} rows, which the plan's "
                                   f"pipeline.microbatches={m} (gradient accumulation) do not divide; give a batch "
                                   f"with a multiple of {m} rows per data-parallel rank")
-        parts = split_microbatches((inputs, targets), None, m)[0] if m > 1 else [(inputs, targets)]
+        for key, value in extra.items():
+            if m > 1 and (not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != inputs.shape[0]):
+                raise MicrobatchError(f"Runner.step: input {key!r} is not batch-major (dim 0 of {inputs.shape[0]} rows), "
+                                      f"so it cannot be split into the plan's {m} micro-batches; give a plan with "
+                                      f"pipeline.microbatches=1 or batch-major inputs")
+        if m > 1:
+            arg_parts, kw_parts = split_microbatches((inputs, targets), extra, m)
+            parts = list(zip(arg_parts, kw_parts))
+        else:
+            parts = [((inputs, targets), extra)]
         phase = on_phase or (lambda name: None)
         total = None
-        for x, y in parts:
+        for (x, y), kw in parts:
             phase("forward")
-            logits = output_logits(forward_tokens(self.model, x))
+            logits = output_logits(forward_tokens(self.model, x, **kw))
             with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
                 loss = self.loss(logits, y) / m
                 phase("backward")
@@ -120,12 +130,14 @@ class Runner(HeldWeights):
             total = loss.detach() if total is None else total + loss.detach()
         return total
 
-    def step(self, batch) -> float:
+    def step(self, batch, **extra) -> float:
         """One training step on this rank's ``(inputs, targets)``; returns the loss (the mean over
-        the step's micro-batches)."""
+        the step's micro-batches). ``extra``: the step's other inputs for this rank's rows (a VL
+        model's ``pixel_values``, ``input_ids`` with image tokens placed, ...), as the pipeline
+        runner takes them; without them the model's hook or derived image inputs are used."""
         inputs, targets = batch
         self.optimizer.zero_grad()
-        loss = self.forward_backward(inputs, targets)
+        loss = self.forward_backward(inputs, targets, **extra)
         if not self.data_parallel_step():
             self.optimizer.step()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
@@ -182,7 +183,10 @@ class Prober:
                 own = [p for p in mod.parameters(recurse=False)]
                 if own and not any(_is_dtensor(p) for p in own):
                     out.plain_param_modules[name] = [p.numel() * p.element_size() for p in own]
-            tensors = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+            # fake tensors with a shape environment: a check on data (a VL model's "as many image
+            # tokens as image features") becomes a deferred assertion instead of a failed run
+            tensors = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True,
+                                                                              shape_env=ShapeEnv())
             with tensors, cores:
                 if not on_meta:
                     model.to_empty(device="cpu")

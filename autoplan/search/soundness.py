@@ -50,6 +50,9 @@ class SoundnessReport:
 
     def notes(self, structure=None) -> list[str]:
         out = [f"{fqn}: kept replicated: {why}" for fqn, why in (structure.not_units if structure else [])]
+        out += [f"{fqn}: kept replicated: {n:,} parameters in linear layers outside every repeated block "
+                f"group, embedding and head -- no unit plans them"
+                for fqn, n in (structure.outside_units if structure else [])]
         out += [f"{unit}: {name} on a {stream} stream rejected: {why}" for unit, name, stream, why in self.rejected]
         out += [f"sequence-sharded stream ({lay}) not used: {why}" for lay, why in self.dropped_layouts.items()]
         if self.skipped:

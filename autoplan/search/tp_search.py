@@ -305,6 +305,15 @@ class TPSearch:
             where, why = self.structure.not_units[0]
             raise InfeasiblePlanError(f"{where}: cannot be tensor-parallel at tp={self.tp}: {why}; "
                                       f"allow replicated units")
+        # a whole model part (a stack, a tower: a tenth of the parameters or more) left out is
+        # refused; glue such as a projector between tower and decoder is a note only
+        large = [(w, n) for w, n in self.structure.outside_units if n >= 0.1 * self.structure.num_parameters]
+        if large:
+            where, n = large[0]
+            raise InfeasiblePlanError(
+                f"{where}: {n:,} parameters in linear layers that no unit plans (outside every repeated "
+                f"block group, embedding and head), so they would stay replicated at tp={self.tp}; "
+                f"allow replicated units")
         for slot in self.slots:
             if self._must_shard(slot) and all(o.strategy.name == "replicate" for o in self.slots[slot]):
                 why = next((o.strategy.extra.get("tp_excluded") for o in self.slots[slot]

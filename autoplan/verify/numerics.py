@@ -107,6 +107,8 @@ def numerics_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: i
 
 def _vocab(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)
+    if callable(getattr(config, "get_text_config", None)):   # a composite (VL) config: its language model's
+        config = config.get_text_config()
     if config is not None and getattr(config, "vocab_size", None):
         return int(config.vocab_size)
     return next(int(m.num_embeddings) for m in model.modules() if isinstance(m, torch.nn.Embedding))

@@ -1,0 +1,203 @@
+"""Image inputs for transformers' vision-language families, derived from the model itself.
+
+A VL model checks that its text holds exactly as many image tokens as its vision tower makes
+features, so a batch of token ids alone cannot run it, and a batch whose images the forward
+never sees plans a tower that never trains. This module builds, for a model without an
+``extra_inputs`` hook, the inputs a processor would: the token ids with one image's worth of
+image tokens placed at the start of every row, and the pixel tensors in the layout the family's
+``get_image_features`` takes. Nothing is listed per family: the image token id, the image size
+and the number of tokens an image becomes are read off the config and measured by running the
+model's own ``get_image_features`` once on one image (on meta tensors for a model on meta).
+
+Layouts are told apart by what ``get_image_features`` takes: ``pixel_values`` alone (LLaVA,
+PaliGemma, Gemma 3, InternVL, Aya Vision, Florence-2), with ``image_sizes`` (Mistral 3), with
+``pixel_attention_mask`` (Idefics 3, SmolVLM: one tile per image). Families whose images are
+patch sequences with grids (Qwen-VL), tiled with aspect ratios (LLaVA-NeXT) or fed through
+cross-attention (Mllama) are refused with a :class:`~autoplan.errors.CaptureError` naming what
+to give instead: an ``extra_inputs(tokens) -> dict`` hook on the model.
+
+Pixel values are a function of each row's tokens (seeded by the row's content), so a rank that
+holds some rows of a batch builds the same images for them as one device does for the whole.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from autoplan.errors import CaptureError
+
+
+@dataclass(frozen=True)
+class ImageBatch:
+    """How one image enters a row: ``per_image`` tokens of ``token_id`` at the row's start, and
+    pixel tensors of ``pixel_shape`` (one image, no batch dimension)."""
+
+    token_id: int
+    per_image: int
+    pixel_shape: tuple[int, ...]
+    layout: str          # "pixels", "pixels+sizes" or "tiles" (see the module docstring)
+    dtype: torch.dtype
+
+    def __call__(self, tokens: torch.Tensor) -> dict:
+        """``input_ids`` (``tokens`` with the image tokens placed) and the pixel inputs."""
+        rows, seq = tokens.shape[0], tokens.shape[-1]
+        if seq <= self.per_image:
+            raise CaptureError(f"image inputs: a row of {seq} tokens cannot hold one image of {self.per_image} "
+                               f"image tokens and text after it; give sequences longer than {self.per_image}")
+        ids = tokens.clone()
+        ids[..., : self.per_image] = self.token_id
+        if tokens.is_meta or is_fake(tokens):   # shapes only: a capture, a probe on fake tensors
+            pixels = torch.empty((rows, *self.pixel_shape), dtype=self.dtype, device=tokens.device)
+        else:
+            pixels = torch.stack([_row_image(row, self.pixel_shape, self.dtype) for row in tokens])
+        out = {"input_ids": ids}
+        if self.layout == "tiles":
+            out["pixel_values"] = pixels.unsqueeze(1)
+            out["pixel_attention_mask"] = torch.ones((rows, 1, *self.pixel_shape[-2:]), dtype=torch.bool,
+                                                     device=pixels.device)
+        else:
+            out["pixel_values"] = pixels
+        if self.layout == "pixels+sizes":
+            out["image_sizes"] = torch.tensor([list(self.pixel_shape[-2:])] * rows, device=pixels.device)
+        return out
+
+
+def _row_image(row: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    weights = torch.arange(1, row.numel() + 1, dtype=torch.int64)
+    seed = int((row.reshape(-1).to(torch.int64).cpu() * weights).sum()) % (2 ** 31)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).to(row.device)
+
+
+_DERIVED: "weakref.WeakKeyDictionary[nn.Module, ImageBatch | None]" = weakref.WeakKeyDictionary()
+_BY_CONFIG: dict[tuple, ImageBatch] = {}
+
+
+def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
+    """The step's extra inputs for ``model``'s token ids: its ``extra_inputs`` hook, else (a
+    transformers VL family) the derived :class:`ImageBatch`, else None (a text model)."""
+    hook = getattr(model, "extra_inputs", None)
+    if callable(hook):
+        return hook
+    if model not in _DERIVED:
+        if not is_vision_language(model):
+            _DERIVED[model] = None
+        else:
+            # copies of one model (the probe's styled copies, every rank's) share the measurement:
+            # it depends only on the class, the config and the dtype, and a styled copy's tower
+            # may not run outside its step
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+            key = (type(model), model.config.to_json_string(use_diff=False), dtype)
+            if key not in _BY_CONFIG:
+                _BY_CONFIG[key] = derive(model)
+            _DERIVED[model] = _BY_CONFIG[key]
+    return _DERIVED[model]
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    """A transformers model with a vision tower (its config has a ``vision_config``)."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def derive(model: nn.Module) -> ImageBatch | None:
+    """Measure how an image enters ``model`` (see the module docstring); None for a text model."""
+    if not is_vision_language(model):
+        return None
+    config, name = model.config, type(model).__name__
+    token_id = _first_int(config, ("image_token_id", "image_token_index"))
+    if token_id is None:
+        raise CaptureError(f"{name}: its config names no image token (image_token_id / image_token_index), so "
+                           f"image inputs cannot be placed in the text; give the model an extra_inputs(tokens) hook")
+    if not callable(getattr(model, "get_image_features", None)):
+        raise CaptureError(f"{name}: no get_image_features: its images do not enter as image tokens in the text "
+                           f"(cross-attention, as Mllama's), which autoplan does not build yet; give the model an "
+                           f"extra_inputs(tokens) hook")
+    takes = inspect.signature(model.get_image_features).parameters
+    forward_takes = inspect.signature(model.forward).parameters
+    unknown = [k for k in ("image_grid_thw", "aspect_ratio_ids") if k in takes or k in forward_takes]
+    if "image_sizes" in takes and takes["image_sizes"].default is inspect.Parameter.empty:
+        layout = "pixels+sizes"
+    elif "pixel_attention_mask" in takes:
+        layout = "tiles"
+    else:
+        layout = "pixels"
+    if unknown or _tiled(model):
+        raise CaptureError(f"{name}: its images are not one pixel tensor per image (it takes {unknown or 'tiles'}), "
+                           f"which autoplan does not build yet; give the model an extra_inputs(tokens) hook "
+                           f"returning input_ids with the image tokens placed and the pixel inputs")
+    vision = config.vision_config
+    size = getattr(vision, "image_size", None)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    if not isinstance(size, int) or size <= 0:
+        raise CaptureError(f"{name}: vision_config has no image_size to build an image of; give the model an "
+                           f"extra_inputs(tokens) hook")
+    channels = int(_first_int(vision, ("num_channels", "in_channels")) or 3)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    one_image = ImageBatch(int(token_id), 0, (channels, size, size), layout, dtype)
+    try:
+        features = _one_image_features(model, one_image, device)
+    except Exception as exc:  # noqa: BLE001 - a tower that cannot run one image is refused, typed
+        raise CaptureError(f"{name}.get_image_features failed on one {size}x{size} image: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    hidden = _first_int(config.get_text_config(), ("hidden_size", "d_model"))
+    count = _feature_rows(features, hidden)
+    if count is not None and not isinstance(count, int):
+        raise CaptureError(f"{name}: the number of image features depends on the pixel values ({count}: the tower "
+                           f"filters images by their content), which a model on meta cannot measure; give the model "
+                           f"an extra_inputs(tokens) hook")
+    if count is None:
+        raise CaptureError(f"{name}.get_image_features returned no features of the text width {hidden}; give the "
+                           f"model an extra_inputs(tokens) hook")
+    return ImageBatch(int(token_id), count, (channels, size, size), layout, dtype)
+
+
+def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.device):
+    """``model.get_image_features`` of one image. A model on meta runs a copy on fake tensors
+    with a shape environment: a tower that reads its image sizes (Pixtral) gets them as
+    constants, and checks on data become deferred assertions."""
+    if device.type != "meta":
+        with torch.no_grad():
+            kwargs = one_image(torch.ones((1, 1), dtype=torch.long, device=device))
+            kwargs.pop("input_ids")
+            return model.get_image_features(**kwargs)
+    stand_in = copy.deepcopy(model)
+    # on the CPU whatever device context the caller is in: fake tensors of one device
+    with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), torch.no_grad():
+        stand_in.to_empty(device="cpu")
+        kwargs = one_image(torch.ones((1, 1), dtype=torch.long))
+        kwargs.pop("input_ids")
+        if "image_sizes" in kwargs:   # as plain ints: a fake tensor keeps no values to slice by
+            kwargs["image_sizes"] = [list(one_image.pixel_shape[-2:])]
+        return stand_in.get_image_features(**kwargs)
+
+
+def _tiled(model: nn.Module) -> bool:
+    """LLaVA-NeXT-style any-resolution tiling: image_grid_pinpoints in the config."""
+    return getattr(model.config, "image_grid_pinpoints", None) is not None
+
+
+def _first_int(obj, names) -> int | None:
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _feature_rows(features, hidden: int | None) -> int | None:
+    """Image tokens one image became: the projected features' element count over the text width
+    (``pooler_output`` of transformers' output, or a tensor / list of tensors)."""
+    out = getattr(features, "pooler_output", features)
+    tensors = [out] if isinstance(out, torch.Tensor) else [t for t in (out or ()) if isinstance(t, torch.Tensor)]
+    if not tensors or not hidden or any(t.shape[-1] != hidden for t in tensors):
+        return None
+    return sum(t.numel() for t in tensors) // hidden

@@ -1,0 +1,115 @@
+"""transformers' vision-language families planned with tensor parallelism, as a new user would
+(issue 31): a tiny config per family (tests/capture/vl_families.py), no ``extra_inputs`` hook.
+
+Each family is planned on meta at 32x the small widths with 224-pixel images (56k for the pooling
+families) on a (tp=4) mesh with a 512-token batch, then the plan's styles are applied to the small
+copy (``width=1``, images of 56 pixels) on 4 gloo ranks and one SGD step compared with one device
+(loss rtol 1e-5, every gradient rtol 1e-4 / atol 1e-6). Outcome per family:
+
+- EQUAL: trained equal; ``tower`` / ``decoder`` say whether the plan shards the vision tower's and
+  the language model's attention or MLP;
+- REFUSED: autoplan raised a typed error (the reason is listed);
+- WRONG / CRASH / UNTYPED: bugs.
+
+Florence-2 (no image size in its config) is refused without a hook; with a hook it is also run
+data-parallel on 2 ranks (its encoder-decoder forward used to drop the images, issue 31).
+
+    .venv/bin/python benchmarks/vl_families.py [family ...]
+Writes benchmarks/results/vl_families.csv and benchmarks/results/vl_families.md.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from autoplan import MeshSpec, autoplan
+from autoplan.capture.image_inputs import ImageBatch
+from autoplan.errors import AutoplanError
+from autoplan.verify.numerics import check_numerics
+from autoplan.verify.shrink import ModelRecipe
+from hyper_parallel.local import RankPool
+from tests.capture.vl_families import FAMILIES, build
+
+HERE = Path(__file__).parent
+
+
+def florence2_with_images() -> torch.nn.Module:
+    """Florence-2 with the hook its config cannot do without: 17 image tokens per 32x32 image."""
+    torch.manual_seed(0)
+    model = build("florence2")
+    model.extra_inputs = ImageBatch(100, 17, (3, 32, 32), "pixels", torch.float32)
+    return model
+
+
+def _sections(plan) -> tuple[bool, bool]:
+    units = [d["unit"] for d in plan.decisions if d["strategy"] != "replicate"]
+    return (any("vision" in u and u.endswith(("/attention", "/mlp")) for u in units),
+            any("language_model" in u and u.endswith(("/attention", "/mlp")) for u in units))
+
+
+def run_family(family: str, pool4: RankPool) -> dict:
+    t0 = time.perf_counter()
+    row = dict(family=family, outcome="", tower=False, decoder=False, detail="")
+    try:
+        with torch.device("meta"):
+            wide = build(family, 32, 8)
+        plan = autoplan(wide, MeshSpec((4,), ("tp",)), batch=(2, 512))
+    except AutoplanError as exc:
+        row.update(outcome="REFUSED", detail=f"{type(exc).__name__}: {str(exc)[:300]}")
+    except Exception as exc:  # noqa: BLE001 - an untyped failure is a result here
+        row.update(outcome="UNTYPED", detail=f"{type(exc).__name__}: {str(exc)[:300]}")
+    else:
+        row["tower"], row["decoder"] = _sections(plan)
+        recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": family, "image": 2}, seed=3)
+        result = check_numerics(plan, recipe, pool=pool4, seq=40)
+        row.update(outcome="EQUAL" if result.passed else ("CRASH" if result.error else "WRONG"),
+                   detail=result.summary()[:300])
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def run_florence2(pool2: RankPool) -> dict:
+    t0 = time.perf_counter()
+    plan = autoplan(florence2_with_images(), 2, batch=(2, 40))
+    recipe = ModelRecipe(factory="benchmarks.vl_families:florence2_with_images", seed=5)
+    result = check_numerics(plan, recipe, pool=pool2, global_batch=2, seq=40)
+    return dict(family="florence2 (hook, dp=2)", outcome="EQUAL" if result.passed else "WRONG", tower=False,
+                decoder=False, detail=result.summary()[:300], seconds=round(time.perf_counter() - t0, 1))
+
+
+def main(families=FAMILIES) -> pd.DataFrame:
+    pool4 = RankPool(4)
+    try:
+        rows = []
+        for f in families:
+            rows.append(run_family(f, pool4))
+            print(rows[-1], flush=True)
+    finally:
+        pool4.close()
+    if "florence2" in families:
+        pool2 = RankPool(2)
+        try:
+            rows.append(run_florence2(pool2))
+        except Exception:  # noqa: BLE001
+            rows.append(dict(family="florence2 (hook, dp=2)", outcome="CRASH", detail=traceback.format_exc()[-300:]))
+        finally:
+            pool2.close()
+    df = pd.DataFrame(rows)
+    if families == FAMILIES:
+        df.to_csv(HERE / "results" / "vl_families.csv", index=False)
+        counts = df.outcome.value_counts().to_dict()
+        both = int(((df.outcome == "EQUAL") & df.tower & df.decoder).sum())
+        (HERE / "results" / "vl_families.md").write_text(
+            "# transformers VL families at tp=4 (no hook)\n\n"
+            f"Outcomes: {counts}; trained equal with both the tower and the decoder sharded: {both}.\n"
+            "Regenerate: `.venv/bin/python benchmarks/vl_families.py`.\n\n" + df.to_markdown(index=False) + "\n")
+    return df
+
+
+if __name__ == "__main__":
+    main(tuple(sys.argv[1:]) or FAMILIES)

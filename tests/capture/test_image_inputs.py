@@ -1,0 +1,119 @@
+"""Vision-language models from transformers: image inputs derived from the model, images through
+the runners, and the two silent outcomes of issue 31 (a tower planned but never run; a language
+model left out of the plan) turned into trained-right or said-so."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoplan import MeshSpec, autoplan
+from autoplan.capture import capture
+from autoplan.capture.image_inputs import ImageBatch, derive, image_inputs
+from autoplan.errors import CaptureError, InfeasiblePlanError
+from autoplan.plan.forward import forward_tokens, output_logits
+from autoplan.verify.numerics import check_numerics
+from autoplan.verify.shrink import ModelRecipe
+from tests.capture.vl_families import build
+
+
+
+def mllama():
+    return build("mllama")
+
+
+def mllama_images(tokens):
+    b = tokens.shape[0]
+    return dict(pixel_values=torch.zeros(b, 1, 1, 3, 28, 28, device=tokens.device),
+                aspect_ratio_ids=torch.ones(b, 1, dtype=torch.long, device=tokens.device),
+                aspect_ratio_mask=torch.ones(b, 1, 1, dtype=torch.long, device=tokens.device),
+                cross_attention_mask=torch.ones(b, tokens.shape[1], 1, 1, dtype=torch.long, device=tokens.device))
+
+
+def florence2(with_images: bool = True):
+    """A tiny Florence-2 (DaViT tower, BART encoder-decoder); its config has no image size, so
+    the test gives the images through the model's hook: 17 image tokens for a 32x32 image."""
+    torch.manual_seed(0)
+    model = build("florence2")
+    if with_images:
+        model.extra_inputs = ImageBatch(100, 17, (3, 32, 32), "pixels", torch.float32)
+    return model
+
+
+@pytest.mark.parametrize("family, per_image", [("llava", 4), ("paligemma", 4), ("internvl", 1), ("mistral3", 4)])
+def test_image_inputs_are_derived_and_run_the_model(family, per_image):
+    """The image token count is measured from the model's own tower (the forward checks it), the
+    same on meta (fake tensors: Pixtral reads its image sizes) as on CPU, and every row's image
+    depends only on that row's tokens."""
+    torch.manual_seed(0)
+    model = build(family)
+    batch = derive(model)
+    assert batch.per_image == per_image and batch.token_id == 200
+    with torch.device("meta"):
+        assert derive(build(family)) == batch
+    tokens = torch.randint(3, 199, (3, per_image + 6))
+    out = output_logits(forward_tokens(model, tokens))   # raises if image tokens and features disagree
+    assert out.shape == (3, per_image + 6, 256)
+    whole, rows = image_inputs(model)(tokens), image_inputs(model)(tokens[1:])
+    assert torch.equal(whole["pixel_values"][1:], rows["pixel_values"])
+    assert (whole["input_ids"][:, :per_image] == 200).all()
+    assert torch.equal(whole["input_ids"][:, per_image:], tokens[:, per_image:])
+
+
+def test_families_whose_images_are_not_one_tensor_are_refused_by_name():
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match="Qwen2VLForConditionalGeneration.*image_grid_thw.*extra_inputs"):
+        derive(build("qwen2_vl"))
+    with pytest.raises(CaptureError, match="LlavaNextForConditionalGeneration.*tiles"):
+        derive(build("llava_next"))
+    with pytest.raises(CaptureError, match="Mllama.*cross-attention"):
+        forward_tokens(build("mllama"), torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(CaptureError, match="Florence2.*no image_size"):
+        derive(build("florence2"))
+    with torch.device("meta"):
+        model = build("idefics3")
+    with pytest.raises(CaptureError, match="Idefics3.*depends on the pixel values"):
+        derive(model)
+    with pytest.raises(CaptureError, match="cannot hold one image of 4 image tokens"):
+        derive(build("llava"))(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_mllama_language_model_is_planned_and_left_out_parts_are_said():
+    """Mllama's text layers (self-attention around a cross-attention layer) form block groups, so
+    the language model is in the plan; what no unit plans is a note, and a refusal when every unit
+    must be sharded."""
+    torch.manual_seed(0)
+    model = mllama()
+    model.extra_inputs = mllama_images
+    graph = capture(model, batch=(2, 16))
+    groups = {g.id: g.count for g in graph.blocks}
+    assert groups["model.language_model.layers#0"] == 2 and groups["model.language_model.layers#1"] == 1
+    plan = autoplan(model, 4, batch=(2, 16))
+    assert any(d["unit"].startswith("model.language_model.layers") for d in plan.decisions)
+    assert any(n.startswith("model.vision_model.global_transformer: kept replicated") for n in plan.notes)
+    with pytest.raises(InfeasiblePlanError, match="model.vision_model.global_transformer: .* no unit plans"):
+        autoplan(model, 4, batch=(2, 16), allow_replicated_units=False)
+
+
+def test_florence2_images_reach_the_tower_in_a_step():
+    """Florence-2's encoder-decoder forward used to drop the images: a plan sharded a tower that
+    never ran. Every runner goes through forward_tokens, which now passes them."""
+    model = florence2()
+    tokens = torch.randint(3, 99, (2, 40))
+    output_logits(forward_tokens(model, tokens)).float().pow(2).mean().backward()
+    tower = [p.grad for n, p in model.named_parameters() if n.startswith("model.vision_tower.")]
+    assert tower and all(g is not None for g in tower)
+
+
+def test_llava_tensor_parallel_plan_shards_tower_and_decoder_and_trains_equal(pool4):
+    """LLaVA planned at tp=4 from its config alone (no hook: the image inputs are derived), at 32x
+    the small widths with 224-pixel images on meta: both the CLIP tower's and the decoder's
+    attention and MLP are sharded, and the plan trains equal to one device on the small copy."""
+    with torch.device("meta"):
+        wide = build("llava", 32, 8)
+    plan = autoplan(wide, MeshSpec((4,), ("tp",)), batch=(2, 512))
+    sharded = {d["unit"] for d in plan.decisions if d["strategy"] != "replicate"}
+    assert {"model.vision_tower.encoder.layers/attention", "model.vision_tower.encoder.layers/mlp",
+            "model.language_model.layers/attention", "model.language_model.layers/mlp"} <= sharded
+    recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": "llava", "image": 2}, seed=3)
+    result = check_numerics(plan, recipe, pool=pool4, seq=40)
+    assert result.passed, result.summary()
