@@ -328,7 +328,8 @@ def repaired(strategy: Strategy, repairs: dict[str, int], param_bytes: dict[str,
         rel = rel_of(module)
         styles[rel] = SequenceParallel(sequence_dim=dim, use_local_output=True)
         colls += forward.get(module, [])
-        colls += [Collective("all_reduce", "backward", b) for b in param_bytes.get(module, [])]
+        # a weight's gradient reduction: a split backward's input pass never reaches it
+        colls += [Collective("all_reduce", "backward", b, weight_grad=True) for b in param_bytes.get(module, [])]
         names.append(rel.rsplit(".", 1)[-1])
     reason = strategy.reason + f"; {', '.join(names)} see sharded activations: replicated weights, gradients " \
                                f"all-reduced over tp"

@@ -137,3 +137,24 @@ def test_one_stage_plan_with_microbatches_is_the_gradient_accumulation_the_runne
     assert all(r["count"] % 2 == 0 for r in plan.predictions["collectives"])   # FSDP + TP: per micro-batch
     res = verify(plan, build("llama_big_vocab", device="meta"))
     assert res.passed, res.mismatches()
+
+
+def test_split_backward_with_fsdp_predicts_repaired_norm_reductions_once():
+    """Qwen3's per-head q/k norms see head-sharded activations: replicated weights whose gradients
+    are all-reduced over tp. Under ZBV with FSDP the input pass (autograd.grad) never reaches a
+    weight, so those reductions run once per micro-batch, in the weight pass -- the prediction
+    used to count them twice (predicted 16, issued 8)."""
+    import transformers
+
+    def meta():
+        with torch.device("meta"):
+            return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+                vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=256, head_dim=64))
+
+    plan = plan_cluster(meta(), 8, hardware="cpu", batch=(8, 32), devices_per_node=8, allow_replicated_units=False,
+                        constraints={"pp": 2, "tp": 2, "dp": 2, "fsdp": True, "schedule": "ZBV", "microbatches": 2})
+    res = verify(plan, meta())
+    assert res.passed, res.mismatches()
+    small = res.collectives[(res.collectives["kind"] == "all_reduce") & (res.collectives["bytes"] == 256)]
+    assert len(small) and (small["issued"] > 0).all()
