@@ -322,7 +322,7 @@ def repaired(strategy: Strategy, repairs: dict[str, int], param_bytes: dict[str,
     names = []
     for module, dim in sorted(repairs.items()):
         rel = rel_of(module)
-        styles[rel] = SequenceParallel(sequence_dim=dim, use_local_output=True)
+        styles[rel] = SequenceParallel(sequence_dim=dim, use_local_output=True, reduce_grads=True)
         colls += forward.get(module, [])
         colls += [Collective("all_reduce", "backward", b) for b in param_bytes.get(module, [])]
         names.append(rel.rsplit(".", 1)[-1])

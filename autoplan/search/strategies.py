@@ -271,7 +271,7 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         out = [Strategy("replicate", "S", _gathered_region(m.rel, m.down), _replicated_region_on_s(h),
                         reason="replicated on the gathered sequence")]
         if t > 1:
-            out.append(Strategy("sequence", "S", {m.rel: SequenceParallel(use_local_output=True)},
+            out.append(Strategy("sequence", "S", {m.rel: SequenceParallel(use_local_output=True, reduce_grads=True)},
                                 _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t,
                                 reason="per-token MLP on the sequence shard, weights replicated",
                                 split_tokens=True))
@@ -305,7 +305,7 @@ def norm_strategies(norms: list[str], t: int, layout: str, param_bytes: list[int
     post-norm block adds the norm's output to the local residual: OLMo-2)."""
     if layout == "R" or t == 1:
         return [Strategy("replicate", layout, {}, [], reason="replicated")]
-    return [Strategy(name, "S", {n: SequenceParallel(use_local_output=local) for n in norms},
+    return [Strategy(name, "S", {n: SequenceParallel(use_local_output=local, reduce_grads=True) for n in norms},
                      _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t, reason=why, extra=extra)
             for name, local, why, extra in (("sequence", False, "sequence parallel", {}),
                                             ("sequence_local", True, "sequence parallel, local output",
