@@ -19,7 +19,15 @@ import torch
 
 from autoplan import arguments as A
 from autoplan.capture import capture
-from autoplan.errors import InfeasiblePlanError, InvalidArgumentError, MissingInputsError, PlanningError
+from autoplan.capture.opaque import OPAQUE, opaque_graph
+from autoplan.errors import (
+    CaptureError,
+    InfeasiblePlanError,
+    InvalidArgumentError,
+    MissingInputsError,
+    ModelTooLargeError,
+    PlanningError,
+)
 from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
@@ -137,7 +145,16 @@ def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dty
         if inputs is None:
             A.check_batch_fits_model(model, seq, "autoplan")
         cap_batch = (gb // dp, seq // cp)
-    return capture(model, inputs, batch=cap_batch, dtype=dtype)
+    try:
+        return capture(model, inputs, batch=cap_batch, dtype=dtype)
+    except (MissingInputsError, ModelTooLargeError):
+        raise
+    except CaptureError as exc:
+        if cap_batch is None:  # example inputs that do not run: the user's to fix
+            raise
+        reason = f"capture could not trace {type(model).__name__} ({exc}); planned data-parallel only"
+        log.warning("%s", reason)
+        return opaque_graph(model, cap_batch[0] * cap_batch[1], str(dtype), reason)
 
 
 def _check_cp_model(model: torch.nn.Module, batch: Any, inputs: Any, cp: int) -> None:
@@ -276,6 +293,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
 
     notes = list(search.soundness.notes(structure))
+    if graph.method == OPAQUE:
+        notes = graph.warnings[:1] + notes
     if cp_choice is not None:
         priced = ", ".join(f"{v}: exchange {d['exchange_s']:.3g}s, exposed {d['exposed_s']:.3g}s, extra memory "
                            f"{d['extra_memory'] / 2**30:.3g} GiB" for v, d in sorted(cp_choice.candidates.items()))
@@ -286,7 +305,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         if o.strategy.extra.get("uneven"):
             notes.append(f"{search.unit_module(o.slot)}: uneven shards, {o.strategy.extra['uneven']}")
     sharded = [o for o in chosen.values() if o.strategy.param_shard > 1 or o.strategy.compute_shard > 1]
-    if tp > 1 and not sharded:
+    if tp > 1 and not sharded and graph.method != OPAQUE:
         others = [a for a in alternatives if a["name"] != "replicated"]
         if others:
             b2 = others[0]
