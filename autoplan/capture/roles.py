@@ -257,7 +257,7 @@ def fused_qkv_layout(flow: _Flow, proj: Node, limit: int = 6) -> tuple[str, int]
         shape = tuple(u.outputs[0].shape) if u.outputs else ()
         if base in _SPLITS:
             return "concat", 0
-        if base in ("view", "reshape", "_unsafe_view", "unflatten") and shape:
+        if base in ("view", "reshape", "_unsafe_view", "unflatten", "unsqueeze") and shape:
             if shape[-1] == width:
                 cur = u
                 continue

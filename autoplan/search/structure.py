@@ -91,6 +91,13 @@ class AttentionUnit:
     # rank when a latent attention's heads are sharded: the latent path (down-projections, their
     # norms) and what the column projections save of it -- their inputs, the latents themselves
     replicated_share: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # kv-replicated attention (query heads sharded, K/V whole): the width of one head, the
+    # attributes counting query heads per KV head (repeat_kv's num_key_value_groups), with their
+    # global values, and the element counts of the parameters kept whole (a fused q/k/v's or k's
+    # and v's; each one's gradient is then all-reduced over tp)
+    head_dim: int = 0
+    group_attrs: dict[str, int] = field(default_factory=dict)
+    kv_params: list[int] = field(default_factory=list)
 
     @property
     def projections(self) -> list[str]:
@@ -324,6 +331,20 @@ def _folded_attr(graph: ModelGraph, rep: str, a: dict, where: str, attrs: dict[s
     return counts[0] if folded_head_inputs(graph, where, first, n) else ""
 
 
+def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
+    """head_dim, group_attrs and kv_params of an attention (AttentionUnit): what a kv-replicated
+    plan needs to know of it."""
+    n, kv, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a.get("head_dim") or 0)
+    m = graph.modules.get(where) if a["module"] else None
+    groups = {path: v for path, v in (m.size_attrs if m else {}).items()
+              if "group" in path.rsplit(".", 1)[-1].lower() and kv and v == n // kv and n > kv}
+    p = a["projections"]
+    whole = [p["qkv"]] if "qkv" in p else [p[x] for x in "kv" if x in p]   # the modules kept whole
+    kv_params = [math.prod(shape) for m in whole for shape in
+                 (graph.modules[f"{rep}.{m}"].params.values() if f"{rep}.{m}" in graph.modules else ())]
+    return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
+
+
 def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit | str:
     """The planner unit of one attention found in block ``rep`` (roles), or why it is none."""
     p = a["projections"]
@@ -331,12 +352,14 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
     attrs = head_attributes(graph, where, a) if a["module"] else {}
     folded = _folded_attr(graph, rep, a, where, attrs)
     own = work(f"{rep}.{a['module']}")   # nothing of its own when its projections sit in the block
+    kv = _kv_fields(graph, rep, where, a)
     if "qkv" in p and "o" in p:
         lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
         return AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                              own, qkv=p["qkv"], qkv_layout=a.get("qkv_layout", "unknown"),
                              qkv_groups=int(a.get("qkv_groups", 0)), fixed_head_count=bool(a.get("fixed_head_count")),
-                             head_attrs=attrs, qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"), folded_heads=folded)
+                             head_attrs=attrs, qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"), folded_heads=folded,
+                             **kv)
     if not all(k in p for k in "qkvo"):
         fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
         return f"its projections ({fused}) are incomplete (no output projection found)"
@@ -345,7 +368,7 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
               [m for m, _, _ in broadcast])
     unit = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                          own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs,
-                         folded_heads=folded)
+                         folded_heads=folded, **kv)
     if broadcast:
         unit.broadcast = [(m, start, stop, _column_bytes(graph, f"{rep}.{m}", stop - start))
                           for m, start, stop in broadcast]

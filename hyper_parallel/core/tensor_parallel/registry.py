@@ -12,6 +12,7 @@ from hyper_parallel.core.context_parallel.style import ContextParallel
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
 from hyper_parallel.core.tensor_parallel.latent_styles import PrepareLatentInput
 from hyper_parallel.core.tensor_parallel.head_styles import PrepareHeadsInput
+from hyper_parallel.core.tensor_parallel.kv_styles import KVReplicatedParallel
 from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.core.tensor_parallel.prepare_styles import (
     PrepareModuleInput,
@@ -25,7 +26,7 @@ STYLES: dict[str, type[ParallelStyle]] = {
     cls.__name__: cls
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
-                ExpertParallel, ContextParallel, PrepareLatentInput)
+                ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel)
 }
 
 
