@@ -242,7 +242,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
         ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
-                        sequence_parallel=sequence_parallel, prober=prober)
+                        sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1)
         if styles is not None:
             t_fix = time.perf_counter()
             chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
@@ -266,7 +266,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     if best is None:
         ctx_min = dataclasses.replace(ctx, recompute="full" if ac_modes[-1] else "none")
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
-                         sequence_parallel=sequence_parallel, prober=prober)
+                         sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1)
         least, lay2, _ = s_min.solve(objective="memory")
         need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
         if experts is not None:  # the TP search counts the experts replicated

@@ -43,7 +43,7 @@ from autoplan.capture.inputs import meta_model
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.search.strategies import Strategy
 from hyper_parallel.core.collective import Collective
-from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
+from hyper_parallel import ParallelStyle, SequenceParallel, balanced_routing, loss_parallel, parallelize_module
 from hyper_parallel.local import CollectiveRecorder
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,8 @@ class Prober:
                 if own and not any(_is_dtensor(p) for p in own):
                     out.plain_param_modules[name] = [p.numel() * p.element_size() for p in own]
             tensors = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
-            with tensors, cores:
+            # experts split by ExpertParallel route fake tokens by the balanced assignment
+            with tensors, cores, balanced_routing():
                 if not on_meta:
                     model.to_empty(device="cpu")
                 tokens = torch.zeros(self.batch, dtype=torch.long, device="meta" if on_meta else None)

@@ -118,6 +118,20 @@ class MlpUnit:
 
 
 @dataclass
+class MoeUnit:
+    """A mixture-of-experts layer recognised from its dataflow (router -> top-k -> expert weights,
+    roles.py): its container, the experts module holding 3-D (stacked) expert weights, and the
+    expert ffn width F their tensor-parallel split cuts."""
+    rel: str                    # the MoE container, relative to the block
+    experts: str                # the experts module, relative to the block
+    num_experts: int
+    top_k: int
+    ffn: int
+    work: Work = field(default_factory=Work)          # the router's and the experts'
+    expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
+
+
+@dataclass
 class BlockGroupInfo:
     id: str
     prefix: str
@@ -134,6 +148,7 @@ class BlockGroupInfo:
     seq_len: int
     dim: int
     cross_attention: AttentionUnit | None = None   # a decoder's second attention (keys from the encoder)
+    moe: MoeUnit | None = None  # a mixture-of-experts layer with stacked expert weights
 
 
 @dataclass
@@ -345,6 +360,26 @@ def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
     return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
 
 
+def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
+    """The planner unit of a MoE layer (roles "moe" entry), or why it is none: tensor parallelism
+    splits each expert on its ffn width, which needs the experts as 3-D weights."""
+    if not e.get("expert_params") or not e.get("experts"):
+        return "its experts are a list of modules, not 3-D weights (split them with expert parallelism on an ep " \
+               "dimension)"
+    info = graph.modules.get(f"{rep}.{e['experts']}")
+    down = info.params.get("down_proj") if info else None
+    if down is None or len(down) != 3 or "gate_up_proj" not in info.params:
+        return "its expert weights are not the stacked gate_up_proj / down_proj the expert styles split"
+    gate_up = info.params["gate_up_proj"]
+    ffn = next((d for d in down[1:] if 2 * d in gate_up[1:]), 0)
+    if not ffn:
+        return f"its expert ffn width could not be read from gate_up_proj {gate_up} / down_proj {down}"
+    experts = work(f"{rep}.{e['experts']}")
+    # the router and the experts (a shared expert in the same container is the block's MLP unit)
+    return MoeUnit(e["module"], e["experts"], int(e.get("num_experts") or down[0]), int(e.get("top_k") or 1), ffn,
+                   work(f"{rep}.{e['router']}") + experts, experts)
+
+
 def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit | str:
     """The planner unit of one attention found in block ``rep`` (roles), or why it is none."""
     p = a["projections"]
@@ -532,10 +567,14 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for u in roles.get("attention_untraced", []):
             where = f"{rep}.{u['module']}" if u["module"] else rep
             not_units.append((where, f"an attention whose projections were not recognised ({u['why']})"))
+        moe = None
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
-            not_units.append((where, "a mixture-of-experts layer: router and experts are no tensor-parallel "
-                                     "unit (expert parallelism plans the experts on a mesh's ep dimension)"))
+            unit = _moe_unit(graph, rep, e, work) if moe is None else "a second mixture-of-experts layer in the block"
+            if isinstance(unit, str):
+                not_units.append((where, f"a mixture-of-experts layer: {unit}"))
+            else:
+                moe = unit
         mlp = None
         for m in roles.get("mlp", [])[1:]:
             not_units.append((f"{rep}.{m['module']}" if m["module"] else rep, "a second MLP in the block"))
@@ -560,7 +599,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")
         whole = work(rep)
-        inner = norm_work + sum((u.work for u in (att, cross, mlp) if u is not None), Work())
+        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe) if u is not None), Work())
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
@@ -576,7 +615,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         blocks.append(BlockGroupInfo(
             b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
             norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1],
-            cross_attention=cross))
+            cross_attention=cross, moe=moe))
         claimed.add(rep)
 
     outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(

@@ -84,6 +84,8 @@ SHAPE_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {
         "n_embd": 6144, "n_head": 48, "n_inner": 24576, "n_positions": 8192, "multi_query": True,
         "vocab_size": 49152}),
+    # OLMoE-1B-7B: 64 stacked experts, top-8, no shared expert
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {}),
 }
 HF_FAMILIES.update(SHAPE_FAMILIES)
 FAMILIES = ("llama",) + tuple(HF_FAMILIES)
