@@ -24,6 +24,9 @@ _PASS = (
     "unsqueeze", "squeeze", "getitem", "split", "chunk", "slice", "select", "cat", "stack", "mul",
     "add", "sub", "neg", "div", "dropout", "repeat", "index", "type_as", "float", "flatten",
     "unflatten", "alias", "t", "native_dropout", "masked_fill", "where", "_unsafe_view", "unbind",
+    # a clamp of a fused q/k/v (DBRX's clip_qkv) and per-head norms of q and k (Persimmon's
+    # q_layernorm / k_layernorm) sit between a projection and the attention core
+    "clamp", "clip", "native_layer_norm", "layer_norm",
 ) + _ACT
 
 

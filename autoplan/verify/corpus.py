@@ -86,6 +86,27 @@ SHAPE_FAMILIES: dict[str, tuple[str, str, dict]] = {
         "vocab_size": 49152}),
     # OLMoE-1B-7B: 64 stacked experts, top-8, no shared expert
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {}),
+    # DBRX: clamped fused Wqkv with GQA, 16 experts top-4 (clip_qkv as the released model)
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM", {
+        "d_model": 6144, "n_heads": 48, "max_seq_len": 32768, "vocab_size": 100352,
+        "attn_config": {"kv_n_heads": 8, "rope_theta": 500000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4}}),
+    # Llama-4 Scout's text model: 16 routed experts top-1 beside a shared expert, every layer MoE
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {}),
+    # JetMoE: mixture of attention heads and of MLP experts routed by data-dependent counts
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", {}),
+    # Jamba: a Mamba layer with a dense MLP, then an attention layer with 16 experts
+    "jamba": ("JambaConfig", "JambaForCausalLM", {"attn_layer_period": 2, "attn_layer_offset": 1,
+                                                  "expert_layer_period": 2, "expert_layer_offset": 1,
+                                                  "use_mamba_kernels": False}),
+    # Falcon-H1: attention and a Mamba-2 mixer in parallel in every block
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {}),
+    # MPT-7B: fused Wqkv reshaped by the global head count, ALiBi
+    "mpt": ("MptConfig", "MptForCausalLM", {"d_model": 4096, "n_heads": 32, "max_seq_len": 2048}),
+    # Persimmon-8B: fused query_key_value with per-head layer norms of q and k
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", {}),
+    # XGLM-564M: fc1/fc2 directly in the block, sinusoidal positions
+    "xglm": ("XGLMConfig", "XGLMForCausalLM", {}),
 }
 HF_FAMILIES.update(SHAPE_FAMILIES)
 FAMILIES = ("llama",) + tuple(HF_FAMILIES)
@@ -115,7 +136,8 @@ def real_model(family: str) -> torch.nn.Module:
     cfg_cls = getattr(transformers, cfg_name)
     layers = {"GPT2Config": {"n_layer": 2}, "T5Config": {"num_layers": 2, "num_decoder_layers": 2},
               "BartConfig": {"encoder_layers": 2, "decoder_layers": 2},
-              "BloomConfig": {"n_layer": 2}}.get(cfg_name, {"num_hidden_layers": 2})
+              "BloomConfig": {"n_layer": 2}, "DbrxConfig": {"n_layers": 2}, "MptConfig": {"n_layers": 2},
+              "XGLMConfig": {"num_layers": 2}}.get(cfg_name, {"num_hidden_layers": 2})
     config = cfg_cls(**{**layers, **overrides})
     with torch.device("meta"):
         return getattr(transformers, model_name)(config)
