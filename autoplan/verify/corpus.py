@@ -143,11 +143,16 @@ def real_model(family: str) -> torch.nn.Module:
         return getattr(transformers, model_name)(config)
 
 
+# Jamba's Mamba mixer runs its selective scan token by token without the CUDA kernels: a capture
+# traces one step per token, so it is planned at a shorter sequence
+SHORT_SEQ = {"JambaForCausalLM": 256}
+
+
 def seq_len(model: torch.nn.Module) -> int:
     """SEQ, or the model's position limit when shorter (BERT: 512)."""
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or SEQ
-    return min(SEQ, int(limit))
+    return min(SEQ, int(limit), SHORT_SEQ.get(type(model).__name__, SEQ))
 
 
 def small_recipe(family: str, model: torch.nn.Module, degrees: list[int]) -> ModelRecipe:
