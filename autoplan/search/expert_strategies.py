@@ -13,7 +13,7 @@ optionally with expert TP inside each ep group); the TP search then offers only 
 from __future__ import annotations
 
 from hyper_parallel import PrepareModuleInputOutput, Replicate, Shard
-from hyper_parallel.core.expert_parallel import ExpertParallel
+from hyper_parallel.core.expert_parallel import DenseExpertsParallel, ExpertParallel
 from hyper_parallel.core.collective import Collective
 
 from autoplan.search.strategies import Strategy, _replicated_region_on_s
@@ -45,10 +45,18 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
     total, part = max(m.work.params, 1), m.expert_work.params
     param_shard = total / (total - part + part / t)
     flops, eflops = max(m.work.flops, 1.0), m.expert_work.flops
-    out.append(Strategy("experts_tp", layout, styles, comm, compute_shard=flops / (flops - eflops + eflops / t),
-                        param_shard=param_shard, activation_shard=1.0,
-                        reason=f"each of the {m.num_experts} experts split on its ffn width ({m.ffn}) over tp: "
-                               f"gate/up column-wise, down row-wise; router replicated"))
+    why = f"each of the {m.num_experts} experts split on its ffn width ({m.ffn}) over tp: gate/up column-wise, " \
+          f"down row-wise; router replicated"
+    shards = dict(compute_shard=flops / (flops - eflops + eflops / t), param_shard=param_shard, activation_shard=1.0)
+    out.append(Strategy("experts_tp", layout, styles, comm, reason=why, **shards))
+    # experts that run every expert on tokens the block pre-scaled (Llama-4): the probe picks the
+    # form the module's forward takes; the dense one moves every expert's copy of every token
+    dense = dict(styles, **{m.experts: DenseExpertsParallel()})
+    rows_all = h * m.num_experts
+    out.append(Strategy("experts_tp_dense", layout, dense,
+                        [Collective("all_reduce", "forward", rows_all), Collective("all_reduce", "backward", rows_all)]
+                        + comm[2:], reason=f"{why} (experts run on every token copy)",
+                        extra={"fallback_for": "experts_tp"}, **shards))
     return out
 
 

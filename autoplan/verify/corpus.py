@@ -222,7 +222,12 @@ def run_case(family: str, mesh: str, variant: str, pool=None) -> CaseResult:
     pipe = plan.pipeline or {}
     # one sequence per micro-batch and dp rank: the plan's micro-batch count divides the rows
     rows = PIPELINED[mesh]["dp"] * int(pipe.get("microbatches", 1)) if mesh in PIPELINED else None
-    result = check_numerics(plan, small_recipe(family, model, degrees), pool=pool, global_batch=rows)
+    try:
+        recipe = small_recipe(family, model, degrees)
+    except AutoplanError as exc:   # no small copy to check the plan on: the check, not the plan, failed
+        return CaseResult(family, mesh, variant, "CRASH", sharded_units(plan), plan.stream_layout,
+                          f"no small copy: {type(exc).__name__}: {exc}"[:300], time.perf_counter() - t0)
+    result = check_numerics(plan, recipe, pool=pool, global_batch=rows)
     outcome = "EQUAL" if result.passed else ("CRASH" if result.error else "WRONG")
     return CaseResult(family, mesh, variant, outcome, sharded_units(plan), plan.stream_layout,
                       result.summary()[:300], time.perf_counter() - t0)

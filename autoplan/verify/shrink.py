@@ -93,11 +93,11 @@ def _keep_residue(width: int, degrees: list[int]) -> int:
 
 
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "encoder_attention_heads",
-              "decoder_attention_heads", "num_heads", "n_head")
+              "decoder_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads")
 _WIDTH_KEYS = ("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim",
                "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
-               "decoder_layers")
+               "decoder_layers", "n_layers")
 
 
 def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
@@ -105,8 +105,8 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
     small with their residues modulo ``degrees`` kept, ``LAYERS`` blocks per stack, no dropout."""
     d = config.to_dict()
     out = dict(d)
-    heads = next((d[k] for k in ("num_attention_heads", "encoder_attention_heads", "num_heads", "n_head")
-                  if isinstance(d.get(k), int)), None)
+    heads = next((d[k] for k in ("num_attention_heads", "encoder_attention_heads", "num_heads", "n_head", "n_heads",
+                                 "attention_heads") if isinstance(d.get(k), int)), None)
     if heads is None:
         raise PlanningError(f"shrink: {type(config).__name__} names no attention head count")
     hidden_key = next(k for k in ("hidden_size", "d_model", "n_embd") if k in d)

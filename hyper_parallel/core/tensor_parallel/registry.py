@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hyper_parallel.core.expert_parallel.dense import DenseExpertsParallel
 from hyper_parallel.core.expert_parallel.style import ExpertParallel
 from hyper_parallel.core.context_parallel.style import ContextParallel
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
@@ -26,7 +27,8 @@ STYLES: dict[str, type[ParallelStyle]] = {
     cls.__name__: cls
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
-                ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel)
+                ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel,
+                DenseExpertsParallel)
 }
 
 
