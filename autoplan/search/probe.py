@@ -79,10 +79,14 @@ def _shape(x) -> tuple | None:
     return None
 
 
-def _routed_rows(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+def _routed_rows(hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
     """A shape-true stand-in for an MoE experts container on fake tensors: the real forward sizes
     its work by the routing (data-dependent shapes fake tensors cannot run). The probe checks the
-    dense units' styles; the experts are planned by autoplan.search.expert_search."""
+    dense units' styles; an experts style (ExpertParallel, DenseExpertsParallel) replaces this
+    forward with its own, run on the balanced routing. Experts called on pre-scaled token copies
+    alone (Llama-4: ``experts(hidden)``) return rows shaped like their input."""
+    if top_k_weights is None:
+        return hidden_states * 1
     return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
 
 
