@@ -320,17 +320,30 @@ def folded_head_inputs(graph: ModelGraph, where: str, first: str, n_heads: int) 
     if not batch:
         return False
     folded = batch * n_heads
+    made_outside: set[str] = set()   # tensors from outside the module, or slices/views of them
     for n in graph.nodes:
         if not inside(n.module) or n_heads <= 1:
             continue
+        acts = [src for src in n.input_nodes if not src.startswith(("param:", "buffer:", "const:"))]
+        base = n.op.split(".")[-2] if n.op.count(".") >= 2 else n.op
+        if acts and base in ("slice", "view", "expand", "unsqueeze", "_to_copy", "to", "alias") and all(
+                src.startswith("input:") or src in made_outside or (src in module_of and not inside(module_of[src]))
+                for src in acts):
+            made_outside.add(n.name)
+            continue
         # the op combines it with per-head tensors in the same folded (batch * heads, ...) layout
         # (Bloom: baddbmm(alibi, q, k)); a table that only happens to have batch * heads rows
-        # (RoPE frequencies when seq == batch * heads) meets (batch, seq, heads, ...) tensors instead
+        # (RoPE frequencies when seq == batch * heads) meets (batch, seq, heads, ...) tensors instead.
+        # Or a (heads, ., .) table added to (batch, heads, ., .) scores (MPT's ALiBi position_bias).
         folded_peers = [m for m, src in zip(n.inputs, n.input_nodes)
                         if len(m.shape) == 3 and m.shape[0] == folded and src in module_of and inside(module_of[src])]
+        head_peers = [m for m, src in zip(n.inputs, n.input_nodes)
+                      if len(m.shape) == 4 and m.shape[1] == n_heads and src in module_of and inside(module_of[src])]
         for meta, src in zip(n.inputs, n.input_nodes):
-            outside = src.startswith("input:") or (src in module_of and not inside(module_of[src]))
-            if outside and meta.shape and meta.shape[0] == folded and folded_peers:
+            outside = src.startswith("input:") or src in made_outside or \
+                (src in module_of and not inside(module_of[src]))
+            if outside and meta.shape and ((meta.shape[0] == folded and folded_peers) or
+                                           (len(meta.shape) == 3 and meta.shape[0] == n_heads and head_peers)):
                 return True
     return False
 
