@@ -53,7 +53,12 @@ from hyper_parallel.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 # after tensor_parallel: its style registry imports ExpertParallel and ContextParallel, built on tensor_parallel.base
-from hyper_parallel.core.expert_parallel import ExpertParallel, balanced_routing, expert_parallel_collectives
+from hyper_parallel.core.expert_parallel import (
+    DenseExpertsParallel,
+    ExpertParallel,
+    balanced_routing,
+    expert_parallel_collectives,
+)
 from hyper_parallel.core.context_parallel import (
     ContextParallel,
     apply_context_parallel,
@@ -74,7 +79,7 @@ __all__ = [
     "PrepareLatentInput",
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-    "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "balanced_routing", "expert_parallel_collectives",
+    "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "DenseExpertsParallel", "balanced_routing", "expert_parallel_collectives",
     "split_model", "split_graph", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
     "ContextParallel", "apply_context_parallel", "shard_batch", "unshard_sequence", "local_positions",

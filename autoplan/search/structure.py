@@ -7,6 +7,7 @@ sizes, plus the FQNs the emitted plan will name.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from dataclasses import dataclass, field
@@ -371,6 +372,19 @@ def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
     kv_params = [math.prod(shape) for m in whole for shape in
                  (graph.modules[f"{rep}.{m}"].params.values() if f"{rep}.{m}" in graph.modules else ())]
     return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
+
+
+def without_moe_units(st: "ModelStructure") -> "ModelStructure":
+    """``st`` with its MoE layers as no tensor-parallel unit: on a mesh with an ep dimension the
+    experts are planned by expert parallelism, and the TP search keeps its stream away from them."""
+    blocks, not_units = [], list(st.not_units)
+    for b in st.blocks:
+        if b.moe is not None:
+            not_units.append((f"{b.representative}.{b.moe.rel}" if b.moe.rel else b.representative,
+                              "a mixture-of-experts layer: planned by expert parallelism on the mesh's ep dimension"))
+            b = dataclasses.replace(b, moe=None, other_work=b.other_work + b.moe.work)
+        blocks.append(b)
+    return dataclasses.replace(st, blocks=blocks, not_units=not_units)
 
 
 def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
