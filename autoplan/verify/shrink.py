@@ -139,6 +139,13 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
     if isinstance(d.get("num_experts_per_tok"), int):
         experts = next((out[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in out), 4)
         out["num_experts_per_tok"] = min(d["num_experts_per_tok"], experts)
+    for name, sub in d.items():   # widths and expert counts in a nested block config (DBRX's ffn_config)
+        if isinstance(sub, dict) and isinstance(sub.get("ffn_hidden_size"), int):
+            small = dict(sub, ffn_hidden_size=_keep_residue(sub["ffn_hidden_size"], degrees))
+            if isinstance(sub.get("moe_num_experts"), int):
+                small["moe_num_experts"] = min(sub["moe_num_experts"], 4)
+                small["moe_top_k"] = min(int(sub.get("moe_top_k") or 1), small["moe_num_experts"])
+            out[name] = small
     for k in list(out):
         if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
             out[k] = 0.0
