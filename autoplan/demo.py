@@ -22,7 +22,8 @@ from autoplan.models import build_llama
 from autoplan.models.llama_plans import EXPERT_PLANS
 from hyper_parallel.parallel_dims import ParallelDims
 from cost_models.runtime import calibrate_runtime, load_runtime
-from hyper_parallel import loss_parallel, parallelize_module, style_from_dict
+from autoplan.parallelisms.tensor import runner_styles
+from hyper_parallel import loss_parallel, parallelize_module
 from hyper_parallel.local import RankPool, cached_mesh, full
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def _rank_main(styles: dict, steps: int, batch: int, seq: int):
     mesh = cached_mesh((dist.get_world_size(),), ("tp",))
     ref = build_llama(seed=0, **DEMO_MODEL)
     par = build_llama(seed=0, **DEMO_MODEL)
-    parallelize_module(par, mesh, {k: style_from_dict(v) for k, v in styles.items()}, strict=True)
+    parallelize_module(par, mesh, runner_styles(styles), strict=True)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt_p = torch.optim.AdamW(par.parameters(), lr=1e-3)
     rows = []

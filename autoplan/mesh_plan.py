@@ -20,7 +20,15 @@ import torch
 from autoplan import arguments as A
 from autoplan.capture import capture
 from autoplan.capture.inputs import BatchSpec
-from autoplan.errors import InfeasiblePlanError, InvalidArgumentError, MissingInputsError, PlanningError
+from autoplan.capture.opaque import OPAQUE, opaque_graph
+from autoplan.errors import (
+    CaptureError,
+    InfeasiblePlanError,
+    InvalidArgumentError,
+    MissingInputsError,
+    ModelTooLargeError,
+    PlanningError,
+)
 from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
@@ -138,7 +146,16 @@ def _capture_graph(model: torch.nn.Module, inputs: Any, batch: Any, dp: int, dty
         if inputs is None:
             A.check_batch_fits_model(model, seq, "autoplan")
         cap_batch = (gb // dp, seq // cp)
-    return capture(model, inputs, batch=cap_batch, dtype=dtype)
+    try:
+        return capture(model, inputs, batch=cap_batch, dtype=dtype)
+    except (MissingInputsError, ModelTooLargeError):
+        raise
+    except CaptureError as exc:
+        if cap_batch is None:  # example inputs that do not run: the user's to fix
+            raise
+        reason = f"capture could not trace {type(model).__name__} ({exc}); planned data-parallel only"
+        log.warning("%s", reason)
+        return opaque_graph(model, cap_batch[0] * cap_batch[1], str(dtype), reason)
 
 
 def _check_cp_model(model: torch.nn.Module, batch: Any, inputs: Any, cp: int) -> None:
@@ -229,7 +246,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
         ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
-                        sequence_parallel=sequence_parallel, prober=prober)
+                        sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1)
         if styles is not None:
             t_fix = time.perf_counter()
             chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
@@ -253,7 +270,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     if best is None:
         ctx_min = dataclasses.replace(ctx, recompute="full" if ac_modes[-1] else "none")
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
-                         sequence_parallel=sequence_parallel, prober=prober)
+                         sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1)
         least, lay2, _ = s_min.solve(objective="memory")
         need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
         if experts is not None:  # the TP search counts the experts replicated
@@ -280,6 +297,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
 
     notes = list(search.soundness.notes(structure))
+    if graph.method == OPAQUE:
+        notes = graph.warnings[:1] + notes
     if cp_choice is not None:
         priced = ", ".join(f"{v}: exchange {d['exchange_s']:.3g}s, exposed {d['exposed_s']:.3g}s, extra memory "
                            f"{d['extra_memory'] / 2**30:.3g} GiB" for v, d in sorted(cp_choice.candidates.items()))
@@ -290,7 +309,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         if o.strategy.extra.get("uneven"):
             notes.append(f"{search.unit_module(o.slot)}: uneven shards, {o.strategy.extra['uneven']}")
     sharded = [o for o in chosen.values() if o.strategy.param_shard > 1 or o.strategy.compute_shard > 1]
-    if tp > 1 and not sharded:
+    if tp > 1 and not sharded and graph.method != OPAQUE:
         others = [a for a in alternatives if a["name"] != "replicated"]
         if others:
             b2 = others[0]

@@ -38,6 +38,7 @@ from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
     NoParallel,
     ParallelStyle,
+    KVReplicatedParallel,
     PrepareHeadsInput,
     PrepareLatentInput,
     PrepareModuleInput,
@@ -51,7 +52,12 @@ from hyper_parallel.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 # after tensor_parallel: its style registry imports ExpertParallel and ContextParallel, built on tensor_parallel.base
-from hyper_parallel.core.expert_parallel import ExpertParallel, balanced_routing, expert_parallel_collectives
+from hyper_parallel.core.expert_parallel import (
+    DenseExpertsParallel,
+    ExpertParallel,
+    balanced_routing,
+    expert_parallel_collectives,
+)
 from hyper_parallel.core.context_parallel import (
     ContextParallel,
     apply_context_parallel,
@@ -68,12 +74,12 @@ __all__ = [
     "init_device_mesh", "DeviceMesh", "DTensor", "Shard", "Replicate", "Partial", "Placement",
     "distribute_tensor", "distribute_module", "fully_shard", "custom_shard",
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareHeadsInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
+    "PrepareModuleInput", "PrepareHeadsInput", "KVReplicatedParallel", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
     "PrepareLatentInput",
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-    "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "balanced_routing", "expert_parallel_collectives",
-    "split_model", "build_stages",
+    "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "DenseExpertsParallel", "balanced_routing",
+    "expert_parallel_collectives", "split_model", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
     "ContextParallel", "apply_context_parallel", "shard_batch", "unshard_sequence", "local_positions",
     "cp_cross_entropy", "average_gradients",

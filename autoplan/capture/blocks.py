@@ -44,7 +44,8 @@ def nn_base(module: nn.Module) -> str:
     return ""
 
 
-_SIZE_WORD = re.compile("head|size|dim|width|embd|embed|rank", re.IGNORECASE)   # rank: MLA's latent widths
+# rank: MLA's latent widths; group: query heads per KV head (repeat_kv by num_key_value_groups)
+_SIZE_WORD = re.compile("head|size|dim|width|embd|embed|rank|group", re.IGNORECASE)
 
 
 def _size_ints(obj: object) -> dict[str, int]:

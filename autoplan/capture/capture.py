@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device
@@ -23,9 +24,10 @@ from autoplan.capture.ir import ModelGraph
 from autoplan.capture.opcost import register_flop_formulas
 from autoplan.capture.roles import recognise_roles
 from autoplan.capture.trace import export, to_nodes
-from autoplan.errors import CaptureError
+from autoplan.errors import AutoplanError, CaptureError
 
 log = logging.getLogger(__name__)
+_DATA_DEPENDENT = "data-dependent tensor sizes"
 
 
 def capture(
@@ -68,6 +70,11 @@ def capture(
         mm.train()  # training-time graph: dropout present, caches off
         try:
             return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
+        except AutoplanError:
+            raise
+        except Exception as exc:  # a torch error escaping every attempt: typed, naming model and error
+            raise CaptureError(f"capture of {type_name(mm)} failed: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
         finally:
             for m, training in modes:
                 m.training = training
@@ -83,6 +90,8 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
     attempts += [("export-full", False, False), ("export-fake", shorten, True)]
     errors: list[str] = []
     for method, short, fake in attempts:
+        if errors and errors[-1].startswith(_DATA_DEPENDENT):
+            break  # every export sees the same data-dependent sizes: go to the hooks
         try:
             with contextlib.ExitStack() as stack:
                 rename = stack.enter_context(only_representatives(mm, groups)) if short else {}
@@ -95,7 +104,12 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
             log.warning("%s", msg)
             errors.append(msg)
             continue
-        return graph_of_export(ep, rename, groups, root_type, (infos, tied, nparams), method, errors)
+        try:
+            return graph_of_export(ep, rename, groups, root_type, (infos, tied, nparams), method, errors)
+        except GuardOnDataDependentSymNode as exc:  # MoE routing by data-dependent counts (JetMoE)
+            msg = f"{_DATA_DEPENDENT} in the {method} of {root_type} ({str(exc).splitlines()[0]})"
+            log.warning("%s", msg)
+            errors.append(msg)
     if not fallback:
         raise CaptureError("; ".join(errors))
     try:

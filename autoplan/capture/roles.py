@@ -24,6 +24,9 @@ _PASS = (
     "unsqueeze", "squeeze", "getitem", "split", "chunk", "slice", "select", "cat", "stack", "mul",
     "add", "sub", "neg", "div", "dropout", "repeat", "index", "type_as", "float", "flatten",
     "unflatten", "alias", "t", "native_dropout", "masked_fill", "where", "_unsafe_view", "unbind",
+    # a clamp of a fused q/k/v (DBRX's clip_qkv) and per-head norms of q and k (Persimmon's
+    # q_layernorm / k_layernorm) sit between a projection and the attention core
+    "clamp", "clip", "native_layer_norm", "layer_norm",
 ) + _ACT
 
 
@@ -257,7 +260,7 @@ def fused_qkv_layout(flow: _Flow, proj: Node, limit: int = 6) -> tuple[str, int]
         shape = tuple(u.outputs[0].shape) if u.outputs else ()
         if base in _SPLITS:
             return "concat", 0
-        if base in ("view", "reshape", "_unsafe_view", "unflatten") and shape:
+        if base in ("view", "reshape", "_unsafe_view", "unflatten", "unsqueeze") and shape:
             if shape[-1] == width:
                 cur = u
                 continue

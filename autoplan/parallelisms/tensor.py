@@ -8,7 +8,7 @@ first, to the whole model (a pipeline is cut from the styled model).
 from __future__ import annotations
 
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
-from hyper_parallel import parallelize_module, style_from_dict
+from hyper_parallel import ParallelStyle, SequenceParallel, parallelize_module, style_from_dict
 
 _STYLE = {"type": "object", "required": ["style", "args"], "additionalProperties": False,
           "properties": {"style": {"type": "string"}, "args": {"type": "object"}}}
@@ -51,5 +51,21 @@ class TensorParallel(Parallelism):
         tp_mesh = target.mesh[plan.tp_dim] if plan.tp_dim in names else None
         target.state["tp_mesh"] = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         if self.active(plan) and target.state["tp_mesh"] is not None:
-            parallelize_module(target.model, target.mesh, {k: style_from_dict(v) for k, v in plan.styles.items()},
+            parallelize_module(target.model, target.mesh, runner_styles(plan.styles),
                                mesh_dim=plan.tp_dim, strict=True)
+
+
+def runner_styles(styles: dict[str, dict]) -> dict[str, ParallelStyle]:
+    """{pattern: style} from a plan's style dicts, as autoplan's runners apply them: every
+    SequenceParallel reduces its weight gradients in backward (``reduce_grads=True``), whatever the
+    plan file says, because the planner's collective counts, verify's dry run and the pipeline's
+    weight pass assume each gradient carries its parameter's layout when backward ends (torch's
+    default, kept by hyper_parallel, leaves them Partial for the optimizer)."""
+    out = {}
+    for pattern, spec in styles.items():
+        style = style_from_dict(spec)
+        if isinstance(style, SequenceParallel) and not style.reduce_grads:
+            style = SequenceParallel(sequence_dim=style.sequence_dim, use_local_output=style.use_local_output,
+                                     reduce_grads=True)
+        out[pattern] = style
+    return out

@@ -96,7 +96,9 @@ def _hf_kind(spec: dict[str, Any], is_embedding: bool) -> tuple[str | None, str]
             return "rowwise_split", ""
         return None, f"row-wise with input {inp} has no HF name"
     if style == "SequenceParallel":
-        return ("sequence_parallel", "") if not args else (None, f"SequenceParallel{args} has no HF name")
+        # the gradient reduction (when in backward) is no layout: HF's name covers both
+        rest = {k: v for k, v in args.items() if k != "reduce_grads"}
+        return ("sequence_parallel", "") if not rest else (None, f"SequenceParallel{rest} has no HF name")
     return None, f"{style} (a layout change between modules) has no HF name; HF inserts none"
 
 

@@ -210,7 +210,7 @@ class ClusterSearch:
             try:
                 search = TPSearch(self.structure(b, cp), self.graph(b, cp), ctx, tp,
                                   allow_replicated=self.allow_replicated, sequence_parallel=self.sp,
-                                  prober=self.prober(tp, b, cp))
+                                  prober=self.prober(tp, b, cp), experts_tp=False)
             except InfeasiblePlanError as e:  # e.g. allow_replicated_units=False at a degree that cannot shard
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self.tp_skipped[tp] = str(e)

@@ -44,7 +44,7 @@ from autoplan.capture.inputs import meta_model
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.search.strategies import Strategy
 from hyper_parallel.core.collective import Collective
-from hyper_parallel import ParallelStyle, SequenceParallel, loss_parallel, parallelize_module
+from hyper_parallel import ParallelStyle, SequenceParallel, balanced_routing, loss_parallel, parallelize_module
 from hyper_parallel.local import CollectiveRecorder
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,14 @@ def _shape(x) -> tuple | None:
     return None
 
 
-def _routed_rows(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+def _routed_rows(hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
     """A shape-true stand-in for an MoE experts container on fake tensors: the real forward sizes
     its work by the routing (data-dependent shapes fake tensors cannot run). The probe checks the
-    dense units' styles; the experts are planned by autoplan.search.expert_search."""
+    dense units' styles; an experts style (ExpertParallel, DenseExpertsParallel) replaces this
+    forward with its own, run on the balanced routing. Experts called on pre-scaled token copies
+    alone (Llama-4: ``experts(hidden)``) return rows shaped like their input."""
+    if top_k_weights is None:
+        return hidden_states * 1
     return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
 
 
@@ -187,7 +191,8 @@ class Prober:
             # tokens as image features") becomes a deferred assertion instead of a failed run
             tensors = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True,
                                                                               shape_env=ShapeEnv())
-            with tensors, cores:
+            # experts split by ExpertParallel route fake tokens by the balanced assignment
+            with tensors, cores, balanced_routing():
                 if not on_meta:
                     model.to_empty(device="cpu")
                 tokens = torch.zeros(self.batch, dtype=torch.long, device="meta" if on_meta else None)
@@ -326,7 +331,7 @@ def repaired(strategy: Strategy, repairs: dict[str, int], param_bytes: dict[str,
     names = []
     for module, dim in sorted(repairs.items()):
         rel = rel_of(module)
-        styles[rel] = SequenceParallel(sequence_dim=dim, use_local_output=True)
+        styles[rel] = SequenceParallel(sequence_dim=dim, use_local_output=True, reduce_grads=True)
         colls += forward.get(module, [])
         # a weight's gradient reduction: a split backward's input pass never reaches it
         colls += [Collective("all_reduce", "backward", b, weight_grad=True) for b in param_bytes.get(module, [])]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from hyper_parallel.core.collective import Collective
 from hyper_parallel import (
     ColwiseParallel,
+    KVReplicatedParallel,
     ParallelStyle,
     PrepareHeadsInput,
     PrepareLatentInput,
@@ -160,6 +161,12 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         else:
             out[0].extra["tp_excluded"] = why
         return out
+    if why is not None and t > 1 and a.linear and a.n_heads % t == 0 and a.n_kv_heads % t:
+        kv = _kv_replicated(a, blk, t, layout)
+        if isinstance(kv, Strategy):
+            out.append(kv)
+        else:
+            why = f"{why}; {kv}"
     column = _column_styles(a, t) if why is None else why
     if isinstance(column, str):
         why = column
@@ -213,6 +220,41 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
     if plain_why is not None:
         out[0].extra["tp_excluded"] = plain_why
     return out
+
+
+def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -> Strategy | str:
+    """Query heads sharded, K/V projections whole on every rank (Megatron's and HF's form for
+    multi-query attention): q column-wise -- or, in a fused [q|k|v], its q columns -- with the
+    module's query head counts and widths made local; K/V's weights replicated, their gradients
+    (partial: each rank's heads' share) all-reduced in backward. Offered for one KV head: with
+    several, each rank would need the slice of KV heads its query heads read."""
+    if a.n_kv_heads != 1:
+        return f"kv-replicated attention needs one KV head (MQA); {a.n_kv_heads} would each need its own ranks"
+    n, kv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    local = sorted([k for k, v in a.head_attrs.items() if v in (n, n * hd) and v not in (kv, kv * hd)]
+                   + list(a.group_attrs))
+    if a.qkv:
+        if a.qkv_layout != "concat" or not hd:
+            return "kv-replicated attention needs a fused projection cut as [q|k|v]"
+        if not local:
+            return "the fused [q|k|v] is cut by widths the module does not hold as attributes"
+        cols = {a.qkv: KVReplicatedParallel(fused_heads=[n, 2 * kv])}
+    else:
+        cols = {a.q: ColwiseParallel(), a.k: KVReplicatedParallel(), a.v: KVReplicatedParallel()}
+    inp, h = (_PLACEMENT[layout],), blk.hidden_bytes
+    prep = PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,), local_attributes=local) if local \
+        else PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,))
+    per_param = a.work.param_bytes / a.work.params if a.work.params else 4
+    whole = sum(a.kv_params)
+    total = max(a.work.params, whole + 1)
+    param_shard = total / (whole + (total - whole) / t)
+    comm = (_ag_rs_pair(h) if layout == "S" else _ar_pair(h)) + \
+        [Collective("all_reduce", "backward", int(p * per_param), weight_grad=True) for p in a.kv_params]
+    return Strategy("kv_replicated", layout, {a.rel: prep, **cols, a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])},
+                    comm, compute_shard=t, param_shard=param_shard, activation_shard=t,
+                    reason=f"query heads ({n}) sharded, the {kv} KV head replicated with its gradients all-reduced "
+                           f"(Megatron's multi-query form)" + (f"; the module's {', '.join(local)} made local"
+                                                               if local else ""))
 
 
 def _latent_heads(a: AttentionUnit, h: int, t: int, layout: str) -> Strategy:
@@ -271,7 +313,7 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         out = [Strategy("replicate", "S", _gathered_region(m.rel, m.down), _replicated_region_on_s(h),
                         reason="replicated on the gathered sequence")]
         if t > 1:
-            out.append(Strategy("sequence", "S", {m.rel: SequenceParallel(use_local_output=True)},
+            out.append(Strategy("sequence", "S", {m.rel: SequenceParallel(use_local_output=True, reduce_grads=True)},
                                 _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t,
                                 reason="per-token MLP on the sequence shard, weights replicated",
                                 split_tokens=True))
@@ -305,7 +347,7 @@ def norm_strategies(norms: list[str], t: int, layout: str, param_bytes: list[int
     post-norm block adds the norm's output to the local residual: OLMo-2)."""
     if layout == "R" or t == 1:
         return [Strategy("replicate", layout, {}, [], reason="replicated")]
-    return [Strategy(name, "S", {n: SequenceParallel(use_local_output=local) for n in norms},
+    return [Strategy(name, "S", {n: SequenceParallel(use_local_output=local, reduce_grads=True) for n in norms},
                      _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t, reason=why, extra=extra)
             for name, local, why, extra in (("sequence", False, "sequence parallel", {}),
                                             ("sequence_local", True, "sequence parallel, local output",

@@ -7,6 +7,7 @@ sizes, plus the FQNs the emitted plan will name.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from dataclasses import dataclass, field
@@ -91,6 +92,13 @@ class AttentionUnit:
     # rank when a latent attention's heads are sharded: the latent path (down-projections, their
     # norms) and what the column projections save of it -- their inputs, the latents themselves
     replicated_share: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # kv-replicated attention (query heads sharded, K/V whole): the width of one head, the
+    # attributes counting query heads per KV head (repeat_kv's num_key_value_groups), with their
+    # global values, and the element counts of the parameters kept whole (a fused q/k/v's or k's
+    # and v's; each one's gradient is then all-reduced over tp)
+    head_dim: int = 0
+    group_attrs: dict[str, int] = field(default_factory=dict)
+    kv_params: list[int] = field(default_factory=list)
 
     @property
     def projections(self) -> list[str]:
@@ -111,6 +119,20 @@ class MlpUnit:
 
 
 @dataclass
+class MoeUnit:
+    """A mixture-of-experts layer recognised from its dataflow (router -> top-k -> expert weights,
+    roles.py): its container, the experts module holding 3-D (stacked) expert weights, and the
+    expert ffn width F their tensor-parallel split cuts."""
+    rel: str                    # the MoE container, relative to the block
+    experts: str                # the experts module, relative to the block
+    num_experts: int
+    top_k: int
+    ffn: int
+    work: Work = field(default_factory=Work)          # the router's and the experts'
+    expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
+
+
+@dataclass
 class BlockGroupInfo:
     id: str
     prefix: str
@@ -127,6 +149,7 @@ class BlockGroupInfo:
     seq_len: int
     dim: int
     cross_attention: AttentionUnit | None = None   # a decoder's second attention (keys from the encoder)
+    moe: MoeUnit | None = None  # a mixture-of-experts layer with stacked expert weights
 
 
 @dataclass
@@ -302,17 +325,30 @@ def folded_head_inputs(graph: ModelGraph, where: str, first: str, n_heads: int) 
     if not batch:
         return False
     folded = batch * n_heads
+    made_outside: set[str] = set()   # tensors from outside the module, or slices/views of them
     for n in graph.nodes:
         if not inside(n.module) or n_heads <= 1:
             continue
+        acts = [src for src in n.input_nodes if not src.startswith(("param:", "buffer:", "const:"))]
+        base = n.op.split(".")[-2] if n.op.count(".") >= 2 else n.op
+        if acts and base in ("slice", "view", "expand", "unsqueeze", "_to_copy", "to", "alias") and all(
+                src.startswith("input:") or src in made_outside or (src in module_of and not inside(module_of[src]))
+                for src in acts):
+            made_outside.add(n.name)
+            continue
         # the op combines it with per-head tensors in the same folded (batch * heads, ...) layout
         # (Bloom: baddbmm(alibi, q, k)); a table that only happens to have batch * heads rows
-        # (RoPE frequencies when seq == batch * heads) meets (batch, seq, heads, ...) tensors instead
+        # (RoPE frequencies when seq == batch * heads) meets (batch, seq, heads, ...) tensors instead.
+        # Or a (heads, ., .) table added to (batch, heads, ., .) scores (MPT's ALiBi position_bias).
         folded_peers = [m for m, src in zip(n.inputs, n.input_nodes)
                         if len(m.shape) == 3 and m.shape[0] == folded and src in module_of and inside(module_of[src])]
+        head_peers = [m for m, src in zip(n.inputs, n.input_nodes)
+                      if len(m.shape) == 4 and m.shape[1] == n_heads and src in module_of and inside(module_of[src])]
         for meta, src in zip(n.inputs, n.input_nodes):
-            outside = src.startswith("input:") or (src in module_of and not inside(module_of[src]))
-            if outside and meta.shape and meta.shape[0] == folded and folded_peers:
+            outside = src.startswith("input:") or src in made_outside or \
+                (src in module_of and not inside(module_of[src]))
+            if outside and meta.shape and ((meta.shape[0] == folded and folded_peers) or
+                                           (len(meta.shape) == 3 and meta.shape[0] == n_heads and head_peers)):
                 return True
     return False
 
@@ -328,6 +364,53 @@ def _folded_attr(graph: ModelGraph, rep: str, a: dict, where: str, attrs: dict[s
     return counts[0] if folded_head_inputs(graph, where, first, n) else ""
 
 
+def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
+    """head_dim, group_attrs and kv_params of an attention (AttentionUnit): what a kv-replicated
+    plan needs to know of it."""
+    n, kv, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a.get("head_dim") or 0)
+    m = graph.modules.get(where) if a["module"] else None
+    groups = {path: v for path, v in (m.size_attrs if m else {}).items()
+              if "group" in path.rsplit(".", 1)[-1].lower() and kv and v == n // kv and n > kv}
+    p = a["projections"]
+    whole = [p["qkv"]] if "qkv" in p else [p[x] for x in "kv" if x in p]   # the modules kept whole
+    kv_params = [math.prod(shape) for m in whole for shape in
+                 (graph.modules[f"{rep}.{m}"].params.values() if f"{rep}.{m}" in graph.modules else ())]
+    return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
+
+
+def without_moe_units(st: "ModelStructure") -> "ModelStructure":
+    """``st`` with its MoE layers as no tensor-parallel unit: on a mesh with an ep dimension the
+    experts are planned by expert parallelism, and the TP search keeps its stream away from them."""
+    blocks, not_units = [], list(st.not_units)
+    for b in st.blocks:
+        if b.moe is not None:
+            not_units.append((f"{b.representative}.{b.moe.rel}" if b.moe.rel else b.representative,
+                              "a mixture-of-experts layer: planned by expert parallelism on the mesh's ep dimension"))
+            b = dataclasses.replace(b, moe=None, other_work=b.other_work + b.moe.work)
+        blocks.append(b)
+    return dataclasses.replace(st, blocks=blocks, not_units=not_units)
+
+
+def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
+    """The planner unit of a MoE layer (roles "moe" entry), or why it is none: tensor parallelism
+    splits each expert on its ffn width, which needs the experts as 3-D weights."""
+    if not e.get("expert_params") or not e.get("experts"):
+        return "its experts are a list of modules, not 3-D weights (split them with expert parallelism on an ep " \
+               "dimension)"
+    info = graph.modules.get(f"{rep}.{e['experts']}")
+    down = info.params.get("down_proj") if info else None
+    if down is None or len(down) != 3 or "gate_up_proj" not in info.params:
+        return "its expert weights are not the stacked gate_up_proj / down_proj the expert styles split"
+    gate_up = info.params["gate_up_proj"]
+    ffn = next((d for d in down[1:] if 2 * d in gate_up[1:]), 0)
+    if not ffn:
+        return f"its expert ffn width could not be read from gate_up_proj {gate_up} / down_proj {down}"
+    experts = work(f"{rep}.{e['experts']}")
+    # the router and the experts (a shared expert in the same container is the block's MLP unit)
+    return MoeUnit(e["module"], e["experts"], int(e.get("num_experts") or down[0]), int(e.get("top_k") or 1), ffn,
+                   work(f"{rep}.{e['router']}") + experts, experts)
+
+
 def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit | str:
     """The planner unit of one attention found in block ``rep`` (roles), or why it is none."""
     p = a["projections"]
@@ -335,12 +418,14 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
     attrs = head_attributes(graph, where, a) if a["module"] else {}
     folded = _folded_attr(graph, rep, a, where, attrs)
     own = work(f"{rep}.{a['module']}")   # nothing of its own when its projections sit in the block
+    kv = _kv_fields(graph, rep, where, a)
     if "qkv" in p and "o" in p:
         lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
         return AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                              own, qkv=p["qkv"], qkv_layout=a.get("qkv_layout", "unknown"),
                              qkv_groups=int(a.get("qkv_groups", 0)), fixed_head_count=bool(a.get("fixed_head_count")),
-                             head_attrs=attrs, qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"), folded_heads=folded)
+                             head_attrs=attrs, qkv_bias=_has_bias(graph, f"{rep}.{p['qkv']}"), folded_heads=folded,
+                             **kv)
     if not all(k in p for k in "qkvo"):
         fused = ", ".join(f"{k}={v}" for k, v in sorted(p.items()))
         return f"its projections ({fused}) are incomplete (no output projection found)"
@@ -349,7 +434,7 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
               [m for m, _, _ in broadcast])
     unit = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                          own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs,
-                         folded_heads=folded)
+                         folded_heads=folded, **kv)
     if broadcast:
         unit.broadcast = [(m, start, stop, _column_bytes(graph, f"{rep}.{m}", stop - start))
                           for m, start, stop in broadcast]
@@ -513,10 +598,14 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for u in roles.get("attention_untraced", []):
             where = f"{rep}.{u['module']}" if u["module"] else rep
             not_units.append((where, f"an attention whose projections were not recognised ({u['why']})"))
+        moe = None
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
-            not_units.append((where, "a mixture-of-experts layer: router and experts are no tensor-parallel "
-                                     "unit (expert parallelism plans the experts on a mesh's ep dimension)"))
+            unit = _moe_unit(graph, rep, e, work) if moe is None else "a second mixture-of-experts layer in the block"
+            if isinstance(unit, str):
+                not_units.append((where, f"a mixture-of-experts layer: {unit}"))
+            else:
+                moe = unit
         mlp = None
         for m in roles.get("mlp", [])[1:]:
             not_units.append((f"{rep}.{m['module']}" if m["module"] else rep, "a second MLP in the block"))
@@ -541,7 +630,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")
         whole = work(rep)
-        inner = norm_work + sum((u.work for u in (att, cross, mlp) if u is not None), Work())
+        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe) if u is not None), Work())
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
@@ -557,7 +646,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         blocks.append(BlockGroupInfo(
             b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
             norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1],
-            cross_attention=cross))
+            cross_attention=cross, moe=moe))
         claimed.add(rep)
 
     outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(

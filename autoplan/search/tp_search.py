@@ -30,10 +30,11 @@ from autoplan.search.strategies import (
     mlp_strategies,
     norm_strategies,
 )
+from autoplan.search.expert_strategies import experts_strategies
 from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
 from autoplan.search.soundness import SoundnessReport, check_search, settle
-from autoplan.search.structure import ModelStructure, Work
+from autoplan.search.structure import ModelStructure, Work, without_moe_units
 from cost_models.overlap import dp_overlap
 
 log = logging.getLogger(__name__)
@@ -199,8 +200,13 @@ class TPSearch:
     layouts: tuple[str, ...] = ("R",)
     prober: Prober | None = None         # checks candidates on the model (see soundness.py)
     soundness: SoundnessReport = field(default_factory=SoundnessReport)
+    # MoE experts as a TP unit (False: an ep dimension plans them, or a cluster search that prices
+    # one TP solution for every ep degree)
+    experts_tp: bool = True
 
     def __post_init__(self) -> None:
+        if not self.experts_tp:   # experts planned elsewhere (ep) or not priced: no unit, stream kept off them
+            self.structure = without_moe_units(self.structure)
         st, t = self.structure, self.tp
         db = st.dtype_bytes
         seqs = [b.seq_len for b in st.blocks]
@@ -226,6 +232,9 @@ class TPSearch:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)
                     for s in mlp_strategies(b.mlp, b, t, layout, pt):
                         self._add(f"{b.id}/mlp", s, owner, b.count, b.mlp.work, b.mlp.work.param_bytes)
+                if b.moe is not None:
+                    for s in experts_strategies(b.moe, b, t, layout):
+                        self._add(f"{b.id}/moe", s, owner, b.count, b.moe.work, b.moe.work.param_bytes)
                 pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
                 for s in norm_strategies(b.norms, t, layout, pt):
                     self._add(f"{b.id}/norms", s, owner, b.count, b.norm_work, b.norm_param_bytes)
@@ -276,7 +285,7 @@ class TPSearch:
         for b in st.blocks:
             if slot.startswith(b.id + "/"):
                 unit = {"attention": b.attention, "cross_attention": b.cross_attention,
-                        "mlp": b.mlp}.get(slot.split("/")[-1])
+                        "mlp": b.mlp, "moe": b.moe}.get(slot.split("/")[-1])
                 owner = self._owner(b)
                 return f"{owner}.{unit.rel}" if unit is not None and unit.rel else owner
         fixed = {"embedding": st.embedding.fqn if st.embedding else None, "head": st.head.fqn if st.head else None}

@@ -93,11 +93,11 @@ def _keep_residue(width: int, degrees: list[int]) -> int:
 
 
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "encoder_attention_heads",
-              "decoder_attention_heads", "num_heads", "n_head")
+              "decoder_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads")
 _WIDTH_KEYS = ("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim",
                "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
-               "decoder_layers")
+               "decoder_layers", "n_layers")
 
 
 def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
@@ -105,8 +105,8 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
     small with their residues modulo ``degrees`` kept, ``LAYERS`` blocks per stack, no dropout."""
     d = config.to_dict()
     out = dict(d)
-    heads = next((d[k] for k in ("num_attention_heads", "encoder_attention_heads", "num_heads", "n_head")
-                  if isinstance(d.get(k), int)), None)
+    heads = next((d[k] for k in ("num_attention_heads", "encoder_attention_heads", "num_heads", "n_head", "n_heads",
+                                 "attention_heads") if isinstance(d.get(k), int)), None)
     if heads is None:
         raise PlanningError(f"shrink: {type(config).__name__} names no attention head count")
     hidden_key = next(k for k in ("hidden_size", "d_model", "n_embd") if k in d)
@@ -139,6 +139,13 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
     if isinstance(d.get("num_experts_per_tok"), int):
         experts = next((out[k] for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in out), 4)
         out["num_experts_per_tok"] = min(d["num_experts_per_tok"], experts)
+    for name, sub in d.items():   # widths and expert counts in a nested block config (DBRX's ffn_config)
+        if isinstance(sub, dict) and isinstance(sub.get("ffn_hidden_size"), int):
+            small = dict(sub, ffn_hidden_size=_keep_residue(sub["ffn_hidden_size"], degrees))
+            if isinstance(sub.get("moe_num_experts"), int):
+                small["moe_num_experts"] = min(sub["moe_num_experts"], 4)
+                small["moe_top_k"] = min(int(sub.get("moe_top_k") or 1), small["moe_num_experts"])
+            out[name] = small
     for k in list(out):
         if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
             out[k] = 0.0

@@ -6,7 +6,7 @@ The slice covers one family per hazard: a norm over the full projection width on
 (OLMo-2, repaired), a fused q/k/v attention sharded in whole heads on a sequence-sharded stream
 (GPT-NeoX), a fused [q|k|v] cut by the global head count its config stores (Phi-3: sharded with
 the count made local), Conv1D layers (GPT-2), relative position bias and two stacks
-(T5), a decoder's cross-attention sharded by heads beside its self-attention under FSDP (BART), a mixture of experts forced to shard (Mixtral), an encoder-only model (BERT) and GQA with
+(T5), a decoder's cross-attention sharded by heads beside its self-attention under FSDP (BART), a mixture of experts forced to shard (Mixtral: experts tensor-parallel), an encoder-only model (BERT) and GQA with
 biases on the sequence-sharded stream (Starcoder2), Falcon's grouped fused q/k/v and in-place MLP output, Bloom's
 ALiBi bias (per-head rows folded into the batch), and pipelined cases."""
 import pytest
@@ -22,7 +22,8 @@ SLICE = [
     ("t5", "tp4", "default", ("attention:heads_sharded_local", "cross_attention:heads_sharded_local",
                               "mlp:hidden_sharded")),
     ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
-    ("mixtral", "tp4", "forced_R", ()),
+    # a mesh without ep: each expert split on its ffn width over tp (ExpertParallel(ep_dim=""))
+    ("mixtral", "tp4", "forced_R", ("moe:experts_tp",)),
     # BERT adds the attention input to its output inside the module (post-norm residual): sharded by
     # heads with plain-tensor inputs
     ("bert", "dp2_tp2", "default", ("attention:heads_sharded_plain_input", "mlp:hidden_sharded")),

@@ -70,7 +70,7 @@ def test_diff_contents(plans):
     assert list(d.columns) == ["section", "key", "a", "b", "change"]
     rows = {(r.section, r.key): r for r in d.itertuples()}
     assert rows[("setting", "stream_layout")].a == "S" and rows[("setting", "stream_layout")].b == "R"
-    assert rows[("style", "norm")].a == "SequenceParallel()" and rows[("style", "norm")].change == "removed"
+    assert rows[("style", "norm")].a == "SequenceParallel(reduce_grads=True)" and rows[("style", "norm")].change == "removed"
     assert rows[("style", "layers.*.attention.wo")].a == "RowwiseParallel(output_layouts=Shard(1))"
     assert rows[("decision", "head")].b == "vocab_sharded_gather [R]"
     step = rows[("prediction", "step_s")]

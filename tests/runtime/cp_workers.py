@@ -76,8 +76,8 @@ def tp_plan(kind: str) -> dict:
             f"{a}.o_proj": RowwiseParallel(), f"{m}.gate_proj": ColwiseParallel(), f"{m}.up_proj": ColwiseParallel(),
             f"{m}.down_proj": RowwiseParallel()}
     if kind == "hf_qwen3":  # per-head norms on head-sharded activations: gradients reduced over tp
-        plan.update({f"{a}.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                     f"{a}.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+        plan.update({f"{a}.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True, reduce_grads=True),
+                     f"{a}.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True, reduce_grads=True)})
     return plan
 
 

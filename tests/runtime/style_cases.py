@@ -6,7 +6,8 @@ Colwise on a replicated input all-reduces the input gradient (partial) in backwa
 with Replicate output all-reduces its partial output in forward, with Shard(1) output it
 reduce-scatters (backward: all-gather); Rowwise fed a Replicate input slices it (backward:
 all-gather of the input gradient); a Shard(1) -> Replicate change is an all-gather whose
-backward is a local slice; SequenceParallel all-reduces its weight gradient (align_grad_to_param);
+backward is a local slice; SequenceParallel leaves its weight gradient Partial (as torch's) or, with
+``reduce_grads=True``, all-reduces it in backward (align_grad_to_param);
 NoParallel on replicated inputs communicates nothing. CommDebugMode counts a module's
 descendants in its own numbers and attributes backward collectives of a parent's hooks to the
 child whose backward ran last (e.g. "norm" below).
@@ -127,6 +128,13 @@ CASES = {
         {"": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
                                       output_layouts=Shard(1), desired_output_layouts=Replicate()),
          "norm": SequenceParallel()},
+        {"norm": ({}, {"all_gather": 1}), "": ({"all_gather": 1}, {"all_gather": 1})},
+    ),
+    "sequence_parallel_norm_reduced": (
+        NormBlock, _float_input, {},
+        {"": PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                      output_layouts=Shard(1), desired_output_layouts=Replicate()),
+         "norm": SequenceParallel(reduce_grads=True)},
         {"norm": ({}, {"all_gather": 1, "all_reduce": 1}), "": ({"all_gather": 1}, {"all_gather": 1, "all_reduce": 1})},
     ),
     "prepare_input_kwarg": (

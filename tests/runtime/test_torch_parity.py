@@ -6,7 +6,10 @@ deliberate differences are listed in docs/runtime.md, "Differences from torch's 
 - no ``device_mesh``: the mesh of the enclosing ``with mesh:`` context;
 - a plan that is neither a style nor a dict: a TypeError;
 - a PrepareModuleInput with more layouts than inputs: a ValueError (ours before anything is
-  applied, torch's at the first forward).
+  applied, torch's at the first forward);
+- PrepareModuleInput / PrepareModuleInputOutput with positional layouts plus keyword layouts, and
+  SequenceParallel (by default no collective in backward, gradients left Partial), on 2 gloo ranks:
+  the same outputs, gradients and collectives as torch's.
 """
 import warnings
 
@@ -16,9 +19,18 @@ import torch.distributed.tensor.parallel as tp
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from hyper_parallel import ColwiseParallel, PrepareModuleInput, Replicate, RowwiseParallel, parallelize_module
+from autoplan.parallelisms.tensor import runner_styles
+from hyper_parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from hyper_parallel.errors import MeshError, PlanPatternError, PlanTypeError
 from hyper_parallel.local import fake_world
+from tests.runtime import parity_workers
 
 
 def mlp():
@@ -88,3 +100,55 @@ def test_too_many_input_layouts_is_a_value_error_in_both(mesh):
     with warnings.catch_warnings(), pytest.raises(ValueError):
         warnings.simplefilter("ignore")
         theirs(torch.randn(2, 8))
+
+
+# ---- on 2 gloo ranks: same outputs, gradients (and their placements) and collectives as torch's ----
+
+def _same(ours: dict, theirs: dict, where: str) -> None:
+    assert torch.allclose(ours["out"], theirs["out"], rtol=1e-6, atol=1e-7), f"{where}: outputs differ"
+    assert set(ours["grads"]) == set(theirs["grads"]), where
+    for n, g in theirs["grads"].items():
+        assert torch.allclose(ours["grads"][n], g, rtol=1e-6, atol=1e-7), f"{where}: gradient of {n} differs"
+    assert ours["grad_placements"] == theirs["grad_placements"], where
+    assert ours["per_module"] == theirs["per_module"], f"{where}: collectives {ours['per_module']} vs torch " \
+                                                        f"{theirs['per_module']}"
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["PrepareModuleInput", "PrepareModuleInputOutput"])
+@pytest.mark.parametrize("kind", ["kwonly", "kw_or_pos"])
+def test_positional_and_keyword_layouts_behave_as_torch(pool2, kind, both):
+    """input_layouts for x (positional) and input_kwarg_layouts for y (keyword), as torch's test."""
+    for rank, r in enumerate(pool2.run(parity_workers.prepare_input_positional_and_keyword, kind, both)):
+        where = f"rank {rank} {kind}"
+        _same(r["ours"], r["torch"], where)
+        for a, b in zip(r["ours"]["input_grads"], r["torch"]["input_grads"]):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), f"{where}: input gradients differ"
+        assert r["ours"]["totals"].get("all_gather", 0) >= 2, r["ours"]["totals"]  # x and y were gathered
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_sequence_parallel_defaults_to_torchs_backward(pool2, norm):
+    """No collective in backward, weight gradients left Partial -- exactly torch's SequenceParallel."""
+    for rank, r in enumerate(pool2.run(parity_workers.sequence_parallel, norm, None)):
+        _same(r["ours"], r["torch"], f"rank {rank} {norm}")
+        assert r["ours"]["totals"] == {}, r["ours"]["totals"]
+        assert set(r["ours"]["grad_placements"].values()) == {("P(sum)",)}
+
+
+def test_sequence_parallel_reduce_grads_is_the_one_extra_all_reduce(pool2):
+    """``reduce_grads=True`` (what autoplan's runners apply): the same numbers, the weight gradient
+    replicated when backward ends, one all-reduce per weight more than torch's."""
+    for r in pool2.run(parity_workers.sequence_parallel, "rmsnorm", True):
+        ours, theirs = r["ours"], r["torch"]
+        assert torch.allclose(ours["out"], theirs["out"]) and torch.allclose(ours["grads"]["weight"],
+                                                                              theirs["grads"]["weight"])
+        assert theirs["totals"] == {} and ours["totals"] == {"all_reduce": 1}
+        assert ours["grad_placements"] == {"weight": ("R",)}
+
+
+def test_autoplan_runners_choose_the_gradient_reduction():
+    """A plan file's SequenceParallel (torch's default or not) is applied with reduce_grads=True."""
+    styles = runner_styles({"norm": {"style": "SequenceParallel", "args": {"sequence_dim": 2}},
+                            "wq": {"style": "ColwiseParallel", "args": {}}})
+    assert styles["norm"] == SequenceParallel(sequence_dim=2, reduce_grads=True)
+    assert styles["wq"] == ColwiseParallel()

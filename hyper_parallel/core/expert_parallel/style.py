@@ -11,6 +11,11 @@ first; per-peer row counts, so no split needs to be even), run the local experts
 GEMM), send the outputs back (all-to-all), scale each copy by its routing weight and sum a
 token's copies.
 
+``ep_dim=""``: no expert parallelism -- every rank keeps every expert, split over ``tp_dim`` (or,
+when None, over the mesh given: the tensor-parallel slice ``parallelize_module(..., mesh_dim=...)``
+hands the other TP styles), the form transformers' ``moe_tp_experts`` plans and the planner uses
+on a mesh without an ep dimension.
+
 ``tp_dim``: expert tensor parallelism inside each ep group (3-D weights only): gate_up is split
 column-wise (each rank its slice of both the gate and the up half), down row-wise, and the
 partial expert outputs are summed with one all-reduce over tp per layer (its backward: one
@@ -66,6 +71,12 @@ def _dims(mesh: DeviceMesh, ep_dim: str, tp_dim: str | None, where: str) -> tupl
     in the root mesh it was sliced from (parallelize_module hands styles a 1-D slice)."""
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     names = root.mesh_dim_names or ()
+    if not ep_dim:   # no expert parallelism: each expert split over tp_dim, or over the mesh given
+        if tp_dim is not None and tp_dim not in names:
+            raise MeshError(f"{where}: mesh dimension {tp_dim!r} not found; the mesh (root of the one given) has "
+                            f"dimensions {names}")
+        tp_mesh = root[tp_dim] if tp_dim is not None and root.ndim > 1 else mesh
+        return None, tp_mesh, tp_mesh
     wanted = [d for d in (ep_dim, tp_dim) if d is not None]
     for d in wanted:
         if d not in names:
@@ -94,7 +105,7 @@ def _local_order(top_k_index, num_experts: int, balanced: bool) -> tuple:
 class ExpertParallel(ParallelStyle):
     """Expert parallelism (+ optional expert tensor parallelism) for an MoE experts container.
 
-    ``ep_dim``: the mesh dimension the experts are split over. ``tp_dim``: the mesh dimension
+    ``ep_dim``: the mesh dimension the experts are split over ("": none). ``tp_dim``: the mesh dimension
     each expert's weights are split over (None: none). ``balanced``: always route by the
     deterministic balanced assignment (as inside ``balanced_routing()``; dry runs only).
     ``split_tokens``: the ranks of the ep group hold the same tokens (ep borrowing from tp); each
@@ -105,8 +116,9 @@ class ExpertParallel(ParallelStyle):
 
     def __init__(self, *, ep_dim: str = "ep", tp_dim: str | None = None, balanced: bool = False,
                  split_tokens: bool = False):
-        if not isinstance(ep_dim, str) or not ep_dim:
-            raise StyleSpecError(f"ExpertParallel: ep_dim must be a mesh dimension name, got {ep_dim!r}")
+        if not isinstance(ep_dim, str):
+            raise StyleSpecError(f"ExpertParallel: ep_dim must be a mesh dimension name (or '' for none), "
+                                 f"got {ep_dim!r}")
         if tp_dim is not None and (not isinstance(tp_dim, str) or not tp_dim or tp_dim == ep_dim):
             raise StyleSpecError(f"ExpertParallel: tp_dim must be None or a mesh dimension name other than "
                                  f"ep_dim={ep_dim!r}, got {tp_dim!r}")
@@ -138,7 +150,8 @@ class ExpertParallel(ParallelStyle):
         where = self._where(fqn)
         layout = self.check_module(module, mesh, fqn)
         ep_mesh, tp_mesh, param_mesh = _dims(mesh, self.ep_dim, self.tp_dim, where)
-        ep, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        ep = ep_mesh.size() if ep_mesh is not None else 1
+        ep_rank = ep_mesh.get_local_rank() if ep_mesh is not None else 0
         first, local_n = expert_blocks(layout.num_experts, ep)[ep_rank]   # uneven when ep does not divide E
         if layout.kind == "stacked":
             for name, placements in self._placements(layout, param_mesh).items():
@@ -157,7 +170,7 @@ class ExpertParallel(ParallelStyle):
                         if p is not None:
                             record.replace_param(sub, name, nn.Parameter(p.detach().to("meta"),
                                                                          requires_grad=p.requires_grad))
-        ep_group = ep_mesh.get_group()
+        ep_group = ep_mesh.get_group() if ep_mesh is not None else None
         tp_group = tp_mesh.get_group() if tp_mesh is not None else None
         style = self
 
@@ -181,13 +194,15 @@ class ExpertParallel(ParallelStyle):
 
     def _placements(self, layout: ExpertsLayout, param_mesh: DeviceMesh) -> dict[str, tuple]:
         """Per parameter: its placements on the (ep[, tp]) weight mesh."""
-        if self.tp_dim is None:
+        if self.tp_dim is None and self.ep_dim:
             return {n: (Shard(0),) for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}
         out_dim, in_dim = (2, 1) if layout.transposed else (1, 2)
         # [gate|up] halves: each tp rank takes its slice of both; interleaved pairs stay whole in a chunk
         col = (lambda d: _StridedShard(d, split_factor=2)) if layout.concatenated else Shard
         tp_part = {"gate_up_proj": col(out_dim), "down_proj": Shard(in_dim), "gate_up_proj_bias": col(1),
                    "down_proj_bias": Replicate()}
+        if not self.ep_dim:
+            return {n: (p,) for n, p in tp_part.items()}
         ep_first = param_mesh.mesh_dim_names[0] == self.ep_dim
         return {n: ((Shard(0), p) if ep_first else (p, Shard(0))) for n, p in tp_part.items()}
 

@@ -1,6 +1,7 @@
 """Tensor and sequence parallel styles, parallelize_module and loss parallel."""
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle
 from hyper_parallel.core.tensor_parallel.head_styles import PrepareHeadsInput
+from hyper_parallel.core.tensor_parallel.kv_styles import KVReplicatedParallel
 from hyper_parallel.core.tensor_parallel.latent_styles import PrepareLatentInput
 from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.core.tensor_parallel.loss import loss_parallel, vocab_parallel_cross_entropy
@@ -15,7 +16,7 @@ from hyper_parallel.core.tensor_parallel.replicate_styles import NoParallel, Seq
 from hyper_parallel.core.tensor_parallel.torch_native import to_torch_plan, to_torch_style
 
 __all__ = [
-    "ApplyRecord", "ParallelStyle", "PrepareLatentInput", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "NoParallel",
+    "ApplyRecord", "ParallelStyle", "KVReplicatedParallel", "PrepareLatentInput", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "NoParallel",
     "PrepareModuleInput", "PrepareHeadsInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
     "flatten_plan", "match_modules", "loss_parallel", "vocab_parallel_cross_entropy", "STYLES",
     "style_from_dict", "plan_to_dict", "plan_from_dict", "to_torch_plan", "to_torch_style",

@@ -187,10 +187,17 @@ def check_divides(size: int, mesh: DeviceMesh, where: str, what: str) -> None:
         raise DivisibilityError(f"{where}: {what} = {size} is not divisible by the mesh size {n}")
 
 
+KEEP_PARTIAL_GRADS = "_hp_keep_partial_grads"
+"""Module flag: leave its parameters' gradients as DTensor produces them (torch's SequenceParallel)."""
+
+
 def _ensure_grad_alignment(module: nn.Module, inputs) -> None:
     """Forward pre-hook: make sure every DTensor parameter of ``module`` carries the gradient
     alignment hook. Done lazily, at forward time, because ``module.to_empty()`` (meta
-    initialisation after sharding) replaces parameter objects and would drop hooks set earlier."""
+    initialisation after sharding) replaces parameter objects and would drop hooks set earlier.
+    A module flagged ``KEEP_PARTIAL_GRADS`` is skipped (its gradients stay Partial, as torch's)."""
+    if getattr(module, KEEP_PARTIAL_GRADS, False):
+        return
     for p in module.parameters(recurse=False):
         if isinstance(p, DTensor) and p.requires_grad and not getattr(p, "_hp_grad_aligned", False):
             p.register_post_accumulate_grad_hook(align_grad_to_param)

@@ -15,7 +15,8 @@ be an int and divide evenly, or nothing is applied.
 per-head tensors with the heads folded into the batch dimension (Bloom's ALiBi bias, built once
 by the model as ``(batch * heads, 1, seq)`` and passed to every layer): any tensor input after
 the first -- positional or keyword -- whose leading dimension is ``batch * heads`` (batch: the
-first input's) keeps only this rank's heads' rows. Such inputs are built from the sequence, not
+first input's) keeps only this rank's heads' rows; so does one whose leading dimension is the head
+count itself (MPT's ALiBi bias, ``(heads, 1, seq)``). Such inputs are built from the sequence, not
 learned, so the slice needs no gradient of its own; DTensor inputs are left to the layouts.
 """
 from __future__ import annotations
@@ -104,7 +105,11 @@ class PrepareHeadsInput(PrepareModuleInput):
         def cut(x, batch: int):
             local = getattr(obj, name)      # already the local count
             heads = local * size
-            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() == 0 or x.shape[0] != batch * heads:
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() == 0:
+                return x
+            if x.shape[0] == heads and batch != 1:   # one row per head, not folded (MPT's ALiBi bias)
+                return x[rank * local:(rank + 1) * local]
+            if x.shape[0] != batch * heads:
                 return x
             rows = x.reshape(batch, heads, *x.shape[1:])[:, rank * local:(rank + 1) * local]
             return rows.reshape(batch * local, *x.shape[1:])

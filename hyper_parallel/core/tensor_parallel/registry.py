@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hyper_parallel.core.expert_parallel.dense import DenseExpertsParallel
 from hyper_parallel.core.expert_parallel.style import ExpertParallel
 from hyper_parallel.core.context_parallel.style import ContextParallel
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
 from hyper_parallel.core.tensor_parallel.latent_styles import PrepareLatentInput
 from hyper_parallel.core.tensor_parallel.head_styles import PrepareHeadsInput
+from hyper_parallel.core.tensor_parallel.kv_styles import KVReplicatedParallel
 from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
 from hyper_parallel.core.tensor_parallel.prepare_styles import (
     PrepareModuleInput,
@@ -25,7 +27,8 @@ STYLES: dict[str, type[ParallelStyle]] = {
     cls.__name__: cls
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
-                ExpertParallel, ContextParallel, PrepareLatentInput)
+                ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel,
+                DenseExpertsParallel)
 }
 
 

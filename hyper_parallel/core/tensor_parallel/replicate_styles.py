@@ -1,7 +1,11 @@
 """Styles that keep parameters whole: SequenceParallel and NoParallel.
 
 SequenceParallel runs a module whose math is per-token (norms, dropout) on a sequence shard:
-parameters are replicated DTensors whose gradients DTensor reduces across the shards.
+parameters are replicated DTensors. Their gradients come out of backward as Partial sums, as in
+torch (the optimizer's first DTensor op reduces them); ``reduce_grads=True`` reduces them in
+backward instead (one all-reduce per weight), which autoplan's runners choose so that every
+gradient carries its parameter's layout when backward ends (the planner's collective counts,
+verify's dry run and the pipeline's weight pass assume it).
 NoParallel keeps a module entirely replicated inside a tensor-parallel region (a MoE router,
 a norm without SP): its inputs are annotated and, if needed, gathered, so that it can sit
 between sharded neighbours and still appear in a plan as an explicit decision.
@@ -13,7 +17,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, shard_params, to_dtensor
+from hyper_parallel.core.tensor_parallel.base import (
+    KEEP_PARTIAL_GRADS,
+    ApplyRecord,
+    ParallelStyle,
+    shard_params,
+    to_dtensor,
+)
 from hyper_parallel.errors import LayoutError
 
 
@@ -25,20 +35,27 @@ class SequenceParallel(ParallelStyle):
     """Replicated parameters, input and output sharded on ``sequence_dim``.
 
     A local input is taken to be the sequence shard already; a DTensor input in another layout
-    is redistributed. The output stays a DTensor unless ``use_local_output``.
+    is redistributed. The output stays a DTensor unless ``use_local_output``. ``reduce_grads``:
+    all-reduce the (Partial) weight gradients in backward rather than leave them to the optimizer
+    (torch's behaviour, the default).
     """
 
-    _args = {"sequence_dim": 1, "use_local_output": False}
+    _args = {"sequence_dim": 1, "use_local_output": False, "reduce_grads": False}
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False, reduce_grads: bool = False):
         if not isinstance(sequence_dim, int) or isinstance(sequence_dim, bool):
             raise LayoutError(f"SequenceParallel: sequence_dim must be an int, got {sequence_dim!r}")
         self.sequence_dim = sequence_dim
         self.use_local_output = bool(use_local_output)
+        self.reduce_grads = bool(reduce_grads)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"SequenceParallel on {fqn or '<root>'}"
         shard_params(module, mesh, record, {}, Replicate(), fqn, recurse=True)
+        if not self.reduce_grads:
+            for sub in module.modules():
+                if sub._parameters:
+                    record.add_flag(sub, KEEP_PARTIAL_GRADS)
         seq = Shard(self.sequence_dim)
 
         def pre_hook(mod, inputs):

@@ -47,7 +47,7 @@ def to_torch_style(style: ParallelStyle, module: nn.Module | None = None) -> tp.
         if inp is None and isinstance(style, RowwiseParallel) and isinstance(module, nn.Embedding):
             inp = Replicate()
         return cls(input_layouts=inp, output_layouts=style.output_layouts, use_local_output=style.use_local_output)
-    if isinstance(style, SequenceParallel):
+    if isinstance(style, SequenceParallel):  # reduce_grads=True: same numbers, torch reduces in the optimizer
         return tp.SequenceParallel(sequence_dim=style.sequence_dim, use_local_output=style.use_local_output)
     if isinstance(style, PrepareModuleInputOutput):
         return tp.PrepareModuleInputOutput(

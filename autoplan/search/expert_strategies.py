@@ -1,0 +1,67 @@
+"""Strategies for a mixture-of-experts layer on a tensor-parallel mesh without an ep dimension.
+
+Every rank keeps every expert and the router; each expert is split on its ffn width (gate/up
+column-wise, down row-wise: ``ExpertParallel(ep_dim="")``, transformers' ``moe_tp_experts``).
+The tokens each rank routes are the same, so the experts' rows are copied into the split (their
+gradient all-reduced in backward) and the partial expert outputs all-reduced in forward -- two
+all-reduces of the routed rows (tokens x top-k x hidden) per layer. On a sequence-sharded stream
+the container gathers the sequence at its input and slices it out of its output.
+
+A mesh with an ep dimension plans the experts in ``expert_plan`` instead (expert parallelism,
+optionally with expert TP inside each ep group); the TP search then offers only these.
+"""
+from __future__ import annotations
+
+from hyper_parallel import PrepareModuleInputOutput, Replicate, Shard
+from hyper_parallel.core.expert_parallel import DenseExpertsParallel, ExpertParallel
+from hyper_parallel.core.collective import Collective
+
+from autoplan.search.strategies import Strategy, _replicated_region_on_s
+from autoplan.search.structure import BlockGroupInfo, MoeUnit
+
+R, S = Replicate(), Shard(1)
+
+
+def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
+    """Replicated, or each expert split over tp (when its ffn width divides tp)."""
+    h = blk.hidden_bytes
+    if layout == "R":
+        out = [Strategy("replicate", "R", {}, [], reason="router and experts replicated")]
+    else:
+        out = [Strategy("replicate", "S", _container(m, S), _replicated_region_on_s(h),
+                        reason="router and experts replicated on the gathered sequence")]
+    if t == 1:
+        return out
+    if m.ffn % t:
+        out[0].extra["tp_excluded"] = f"expert ffn width {m.ffn} not divisible by tp={t}"
+        return out
+    rows = h * m.top_k
+    comm = [Collective("all_reduce", "forward", rows), Collective("all_reduce", "backward", rows)]
+    styles = {m.experts: ExpertParallel(ep_dim="")}
+    if layout == "S":
+        styles.update(_container(m, S))
+        comm += _replicated_region_on_s(h)
+    # the experts' share of the unit is split t ways, the router's stays whole
+    total, part = max(m.work.params, 1), m.expert_work.params
+    param_shard = total / (total - part + part / t)
+    flops, eflops = max(m.work.flops, 1.0), m.expert_work.flops
+    why = f"each of the {m.num_experts} experts split on its ffn width ({m.ffn}) over tp: gate/up column-wise, " \
+          f"down row-wise; router replicated"
+    shards = dict(compute_shard=flops / (flops - eflops + eflops / t), param_shard=param_shard, activation_shard=1.0)
+    out.append(Strategy("experts_tp", layout, styles, comm, reason=why, **shards))
+    # experts that run every expert on tokens the block pre-scaled (Llama-4): the probe picks the
+    # form the module's forward takes; the dense one moves every expert's copy of every token
+    dense = dict(styles, **{m.experts: DenseExpertsParallel()})
+    rows_all = h * m.num_experts
+    out.append(Strategy("experts_tp_dense", layout, dense,
+                        [Collective("all_reduce", "forward", rows_all), Collective("all_reduce", "backward", rows_all)]
+                        + comm[2:], reason=f"{why} (experts run on every token copy)",
+                        extra={"fallback_for": "experts_tp"}, **shards))
+    return out
+
+
+def _container(m: MoeUnit, layout) -> dict:
+    """The MoE container taking the stream's layout in and giving it back (gathered inside)."""
+    return {m.rel: PrepareModuleInputOutput(input_layouts=(layout,), desired_input_layouts=(R,), use_local_input=True,
+                                            output_layouts=(R,), desired_output_layouts=(layout,),
+                                            use_local_output=True)}

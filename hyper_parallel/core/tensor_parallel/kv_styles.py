@@ -1,0 +1,84 @@
+"""KVReplicatedParallel: a projection whose query columns are sharded and whose K/V columns stay whole.
+
+Multi-query attention (GPT-BigCode, StarCoder-1: one KV head) cannot give each rank a share of
+the KV heads, so Megatron and HF shard the query heads and keep the K/V projection on every rank.
+Each rank then computes K and V for all (one) KV heads but uses them only with its own query
+heads, so the gradient reaching K/V on a rank is that rank's share of the whole: the K/V weights'
+gradients and the projection's input gradient are partial sums, reduced over tp.
+
+The style applies to an ``nn.Linear`` whose output is ``[q | rest]``: ``fused_heads=[q, kv]`` says
+its output is q query heads then kv head widths kept whole (a fused [q|k|v] with one KV head,
+GPT-BigCode's ``c_attn``: ``[48, 2]``); ``None`` is a K or V projection of its own, kept whole.
+Head counts, not widths, so a plan made at the real shape fits a copy with a smaller head dim. Its parameters become replicated
+DTensors; in forward rank r computes only the query rows ``[r*q/tp, (r+1)*q/tp)`` and every
+other row, returning a plain local tensor ``[q_r | rest]`` (the module's code then cuts it with
+local head counts -- PrepareHeadsInput on the attention module). The weight and bias receive
+Partial gradients that the gradient-alignment hook all-reduces in backward (one all-reduce per
+parameter); the input's gradient is Partial and is reduced where the input was made replicated
+(the PrepareModuleInput boundary), together with the query projection's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides, shard_params, to_dtensor
+from hyper_parallel.errors import DivisibilityError, LayoutError, StyleSpecError, UnsupportedModuleError
+
+
+class KVReplicatedParallel(ParallelStyle):
+    """Query heads (the first of ``fused_heads``) column-wise, the rest replicated with their
+    gradients reduced over the mesh; see the module docstring."""
+
+    _args = {"fused_heads": None, "input_layouts": None}
+    _layout_args = frozenset({"input_layouts"})
+
+    def __init__(self, *, fused_heads: list[int] | None = None, input_layouts: Placement | None = None):
+        if fused_heads is not None:
+            if not isinstance(fused_heads, (list, tuple)) or len(fused_heads) != 2 or \
+                    any(type(h) is not int or h < 0 for h in fused_heads) or sum(fused_heads) == 0:
+                raise StyleSpecError(f"KVReplicatedParallel: fused_heads must be [query heads, head widths kept "
+                                     f"whole], two ints >= 0, got {fused_heads!r}")
+            fused_heads = [int(h) for h in fused_heads]
+        if input_layouts is not None and not isinstance(input_layouts, Placement):
+            raise LayoutError(f"KVReplicatedParallel: input_layouts must be one Placement, got {input_layouts!r}")
+        self.fused_heads = fused_heads
+        self.input_layouts = input_layouts
+
+    def _query_features(self, module: nn.Linear) -> int:
+        if self.fused_heads is None:
+            return 0
+        return module.out_features // sum(self.fused_heads) * self.fused_heads[0]
+
+    def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
+        where = f"KVReplicatedParallel on {fqn or '<root>'}"
+        if not isinstance(module, nn.Linear):
+            raise UnsupportedModuleError(f"{where}: supports nn.Linear, got {type(module).__name__}")
+        if self.fused_heads is not None:
+            if module.out_features % sum(self.fused_heads):
+                raise DivisibilityError(f"{where}: out_features = {module.out_features} is not {sum(self.fused_heads)} "
+                                        f"equal head widths (fused_heads={self.fused_heads})")
+            check_divides(self.fused_heads[0], mesh, where, "query heads (fused_heads[0])")
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
+        where = f"KVReplicatedParallel on {fqn or '<root>'}"
+        shard_params(module, mesh, record, {}, Replicate(), fqn)
+        q, size, rank = self._query_features(module), mesh.size(), mesh.get_local_rank()
+        lo, hi = rank * q // size, (rank + 1) * q // size
+        layout = self.input_layouts or Replicate()
+
+        def local_rows(t: torch.Tensor) -> torch.Tensor:
+            # a gradient arriving here is this rank's share: Partial over the mesh
+            t = t.to_local(grad_placements=(Partial(),)) if isinstance(t, DTensor) else t
+            return t if q == 0 else torch.cat([t[lo:hi], t[q:]])
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            x = to_dtensor(x, mesh, layout, Replicate(), where).to_local(grad_placements=(Partial(),))
+            bias = local_rows(module.bias) if module.bias is not None else None
+            return F.linear(x, local_rows(module.weight), bias)
+
+        record.set_attr(module, "forward", forward)
+        return module
