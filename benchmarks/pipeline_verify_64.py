@@ -60,10 +60,9 @@ def main() -> None:
         "layers, meta) is planned by `plan_cluster` with the degrees fixed and dry-run by `verify` on every pipeline "
         "rank on torch's fake process group; the stages run the model's own forward (forward_split.py).", "",
         frame.to_markdown(index=False), "",
-        "qwen3: the runtime issues 4 all-reduces of 256 B (the q_norm/k_norm weight gradients of the rank's 2 layers) "
-        "per micro-batch and the plan predicts 6-8; main's hand-written spine issued the same 16 against the same "
-        "prediction (measured before this split replaced it), so the gap is in the prediction of those reductions "
-        "under ZBV, not in the split.", ""]))
+        "qwen3: its per-head q/k norms see head-sharded activations, so their weight gradients are all-reduced "
+        "over tp; under ZBV with FSDP the prediction counted those reductions in the input pass too (predicted "
+        "32, issued 16) until probe.repaired marked them weight-gradient reductions.", ""]))
 
 
 if __name__ == "__main__":
