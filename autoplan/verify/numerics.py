@@ -91,6 +91,8 @@ def numerics_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: i
     bad = [n for n in held
            if n not in g_par or g_par[n].shape != g_ref[n].shape or not torch.allclose(g_par[n], g_ref[n], rtol=RTOL_GRAD,
                                                                                       atol=ATOL_GRAD)]
+    if bad and all(n in g_par and g_par[n].shape == g_ref[n].shape for n in bad):
+        bad = _beyond_float_noise(bad, g_ref, g_par, recipe, tokens, targets)
     # a gradient left a partial sum (or in other placements than its parameter) can still gather
     # to the right values here while the optimizer, a clipping hook or FSDP reads its local shard
     bad += [f"{n} (gradient placements {tuple(p.grad.placements)}, parameter {tuple(p.placements)})"
@@ -103,6 +105,36 @@ def numerics_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: i
                   or not torch.allclose(p_par[n], p_ref[n], rtol=RTOL_GRAD, atol=ATOL_GRAD)]
     return {"ref": float(ref_loss.detach()), "par": float(loss), "bad_grads": bad, "bad_params": bad_params,
             "n_grads": len(g_ref), "held": held, "all": list(g_ref)}
+
+
+def _beyond_float_noise(names: list[str], g_ref: dict, g_par: dict, recipe: ModelRecipe, tokens, targets) -> list[str]:
+    """The gradients among ``names`` that differ from one device by more than float32 rounding.
+
+    A gradient summed over many positions (an embedding's: Nemotron's reach 1.3) carries rounding
+    of a few 1e-6 in one device's own float32 result, beyond ATOL_GRAD near zero. Each is judged
+    against a float64 run of the same step: the plan's gradient is wrong only if it lies farther
+    from float64 than twice one device's float32 error (plus ATOL_GRAD). A real fault (a missing
+    reduction, a shard summed twice) is off by the gradient's own magnitude, far beyond that."""
+    try:
+        exact = recipe.build().double()
+        lm_loss(output_logits(forward_tokens(exact, tokens)), targets).backward()
+    except (RuntimeError, TypeError, NotImplementedError) as exc:   # a kernel without float64 (grouped_mm)
+        log.info("no float64 run to judge rounding against (%s): every difference counts", exc)
+        return list(names)
+    g64 = grads_by_name(exact)
+    out = []
+    for n in names:
+        want = g64.get(n)
+        if want is None:
+            out.append(n)
+            continue
+        noise = float((g_ref[n].double() - want).abs().max())
+        if float((g_par[n].double() - want).abs().max()) > 2 * noise + ATOL_GRAD:
+            out.append(n)
+        else:
+            log.info("%s: differs from one device by float32 rounding only (one device's own error vs float64 %.3g)",
+                     n, noise)
+    return out
 
 
 def _vocab(model: torch.nn.Module) -> int:
