@@ -18,13 +18,18 @@ processing order: a compute slot (adds its duration to the rank's clock and busy
 (records the rank's clock) or a receive (waits for the recorded clock plus the P2P time). The
 point-to-point actions are those ``lower`` inserts (a receive right before the consumer, a send
 right after the producer, none between stages of one rank), derived from the compute IR without
-building the lowered one.
+building the lowered one. Compiled forms are kept on disk (``autoplan.disk_cache``) under the
+hash of the generator code and this module, beside the schedule summaries (``schedule_store``).
 """
 from __future__ import annotations
 
 import functools
+import json
+from array import array
 from dataclasses import dataclass
 
+from autoplan import disk_cache
+from autoplan.search.schedule_store import code_version, normalised_v
 from hyper_parallel.core.pipeline_parallel import schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.errors import ScheduleError
@@ -36,14 +41,32 @@ _SEND, _RECV = -1, -2
 
 @dataclass(frozen=True)
 class CompiledSchedule:
-    """``ops``: (rank, what, arg) in one processing order; ``what`` >= 0 is a compute action whose
-    duration is ``durations[what]`` (stage * 4 + slot), ``_SEND`` records the rank's clock in
-    ``arg`` (a send's key), ``_RECV`` waits for the clock recorded in ``arg`` plus the P2P time."""
+    """Per action in one processing order (three parallel int arrays): its rank, ``what`` and
+    ``arg``. ``what`` >= 0 is a compute action whose duration is ``durations[what]`` (stage * 4 +
+    slot), ``_SEND`` records the rank's clock in ``arg`` (a send's key), ``_RECV`` waits for the
+    clock recorded in ``arg`` plus the P2P time."""
 
     n_ranks: int
     n_keys: int
-    ops: tuple[tuple[int, int, int], ...]
-    stage_to_rank: tuple[int, ...]
+    ranks: array
+    whats: array
+    args: array
+
+    def to_bytes(self) -> bytes:
+        head = json.dumps([self.n_ranks, self.n_keys, len(self.ranks)]).encode() + b"\n"
+        return head + self.ranks.tobytes() + self.whats.tobytes() + self.args.tobytes()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "CompiledSchedule":
+        head, _, body = raw.partition(b"\n")
+        n_ranks, n_keys, n = json.loads(head)
+        arrays = [array("i") for _ in range(3)]
+        size = arrays[0].itemsize * n
+        if len(body) != 3 * size:
+            raise ValueError("truncated compiled schedule")
+        for k, a in enumerate(arrays):
+            a.frombytes(body[k * size:(k + 1) * size])
+        return cls(n_ranks, n_keys, *arrays)
 
 
 def _programs(ir) -> list[list[tuple[int, int]]]:
@@ -75,6 +98,21 @@ def _programs(ir) -> list[list[tuple[int, int]]]:
 
 @functools.lru_cache(maxsize=256)
 def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
+    """``_compile``, read from the disk cache when an earlier process compiled it."""
+    v = normalised_v(name, v)
+    key = f"compiled {name} {p} {m} {v}"
+    raw = disk_cache.load("schedules", code_version(), key)
+    if raw is not None:
+        try:
+            return CompiledSchedule.from_bytes(raw)
+        except ValueError:
+            pass   # a damaged entry: compiled again and rewritten below
+    out = _compile(name, p, m, v)
+    disk_cache.store("schedules", code_version(), key, out.to_bytes())
+    return out
+
+
+def _compile(name: str, p: int, m: int, v: int) -> CompiledSchedule:
     """One processing order of the lowered schedule: each rank runs until a receive whose send
     has not run, and a send wakes the rank parked on its receive. Any such order times the same
     (a rank's clock and every end time are fixed by the dependencies), and this one visits each
@@ -90,7 +128,7 @@ def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
             if what == _SEND:
                 sent[key] = 1
     done = bytearray(n_keys)
-    order: list[tuple[int, int, int]] = []
+    ranks, whats, args = array("i"), array("i"), array("i")
     ptr = [0] * len(progs)
     parked: dict[int, int] = {}         # send key -> the rank whose next action receives it
     ready = list(range(len(progs)))
@@ -106,7 +144,9 @@ def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
                 if not done[key]:
                     parked[key] = r
                     break
-            order.append((r, what, key))
+            ranks.append(r)
+            whats.append(what)
+            args.append(key)
             i += 1
             if what == _SEND:
                 done[key] = 1
@@ -116,7 +156,7 @@ def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
         ptr[r] = i
     if any(ptr[r] < len(prog) for r, prog in enumerate(progs)):
         raise ScheduleError(f"{name}: the order deadlocks (p={p}, m={m})")
-    return CompiledSchedule(len(progs), n_keys, tuple(order), tuple(ir.stage_to_rank))
+    return CompiledSchedule(len(progs), n_keys, ranks, whats, args)
 
 
 def time_schedule(cs: CompiledSchedule, costs, p2p_time: float) -> tuple[float, list[float]]:
@@ -128,7 +168,7 @@ def time_schedule(cs: CompiledSchedule, costs, p2p_time: float) -> tuple[float, 
     clock = [0.0] * cs.n_ranks
     busy = [0.0] * cs.n_ranks
     posted = [0.0] * cs.n_keys
-    for r, what, key in cs.ops:
+    for r, what, key in zip(cs.ranks.tolist(), cs.whats.tolist(), cs.args.tolist()):
         if what >= 0:
             d = durations[what]
             clock[r] += d
