@@ -14,58 +14,54 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
-
-from autoplan import disk_cache
 from pathlib import Path
 
+from autoplan import disk_cache
 from hyper_parallel.core.pipeline_parallel import generators, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K, peak_inflight
 
 # the generators, the greedy list scheduler, the IR and the schedule table, and this module
-_CODE = tuple(str(Path(generators.__file__).with_name(f)) for f in
+GENERATOR_CODE = tuple(str(Path(generators.__file__).with_name(f)) for f in
               ("generators.py", "list_scheduler.py", "schedule_ir.py", "schedule_facts.py")) + (__file__,)
-
-
-@dataclass(frozen=True)
-class ScheduleSummary:
-    stage_to_rank: tuple[int, ...]
-    inflight: tuple[int, ...]      # per rank: peak (stage, micro-batch) chunks holding activations
-    rank_ends: tuple               # per rank: (first compute's stage, (ends in dx?, last stage), its stages)
-    gathers: tuple[int, ...]       # per stage: FSDP all-gathers of a block in one step
 
 
 def code_version() -> str:
     """The version every schedule entry on disk is kept under (generators + this module)."""
-    return disk_cache.code_version(*_CODE)
+    return disk_cache.code_version(*GENERATOR_CODE)
 
 
-def _summarise(ir) -> ScheduleSummary:
-    s2r = tuple(ir.stage_to_rank)
-    ends = []
-    gathers = [0] * ir.n_stages
+def _placement(ir) -> list:
+    return [list(ir.stage_to_rank), [peak_inflight(prog) for prog in ir.actions]]
+
+
+def _rank_ends(ir) -> list:
+    out = []
     for r, prog in enumerate(ir.actions):
         comp = [a for a in prog if a.is_compute]
         last = comp[-1]
-        ends.append((comp[0].stage, (last.kind in (K.BACKWARD, K.BACKWARD_INPUT), last.stage),
-                     tuple(s for s, rr in enumerate(s2r) if rr == r)))
-        # as the runtime runs FSDP inside a pipeline (fsdp_actions.py): resharded after every
-        # forward, kept unsharded after backward until the step ends; a forward or backward that
-        # finds it resharded gathers it
+        out.append([comp[0].stage, [last.kind in (K.BACKWARD, K.BACKWARD_INPUT), last.stage],
+                    [s for s, rr in enumerate(ir.stage_to_rank) if rr == r]])
+    return out
+
+
+def _gathers(ir) -> list:
+    """As the runtime runs FSDP inside a pipeline (fsdp_actions.py): resharded after every
+    forward, kept unsharded after backward until the step ends; a forward or backward that finds
+    it resharded gathers it."""
+    out = [0] * ir.n_stages
+    for prog in ir.actions:
         sharded: dict[int, bool] = {}
         for a in prog:
             if a.kind is K.FORWARD:
-                gathers[a.stage] += sharded.get(a.stage, True)
+                out[a.stage] += sharded.get(a.stage, True)
                 sharded[a.stage] = True
             elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
-                gathers[a.stage] += sharded.get(a.stage, True)
+                out[a.stage] += sharded.get(a.stage, True)
                 sharded[a.stage] = False
-    return ScheduleSummary(s2r, tuple(peak_inflight(prog) for prog in ir.actions), tuple(ends), tuple(gathers))
+    return out
 
 
-def _from_json(d: dict) -> ScheduleSummary:
-    return ScheduleSummary(tuple(d["s2r"]), tuple(d["inflight"]),
-                           tuple((f, (bool(dx), s), tuple(st)) for f, (dx, s), st in d["ends"]), tuple(d["gathers"]))
+_DERIVE = {"placement": _placement, "rank_ends": _rank_ends, "gathers": _gathers}
 
 
 def normalised_v(name: str, v: int) -> int:
@@ -73,19 +69,43 @@ def normalised_v(name: str, v: int) -> int:
     return int(v) if schedule_facts(name).virtual_configurable else 1
 
 
-@functools.lru_cache(maxsize=1024)
-def schedule_summary(name: str, p: int, m: int, v: int = 1) -> ScheduleSummary:
-    """The summary of ``schedule_facts(name).ir(p, m, v)``; raises its ScheduleError on a shape
-    the schedule refuses."""
-    v = normalised_v(name, v)
-    key = f"summary {name} {p} {m} {v}"
+@functools.lru_cache(maxsize=4096)
+def _fact(kind: str, name: str, p: int, m: int, v: int) -> list:
+    """``_DERIVE[kind]`` of ``schedule_facts(name).ir(p, m, v)`` as JSON data, from disk when an
+    earlier process derived it (each kind its own entry: a search that needs only the placement
+    of a schedule derives nothing else); raises the IR's ScheduleError on a refused shape."""
+    key = f"{kind} {name} {p} {m} {v}"
     raw = disk_cache.load("schedules", code_version(), key)
     if raw is not None:
         try:
-            return _from_json(json.loads(raw))
-        except (ValueError, KeyError, TypeError):
-            pass   # a damaged entry: computed again and rewritten below
-    out = _summarise(schedule_facts(name).ir(p, m, v))
-    disk_cache.store("schedules", code_version(), key, json.dumps(
-        {"s2r": out.stage_to_rank, "inflight": out.inflight, "ends": out.rank_ends, "gathers": out.gathers}).encode())
-    return out
+            return json.loads(raw)
+        except ValueError:
+            pass   # a damaged entry: derived again and rewritten below
+    value = _DERIVE[kind](schedule_facts(name).ir(p, m, v))
+    disk_cache.store("schedules", code_version(), key, json.dumps(value).encode())
+    return value
+
+
+@functools.lru_cache(maxsize=1024)
+def placement(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(stage -> rank, peak (stage, micro-batch) chunks holding activations per rank)."""
+    s2r, inflight = _fact("placement", name, p, m, normalised_v(name, v))
+    return tuple(s2r), tuple(inflight)
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_ends(name: str, p: int, m: int, v: int = 1) -> tuple:
+    """Per rank: (stage of its first compute, (ends in dx?, stage of its last compute), its stages)."""
+    return tuple((f, (bool(dx), s), tuple(st)) for f, (dx, s), st in _fact("rank_ends", name, p, m, normalised_v(name, v)))
+
+
+@functools.lru_cache(maxsize=1024)
+def fsdp_gathers(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
+    """All-gathers of a block's FSDP unit per stage in one step."""
+    return tuple(_fact("gathers", name, p, m, normalised_v(name, v)))
+
+
+def clear() -> None:
+    """Forget what this process derived (the disk entries stay): tests time a fresh process."""
+    for f in (_fact, placement, rank_ends, fsdp_gathers):
+        f.cache_clear()

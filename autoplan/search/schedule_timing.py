@@ -19,7 +19,7 @@ processing order: a compute slot (adds its duration to the rank's clock and busy
 point-to-point actions are those ``lower`` inserts (a receive right before the consumer, a send
 right after the producer, none between stages of one rank), derived from the compute IR without
 building the lowered one. Compiled forms are kept on disk (``autoplan.disk_cache``) under the
-hash of the generator code and this module, beside the schedule summaries (``schedule_store``).
+hash of the generator code and this module, beside the schedule facts (``schedule_store``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from array import array
 from dataclasses import dataclass
 
 from autoplan import disk_cache
-from autoplan.search.schedule_store import code_version, normalised_v
+from autoplan.search.schedule_store import GENERATOR_CODE, normalised_v
 from hyper_parallel.core.pipeline_parallel import schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.errors import ScheduleError
@@ -101,14 +101,15 @@ def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
     """``_compile``, read from the disk cache when an earlier process compiled it."""
     v = normalised_v(name, v)
     key = f"compiled {name} {p} {m} {v}"
-    raw = disk_cache.load("schedules", code_version(), key)
+    version = disk_cache.code_version(*GENERATOR_CODE, __file__)   # the generators and this compiler
+    raw = disk_cache.load("schedules", version, key)
     if raw is not None:
         try:
             return CompiledSchedule.from_bytes(raw)
         except ValueError:
             pass   # a damaged entry: compiled again and rewritten below
     out = _compile(name, p, m, v)
-    disk_cache.store("schedules", code_version(), key, out.to_bytes())
+    disk_cache.store("schedules", version, key, out.to_bytes())
     return out
 
 

@@ -15,10 +15,10 @@ from autoplan.search import schedule_store, schedule_timing
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AUTOPLAN_DISK_CACHE", "1")
-    schedule_store.schedule_summary.cache_clear()
+    schedule_store.clear()
     schedule_timing.compile_schedule.cache_clear()
     yield tmp_path / "planner"
-    schedule_store.schedule_summary.cache_clear()
+    schedule_store.clear()
     schedule_timing.compile_schedule.cache_clear()
 
 
@@ -37,7 +37,7 @@ def test_warm_cache_plans_byte_identical(cache):
     cold = _plan()
     graphs, schedules = _entries(cache, "graphs"), _entries(cache, "schedules")
     assert graphs and schedules   # the first call filled both
-    schedule_store.schedule_summary.cache_clear()
+    schedule_store.clear()
     schedule_timing.compile_schedule.cache_clear()
     assert _plan() == cold        # a later call (as a fresh process would) reads them
     assert _entries(cache, "graphs") == graphs
