@@ -70,7 +70,8 @@ def capture(
     graph = load_graph(key)
     if graph is None:
         graph = _capture_model(model, args, kwargs, dtype, max_copy_bytes, dedupe_blocks, fallback)
-        store_graph(key, graph)
+        if not graph.warnings:   # a fallback's warnings are logged by capturing: such a graph is not kept
+            store_graph(key, graph)
     return graph
 
 
