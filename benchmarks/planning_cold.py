@@ -136,6 +136,7 @@ def measure(name: str, runs: int, disk_cache: bool, plans_dir: Path) -> dict:
     med = {k: round(statistics.median(r[k] for r in timed), 2)
            for k in ("import_s", "build_s", "cold_s", "cold_cpu_s", "warm_s", "warm_cpu_s")}
     med["first_s"] = round(rows[0]["cold_s"], 2)
+    med["first_cpu_s"] = round(rows[0]["cold_cpu_s"], 2)
     med["mesh"] = rows[0]["mesh"]
     return med
 
@@ -153,7 +154,6 @@ def compare_plans(names, plans_dir: Path) -> list[str]:
 
 def profile(name: str, sort: str) -> None:
     """cProfile of one cold call in this (fresh) process, imports and build excluded."""
-    import torch  # noqa: F401  (imports before the clock, as in the timed children)
     scope: dict = {}
     exec("import torch\nfrom autoplan import MeshSpec, autoplan, plan_cluster\n"
          "from autoplan.presets import build_preset\n" + CALLS[name][1], scope)
@@ -206,7 +206,7 @@ def main() -> int:
     OUT.with_suffix(".md").write_text(
         "# Planning time from a cold start (fresh process per call; median of the runs; seconds)\n\n"
         "`cold_s`: the call in a fresh process (imports and model build before the clock: `import_s`, "
-        "`build_s`); `warm_s`: the same call again in that process; `first_s`: the first run's call (with "
+        "`build_s`); `warm_s`: the same call again in that process; `first_s` / `first_cpu_s`: the first run's call (with "
         "`disk_cache`: the first ever call, an empty cache); `load`: the 1-minute load average of this shared "
         "2-core host while measuring. Written by benchmarks/planning_cold.py.\n\n"
         + calls.to_markdown(index=False) + "\n\n" + df.to_markdown(index=False) + "\n")
