@@ -207,7 +207,7 @@ def main() -> int:
         "# Planning time from a cold start (fresh process per call; median of the runs; seconds)\n\n"
         "`cold_s`: the call in a fresh process (imports and model build before the clock: `import_s`, "
         "`build_s`); `warm_s`: the same call again in that process; `first_s` / `first_cpu_s`: the first run's call (with "
-        "`disk_cache`: the first ever call, an empty cache); `load`: the 1-minute load average of this shared "
+        "`disk_cache`: the first ever call, an empty cache; `cold_s` is then the median of the later runs); `load`: the 1-minute load average of this shared "
         "2-core host while measuring. Written by benchmarks/planning_cold.py.\n\n"
         + calls.to_markdown(index=False) + "\n\n" + df.to_markdown(index=False) + "\n")
     if bad:
