@@ -19,6 +19,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device
 from autoplan.capture.fallback import capture_with_hooks
+from autoplan.capture.graph_cache import graph_key, load_graph, store_graph
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_view, resolve_inputs
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.opcost import register_flop_formulas
@@ -65,6 +66,19 @@ def capture(
         raise CaptureError(f"capture(model=...): expected an nn.Module, got {type(model).__name__}")
     args, kwargs = resolve_inputs(model, inputs, batch, dtype)
     register_flop_formulas()
+    # a graph an earlier process captured from the same model, inputs and code (graph_cache)
+    key = graph_key(model, args, kwargs, dtype=dtype, max_copy_bytes=max_copy_bytes, dedupe_blocks=dedupe_blocks,
+                    fallback=fallback)
+    graph = load_graph(key)
+    if graph is None:
+        graph = _capture_model(model, args, kwargs, dtype, max_copy_bytes, dedupe_blocks, fallback)
+        if not graph.warnings:   # a fallback's warnings are logged by capturing: such a graph is not kept
+            store_graph(key, graph)
+    return graph
+
+
+def _capture_model(model: nn.Module, args: tuple, kwargs: dict, dtype, max_copy_bytes, dedupe_blocks: bool,
+                   fallback: bool) -> ModelGraph:
     with meta_view(model, dtype, max_copy_bytes) as mm:
         modes = [(m, m.training) for m in mm.modules()]
         mm.train()  # training-time graph: dropout present, caches off

@@ -20,15 +20,14 @@ IR depends only on (schedule, p, m, v), so it is cached here; ``play`` then time
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from autoplan.errors import InfeasiblePlanError
+from autoplan.search import schedule_store
 from autoplan.search.schedule_timing import compile_schedule, time_schedule
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, StageCost, schedule_facts
-from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.errors import ScheduleError
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ def play_costs(name: str, p: int, m: int, v: int, costs: Sequence, p2p_time: flo
     ``schedule_timing``, which equals ``playback.play``)."""
     step, busy = time_schedule(compile_schedule(name, p, m, v), costs, p2p_time)
     top = max(busy) if busy else 0.0
-    peaks = list(schedule_facts(name).inflight(p, m, v))
+    peaks = list(schedule_store.placement(name, p, m, v)[1])
     return step, ((step - top) / top if top > 0 else 0.0), busy, peaks
 
 
@@ -230,7 +229,7 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
         step, bubble, busy, peaks = busy1, 0.0, [busy1], [1]
     else:
         step, bubble, busy, peaks = play_costs(choice.schedule, choice.p, choice.m, choice.v, stage_costs, hop)
-    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
+    s2r = schedule_store.placement(choice.schedule, choice.p, choice.m, choice.v)[0]
     mem = [0.0] * choice.p
     act_rank = [0.0] * choice.p
     n_on = [0] * choice.p
@@ -259,36 +258,16 @@ def time_choice(choice: PipelineChoice, units: Sequence[UnitCost], p2p_time: flo
     return choice
 
 
-@functools.lru_cache(maxsize=256)
 def _rank_ends(name: str, p: int, m: int, v: int) -> tuple:
     """Per rank: (stage of its first compute, (kind, stage) of its last compute, its stages)."""
-    lowered = schedule_facts(name).ir(p, m, v)
-    out = []
-    for r, prog in enumerate(lowered.actions):
-        comp = [a for a in prog if a.is_compute]
-        last = comp[-1]
-        out.append((comp[0].stage, (last.kind in (K.BACKWARD, K.BACKWARD_INPUT), last.stage),
-                    tuple(s for s, rr in enumerate(lowered.stage_to_rank) if rr == r)))
-    return tuple(out)
+    return schedule_store.rank_ends(name, p, m, v)
 
 
-@functools.lru_cache(maxsize=256)
 def fsdp_gathers(name: str, p: int, m: int, v: int = 1) -> tuple[int, ...]:
     """All-gathers of a block's FSDP unit per stage in one step, as the runtime runs FSDP inside a
     pipeline (fsdp_actions.py): resharded after every forward, kept unsharded after backward
     until the step ends; so a forward or backward that finds it resharded gathers it."""
-    ir = schedule_facts(name).ir(p, m, v)
-    out = [0] * ir.n_stages
-    for prog in ir.actions:
-        sharded: dict[int, bool] = {}
-        for a in prog:
-            if a.kind is K.FORWARD:
-                out[a.stage] += sharded.get(a.stage, True)
-                sharded[a.stage] = True
-            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
-                out[a.stage] += sharded.get(a.stage, True)
-                sharded[a.stage] = False
-    return tuple(out)
+    return schedule_store.fsdp_gathers(name, p, m, v)
 
 
 def _stage_dp(choice: PipelineChoice, units: Sequence[UnitCost], s: int, a: int, b: int) -> float:
@@ -322,9 +301,9 @@ def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float
     """Bytes per rank: its stages' parameter state + its peak in-flight chunks x the mean
     activation per chunk of its stages (known before timing: in-flight counts are a property of
     the schedule's order)."""
-    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
+    s2r = schedule_store.placement(choice.schedule, choice.p, choice.m, choice.v)[0]
     # one stage: gradient accumulation holds one micro-batch's activations at a time
-    peaks = schedule_facts(choice.schedule).inflight(choice.p, choice.m, choice.v) if choice.p > 1 else (1,)
+    peaks = schedule_store.placement(choice.schedule, choice.p, choice.m, choice.v)[1] if choice.p > 1 else (1,)
     state, act, n_on = [0.0] * choice.p, [0.0] * choice.p, [0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         r = s2r[s] if choice.p > 1 else 0
@@ -336,7 +315,7 @@ def rank_memory(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float
 
 def _rank_optimizer(choice: PipelineChoice, units: Sequence[UnitCost]) -> list[float]:
     """Optimizer step seconds per rank (its stages' units)."""
-    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank if choice.p > 1 else (0,)
+    s2r = schedule_store.placement(choice.schedule, choice.p, choice.m, choice.v)[0] if choice.p > 1 else (0,)
     out = [0.0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         out[s2r[s]] += sum(u.optimizer_s for u in units[a:b])
@@ -350,7 +329,7 @@ def full_lower_bound(choice: PipelineChoice, units: Sequence[UnitCost], exposed_
 
 
 def _exposed(choice: PipelineChoice, units: Sequence[UnitCost], exposed_dp=None) -> list[float]:
-    s2r = schedule_facts(choice.schedule).ir(choice.p, choice.m, choice.v).stage_to_rank
+    s2r = schedule_store.placement(choice.schedule, choice.p, choice.m, choice.v)[0]
     busy, dp = [0.0] * choice.p, [0.0] * choice.p
     for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
         busy[s2r[s]] += choice.m * sum(u.time for u in units[a:b])
@@ -407,8 +386,7 @@ def pipeline_candidates(units: Sequence[UnitCost], p: int, microbatches: Sequenc
                 if floor >= bound:
                     continue
                 try:
-                    s2r = facts.ir(p, m, v).stage_to_rank
-                    infl = facts.inflight(p, m, v)
+                    s2r, infl = schedule_store.placement(name, p, m, v)
                 except ScheduleError:
                     continue
                 per_rank = [sum(1 for r in s2r if r == rr) for rr in range(p)]

@@ -2,147 +2,184 @@
 
 Why: the planner times hundreds of cost vectors on the same few schedule IRs. ``playback.play``
 re-derives every dependency with Action objects and dict look-ups on each call (~0.1 s at p=16,
-m=128). The order in which ``play`` can process actions, and what each action waits for, do not
-depend on the durations, so they are derived here once with the same rules (``playback._needs``,
-receives wait for the matching send) and each timing is a flat loop over integer arrays. It
-returns exactly what ``play`` gives (tests/search_pp compare them on random costs).
+m=128). The order in which ``play`` can process actions, and what each receive waits for, do not
+depend on the durations, so they are derived here once and each timing is a flat loop over
+integer triples. It returns exactly what ``play`` gives (tests/search_pp compare them on random
+costs; tests/search_pp/test_schedule_timing.py compares every step with the lowered IR's).
+
+Why so little is kept (issue 35: ZBV at p=64, m=2048 has 1.8 million lowered actions and its
+compile took most of a cold 405B / 128K plan): a rank runs its program in order, so every local
+dependency (``playback._needs``: the previous stage's forward on this rank, the gradient from
+this rank's later stage, the receive in front) ended before the rank's clock reached the action
+-- durations are ``StageCost`` times, finite and >= 0, so a rank's clock never goes back. The
+only waits that can move a clock are receives, for the matching send of another rank, and a
+send ends at its rank's clock (it has no duration). So the compiled form is, per action in one
+processing order: a compute slot (adds its duration to the rank's clock and busy time), a send
+(records the rank's clock) or a receive (waits for the recorded clock plus the P2P time). The
+point-to-point actions are those ``lower`` inserts (a receive right before the consumer, a send
+right after the producer, none between stages of one rank), derived from the compute IR without
+building the lowered one. Compiled forms are kept on disk (``autoplan.disk_cache``) under the
+hash of the generator code and this module, beside the schedule facts (``schedule_store``).
 """
 from __future__ import annotations
 
 import functools
+import json
+from array import array
 from dataclasses import dataclass
 
-from hyper_parallel.core.pipeline_parallel import lower, schedule_facts
-from hyper_parallel.core.pipeline_parallel.playback import _needs
-from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K, matching
+from autoplan import disk_cache
+from autoplan.search.schedule_store import GENERATOR_CODE, normalised_v
+from hyper_parallel.core.pipeline_parallel import schedule_facts
+from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.errors import ScheduleError
 
-# duration slots per action: forward, full backward, backward-input, backward-weight, none
-_F, _B, _I, _W, _NONE = 0, 1, 2, 3, 4
+# duration slots per compute action: forward, full backward, backward-input, backward-weight
+_SLOT = {K.FORWARD: 0, K.BACKWARD: 1, K.BACKWARD_INPUT: 2, K.BACKWARD_WEIGHT: 3}
+_SEND, _RECV = -1, -2
 
 
 @dataclass(frozen=True)
 class CompiledSchedule:
+    """Per action in one processing order (three parallel int arrays): its rank, ``what`` and
+    ``arg``. ``what`` >= 0 is a compute action whose duration is ``durations[what]`` (stage * 4 +
+    slot), ``_SEND`` records the rank's clock in ``arg`` (a send's key), ``_RECV`` waits for the
+    clock recorded in ``arg`` plus the P2P time."""
+
     n_ranks: int
-    order: tuple[int, ...]          # global processing order (action ids)
-    rank: tuple[int, ...]
-    stage: tuple[int, ...]
-    slot: tuple[int, ...]           # _F/_B/_I/_W/_NONE
-    deps: tuple[tuple[int, ...], ...]
-    recv_of: tuple[int, ...]        # for a receive: the id of its send, else -1
-    is_send: tuple[bool, ...]
-    stage_to_rank: tuple[int, ...]
+    n_keys: int
+    ranks: array
+    whats: array
+    args: array
+
+    def to_bytes(self) -> bytes:
+        head = json.dumps([self.n_ranks, self.n_keys, len(self.ranks)]).encode() + b"\n"
+        return head + self.ranks.tobytes() + self.whats.tobytes() + self.args.tobytes()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "CompiledSchedule":
+        head, _, body = raw.partition(b"\n")
+        n_ranks, n_keys, n = json.loads(head)
+        arrays = [array("i") for _ in range(3)]
+        size = arrays[0].itemsize * n
+        if len(body) != 3 * size:
+            raise ValueError("truncated compiled schedule")
+        for k, a in enumerate(arrays):
+            a.frombytes(body[k * size:(k + 1) * size])
+        return cls(n_ranks, n_keys, *arrays)
 
 
-# ------------------------------------------------------------------ lowered IR (cached)
-
-@functools.lru_cache(maxsize=64)
-def lowered_schedule(name: str, p: int, m: int, v: int = 1):
-    """The lowered IR of a schedule (compute plus send/recv actions, what the executor runs).
-
-    ``simulate`` runs the full validator on every call (quadratic membership checks: ~1.4 s at
-    p=16, m=128); the generators' output is validated by the runtime before it runs and by
-    tests/pipeline, and the timing itself raises on a deadlock, so the planner lowers only."""
-    return lower(schedule_facts(name).ir(p, m, v))
+def _programs(ir) -> list[list[tuple[int, int]]]:
+    """Per rank, (what, arg) of the lowered program: ``lower``'s receives and sends around the
+    compute actions (send keys: 2 * (stage * m + micro-batch) for a forward output, + 1 for a
+    gradient)."""
+    s2r, last, m = ir.stage_to_rank, ir.n_stages - 1, ir.n_microbatches
+    out = []
+    for r, prog in enumerate(ir.actions):
+        ops: list[tuple[int, int]] = []
+        for a in prog:
+            kind, s, mb = a.kind, a.stage, a.microbatch
+            slot = _SLOT.get(kind)
+            if slot is None or mb is None or not 0 <= mb < m:
+                raise ScheduleError(f"{ir.name}: rank {r}: {a} is not a compute action of micro-batch < {m}")
+            if slot == 0 and s > 0 and s2r[s - 1] != r:
+                ops.append((_RECV, 2 * ((s - 1) * m + mb)))
+            grad = slot in (1, 2)
+            if grad and s < last and s2r[s + 1] != r:
+                ops.append((_RECV, 2 * ((s + 1) * m + mb) + 1))
+            ops.append((s * 4 + slot, 0))
+            if slot == 0 and s < last and s2r[s + 1] != r:
+                ops.append((_SEND, 2 * (s * m + mb)))
+            if grad and s > 0 and s2r[s - 1] != r:
+                ops.append((_SEND, 2 * (s * m + mb) + 1))
+        out.append(ops)
+    return out
 
 
 @functools.lru_cache(maxsize=256)
 def compile_schedule(name: str, p: int, m: int, v: int = 1) -> CompiledSchedule:
-    """Action ids, what each waits for and one processing order. Dependencies inside a rank are
-    earlier actions of its own program (``_needs``; one that has not run is an error in the
-    schedule), so the only wait across ranks is a receive for its send: each rank runs until a
-    receive whose send has not run, and a send wakes the rank parked on its receive. Any such
-    order times the same (a rank's clock and every end time are fixed by the dependencies), and
-    this one visits each action once (the previous round-robin rescanned every parked rank per
-    round: 0.8 s per compile at p=64, m=240)."""
-    lowered = lowered_schedule(name, p, m, v)
-    s2r, last = lowered.stage_to_rank, lowered.n_stages - 1
-    progs = lowered.actions
-    rank, stage, slot, is_send = [], [], [], []
-    kinds = {K.FORWARD: _F, K.BACKWARD: _B, K.BACKWARD_INPUT: _I, K.BACKWARD_WEIGHT: _W}
-    local_id: list[dict] = []
-    for r, prog in enumerate(progs):
-        ids_r = {}
-        for a in prog:
-            ids_r[a] = len(rank)
-            rank.append(r)
-            stage.append(a.stage)
-            slot.append(kinds.get(a.kind, _NONE))
-            is_send.append(a.kind in (K.SEND_F, K.SEND_B))
-        local_id.append(ids_r)
-    n = len(rank)
-    deps: list[tuple[int, ...]] = [()] * n
-    recv_of = [-1] * n
-    send_id = {a: local_id[r][a] for r, prog in enumerate(progs) for a in prog if a.kind in (K.SEND_F, K.SEND_B)}
-    done = bytearray(n)
-    order: list[int] = []
+    """``_compile``, read from the disk cache when an earlier process compiled it."""
+    v = normalised_v(name, v)
+    key = f"compiled {name} {p} {m} {v}"
+    version = disk_cache.code_version(*GENERATOR_CODE, __file__)   # the generators and this compiler
+    raw = disk_cache.load("schedules", version, key)
+    if raw is not None:
+        try:
+            return CompiledSchedule.from_bytes(raw)
+        except ValueError:
+            pass   # a damaged entry: compiled again and rewritten below
+    out = _compile(name, p, m, v)
+    disk_cache.store("schedules", version, key, out.to_bytes())
+    return out
+
+
+def _compile(name: str, p: int, m: int, v: int) -> CompiledSchedule:
+    """One processing order of the lowered schedule: each rank runs until a receive whose send
+    has not run, and a send wakes the rank parked on its receive. Any such order times the same
+    (a rank's clock and every end time are fixed by the dependencies), and this one visits each
+    action once. Raises ScheduleError on a receive without a send or a deadlock."""
+    ir = schedule_facts(name).ir(p, m, v)
+    if ir.meta.get("preprocess"):
+        raise ScheduleError(f"{name}: the planner times schedules without a preprocess tower")
+    progs = _programs(ir)
+    n_keys = 2 * ir.n_stages * ir.n_microbatches
+    sent = bytearray(n_keys)
+    for prog in progs:
+        for what, key in prog:
+            if what == _SEND:
+                sent[key] = 1
+    done = bytearray(n_keys)
+    ranks, whats, args = array("i"), array("i"), array("i")
     ptr = [0] * len(progs)
-    parked: dict[int, int] = {}         # send id -> the rank whose next action receives it
+    parked: dict[int, int] = {}         # send key -> the rank whose next action receives it
     ready = list(range(len(progs)))
-    grad_kinds = (K.BACKWARD, K.BACKWARD_INPUT)
     while ready:
         r = ready.pop()
-        prog, ids_r = progs[r], local_id[r]
-        while ptr[r] < len(prog):
-            a = prog[ptr[r]]
-            i = ids_r[a]
-            if a.kind in (K.RECV_F, K.RECV_B):
-                s_id = send_id.get(matching(a))
-                if s_id is None:
-                    raise ScheduleError(f"{name}: rank {r} step {ptr[r]}: {a} has no matching send")
-                if not done[s_id]:
-                    parked[s_id] = r
+        prog, i = progs[r], ptr[r]
+        n = len(prog)
+        while i < n:
+            what, key = prog[i]
+            if what == _RECV:
+                if not sent[key]:
+                    raise ScheduleError(f"{name}: rank {r} step {i}: a receive (key {key}) has no matching send")
+                if not done[key]:
+                    parked[key] = r
                     break
-                recv_of[i] = s_id
-            dl = []
-            for dep in _needs(a, s2r, r, last):
-                if dep.kind == "grad":
-                    got = [c for c in (ids_r.get(type(a)(k, dep.stage, dep.microbatch)) for k in grad_kinds)
-                           if c is not None and done[c]]
-                else:
-                    c = ids_r.get(dep)
-                    got = [c] if c is not None and done[c] else []
-                if not got:
-                    raise ScheduleError(f"{name}: rank {r} step {ptr[r]}: {a} needs {dep} first")
-                dl.append(got[0])
-            deps[i] = tuple(dl)
-            done[i] = 1
-            order.append(i)
-            ptr[r] += 1
-            waiting = parked.pop(i, None)
-            if waiting is not None:
-                ready.append(waiting)
-    if len(order) < n:
+            ranks.append(r)
+            whats.append(what)
+            args.append(key)
+            i += 1
+            if what == _SEND:
+                done[key] = 1
+                waiting = parked.pop(key, None)
+                if waiting is not None:
+                    ready.append(waiting)
+        ptr[r] = i
+    if any(ptr[r] < len(prog) for r, prog in enumerate(progs)):
         raise ScheduleError(f"{name}: the order deadlocks (p={p}, m={m})")
-    return CompiledSchedule(len(progs), tuple(order), tuple(rank), tuple(stage), tuple(slot), tuple(deps),
-                            tuple(recv_of), tuple(is_send), tuple(s2r))
+    return CompiledSchedule(len(progs), n_keys, ranks, whats, args)
 
 
 def time_schedule(cs: CompiledSchedule, costs, p2p_time: float) -> tuple[float, list[float]]:
-    """(step time, busy seconds per rank) of ``costs`` (one StageCost per stage) on ``cs``."""
-    table = [(c.forward, c.backward_input + c.backward_weight, c.backward_input, c.backward_weight, 0.0)
-             for c in costs]
-    n = len(cs.rank)
-    end = [0.0] * n
+    """(step time, busy seconds per rank) of ``costs`` (one StageCost per stage) on ``cs``: the
+    same sums, in the same order, as ``playback.play``."""
+    durations = []
+    for c in costs:
+        durations += (c.forward, c.backward_input + c.backward_weight, c.backward_input, c.backward_weight)
     clock = [0.0] * cs.n_ranks
     busy = [0.0] * cs.n_ranks
-    rank, stage, slot, deps, recv_of = cs.rank, cs.stage, cs.slot, cs.deps, cs.recv_of
-    for i in cs.order:
-        r = rank[i]
-        s = recv_of[i]
-        if s >= 0:
-            t = end[s] + p2p_time
-            e = t if t > clock[r] else clock[r]
+    posted = [0.0] * cs.n_keys
+    for r, what, key in zip(cs.ranks.tolist(), cs.whats.tolist(), cs.args.tolist()):
+        if what >= 0:
+            d = durations[what]
+            clock[r] += d
+            busy[r] += d
+        elif what == _SEND:
+            posted[key] = clock[r]
         else:
-            ready = clock[r]
-            for d in deps[i]:
-                if end[d] > ready:
-                    ready = end[d]
-            dur = table[stage[i]][slot[i]]
-            e = ready + dur
-            busy[r] += dur
-        end[i] = e
-        clock[r] = e
-    # a send's "end" is when it was posted; its arrival adds p2p_time (applied at the receive)
+            t = posted[key] + p2p_time
+            if t > clock[r]:
+                clock[r] = t
+    # a send's clock is when it was posted; its arrival adds p2p_time (applied at the receive)
     step = max(clock) if clock else 0.0
     return step, busy
