@@ -537,6 +537,8 @@ def _canonical(spec) -> str:
         args["input_layouts"], args["desired_input_layouts"] = ins, outs
     if spec["style"] == "ColwiseParallel" and args.get("input_layouts") == "Replicate()":
         del args["input_layouts"]  # ColwiseParallel's natural input
+    if spec["style"] == "SequenceParallel":
+        args.pop("reduce_grads", None)   # the runners reduce in backward either way (parallelisms.tensor.runner_styles)
     return json.dumps({"style": spec["style"], "args": args}, sort_keys=True)
 
 
