@@ -29,15 +29,15 @@ def _torchtitan_plan():
 
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(reduce_grads=True),
+        "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        "layers.*.attention_norm": SequenceParallel(reduce_grads=True),
+        "layers.*.attention_norm": SequenceParallel(),
         "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                  desired_input_layouts=(Replicate(), None)),
         "layers.*.attention.wq": ColwiseParallel(), "layers.*.attention.wk": ColwiseParallel(),
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": SequenceParallel(reduce_grads=True),
+        "layers.*.ffn_norm": SequenceParallel(),
         "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                     desired_input_layouts=(Replicate(),)),
         "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w3": ColwiseParallel(),

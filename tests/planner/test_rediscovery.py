@@ -83,11 +83,15 @@ def test_gpt3_shape_with_fused_qkv_rediscovers_megatron_at_tp8():
 
 
 def test_repo_llama_reproduces_torchtitan_styles_exactly():
-    """For the repo Llama (the torchtitan module names) the emitted styles are torchtitan's."""
+    """For the repo Llama (the torchtitan module names) the emitted styles are torchtitan's, as the
+    runners apply both (a SequenceParallel reduces its weight gradients in backward: the plan says
+    so explicitly, torchtitan's leaves torch's default)."""
     from autoplan.models.llama_plans import torchtitan_plan
+    from autoplan.parallelisms.tensor import runner_styles
 
     plan = autoplan(models.repo_llama_8b(), MeshSpec((8, 8), ("dp", "tp"), "h100_sxm"), batch=(64, SEQ))
-    assert plan.tp_plan() == torchtitan_plan(loss_parallel=True)
+    titan = {k: v.to_dict() for k, v in torchtitan_plan(loss_parallel=True).items()}
+    assert runner_styles(plan.styles) == runner_styles(titan)
 
 
 def test_hf_llama_shards_sequence_at_first_block_not_embedding():
