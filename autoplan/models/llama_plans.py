@@ -21,13 +21,13 @@ def torchtitan_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
     """torchtitan apply_tp: sequence parallel between blocks, all-gather into attention/FFN."""
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
+        "norm": SequenceParallel(reduce_grads=True),
         "output": ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         ),
-        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention_norm": SequenceParallel(reduce_grads=True),
         "layers.*.attention": PrepareModuleInput(
             input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
         ),
@@ -35,7 +35,7 @@ def torchtitan_plan(loss_parallel: bool = True) -> dict[str, ParallelStyle]:
         "layers.*.attention.wk": ColwiseParallel(),
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.ffn_norm": SequenceParallel(reduce_grads=True),
         "layers.*.feed_forward": PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         ),
