@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
+from autoplan.search.outside_units import outside_units
 from cost_models.compute import gemm_shape_dims, gemm_split
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
@@ -687,40 +688,3 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
                           graph.num_parameters, not_units, head_links(graph, blocks),
                           outside_units(graph, covered))
-
-
-# a part of the model below this share of its parameters is not worth a note (a projector's bias,
-# a pooler): what matters is a stack or a tower the plan would silently leave out
-_OUTSIDE_SHARE = 0.01
-
-
-def outside_units(graph: ModelGraph, covered: list[str]) -> list[tuple[str, int]]:
-    """Linear layers that run in the traced step, in no block group and not the embedding, head or
-    final norms, grouped under
-    the child of the root-most module that holds only such layers, with their parameter count;
-    only parts holding at least 1 % of the model's parameters."""
-    def inside(fqn: str, prefixes: list[str]) -> bool:
-        return any(fqn == p or fqn.startswith(p + ".") for p in prefixes)
-
-    loose = {fqn: info.num_params for fqn, info in graph.modules.items()
-             if info.nn_base in _SHARDABLE_LINEARS and info.block is None and info.num_params
-             and not inside(fqn, covered) and graph.nodes_in(fqn)}   # run in the step (SigLIP's unused head is not)
-    if not loose:
-        return []
-    # the largest ancestor whose linear layers are all loose ones: one entry per model part
-    linears = [fqn for fqn, info in graph.modules.items() if info.nn_base in _SHARDABLE_LINEARS]
-
-    def part(fqn: str) -> str:
-        parts = fqn.split(".")
-        for i in range(1, len(parts) + 1):
-            anc = ".".join(parts[:i])
-            if all(x in loose for x in linears if inside(x, [anc])):
-                return anc
-        return fqn
-
-    sizes: dict[str, int] = {}
-    for fqn, n in loose.items():
-        key = part(fqn)
-        sizes[key] = sizes.get(key, 0) + n
-    floor = _OUTSIDE_SHARE * max(graph.num_parameters, 1)
-    return sorted(((k, n) for k, n in sizes.items() if n >= floor), key=lambda kv: -kv[1])
