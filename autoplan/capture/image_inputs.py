@@ -77,7 +77,8 @@ def _row_image(row: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) ->
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).to(row.device)
 
 
-_DERIVED: "weakref.WeakKeyDictionary[nn.Module, ImageBatch | None]" = weakref.WeakKeyDictionary()
+# model -> (its floating dtype, the measurement): a model cast after a first step measures again
+_DERIVED: "weakref.WeakKeyDictionary[nn.Module, tuple[torch.dtype, ImageBatch | None]]" = weakref.WeakKeyDictionary()
 _BY_CONFIG: dict[tuple, ImageBatch] = {}
 
 
@@ -87,19 +88,25 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
     hook = getattr(model, "extra_inputs", None)
     if callable(hook):
         return hook
-    if model not in _DERIVED:
-        if not is_vision_language(model):
-            _DERIVED[model] = None
-        else:
+    dtype = param_dtype(model)
+    known = _DERIVED.get(model)
+    if known is None or known[0] != dtype:
+        batch = None
+        if is_vision_language(model):
             # copies of one model (the probe's styled copies, every rank's) share the measurement:
             # it depends only on the class, the config and the dtype, and a styled copy's tower
             # may not run outside its step
-            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
             key = (type(model), model.config.to_json_string(use_diff=False), dtype)
             if key not in _BY_CONFIG:
                 _BY_CONFIG[key] = derive(model)
-            _DERIVED[model] = _BY_CONFIG[key]
-    return _DERIVED[model]
+            batch = _BY_CONFIG[key]
+        known = _DERIVED[model] = (dtype, batch)
+    return known[1]
+
+
+def param_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first floating parameter (float32 if none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -140,7 +147,7 @@ def derive(model: nn.Module) -> ImageBatch | None:
         raise CaptureError(f"{name}: vision_config has no image_size to build an image of; give the model an "
                            f"extra_inputs(tokens) hook")
     channels = int(_first_int(vision, ("num_channels", "in_channels")) or 3)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = param_dtype(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     one_image = ImageBatch(int(token_id), 0, (channels, size, size), layout, dtype)
     try:

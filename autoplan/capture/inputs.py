@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from autoplan.capture.image_inputs import image_inputs
+from autoplan.capture.image_inputs import image_inputs, param_dtype
 from autoplan.errors import CaptureError, MissingInputsError, ModelTooLargeError
 
 DEFAULT_MAX_COPY_BYTES = 8 * 2**30
@@ -71,7 +71,7 @@ def inputs_from_batch(model: nn.Module, batch: Any, dtype: torch.dtype | None = 
     if main == "pixel_values":
         size = spec.image_size or getattr(config, "image_size", 224)
         channels = getattr(config, "num_channels", 3)
-        fdtype = dtype or _param_dtype(model)
+        fdtype = dtype or param_dtype(model)
         kwargs["pixel_values"] = torch.empty(spec.batch_size, channels, size, size, dtype=fdtype, device="meta")
     else:
         ids = torch.zeros(spec.batch_size, spec.seq_len, dtype=torch.long, device="meta")
@@ -110,13 +110,6 @@ def with_defaults(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     if has_cache and "use_cache" not in kwargs:
         kwargs = {**kwargs, "use_cache": False}
     return kwargs
-
-
-def _param_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 def to_meta_tree(obj: Any, dtype: torch.dtype | None = None) -> Any:

@@ -57,6 +57,8 @@ def test_image_inputs_are_derived_and_run_the_model(family, per_image):
     assert torch.equal(whole["pixel_values"][1:], rows["pixel_values"])
     assert (whole["input_ids"][:, :per_image] == 200).all()
     assert torch.equal(whole["input_ids"][:, per_image:], tokens[:, per_image:])
+    model.to(torch.bfloat16)   # a model cast after its first step gets images of its new dtype
+    assert image_inputs(model)(tokens)["pixel_values"].dtype == torch.bfloat16
 
 
 def test_families_whose_images_are_not_one_tensor_are_refused_by_name():
