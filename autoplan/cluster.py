@@ -397,6 +397,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                 f"reduce-scatters) {c.m} times, replicated dp / ZeRO-1 reduce once per step")
         if search.pipeline_refusal:
             tp_plan.notes.append(f"pp=1 only: {search.pipeline_refusal}")
+        if best.ep > 1:
+            tp_plan.notes.append(search.expert_runtime.note())
         note = mfu_bound_note(search, best)
         if note:
             tp_plan.notes.append(note)

@@ -3,7 +3,9 @@
 roofline(op) = kernel overhead + max(FLOPs / (peak x efficiency(shape)), bytes / (bandwidth x efficiency))
 
 GEMM efficiency falls with small M, N, K as prod(d / (d + dim_half)): tiles and cores go idle.
-Attention kernels are priced like a GEMM over (s_q, s_k, head_dim). Views cost a fixed view
+Fused attention kernels are priced at their own measured efficiency on the work they do (the
+causal half under a causal mask; :func:`attention_time`), or like a GEMM over (s_q, s_k, head_dim)
+on profiles without that measurement. Views cost a fixed view
 overhead. Everything else is priced by the bytes it reads and writes. A per-category correction
 fitted on profiled ops (:meth:`ComputeModel.fit`: fixed cost + scale of the roofline time)
 corrects the roofline for ops that were not profiled, e.g. the same block at another batch or sequence length; a profile table entry for the
@@ -148,6 +150,11 @@ def gemm_dims(spec: OpSpec) -> tuple[int, int, int, int]:
     return 1, a[-2], b[-1], a[-1]
 
 
+def is_attention_op(short_name: str) -> bool:
+    """A fused attention kernel (forward or its backward), by ATen short name."""
+    return short_name in _ATTN_FWD or (short_name.endswith("_backward") and short_name[:-9] in _ATTN_FWD)
+
+
 def gemm_shape_dims(short_name: str, shapes: list[tuple[int, ...]]) -> tuple[int, int, int] | None:
     """(M, N, K) of a matmul-family or fused-attention op from its input shapes; None for any
     other op. Batched dims fold into M (a bmm over heads runs as one wide GEMM); attention is
@@ -175,6 +182,32 @@ def gemm_efficiency(hardware: HardwareProfile, m: float, n: float, k: float) -> 
     return eff.compute * math.prod(d / (d + eff.dim_half) for d in (m, n, k))
 
 
+ATTENTION_HEAD_DIM = 128          # the head dim ``efficiency.attention`` is measured at
+ATTENTION = "attention"            # gemm_split tag of a fused-attention op (full score matrix)
+ATTENTION_CAUSAL = "attention_causal"   # ... of one under a causal mask (half the scores computed)
+
+
+def attention_time(hardware: HardwareProfile, peak: float, flops: float, s_q: float, s_k: float,
+                   head_dim: float, causal: bool) -> float:
+    """Seconds of a fused attention kernel whose full-score-matrix FLOPs are ``flops`` (torch's
+    SDPA formula, which does not discount a causal mask). With a measured kernel efficiency
+    (``efficiency.attention``, a flash-class kernel benchmark) the kernel does the causal half of
+    the work under a causal mask (FlashAttention skips the masked tiles) at that efficiency,
+    times the GEMM shape curve of the two sequence axes (short sequences leave SMs idle); without
+    one it is a GEMM of shape (s_q, s_k, head_dim) over the whole matrix (K = head_dim runs at
+    half efficiency on the curve -- what the profile would say of two batched GEMMs)."""
+    eff = hardware.efficiency
+    if eff.attention <= 0:
+        return flops / (peak * gemm_efficiency(hardware, s_q, s_k, head_dim))
+    work = flops * (0.5 if causal and s_q == s_k else 1.0)
+    shape = (s_q / (s_q + eff.dim_half)) * (s_k / (s_k + eff.dim_half))
+    # ``attention`` is measured at head dim 128; a narrower head does less work per tile load
+    # (FlashAttention-3 Fig. 5: causal forward at head dim 64 ~77 % of head dim 128's speed; the
+    # curve's d / (d + dim_half) ratio gives 67 %); wider heads are not credited above it
+    width = min(1.0, (head_dim / (head_dim + eff.dim_half)) / (ATTENTION_HEAD_DIM / (ATTENTION_HEAD_DIM + eff.dim_half)))
+    return work / (peak * eff.attention * shape * width)
+
+
 def gemm_split(m: int, n: int, k: int, has_weight: bool) -> str:
     """The dimension of an (M, N, K) GEMM that a tensor-parallel shard divides: "" for GEMMs
     between activations (attention scores and context, fused attention: heads are their batch,
@@ -191,7 +224,7 @@ def gemm_split(m: int, n: int, k: int, has_weight: bool) -> str:
 def sharded_gemm_dims(m: float, n: float, k: float, split: str, shard: int) -> tuple[float, float, float]:
     """The (M, N, K) one rank runs when a tensor-parallel shard of degree ``shard`` divides the
     ``split`` dimension (:func:`gemm_split`; "" or shard 1: unchanged)."""
-    if shard <= 1 or not split:
+    if shard <= 1 or not split or split.startswith(ATTENTION):
         return m, n, k
     if split == "n":
         return m, n / shard, k
@@ -256,8 +289,9 @@ class ComputeModel:
             _, m, n, k = gemm_dims(spec)
             t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * gemm_efficiency(self.hardware, m, n, k))
         elif cat in ("attention", "attention_bwd"):
-            _, sq, sk, d, _ = _attention_dims(spec)
-            t_flop = op_flops(spec) / (self.hardware.peak(_dtype(spec)) * gemm_efficiency(self.hardware, sq, sk, d))
+            bh, sq, sk, d, causal = _attention_dims(spec)
+            full = 4.0 * bh * sq * sk * d * (1.0 if cat == "attention" else 2.5)
+            t_flop = attention_time(self.hardware, self.hardware.peak(_dtype(spec)), full, sq, sk, d, causal)
         return eff.kernel_overhead + max(t_flop, t_mem)
 
     def estimate(self, spec: OpSpec) -> float:

@@ -35,7 +35,7 @@ from typing import Sequence
 
 from autoplan.search.context_cost import CPChoice, price_cp
 from autoplan.search.expert_plan import ExpertPlanning
-from autoplan.search.expert_search import expert_time, moe_groups
+from autoplan.search.expert_search import OUR_EXPERT_RUNTIME, ExpertRuntime, expert_time, moe_groups
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.errors import HyperParallelError
@@ -156,7 +156,8 @@ def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, *, cp: int,
     return out
 
 
-def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: ExpertPlanning) -> None:
+def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: ExpertPlanning,
+           runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> None:
     """Add expert parallelism's price to the units of ``acc`` (rows F, I, W, state, act, dp_comm,
     dp_gather, optimizer): per MoE layer the chosen option's compute beyond the replicated experts
     the TP search counted, its all-to-alls and expert-TP all-reduces (forward / backward), its
@@ -177,8 +178,10 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
         # against what the TP search counted for these experts (their captured work, replicated)
         delta = (o.compute_s - ctx.compute_time(g.work, 1) * g.count) / n
         colls = list(o.collectives)
-        fwd = ctx.comm_time([c for c in colls if c.phase == "forward"]) / n if o.style is not None else 0.0
-        bwd = ctx.comm_time([c for c in colls if c.phase != "forward"]) / n if o.style is not None else 0.0
+        fwd = runtime.a2a_time(ctx, [c for c in colls if c.phase == "forward"], g.top_k) / n \
+            if o.style is not None else 0.0
+        bwd = runtime.a2a_time(ctx, [c for c in colls if c.phase != "forward"], g.top_k) / n \
+            if o.style is not None else 0.0
         if o.style is not None and ctx.checkpoint_blocks:   # the recomputed forward dispatches again
             bwd += fwd
         shard = experts.ep * (experts.tp if o.style is not None and o.style.tp_dim else 1) if o.style else 1
@@ -193,8 +196,10 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
         opt_whole = ctx.optimizer_time(0, ctx.optimizer_elements(whole, 1), ctx.dp_mode != "replicate")
         opt_shard = ctx.optimizer_time(0, ctx.optimizer_elements(whole, shard), ctx.dp_mode != "replicate")
         for i in units:
-            acc[i][0] += delta / 3 + fwd
-            acc[i][1] += delta / 3 + bwd
+            # a runtime that overlaps the all-to-alls hides them behind the unit's compute (the
+            # other micro-batch's, as much of it as there is); ours exposes them (runtime.overlap 0)
+            acc[i][0] += delta / 3 + runtime.exposed(fwd, acc[i][0] + delta / 3)
+            acc[i][1] += delta / 3 + runtime.exposed(bwd, acc[i][1] + acc[i][2] + 2 * delta / 3)
             acc[i][2] += delta / 3
             acc[i][3] += (o.state_bytes - base.state_bytes) / n
             per_layer = g.count / n

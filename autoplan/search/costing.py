@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from hyper_parallel.core.collective import Collective
 from autoplan.search.structure import Work
 from cost_models.collectives import collective_terms
-from cost_models.compute import gemm_efficiency, sharded_gemm_dims
+from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, attention_time, gemm_efficiency, sharded_gemm_dims
 from cost_models.overlap import DP_MODES, dp_overlap
 from cost_models.runtime import load_runtime
 
@@ -119,6 +119,10 @@ class CostContext:
         t, gflops = 0.0, 0.0
         for f, m, n, k, *split in work.gemms:
             gflops += f
+            if split and split[0] in (ATTENTION, ATTENTION_CAUSAL):   # heads are its batch: a shard divides f
+                sq = m / shard if split_tokens else m
+                t += attention_time(hw, peak, f, sq, n, k, split[0] == ATTENTION_CAUSAL)
+                continue
             dims = (m / shard, n, k) if split_tokens else sharded_gemm_dims(m, n, k, split[0] if split else "", shard)
             t += f / (peak * gemm_efficiency(hw, *dims))
         t += max(work.flops - gflops, 0.0) / (peak * hw.efficiency.compute)

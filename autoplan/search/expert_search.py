@@ -47,6 +47,76 @@ from hyper_parallel.errors import HyperParallelError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ExpertRuntime:
+    """What the training runtime does with the experts' all-to-alls -- a fact about the runtime,
+    stated (with its source) by whoever prices a run, never fitted.
+
+    hyper_parallel's runtime (the default): every routed copy of a token travels (no per-node
+    de-duplication), over the ep dimension's one link level, and the all-to-alls are exposed
+    (nothing overlaps them with compute). Other runtimes, as their publications describe them:
+
+    - ``node_limit``: each token is routed to experts on at most this many nodes and sent once
+      per destination node (DeepSeek-V3's node-limited routing, M = 4, with DeepEP's dispatch:
+      one copy over InfiniBand per node, forwarded over NVLink inside it; tech report sec. 2.1.2
+      and 3.2.2). 0: off.
+    - ``overlap``: the fraction of the all-to-alls hidden behind the other micro-batch's compute
+      (DualPipe's forward/backward chunk pairs, tech report sec. 3.2.1; Megatron-Core's EP A2A
+      overlap of two micro-batches): at most the layer's own compute can hide them. 0: none.
+    """
+
+    node_limit: int = 0
+    overlap: float = 0.0
+    source: str = "hyper_parallel's runtime: all-to-alls of every routed copy, exposed"
+
+    def __post_init__(self) -> None:
+        if self.node_limit < 0 or not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"ExpertRuntime: node_limit={self.node_limit} must be >= 0 and overlap={self.overlap} "
+                             "in [0, 1]")
+
+    @property
+    def ours(self) -> bool:
+        return self.node_limit == 0 and self.overlap == 0.0
+
+    def note(self) -> str:
+        if self.ours:
+            return ("expert all-to-alls priced as hyper_parallel's runtime issues them: every routed copy over the ep "
+                    "dimension's link, not overlapped with compute")
+        return (f"expert all-to-alls priced for another runtime ({self.source}): "
+                + (f"node-limited routing (<= {self.node_limit} nodes per token, one copy per node over the "
+                   f"inter-node link); " if self.node_limit else "")
+                + (f"{self.overlap:.0%} overlapped with the other micro-batch's compute; " if self.overlap else "")
+                + "hyper_parallel's runtime does neither")
+
+    def a2a_time(self, ctx, collectives: list[Collective], top_k: int) -> float:
+        """Seconds of the expert all-to-alls ``collectives`` on ``ctx``'s mesh under this runtime
+        (before overlap). With ``node_limit``, a dispatch / combine whose ep group crosses nodes
+        sends min(node_limit, nodes) copies of each token over the inter-node link instead of
+        top_k, and forwards the top_k copies over the intra-node link at the same time (DeepEP's
+        normal kernels run both concurrently): the slower of the two."""
+        t = 0.0
+        for c in collectives:
+            md = ctx.topology[c.dim] if c.dim in ctx.topology.names else None
+            if not (self.node_limit and c.kind == "all_to_all" and md is not None and md.inter_node and md.rails > 0):
+                t += ctx.collective_time(c)
+                continue
+            nodes = max(md.size // max(md.rails, 1), 1)
+            inter = ctx.collective_time(dataclasses.replace(
+                c, nbytes=int(c.nbytes * min(self.node_limit, nodes) / max(top_k, 1))))
+            hw = ctx.hardware
+            intra = c.count * c.nbytes / (hw.intra_node.bandwidth * hw.efficiency.link)
+            t += max(inter, intra)
+        return t
+
+    def exposed(self, a2a_s: float, compute_s: float) -> float:
+        """What of ``a2a_s`` stays on the critical path when ``compute_s`` of the other
+        micro-batch's compute runs beside it."""
+        return a2a_s - min(a2a_s * self.overlap, compute_s)
+
+
+OUR_EXPERT_RUNTIME = ExpertRuntime()
+
+
 @dataclass
 class MoEGroup:
     """The MoE layer of one block group: its experts container and the shapes that price it."""

@@ -31,6 +31,7 @@ from autoplan.search.cluster_dims import (
 from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
 from autoplan.search.costing import RECOMPUTE, CostContext
 from autoplan.search.expert_plan import ExpertPlanning
+from autoplan.search.expert_search import OUR_EXPERT_RUNTIME, ExpertRuntime
 from autoplan.parallelisms.data import flat_name
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.pipeline_search import (
@@ -78,7 +79,11 @@ class ClusterSearch:
                  schedules: Sequence[str] = SCHEDULE_NAMES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
                  sequence_parallel: bool | None = None, graphs: dict | None = None,
-                 dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE):
+                 dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE,
+                 expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME):
+        # how the runtime moves the experts' tokens (expert_search.ExpertRuntime): hyper_parallel's
+        # unless a caller prices another runtime's published run (benchmarks/moe_published_runs.py)
+        self.expert_runtime = expert_runtime
         self.dp_modes = [dp_mode_of(x) for x in dp_modes]
         self.recompute_modes = [recompute_of(x) for x in recompute_modes]
         self.model, self.devices, self.hardware = model, int(devices), hardware
@@ -329,7 +334,7 @@ class ClusterSearch:
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.cons.get("expert_parallel"))
-            add_ep(acc, names, options, all_targets, experts)
+            add_ep(acc, names, options, all_targets, experts, self.expert_runtime)
         units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
         p2p_bytes = hidden / (tp if layout == "S" else 1)

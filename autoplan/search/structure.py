@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.outside_units import outside_units
-from cost_models.compute import gemm_shape_dims, gemm_split
+from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, gemm_shape_dims, gemm_split, is_attention_op
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
@@ -225,11 +225,12 @@ def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
                     n *= s
                 pbytes += n * 4  # refined by the caller with the model dtype
     fwd_bytes = float(row["bytes_read"] + row["bytes_written"])
-    gemms, other = _op_classes(nodes)
+    causal = causal_lm(graph)
+    gemms, other = _op_classes(nodes, causal)
     core_nodes = [n for n in nodes if n.module == fqn]
     core = None
     if core_nodes and any(_op_classes([n])[0] for n in core_nodes):  # a module that runs its own matmuls
-        cg, co = _op_classes(core_nodes)
+        cg, co = _op_classes(core_nodes, causal)
         saved = sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs) if n.saved_for_backward else 0)
                     for n in core_nodes)
         core = Work(flops=float(sum(n.flops_fwd + n.flops_bwd for n in core_nodes)), bytes=0.0,
@@ -263,15 +264,36 @@ def _kept_inputs(fqn: str, nodes, core_nodes) -> int:
     return sum(t.nbytes for src in producers for t in by_name[src].outputs)
 
 
-def _op_classes(nodes) -> tuple[tuple, float]:
+_CAUSAL_ROOTS = ("ForCausalLM", "LMHeadModel")   # transformers' decoder-only heads: self-attention is causal
+
+
+def causal_lm(graph: ModelGraph) -> bool:
+    """The captured model is a decoder-only language model (a transformers ``*ForCausalLM`` /
+    ``*LMHeadModel``), whose self-attention runs under a causal mask -- transformers materialises
+    that mask as a (b, 1, s, s) tensor on meta, where a real run passes ``is_causal``."""
+    return graph.model_type.endswith(_CAUSAL_ROOTS)
+
+
+def _attention_tag(n, dims, causal_model: bool) -> str:
+    """ATTENTION_CAUSAL for a fused attention op computing a causal mask's half of the scores
+    (``is_causal=True``, or self-attention of a causal LM: s_q == s_k), else ATTENTION."""
+    causal = isinstance(n.kwargs, dict) and bool(n.kwargs.get("is_causal"))
+    causal = causal or (causal_model and dims[0] == dims[1])
+    return ATTENTION_CAUSAL if causal else ATTENTION
+
+
+def _op_classes(nodes, causal_model: bool = False) -> tuple[tuple, float]:
     """(GEMM entries (flops, M, N, K, split), bytes of the other non-view ops, backward counted as
-    twice the forward as for ``Work.bytes``)."""
+    twice the forward as for ``Work.bytes``). A fused attention op's split is its attention tag
+    (``cost_models.compute.ATTENTION`` / ``ATTENTION_CAUSAL``), priced by ``attention_time``."""
     gemms, other = [], 0.0
     for n in nodes:
-        dims = gemm_shape_dims(n.op.split(".")[1] if n.op.count(".") >= 1 else n.op,
-                               [tuple(t.shape) for t in n.inputs])
+        short = n.op.split(".")[1] if n.op.count(".") >= 1 else n.op
+        dims = gemm_shape_dims(short, [tuple(t.shape) for t in n.inputs])
         if dims is not None and n.flops_fwd > 0:
-            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims, gemm_split(*dims, bool(n.params))))
+            split = _attention_tag(n, dims, causal_model) if is_attention_op(short) else \
+                gemm_split(*dims, bool(n.params))
+            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims, split))
         elif not _is_view(n.op):
             other += 3.0 * float(n.bytes_read + n.bytes_written)
     return tuple(gemms), other

@@ -73,6 +73,11 @@ class Efficiency:
     cache_bytes: float = 0.0        # working set (read + written) below which ``cache_bandwidth`` applies
     cache_bandwidth: float = 0.0    # 0: no cache term (datasheet profiles)
     cache_sharpness: float = 3.0    # how abruptly speed falls as the working set outgrows the cache
+    # fused (flash-class) attention, forward + backward, as a fraction of peak on the work it
+    # does (the causal half of the scores for a causal mask) at long sequences, head dim 128: a
+    # kernel benchmark's number (the profile's sources say which). 0: none measured -- fused
+    # attention is then priced as a GEMM of shape (s_q, s_k, head_dim) on the full score matrix
+    attention: float = 0.0
 
     def bandwidth(self, dram: float, nbytes: float) -> float:
         """Achievable bytes/s for a working set of ``nbytes``: cache speed for small sets, blending
