@@ -32,7 +32,7 @@ import pandas as pd
 from autoplan.cluster import mfu_bound_note
 from autoplan.errors import InfeasiblePlanError
 from autoplan.presets import build_preset
-from autoplan.search.expert_search import OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options
+from autoplan.search.expert_search import DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options
 from autoplan.search.mesh_search import ClusterSearch
 
 OUT = Path(__file__).parent / "results" / "moe_published_runs"
@@ -78,11 +78,7 @@ KIMI_K2 = ("deepseek-v3", dict(n_routed_experts=384, first_k_dense_replace=1, nu
                                num_key_value_heads=64, n_group=1, topk_group=1, vocab_size=163840))
 DEEPEP = "DeepEP dispatch/combine kernels (NVLink + RDMA, per-node de-duplication)"
 TE = "Transformer Engine fused kernels (grouped GEMM, fused permute, fused attention)"
-DSV3_RUNTIME = ExpertRuntime(
-    node_limit=4, overlap=1.0,
-    source="DeepSeek-V3 tech report sec. 2.1.2: each token sent to at most M = 4 nodes; sec. 3.2.1-3.2.2: DualPipe "
-           "overlaps the forward and backward chunks' all-to-alls with the other chunk's computation ('both all-to-all "
-           "and PP communication can be fully hidden'), dispatch one copy per node over IB, forwarded over NVLink")
+DSV3_RUNTIME = DEEPSEEK_V3_RUNTIME
 
 
 def bridge_step(gbs, seq, tps, n):

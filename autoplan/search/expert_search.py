@@ -115,6 +115,13 @@ class ExpertRuntime:
 
 
 OUR_EXPERT_RUNTIME = ExpertRuntime()
+# DeepSeek-V3's training runtime as its technical report (arXiv 2412.19437) describes it: for
+# pricing its published runs ("their runtime, not ours"), never hyper_parallel's plans
+DEEPSEEK_V3_RUNTIME = ExpertRuntime(
+    node_limit=4, overlap=1.0,
+    source="DeepSeek-V3 tech report sec. 2.1.2: each token sent to at most M = 4 nodes; sec. 3.2.1-3.2.2: DualPipe "
+           "overlaps each chunk's all-to-alls with the other chunk's computation ('both all-to-all and PP "
+           "communication can be fully hidden'), dispatch one copy per node over IB, forwarded over NVLink")
 
 
 @dataclass
