@@ -32,7 +32,9 @@ import pandas as pd
 from autoplan.cluster import mfu_bound_note
 from autoplan.errors import InfeasiblePlanError
 from autoplan.presets import build_preset
-from autoplan.search.expert_search import DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options
+from autoplan.search.expert_search import (
+    DEEPEP_RUNTIME, DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options,
+)
 from autoplan.search.mesh_search import ClusterSearch
 
 OUT = Path(__file__).parent / "results" / "moe_published_runs"
@@ -76,7 +78,7 @@ GPT_OSS_120B = ("gpt-oss-20b", dict(num_hidden_layers=36, num_local_experts=128)
 DEEPSEEK_V3 = ("deepseek-v3", {})
 KIMI_K2 = ("deepseek-v3", dict(n_routed_experts=384, first_k_dense_replace=1, num_attention_heads=64,
                                num_key_value_heads=64, n_group=1, topk_group=1, vocab_size=163840))
-DEEPEP = "DeepEP dispatch/combine kernels (NVLink + RDMA, per-node de-duplication)"
+DEEPEP = "DeepEP dispatch/combine kernels (NVLink + RDMA, per-node de-duplication; priced: expert_runtime)"
 TE = "Transformer Engine fused kernels (grouped GEMM, fused permute, fused attention)"
 DSV3_RUNTIME = DEEPSEEK_V3_RUNTIME
 
@@ -88,23 +90,25 @@ def bridge_step(gbs, seq, tps, n):
 RUNS = [
     Run("am-dsv3-1024", "automodel", AUTOMODEL + ": DeepSeek V3 671B, 1024 GPUs, GBS 8192, MBS 1, PP 4, EP 64, VP 8, "
         "FSDP 256: 37.87 s", DEEPSEEK_V3, "h100_sxm", 1024, 8192, 4096, 4, 64, 4, 1, 1, "fsdp", 37.87,
-        "Interleaved1F1B", 8, [DEEPEP, TE]),
+        "Interleaved1F1B", 8, [DEEPEP, TE], DEEPEP_RUNTIME),
     Run("am-dsv3-256", "automodel", AUTOMODEL + ": DeepSeek V3 671B, 256 GPUs, GBS 512, MBS 1, PP 4, EP 64, VP 8, "
         "FSDP 64: 8.18 s", DEEPSEEK_V3, "h100_sxm", 256, 512, 4096, 1, 64, 4, 1, 1, "fsdp", 8.18,
-        "Interleaved1F1B", 8, [DEEPEP, TE]),
+        "Interleaved1F1B", 8, [DEEPEP, TE], DEEPEP_RUNTIME),
     Run("am-kimik2-256", "automodel", AUTOMODEL + ": Kimi K2, 256 GPUs, GBS 512, MBS 1, PP 8, EP 32, VP 4, FSDP 32: "
         "8.86 s", KIMI_K2, "h100_sxm", 256, 512, 4096, 1, 32, 8, 1, 1, "fsdp", 8.86, "Interleaved1F1B", 4,
-        [DEEPEP, TE]),
+        [DEEPEP, TE], DEEPEP_RUNTIME),
     Run("am-qwen3-30b-8", "automodel", AUTOMODEL + ": Qwen3 MoE 30B, 8 GPUs, GBS 512, MBS 4, EP 8, FSDP 8: 21.773 s",
-        QWEN3_30B, "h100_sxm", 8, 512, 4096, 1, 8, 1, 1, 4, "fsdp", 21.773, their_runtime=[DEEPEP, TE]),
+        QWEN3_30B, "h100_sxm", 8, 512, 4096, 1, 8, 1, 1, 4, "fsdp", 21.773, their_runtime=[DEEPEP, TE], expert_runtime=DEEPEP_RUNTIME),
     Run("am-gptoss-20b-8", "automodel", AUTOMODEL + ": GPT-OSS 20B, 8 GPUs, GBS 256, MBS 2, EP -, FSDP 8: 10.04 s "
         "(EP 8: the row's recipe examples/benchmark/configs/gptoss_20b_te_deepep.yaml sets ep_size 8)",
         GPT_OSS_20B, "h100_sxm", 8, 256, 4096, 1, 8, 1, 1, 2, "fsdp", 10.04,
-        their_runtime=[DEEPEP, TE, "FlexAttention (sinks, sliding window 128 on half the layers)"]),
+        their_runtime=[DEEPEP, TE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
+        expert_runtime=DEEPEP_RUNTIME),
     Run("am-gptoss-120b-64", "automodel", AUTOMODEL + ": GPT-OSS 120B, 64 GPUs, GBS 512, MBS 2, EP -, FSDP 64: "
         "4.30 s (EP 64: its recipe gptoss_120b_te_deepep.yaml sets ep_size 64)", GPT_OSS_120B, "h100_sxm", 64, 512,
         4096, 1, 64, 1, 1, 2, "fsdp", 4.30,
-        their_runtime=[DEEPEP, TE, "FlexAttention (sinks, sliding window 128 on half the layers)"]),
+        their_runtime=[DEEPEP, TE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
+        expert_runtime=DEEPEP_RUNTIME),
     Run("mb-gptoss-120b-h100-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 1, seq 4096, PP 4, EP 8: 5,993", GPT_OSS_120B, "h100_sxm", 64, 1280,
         4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE]),

@@ -220,6 +220,12 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
             local[t] += o.count * o.param_bytes / o.strategy.param_shard / len(tg)
     for i, nbytes in expert_units.items():
         local[i] = max(local[i] - nbytes, 0.0)
+    if runtime.dense_state_over_ep:   # their runtime shards the non-expert state over dp x ep (memory)
+        sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(ctx.dp_mode, ())
+        for i, nbytes in enumerate(local):
+            if nbytes > 0:
+                st = ctx.state_bytes(nbytes, 1)
+                acc[i][3] -= sum(st[k] for k in sharded) * (1.0 - 1.0 / experts.ep)
     for i, nbytes in enumerate(local):
         if nbytes > 0:
             acc[i][7] += ctx.collective_time(Collective("all_reduce", "backward", int(nbytes / fsdp), 1,

@@ -60,6 +60,12 @@ class ExpertRuntime:
       per destination node (DeepSeek-V3's node-limited routing, M = 4, with DeepEP's dispatch:
       one copy over InfiniBand per node, forwarded over NVLink inside it; tech report sec. 2.1.2
       and 3.2.2). 0: off.
+    - ``dedup``: one copy per destination node without a routing limit (DeepEP's dispatch / combine
+      kernels: each token crosses InfiniBand once per node holding one of its experts, NVLink forwards
+      it; deepseek-ai/DeepEP README, "normal kernels ... NVLink to RDMA asymmetric-domain forwarding").
+    - ``dense_state_over_ep``: the optimizer (ZeRO-1) or all state (FSDP) of the parameters outside
+      the experts is sharded over dp x ep, not dp (Megatron-Core's distributed optimizer over the whole
+      data-parallel group, FSDP2 over dp_shard x ep); ours replicates it over ep. Memory only.
     - ``overlap``: the fraction of the all-to-alls hidden behind the other micro-batch's compute
       (DualPipe's forward/backward chunk pairs, tech report sec. 3.2.1; Megatron-Core's EP A2A
       overlap of two micro-batches): at most the layer's own compute can hide them. 0: none.
@@ -67,6 +73,8 @@ class ExpertRuntime:
 
     node_limit: int = 0
     overlap: float = 0.0
+    dedup: bool = False
+    dense_state_over_ep: bool = False
     source: str = "hyper_parallel's runtime: all-to-alls of every routed copy, exposed"
 
     def __post_init__(self) -> None:
@@ -76,7 +84,17 @@ class ExpertRuntime:
 
     @property
     def ours(self) -> bool:
-        return self.node_limit == 0 and self.overlap == 0.0
+        return self == ExpertRuntime(source=self.source)
+
+    def node_copies(self, nodes: int, top_k: int) -> float:
+        """Copies of one token that cross the inter-node link when its ``top_k`` experts sit on
+        ``nodes`` nodes: top_k without per-node de-duplication; with it (``dedup`` or a node limit)
+        the expected number of distinct nodes under balanced routing, nodes x (1 - (1 - 1/nodes)^top_k),
+        at most ``node_limit``."""
+        if not (self.dedup or self.node_limit):
+            return float(top_k)
+        distinct = nodes * (1.0 - (1.0 - 1.0 / nodes) ** top_k)
+        return min(distinct, float(self.node_limit)) if self.node_limit else distinct
 
     def note(self) -> str:
         if self.ours:
@@ -85,6 +103,9 @@ class ExpertRuntime:
         return (f"expert all-to-alls priced for another runtime ({self.source}): "
                 + (f"node-limited routing (<= {self.node_limit} nodes per token, one copy per node over the "
                    f"inter-node link); " if self.node_limit else "")
+                + ("one copy per destination node (per-node de-duplication); " if self.dedup and not self.node_limit
+                   else "")
+                + ("non-expert state sharded over dp x ep; " if self.dense_state_over_ep else "")
                 + (f"{self.overlap:.0%} overlapped with the other micro-batch's compute; " if self.overlap else "")
                 + "hyper_parallel's runtime does neither")
 
@@ -97,12 +118,12 @@ class ExpertRuntime:
         t = 0.0
         for c in collectives:
             md = ctx.topology[c.dim] if c.dim in ctx.topology.names else None
-            if not (self.node_limit and c.kind == "all_to_all" and md is not None and md.inter_node and md.rails > 0):
+            if not ((self.node_limit or self.dedup) and c.kind == "all_to_all" and md is not None and md.inter_node):
                 t += ctx.collective_time(c)
                 continue
             nodes = max(md.size // max(md.rails, 1), 1)
             inter = ctx.collective_time(dataclasses.replace(
-                c, nbytes=int(c.nbytes * min(self.node_limit, nodes) / max(top_k, 1))))
+                c, nbytes=int(c.nbytes * self.node_copies(nodes, top_k) / max(top_k, 1))))
             hw = ctx.hardware
             intra = c.count * c.nbytes / (hw.intra_node.bandwidth * hw.efficiency.link)
             t += max(inter, intra)
@@ -118,10 +139,18 @@ OUR_EXPERT_RUNTIME = ExpertRuntime()
 # DeepSeek-V3's training runtime as its technical report (arXiv 2412.19437) describes it: for
 # pricing its published runs ("their runtime, not ours"), never hyper_parallel's plans
 DEEPSEEK_V3_RUNTIME = ExpertRuntime(
-    node_limit=4, overlap=1.0,
+    node_limit=4, overlap=1.0, dedup=True, dense_state_over_ep=True,
     source="DeepSeek-V3 tech report sec. 2.1.2: each token sent to at most M = 4 nodes; sec. 3.2.1-3.2.2: DualPipe "
            "overlaps each chunk's all-to-alls with the other chunk's computation ('both all-to-all and PP "
-           "communication can be fully hidden'), dispatch one copy per node over IB, forwarded over NVLink")
+           "communication can be fully hidden'), dispatch one copy per node over IB, forwarded over NVLink; sec. 3.2: "
+           "ZeRO-1 data parallelism (the optimizer over the whole data-parallel group)")
+# NeMo AutoModel's MoE recipes as its performance summary runs them: DeepEP dispatch / combine (one
+# copy per destination node, no routing limit, not overlapped) and FSDP2 over dp_shard x ep
+DEEPEP_RUNTIME = ExpertRuntime(
+    dedup=True, dense_state_over_ep=True,
+    source="deepseek-ai/DeepEP README: normal dispatch/combine kernels forward each token once per destination "
+           "node over RDMA and then over NVLink; NVIDIA-NeMo/Automodel docs/performance-summary.md: TE + DeepEP, "
+           "FSDP2 (dp_shard) x EP")
 
 
 @dataclass
