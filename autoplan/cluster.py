@@ -397,7 +397,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                 f"reduce-scatters) {c.m} times, replicated dp / ZeRO-1 reduce once per step")
         if search.pipeline_refusal:
             tp_plan.notes.append(f"pp=1 only: {search.pipeline_refusal}")
-        if best.ep > 1:
+        if search.moe_groups:   # why ep plans win or lose here: how the all-to-alls were priced
             tp_plan.notes.append(search.expert_runtime.note())
         note = mfu_bound_note(search, best)
         if note:

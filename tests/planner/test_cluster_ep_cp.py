@@ -10,7 +10,7 @@ from autoplan import autoplan, plan_cluster
 from autoplan.capture import capture
 from autoplan.errors import InvalidConstraintError
 from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
-from autoplan.search.expert_search import _pattern, grouped_expert_time, moe_groups
+from autoplan.search.expert_search import ExpertRuntime, _pattern, grouped_expert_time, moe_groups
 from autoplan.models import build_llama
 from autoplan.presets import build_preset
 from autoplan.search.mesh_candidates import mesh_factorizations
@@ -88,6 +88,8 @@ def test_moe_search_tries_ep_and_a_plan_with_ep_verifies_at_world_64(mixtral, mi
     res = verify(plan, model)
     assert res.passed, (res.error, res.mismatches().to_string())
     assert "all_to_all" in set(res.collectives[res.collectives["mesh_dim"] == "ep"]["kind"])
+    # our runtime neither overlaps nor de-duplicates the all-to-alls, and the plan says it priced them so
+    assert any("not overlapped with compute" in n for n in plan.notes), plan.notes
 
 
 def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
@@ -105,6 +107,12 @@ def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
     compute_change = (grouped_expert_time(ctx, g, ep=8, **kw) - grouped_expert_time(ctx, g, ep=1, **kw)) * g.count / 3
     a2a_forward = sum(u.forward for u in ep8) - sum(u.forward for u in dense) - compute_change
     assert a2a_forward > 0
+    # a runtime that hides the all-to-alls behind the other micro-batch (DualPipe: ExpertRuntime overlap 1)
+    # leaves only the compute change in the forward
+    hidden = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,),
+                           graphs=search.graphs, expert_runtime=ExpertRuntime(overlap=1.0, source="test"))
+    ep8_hidden, _ = hidden.unit_costs(8, 1, 1, "replicate", "none", 1, ep=8)
+    assert sum(u.forward for u in ep8_hidden) == pytest.approx(sum(u.forward for u in dense) + compute_change)
     # FSDP: a pipeline's re-gather of a MoE block (UnitCost.dp_gather_s) moves the experts' ep shard,
     # not the whole layer (cluster_dims.add_ep scales it with the reductions and the optimizer step)
     f_ep8, _ = search.unit_costs(8, 1, 1, "fsdp", "none", 1, ep=8)
