@@ -132,7 +132,7 @@ def deepseek(layers: int | None = None) -> str:
             "- Why autoplan's choice is not the published layout, a term a reviewer can check: the expert "
             "all-to-alls (``ep_term``: what ep adds on the busiest pipeline rank against the same plan with ep folded "
             "into dp, all-to-alls minus the expert weights a rank no longer reads) are "
-            + ", ".join(f"{v:.1f} s per step with {k} runtime" for k, v in a2a.items())
+            + ", ".join(f"{v:.1f} s per step with {'our' if k == 'ours' else k} runtime" for k, v in a2a.items())
             + ". hyper_parallel's runtime sends every routed copy (top-8, no per-node de-duplication) and does "
             "not overlap the all-to-alls with compute (the plan's notes say so), so on it the published layout pays "
             "them in full; DualPipe hides them, which is why the same layout is fast for DeepSeek."
