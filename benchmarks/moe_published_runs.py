@@ -6,7 +6,10 @@ at the published layout (what the source does not state -- cuts, recomputation -
 fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
 data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
 pick for the same model, devices and batch is reported with its claimed speed-up. No constant is
-fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md).
+fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
+source states how its runtime moves the experts' tokens (DeepEP's per-node de-duplication; DeepSeek-V3's
+node-limited routing and DualPipe overlap), the run is priced with that runtime
+(``expert_search.ExpertRuntime``, cited there): their runtime, not ours, which exposes every routed copy.
 
 Sources: NeMo AutoModel's performance summary (H100, FSDP2 + EP, step times), Megatron-Bridge's
 performance summary (H100 and B200, Megatron-Core, tokens/s/GPU), DeepSeek-V3's technical report
