@@ -269,7 +269,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         constraints: fix any of ``dp, pp, tp, cp, ep, schedule, microbatches, microbatch_size, fsdp,
             activation_checkpointing, virtual_stages, dp_mode, recompute`` (e.g. ``{"pp": 2}``), and
             ``expert_parallel`` (True: the ep dimension splits the experts, False: it is data parallel
-            with replicated experts; unset: priced).
+            with replicated experts; unset: priced), and ``tower_placement`` (a VL model's vision
+            tower in a pipeline: "stage0" or "mpipe"; unset: the faster the runtime runs).
         microbatch_sizes: sequences per micro-batch to consider (one capture each).
         graphs: ``{micro-batch size: ModelGraph}`` already captured at ``(b, seq_len)``.
     Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
@@ -370,7 +371,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                                  for r in range(c.p)] if c.p > 1 else [],
             "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles, ep_section),
         }
-        add_tower(tp_plan, model, search, best)   # a VL model's vision tower: MPipe (issue 20)
+        # a VL model's vision tower: stage 0 or MPipe (issues 20, 31)
+        add_tower(tp_plan, model, search, best, placement=constraints.get("tower_placement"))
         collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
         tp_plan.predictions = {
             "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),

@@ -24,6 +24,7 @@ import torch
 from autoplan.capture import capture
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.arguments import CONSTRAINT_KEYS
 from autoplan.search.cluster_dims import (
     CP_MIN_SEQ, add_cp, add_ep, add_expert_compute, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees,
     model_moe_groups,
@@ -88,9 +89,7 @@ class ClusterSearch:
         self.limit = float(memory_limit if memory_limit is not None else self.hw.usable_memory())
         self.dtype = search_dtype(self.hw, dtype)
         self.cons = dict(constraints or {})
-        unknown = set(self.cons) - {"dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
-                                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute",
-                                    "expert_parallel"}
+        unknown = set(self.cons) - set(CONSTRAINT_KEYS)
         if unknown:
             raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
         self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)

@@ -25,6 +25,8 @@ from hyper_parallel.core.pipeline_parallel.schedules import (
 from hyper_parallel.core.pipeline_parallel.schedule_facts import (
     SCHEDULE_NAMES, SCHEDULES, ScheduleFacts, build_schedule, schedule_facts,
 )
+from hyper_parallel.core.pipeline_parallel import image_features
+from hyper_parallel.core.pipeline_parallel.forward_split import STAGE_TOKENS
 from hyper_parallel.core.pipeline_parallel.image_features import ImageFeatures
 from hyper_parallel.core.pipeline_parallel.simulator import SimResult, StageCost, simulate
 from hyper_parallel.core.pipeline_parallel.split import (
@@ -38,7 +40,7 @@ __all__ = [
     # runtime
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
-    "split_microbatches", "Preprocess", "ImageFeatures",
+    "split_microbatches", "Preprocess", "ImageFeatures", "image_features", "STAGE_TOKENS",
     # stage split
     "split_model", "even_cuts", "pipeline_units", "prepare_split", "split_gap", "stage_units", "tied_parameters", "StageModule",
     "Spine", "register_spine",
