@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+from autoplan.capture.fake import fake_device
 from autoplan.capture.image_inputs import image_inputs
 from autoplan.errors import InvalidConstraintError
 from autoplan.search.pipeline_search import UnitCost
@@ -114,11 +115,15 @@ def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> lis
     kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs(model)(tokens).items()
               if k != "input_ids"}
     tower = tower_module(model, module)
-    if module == METHOD:
-        kwargs = {k: v for k, v in kwargs.items() if k in tower_inputs(model, list(kwargs))[0]
-                  or k in tower_inputs(model, list(kwargs))[1]}
-    with torch.enable_grad():
-        out = flatten(tower(**kwargs), "tower_outputs")
+    if module != METHOD:
+        with torch.enable_grad():
+            out = flatten(tower(**kwargs), "tower_outputs")
+        return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
+    own, keep = tower_inputs(model, list(kwargs))
+    # transformers' towers create tensors without a device (meta does not mix with them): fake ones
+    with fake_device(model, (), {k: kwargs[k] for k in own + keep}) as (mode, _, fake_kwargs), mode, \
+            torch.enable_grad():
+        out = flatten(tower(**fake_kwargs), "tower_outputs")
     return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
 
 
@@ -212,9 +217,11 @@ def add_tower(plan, model: nn.Module, search, best, placement: str | None = None
         mine = next((ch for ch in entry["choices"] if ch["placement"] == entry["placement"]), None)
         theirs = f"{fastest['step_s']:.4g} s"
         ours = f"{mine['step_s']:.4g} s" if mine else "not priced to fit"
-        plan.notes.append(f"vision tower {module}: placed with {entry['placement']}, the fastest placement the "
-                          f"runtime runs for this model ({sorted(runnable_placements(module))}); "
-                          f"{fastest['placement']} is priced faster ({theirs} vs {ours} per step) but has no runtime yet")
+        why = ("as constraints['tower_placement'] asks" if placement is not None else
+               f"the fastest placement the runtime runs for this model ({sorted(runnable_placements(module))})")
+        runs = fastest["placement"] in runnable_placements(module)
+        plan.notes.append(f"vision tower {module}: placed with {entry['placement']}, {why}; {fastest['placement']} is "
+                          f"priced faster ({theirs} vs {ours} per step)" + ("" if runs else " but has no runtime yet"))
     log.info("vision tower %s: placement %s (%s)", module, entry["placement"],
              [(ch["placement"], ch["step_s"]) for ch in entry["choices"]])
     plan.pipeline["rank_collectives"] = [
