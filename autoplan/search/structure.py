@@ -201,10 +201,11 @@ class ModelStructure:
 
     @property
     def hidden_bytes(self) -> int:
-        """One hidden-stream tensor (b, s, h) in bytes: a block's, else (a model whose one layer
-        forms no block group) the embedding's output as the head reads it."""
+        """One hidden-stream tensor (b, s, h) in bytes: the last block group's -- the stream the head
+        reads and a pipeline cuts (a VL model's decoder, not its vision tower, captured first) --,
+        else (a model whose one layer forms no block group) the embedding's output as the head reads it."""
         if self.blocks:
-            return self.blocks[0].hidden_bytes
+            return self.blocks[-1].hidden_bytes
         if self.head is not None and self.embedding is not None:
             return self.head.tokens * self.embedding.dim * self.dtype_bytes
         return 0
