@@ -94,6 +94,9 @@ class ClusterSearch:
             raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
         self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)
         self.virtual = [self.cons["virtual_stages"]] if "virtual_stages" in self.cons else list(virtual_stages)
+        if self.cons.get("tower_placement") in ("stage0", "own_stage"):   # placed in one rank's stage: one each
+            self.schedules = [n for n in self.schedules if schedule_facts(n).stages_per_rank(1) == 1]
+            self.virtual = [1]
         self.mb_sizes = [self.cons["microbatch_size"]] if "microbatch_size" in self.cons else list(microbatch_sizes)
         if self.seq >= CP_MIN_SEQ and "microbatch_size" not in self.cons:
             self.mb_sizes = [1]   # long sequences: a micro-batch is one sequence (cluster_dims)

@@ -30,6 +30,7 @@ from autoplan.search.tower_placement import choose_tower_placement
 from hyper_parallel.core.collective import Collective, merged_rows
 from hyper_parallel.core.fqn_pattern import fqn_matches
 from hyper_parallel.core.pipeline_parallel import lower, mpipe, schedule_facts
+from hyper_parallel.core.pipeline_parallel.schedule_ir import preprocess_owner
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
 from hyper_parallel.core.pipeline_parallel.image_features import INTO as IMAGE_INTO
@@ -93,6 +94,18 @@ def tower_units(search, best, group: str) -> list[UnitCost]:
             n = max(n, o.count)
             acc = [a + v for a, v in zip(acc, o.unit_values(ctx))]
     return [UnitCost(f"{group}.{i}", *[a / n for a in acc], fsdp=ctx.fsdp) for i in range(n)] if n else []
+
+
+def tower_tp_rows(search, best, group: str) -> list[Collective]:
+    """The tensor-parallel collectives one micro-batch of the tower issues (forward and backward,
+    recomputation included), from the search's TP options of its block group: what the rank that
+    runs that micro-batch's tower adds -- stage 0's under "stage0", the owner's under MPipe."""
+    if best.tp <= 1:
+        return []
+    options, _ = search.tp_solution(best.tp, best.b, best.recompute)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
+    return [col for o in options if o.in_block and o.owner == group + ".*"
+            for col in o.collectives(ctx) if col.dim == "tp" and col.nbytes > 0]
 
 
 def local_tower_bytes(tower: nn.Module, prefix: str, styles: dict, tp: int) -> dict[torch.dtype, int]:
@@ -187,13 +200,18 @@ def plan_tower(search, best, model_inputs: list[str], module: str, group: str, s
             raise InvalidConstraintError(f"plan_cluster: constraints['tower_placement']={placement!r} needs a schedule "
                                          f"with one stage per rank; {c.schedule} has several (only mpipe places it)")
         entry.update(placement="mpipe", choices=[])
-    if entry["placement"] != "mpipe":
-        return entry, [[] for _ in range(c.p)]
+    ir = schedule_facts(c.schedule).ir(c.p, c.m, c.v)
+    tp_rows = tower_tp_rows(search, best, group)
+    if entry["placement"] != "mpipe":   # stage 0 runs every micro-batch's tower
+        rows = [[] for _ in range(c.p)]
+        rows[ir.stage_to_rank[0]] = [col.scaled(c.m) for col in tp_rows]
+        return entry, rows
     seq = search.seq
     out = tower_outputs(meta, module, best.b, seq, search.dtype)
-    ir = schedule_facts(c.schedule).ir(c.p, c.m, c.v)
     dp_dim = "dp" if best.dp > 1 and best.dp_mode == "fsdp" else None
-    return entry, mpipe_rank_rows(ir, out, list(reduce.values()), dp_dim)
+    rows = mpipe_rank_rows(ir, out, list(reduce.values()), dp_dim)
+    owned = Counter(preprocess_owner(ir.stage_to_rank, mb) for mb in range(c.m))
+    return entry, [r + [col.scaled(owned[rank]) for col in tp_rows if owned[rank]] for rank, r in enumerate(rows)]
 
 
 def add_tower(plan, model: nn.Module, search, best, placement: str | None = None) -> None:

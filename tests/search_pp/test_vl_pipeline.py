@@ -34,6 +34,9 @@ def test_pipelined_vl_plan_equals_one_device(pool4, family, placement):
     pre = plan.pipeline["preprocess"]
     assert (pre["module"], pre["placement"]) == ("get_image_features", placement)
     assert any("vision" in d["unit"] and d["strategy"] != "replicate" for d in plan.decisions)
+    # a stage boundary carries the decoder's stream (b, 512, 2048) in bf16, not the tower's (257 patches)
+    sends = {r["bytes"] for r in plan.pipeline["rank_collectives"][0] if r["kind"] == "send_recv"}
+    assert plan.pipeline["microbatch_size"] * 512 * 2048 * 2 in sends
     recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": family, "image": 2}, seed=3)
     result = check_numerics(plan, recipe, pool=pool4, seq=40, global_batch=8)
     assert result.passed, result.summary()
