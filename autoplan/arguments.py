@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
 from autoplan.search.costing import RECOMPUTE
+from autoplan.search.tower_placement import PLACEMENTS as TOWER_PLACEMENTS
 from cost_models.hardware import list_hardware
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES
@@ -152,7 +153,8 @@ def check_styles(styles: Any, who: str) -> dict | None:
 
 # ------------------------------------------------------------------ plan_cluster's own arguments
 CONSTRAINT_KEYS = ("dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
-                   "activation_checkpointing", "virtual_stages", "dp_mode", "recompute", "expert_parallel")
+                   "activation_checkpointing", "virtual_stages", "dp_mode", "recompute", "expert_parallel",
+                   "tower_placement")
 
 
 def check_sequence(value: Any, name: str, who: str) -> list:
@@ -222,6 +224,9 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
     for key, valid in (("dp_mode", DP_MODES), ("recompute", RECOMPUTE)):
         if key in cons and cons[key] not in valid:
             raise InvalidConstraintError(f"{who}: constraints[{key!r}]={cons[key]!r}; valid: {list(valid)}")
+    if "tower_placement" in cons and cons["tower_placement"] not in TOWER_PLACEMENTS:
+        raise InvalidConstraintError(f"{who}: constraints['tower_placement']={cons['tower_placement']!r}; valid: "
+                                     f"{list(TOWER_PLACEMENTS)}")
     if "expert_parallel" in cons:   # True: ExpertParallel only, False: replicated experts (ep as dp)
         strict_bool(cons["expert_parallel"], "constraints['expert_parallel']", who, InvalidConstraintError)
     for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):

@@ -33,6 +33,7 @@ from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
 from autoplan.search.plan_modes import with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
 from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
+from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 from autoplan.search.tower_plan import add_tower
 from hyper_parallel.core.collective import Collective, merged_rows
@@ -96,6 +97,14 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: 
         for r in owners:
             out[r] += sh.fsdp_local_numel(d) * sh.dtype_bytes
     return out
+
+
+def _param_bytes_under(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None,
+                       prefixes: list[str]) -> int:
+    """Parameter bytes one rank holds of the modules under ``prefixes`` after TP, EP and FSDP."""
+    d = best.dp * best.cp if best.fsdp else 1
+    return sum(sh.fsdp_local_numel(d) * sh.dtype_bytes for sh in _shards(search, best, styles, ep)
+               if any(sh.fqn.startswith(p + ".") for p in prefixes))
 
 
 def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
@@ -269,7 +278,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         constraints: fix any of ``dp, pp, tp, cp, ep, schedule, microbatches, microbatch_size, fsdp,
             activation_checkpointing, virtual_stages, dp_mode, recompute`` (e.g. ``{"pp": 2}``), and
             ``expert_parallel`` (True: the ep dimension splits the experts, False: it is data parallel
-            with replicated experts; unset: priced).
+            with replicated experts; unset: priced), and ``tower_placement`` (a VL model's vision
+            tower in a pipeline: "stage0" or "mpipe"; unset: the faster the runtime runs).
         microbatch_sizes: sequences per micro-batch to consider (one capture each).
         graphs: ``{micro-batch size: ModelGraph}`` already captured at ``(b, seq_len)``.
     Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
@@ -370,7 +380,11 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                                  for r in range(c.p)] if c.p > 1 else [],
             "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles, ep_section),
         }
-        add_tower(tp_plan, model, search, best)   # a VL model's vision tower: MPipe (issue 20)
+        # a VL model's vision tower: stage 0 or MPipe (issues 20, 31)
+        add_tower(tp_plan, model, search, best, placement=constraints.get("tower_placement"))
+        if (tp_plan.pipeline.get("preprocess") or {}).get("placement") == "stage0":   # stage 0 holds the tower
+            tp_plan.pipeline["rank_param_bytes"][s2r[0]] += _param_bytes_under(
+                search, best, tp_plan.styles, ep_section, trace_forward(search.meta).side)
         collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
         tp_plan.predictions = {
             "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),

@@ -53,6 +53,9 @@ class ImageBatch:
             raise CaptureError(f"image inputs: a row of {seq} tokens cannot hold one image of {self.per_image} "
                                f"image tokens and text after it; give sequences longer than {self.per_image}")
         ids = tokens.clone()
+        # the text holds no image token of its own (a processor never puts one there): a stray one
+        # would make the model count one image token more than its images' features
+        ids[ids == self.token_id] = 0 if self.token_id != 0 else 1
         ids[..., : self.per_image] = self.token_id
         if tokens.is_meta or is_fake(tokens):   # shapes only: a capture, a probe on fake tensors
             pixels = torch.empty((rows, *self.pixel_shape), dtype=self.dtype, device=tokens.device)

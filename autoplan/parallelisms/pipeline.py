@@ -24,6 +24,8 @@ _PREPROCESS = {"type": "object", "required": ["module", "inputs", "placement"], 
                "properties": {"module": {"$ref": _D + "name"},
                               "inputs": {"type": "array", "minItems": 1, "items": {"$ref": _D + "name"}},
                               "into": {"$ref": _D + "name"},
+                              # inputs the stages read too (Qwen-VL's image_grid_thw): MPipe leaves them in the step
+                              "keep": {"type": "array", "items": {"$ref": _D + "name"}},
                               "placement": {"enum": list(TOWER_PLACEMENTS)},
                               "owner_placement": {"enum": list(OWNER_PLACEMENTS)},
                               "choices": {"type": "array", "items": {"type": "object"}}}}

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import hyper_parallel.core.pipeline_parallel as pipe
+from autoplan.capture.image_inputs import image_inputs
 from autoplan.parallelisms import ApplyTarget
 from autoplan.parallelisms.context import cp_share, cp_step_key, cp_step_kwargs
 from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_share, grad_mesh, plan_dp_mode, unique_params
@@ -90,10 +91,11 @@ class PipelineRunner(HeldWeights):
     def step_kwargs(self, inputs: torch.Tensor) -> dict:
         """Keywords every stage gets in a step: cp, the global positions of this rank's tokens;
         otherwise the sequence length, which a stage that receives a sequence shard (sequence
-        parallel) cannot read off its input but builds its positions and mask for (split.py)."""
+        parallel) cannot read off its input but builds its positions and mask for (split.py),
+        and the token ids, which a forward may read beyond its embedding (forward_split.py)."""
         if self.cp_mesh is not None:
             return cp_step_kwargs(self.root, self.cp_mesh, inputs.shape[1])
-        return {"sequence_length": int(inputs.shape[1])}
+        return {"sequence_length": int(inputs.shape[1]), pipe.STAGE_TOKENS: inputs}
 
     def data_parallel_step(self) -> bool:
         """After the schedule: replicated dp all-reduces this rank's gradients; ZeRO-1 reduce-
@@ -114,9 +116,16 @@ class PipelineRunner(HeldWeights):
         return False
 
     def step(self, batch, **kwargs) -> float:
-        """``kwargs``: the step's other inputs (an MPipe plan's tower inputs, e.g. ``pixel_values``;
-        every pipeline rank passes them, since any may own a micro-batch's tower)."""
+        """``kwargs``: the step's other inputs for this rank's rows (a VL model's ``pixel_values``,
+        ``input_ids`` with the image tokens placed, ...; every pipeline rank passes them: stage 0
+        or any MPipe owner runs the tower, every stage may read the token ids). Without them the
+        model's hook or derived image inputs are used, as ``Runner.step``."""
         inputs, targets = batch
+        if not kwargs and self.root is not None:
+            make = image_inputs(self.root)
+            kwargs = make(inputs) if make is not None else {}
+        kwargs = dict(kwargs)
+        inputs = kwargs.pop("input_ids", inputs)
         self.optimizer.zero_grad()
         args = (inputs,) if self.first else ()
         loss = self.schedule.step(*args, target=targets if self.last else None, **self.step_kwargs(inputs), **kwargs)
@@ -136,22 +145,31 @@ class PipelineRunner(HeldWeights):
 
 
 def plan_preprocess(pre_cfg: dict | None, model: nn.Module, dp_mode: str | None) -> pipe.Preprocess | None:
-    """The MPipe tower of a plan's ``pipeline.preprocess`` entry (None without one). Only the
-    "mpipe" placement runs: "stage0" / "own_stage" are priced by the planner but the runtime has
-    no spine that runs the tower inside a stage. With data parallel the tower is a replica averaged
-    over dp by the schedule, which it does only under FSDP (``dp_group``)."""
+    """The MPipe tower of a plan's ``pipeline.preprocess`` entry (None without one, and for
+    placement "stage0": stage 0 holds the tower and runs it in the model's own forward -- a model
+    whose stages run its forward; a model with a spine takes its tower output only from MPipe).
+    "own_stage" is priced, not run. With data parallel the MPipe tower is a replica averaged over
+    dp by the schedule, which it does only under FSDP (``dp_group``)."""
     if not pre_cfg:
         return None
-    if pre_cfg["placement"] != "mpipe":
-        raise PipelineError(f"plan.apply: pipeline.preprocess.placement={pre_cfg['placement']!r} is priced only; "
-                            "the runtime runs the tower with placement 'mpipe'")
+    placement, module = pre_cfg["placement"], pre_cfg["module"]
+    runs = ("mpipe", "stage0") if module == pipe.image_features.METHOD else ("mpipe",)
+    if placement not in runs:
+        raise PipelineError(f"plan.apply: pipeline.preprocess.placement={placement!r} is priced only; for tower "
+                            f"{module!r} the runtime runs {list(runs)}")
+    if placement == "stage0":
+        return None
     if dp_mode not in (None, "fsdp"):
         raise PipelineError(f"plan.apply: an MPipe tower with {dp_mode} data parallel is not supported (its "
                             "gradients are averaged over dp by the schedule under FSDP only); valid: dp=1 or fsdp")
+    if module == pipe.image_features.METHOD:
+        tower = pipe.ImageFeatures(model)
+        return pipe.Preprocess(tower, tuple(pre_cfg["inputs"]), into=pre_cfg["into"], unpack=tower.unpack,
+                               keep=tuple(pre_cfg.get("keep", ())), placement=pre_cfg.get("owner_placement", "front"))
     try:
-        tower = model.get_submodule(pre_cfg["module"])
+        tower = model.get_submodule(module)
     except AttributeError:
-        raise PipelineError(f"plan.apply: pipeline.preprocess.module={pre_cfg['module']!r} is not a submodule of "
+        raise PipelineError(f"plan.apply: pipeline.preprocess.module={module!r} is not a submodule of "
                             f"{type(model).__name__}") from None
     return pipe.Preprocess(tower, tuple(pre_cfg["inputs"]), into=pre_cfg.get("into", "vision"),
                            placement=pre_cfg.get("owner_placement", "front"))
@@ -188,8 +206,9 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     kwargs = facts.generator_kwargs(int(pipe_cfg["virtual_stages"]))
     ir = cls.ir(p, m, **kwargs)
     pp_group = mesh[pp_name].get_group()
+    pre_cfg = pipe_cfg.get("preprocess") or {}
     stages = pipe.build_stages(model, ir, group=pp_group, cuts=list(pipe_cfg["cuts"]),
-                               activation_mesh=tp_mesh)
+                               activation_mesh=tp_mesh, side=pre_cfg.get("placement") != "mpipe")
     blocks = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix")})
     target.roots = [st.module for st in stages]
     target.block_finder = [st.module.get_submodule(u) for st in stages for u in st.module.units

@@ -135,7 +135,11 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     facts: ModelInit | None = getattr(runner, "model_init", None)
     if facts is None:
         raise PretrainedWeightsError("load_pretrained: this runner was not made by plan.apply")
-    found = read_headers(path)
+    stored = read_headers(path)
+    found, file_key = {}, {}   # by the model's names (transformers renames a checkpoint's keys on load)
+    for key, value in stored.items():
+        name = facts.model_name(key)
+        found[name], file_key[name] = value, key
     check_against(facts, found, path)
     root = held_module(runner)
     held = named_tensors(root)
@@ -146,7 +150,7 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     copies: list[tuple[torch.Tensor, str]] = []
     strided: dict[str, torch.Tensor] = {}   # DCP would read a packed projection's shard at the wrong rows
     for name in loaded:
-        key, t = facts.file_name(name), held[name]
+        key, t = file_key[facts.file_name(name)], held[name]
         if isinstance(t, DTensor) and not holds_one_block(t.placements):
             strided.setdefault(key, t)
         elif key not in state:
@@ -164,7 +168,7 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
         raise PretrainedWeightsError(f"pretrained weights {path}: reading the tensors failed on "
                                      f"{'ranks ' + str(sorted(failures)) if failures else 'this rank'} "
                                      f"({type(first).__name__}: {str(first).strip()[:500]})") from None
-    _read_whole_then_slice(strided, found, Path(path))
+    _read_whole_then_slice(strided, stored, Path(path))
     with torch.no_grad():
         for t, key in copies:   # a second holder of a tied tensor (separate objects on this rank)
             src = state[key]

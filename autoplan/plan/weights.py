@@ -10,11 +10,13 @@ is applied, before any parallelism changes the model (:class:`ModelInit`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from autoplan.plan.held import held_module
+from autoplan.plan.hf_keys import file_to_model_names
 from hyper_parallel.core.materialize import InitFn, InitSources, default_init_fn, materialize, named_tensors
 from hyper_parallel.errors import InitError
 
@@ -27,11 +29,14 @@ class ModelInit:
     init_fn: InitFn
     state_shapes: dict[str, tuple[int, ...]]   # the persistent tensors (state dict), model order
     config: object | None = None               # a transformers model's config (for an HF export)
+    # a checkpoint file's key -> the model's tensor name (transformers renames keys on load: hf_keys)
+    model_name: Callable[[str], str] = staticmethod(lambda key: key)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelInit":
         shapes = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
-        return cls(InitSources.of(model), default_init_fn(model), shapes, getattr(model, "config", None))
+        return cls(InitSources.of(model), default_init_fn(model), shapes, getattr(model, "config", None),
+                   file_to_model_names(model))
 
     def file_name(self, name: str) -> str:
         """The name a tensor is stored under: its owner's (a tied alias is stored once)."""

@@ -24,6 +24,7 @@ import torch
 from autoplan.capture import capture
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
+from autoplan.arguments import CONSTRAINT_KEYS
 from autoplan.search.cluster_dims import (
     CP_MIN_SEQ, add_cp, add_ep, add_expert_compute, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees,
     model_moe_groups,
@@ -93,13 +94,14 @@ class ClusterSearch:
         self.limit = float(memory_limit if memory_limit is not None else self.hw.usable_memory())
         self.dtype = search_dtype(self.hw, dtype)
         self.cons = dict(constraints or {})
-        unknown = set(self.cons) - {"dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
-                                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute",
-                                    "expert_parallel"}
+        unknown = set(self.cons) - set(CONSTRAINT_KEYS)
         if unknown:
             raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
         self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)
         self.virtual = [self.cons["virtual_stages"]] if "virtual_stages" in self.cons else list(virtual_stages)
+        if self.cons.get("tower_placement") in ("stage0", "own_stage"):   # placed in one rank's stage: one each
+            self.schedules = [n for n in self.schedules if schedule_facts(n).stages_per_rank(1) == 1]
+            self.virtual = [1]
         self.mb_sizes = [self.cons["microbatch_size"]] if "microbatch_size" in self.cons else list(microbatch_sizes)
         if self.seq >= CP_MIN_SEQ and "microbatch_size" not in self.cons:
             self.mb_sizes = [1]   # long sequences: a micro-batch is one sequence (cluster_dims)

@@ -21,6 +21,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from autoplan.capture.image_inputs import ImageBatch, image_inputs
 from autoplan.verify.shrink import attention_extents, recipe_for
 from hyper_parallel.core.pipeline_parallel.split import pipeline_units, spine_for, split_gap
 from hyper_parallel.errors import StageSplitError
@@ -66,11 +67,17 @@ def _small_copy_gap(model: nn.Module) -> float:
     """The spine gap of a small copy of ``model`` (built from its config, fp32, on the CPU)."""
     recipe = dataclasses.replace(recipe_for(model, [2], seed=0), perturb=GUARD_PERTURB)
     small = recipe.build().eval()
-    vocab = int(getattr(small.config, "vocab_size", 0) or 0)
+    vocab = int(getattr(small.config.get_text_config(), "vocab_size", 0) or 0)
     if vocab < 2:
         return float("inf")
-    tokens = torch.randint(0, vocab, (1, guard_length(small.config)), generator=torch.Generator().manual_seed(0))
-    return split_gap(small, tokens)
+    images = image_inputs(small)
+    length = guard_length(small.config) + (images.per_image if isinstance(images, ImageBatch) else 0)
+    tokens = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    extra = {}
+    if images is not None:   # a VL model runs with its images: the tower, the merge, M-RoPE positions
+        extra = dict(images(tokens))
+        tokens = extra.pop("input_ids", tokens)
+    return split_gap(small, tokens, extra)
 
 
 def guard_length(config) -> int:

@@ -201,13 +201,15 @@ class ModelStructure:
 
     @property
     def hidden_bytes(self) -> int:
-        """One hidden-stream tensor (b, s, h) in bytes: a block's, else (a model whose one layer
+        """One hidden-stream tensor (b, s, h) in bytes: the stream the head reads and a pipeline cuts
+        -- the block group carrying the head's tokens at the embedding's width (a VL model's
+        decoder, not its vision tower), else the first group's --, else (a model whose one layer
         forms no block group) the embedding's output as the head reads it."""
+        stream = self.head.tokens * self.embedding.dim * self.dtype_bytes \
+            if self.head is not None and self.embedding is not None else 0
         if self.blocks:
-            return self.blocks[0].hidden_bytes
-        if self.head is not None and self.embedding is not None:
-            return self.head.tokens * self.embedding.dim * self.dtype_bytes
-        return 0
+            return next((g.hidden_bytes for g in self.blocks if g.hidden_bytes == stream), self.blocks[0].hidden_bytes)
+        return stream
 
 
 def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.pipeline_search import UnitCost, balanced_cuts, stage_bounds
-from hyper_parallel.core.pipeline_parallel import StageCost, build_schedule, mpipe, schedule_facts, simulate
+from hyper_parallel.core.pipeline_parallel import StageCost, mpipe, schedule_facts, simulate
 from hyper_parallel.errors import ScheduleError
 
 PLACEMENTS = ("stage0", "own_stage", "mpipe")
@@ -84,7 +84,7 @@ def choose_tower_placement(tower: Sequence[UnitCost] | UnitCost, units: Sequence
         raise InfeasiblePlanError("choose_tower_placement: needs the tower's units and the decoder's units")
     if p < 2:
         raise InfeasiblePlanError(f"choose_tower_placement: p={p}; a pipeline needs at least 2 ranks")
-    base = build_schedule(schedule, p, m)
+    base = facts.ir(p, m, 1)   # one stage per rank (an interleaved schedule at v=1)
     inflight = list(facts.inflight(p, m))
     whole = _sum(tower)
     out: list[TowerChoice] = []

@@ -22,12 +22,20 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+from autoplan.capture.fake import fake_device
+from autoplan.capture.image_inputs import image_inputs
+from autoplan.errors import InvalidConstraintError
 from autoplan.search.pipeline_search import UnitCost
 from autoplan.search.tower_placement import choose_tower_placement
 from hyper_parallel.core.collective import Collective, merged_rows
 from hyper_parallel.core.fqn_pattern import fqn_matches
 from hyper_parallel.core.pipeline_parallel import lower, mpipe, schedule_facts
+from hyper_parallel.core.pipeline_parallel.schedule_ir import preprocess_owner
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
+from hyper_parallel.core.pipeline_parallel.image_features import INTO as IMAGE_INTO
+from hyper_parallel.core.pipeline_parallel.image_features import METHOD, ImageFeatures, tower_inputs
+from hyper_parallel.core.pipeline_parallel.split import spine_for
 from hyper_parallel.core.pipeline_parallel.stage import flatten
 
 log = logging.getLogger(__name__)
@@ -35,9 +43,12 @@ INTO = "vision"   # the keyword split.py's vision-language spine reads the tower
 
 
 def find_tower(model: nn.Module, graph, unit_names) -> tuple[str, str] | None:
-    """(tower module FQN, its block group id) when the captured graph has a block group outside
-    the pipeline's units under a module the model feeds from extra inputs; None otherwise."""
-    if not callable(getattr(model, "extra_inputs", None)):
+    """(tower module, its block group id) when the captured graph has a block group outside the
+    pipeline's units under a module the model feeds from extra inputs; None otherwise. The tower
+    module is an FQN for a model with its own spine (its step hands the tower output to stage 0),
+    and ``get_image_features`` for a model whose stages run its own forward (transformers' VL
+    families: the tower is what that method runs, image_features.ImageFeatures)."""
+    if image_inputs(model) is None:
         return None
     for g in graph.blocks:
         if any(n.startswith(g.id + ".") for n in unit_names) or "." not in g.id:
@@ -47,8 +58,30 @@ def find_tower(model: nn.Module, graph, unit_names) -> tuple[str, str] | None:
             model.get_submodule(module)
         except AttributeError:
             continue
-        return module, g.id
+        return (module if spine_for(model) is not None else METHOD), g.id
     return None
+
+
+def tower_module(model: nn.Module, module: str) -> nn.Module:
+    """The module MPipe runs for a plan's ``pipeline.preprocess.module`` (see :func:`find_tower`)."""
+    return ImageFeatures(model) if module == METHOD else model.get_submodule(module)
+
+
+def runnable_placements(module: str) -> tuple[str, ...]:
+    """The placements the runtime runs for a tower: MPipe always; stage 0 when the stages run the
+    model's own forward (the tower is stage 0's: forward_split.ForwardTrace.side). A tower as
+    stages of its own ("own_stage") would hand the decoder a second value across the pipeline:
+    priced, not run."""
+    return ("mpipe", "stage0") if module == METHOD else ("mpipe",)
+
+
+def _side_bytes(model: nn.Module, styles: dict, tp: int) -> dict[torch.dtype, int]:
+    """Bytes per dtype of the local shards of a forward-split model's tower (its side modules)."""
+    out: Counter = Counter()
+    for fqn in trace_forward(model).side:
+        for dtype, n in local_tower_bytes(model.get_submodule(fqn), fqn, styles, tp).items():
+            out[dtype] += n
+    return dict(out)
 
 
 def tower_units(search, best, group: str) -> list[UnitCost]:
@@ -61,6 +94,18 @@ def tower_units(search, best, group: str) -> list[UnitCost]:
             n = max(n, o.count)
             acc = [a + v for a, v in zip(acc, o.unit_values(ctx))]
     return [UnitCost(f"{group}.{i}", *[a / n for a in acc], fsdp=ctx.fsdp) for i in range(n)] if n else []
+
+
+def tower_tp_rows(search, best, group: str) -> list[Collective]:
+    """The tensor-parallel collectives one micro-batch of the tower issues (forward and backward,
+    recomputation included), from the search's TP options of its block group: what the rank that
+    runs that micro-batch's tower adds -- stage 0's under "stage0", the owner's under MPipe."""
+    if best.tp <= 1:
+        return []
+    options, _ = search.tp_solution(best.tp, best.b, best.recompute)
+    ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
+    return [col for o in options if o.in_block and o.owner == group + ".*"
+            for col in o.collectives(ctx) if col.dim == "tp" and col.nbytes > 0]
 
 
 def local_tower_bytes(tower: nn.Module, prefix: str, styles: dict, tp: int) -> dict[torch.dtype, int]:
@@ -80,9 +125,18 @@ def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> lis
     """(bytes, needs a gradient) of each tensor the tower of ``model`` (the search's meta copy)
     returns for one micro-batch of ``b`` sequences, run on meta."""
     tokens = torch.zeros(b, seq, dtype=torch.long, device="meta")
-    kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.extra_inputs(tokens).items()}
-    with torch.enable_grad():
-        out = flatten(model.get_submodule(module)(**kwargs), "tower_outputs")
+    kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs(model)(tokens).items()
+              if k != "input_ids"}
+    tower = tower_module(model, module)
+    if module != METHOD:
+        with torch.enable_grad():
+            out = flatten(tower(**kwargs), "tower_outputs")
+        return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
+    own, keep = tower_inputs(model, list(kwargs))
+    # transformers' towers create tensors without a device (meta does not mix with them): fake ones
+    with fake_device(model, (), {k: kwargs[k] for k in own + keep}) as (mode, _, fake_kwargs), mode, \
+            torch.enable_grad():
+        out = flatten(tower(**fake_kwargs), "tower_outputs")
     return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
 
 
@@ -110,7 +164,7 @@ def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[in
 
 
 def plan_tower(search, best, model_inputs: list[str], module: str, group: str, styles: dict,
-               memory_limit: float = math.inf) -> tuple[dict, list[list[Collective]]]:
+               memory_limit: float = math.inf, placement: str | None = None) -> tuple[dict, list[list[Collective]]]:
     """(the plan's ``pipeline.preprocess`` entry, per-rank extra collectives -- empty unless MPipe
     is chosen). Schedules with several stages per rank are placed with MPipe unpriced (the
     placement pricing needs one stage per rank) and say so in the entry."""
@@ -118,31 +172,52 @@ def plan_tower(search, best, model_inputs: list[str], module: str, group: str, s
     units, p2p = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b)
     tower = tower_units(search, best, group)
     meta = search.meta
-    tower_mod = meta.get_submodule(module)
-    reduce = local_tower_bytes(tower_mod, module, styles, best.tp)
+    tower_mod = tower_module(meta, module)
+    reduce = (local_tower_bytes(tower_mod, module, styles, best.tp) if module != METHOD
+              else _side_bytes(meta, styles, best.tp))
     ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
     reduce_s = sum(ctx.topology.collective_time("pp", "all_reduce", b) for b in reduce.values())
-    entry = {"module": module, "inputs": list(model_inputs), "into": INTO, "owner_placement": "front"}
-    if schedule_facts(c.schedule).stages_per_rank(1) == 1 and tower:
+    entry = {"module": module, "inputs": list(model_inputs), "into": INTO if module != METHOD else IMAGE_INTO,
+             "owner_placement": "front"}
+    if module == METHOD:
+        own, keep = tower_inputs(meta, list(model_inputs))
+        entry.update(inputs=own + keep, keep=keep)
+    runs = runnable_placements(module)
+    if placement is not None and placement not in runs:
+        raise InvalidConstraintError(f"plan_cluster: constraints['tower_placement']={placement!r}: the runtime runs "
+                                     f"{list(runs)} for tower {module!r}")
+    runs = (placement,) if placement is not None else runs
+    if schedule_facts(c.schedule).stages_per_rank(c.v) == 1 and tower:
         choices = choose_tower_placement(tower, units, c.p, c.m, c.schedule, p2p_time=p2p,
                                          tower_reduce_s=reduce_s, memory_limit=memory_limit)
-        # MPipe is the placement the runtime runs; stage0 / own_stage are priced (in ``choices``,
-        # fastest first) so the plan says when one of them would be faster (add_tower's note)
-        entry.update(placement="mpipe", choices=[ch.to_dict() for ch in choices])
+        # the fastest placement the runtime runs; the others stay priced (in ``choices``, fastest
+        # first) so the plan says when one of them would be faster (add_tower's note)
+        pick = next((ch.placement for ch in choices if ch.placement in runs and ch.fits),
+                    next(ch.placement for ch in choices if ch.placement in runs))
+        entry.update(placement=pick, choices=[ch.to_dict() for ch in choices])
     else:
+        if placement not in (None, "mpipe"):
+            raise InvalidConstraintError(f"plan_cluster: constraints['tower_placement']={placement!r} needs a schedule "
+                                         f"with one stage per rank; {c.schedule} has several (only mpipe places it)")
         entry.update(placement="mpipe", choices=[])
-    if entry["placement"] != "mpipe":
-        return entry, [[] for _ in range(c.p)]
+    ir = schedule_facts(c.schedule).ir(c.p, c.m, c.v)
+    tp_rows = tower_tp_rows(search, best, group)
+    if entry["placement"] != "mpipe":   # stage 0 runs every micro-batch's tower
+        rows = [[] for _ in range(c.p)]
+        rows[ir.stage_to_rank[0]] = [col.scaled(c.m) for col in tp_rows]
+        return entry, rows
     seq = search.seq
     out = tower_outputs(meta, module, best.b, seq, search.dtype)
-    ir = schedule_facts(c.schedule).ir(c.p, c.m, c.v)
     dp_dim = "dp" if best.dp > 1 and best.dp_mode == "fsdp" else None
-    return entry, mpipe_rank_rows(ir, out, list(reduce.values()), dp_dim)
+    rows = mpipe_rank_rows(ir, out, list(reduce.values()), dp_dim)
+    owned = Counter(preprocess_owner(ir.stage_to_rank, mb) for mb in range(c.m))
+    return entry, [r + [col.scaled(owned[rank]) for col in tp_rows if owned[rank]] for rank, r in enumerate(rows)]
 
 
-def add_tower(plan, model: nn.Module, search, best) -> None:
+def add_tower(plan, model: nn.Module, search, best, placement: str | None = None) -> None:
     """Give a pipelined plan of a VL model its ``pipeline.preprocess`` entry and each rank's MPipe
-    collectives (nothing for a model without a tower or a plan without a pipeline)."""
+    collectives (nothing for a model without a tower or a plan without a pipeline). ``placement``:
+    the user's constraint, else the fastest the runtime runs."""
     c = best.choice
     if c.p <= 1 or not plan.pipeline:
         return
@@ -152,16 +227,19 @@ def add_tower(plan, model: nn.Module, search, best) -> None:
         return
     module, group = found
     tokens = torch.zeros(best.b, search.seq, dtype=torch.long, device="meta")
-    inputs = sorted(meta.extra_inputs(tokens))
-    entry, rows = plan_tower(search, best, inputs, module, group, plan.styles, search.limit)
+    inputs = sorted(k for k in image_inputs(meta)(tokens) if k != "input_ids")
+    entry, rows = plan_tower(search, best, inputs, module, group, plan.styles, search.limit, placement)
     plan.pipeline["preprocess"] = entry
     fastest = entry["choices"][0] if entry.get("choices") else None
-    if fastest is not None and fastest["placement"] != "mpipe":
-        mine = next((ch for ch in entry["choices"] if ch["placement"] == "mpipe"), None)
+    if fastest is not None and fastest["placement"] != entry["placement"]:
+        mine = next((ch for ch in entry["choices"] if ch["placement"] == entry["placement"]), None)
         theirs = f"{fastest['step_s']:.4g} s"
-        ours = f"{mine['step_s']:.4g} s" if mine else "MPipe not priced to fit"
-        plan.notes.append(f"vision tower {module}: placed with MPipe, the placement the runtime runs; "
-                          f"{fastest['placement']} is priced faster ({theirs} vs {ours} per step) but has no runtime yet")
+        ours = f"{mine['step_s']:.4g} s" if mine else "not priced to fit"
+        why = ("as constraints['tower_placement'] asks" if placement is not None else
+               f"the fastest placement the runtime runs for this model ({sorted(runnable_placements(module))})")
+        runs = fastest["placement"] in runnable_placements(module)
+        plan.notes.append(f"vision tower {module}: placed with {entry['placement']}, {why}; {fastest['placement']} is "
+                          f"priced faster ({theirs} vs {ours} per step)" + ("" if runs else " but has no runtime yet"))
     log.info("vision tower %s: placement %s (%s)", module, entry["placement"],
              [(ch["placement"], ch["step_s"]) for ch in entry["choices"]])
     plan.pipeline["rank_collectives"] = [
@@ -171,6 +249,4 @@ def add_tower(plan, model: nn.Module, search, best) -> None:
                        for ch in entry["choices"]) or "not priced (several stages per rank)"
     plan.notes = list(plan.notes) + [
         f"vision tower {module!r} ({group}): placement {entry['placement']}; priced placements, fastest "
-        f"first: {priced}" + ("" if entry["placement"] == "mpipe" else
-                              "; only mpipe runs (plan.apply refuses the others: the runtime has no spine that "
-                              "runs the tower inside a stage)")]
+        f"first: {priced}"]

@@ -282,14 +282,10 @@ def load(runner, model: nn.Module, path: str | Path) -> dict[str, Any]:
     msd, osd = get_state_dict(module, runner.optimizer, options=OPTIONS)
     meta = _wrapped(path, ".metadata", "reading the metadata",
                     lambda: dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    missing = [k for k in osd if f"optim.{k}" not in meta]
-    if missing:
-        raise CheckpointMismatchError(
-            f"checkpoint {path}: optimizer entry {missing[0]!r} is not in the checkpoint ({len(missing)} "
-            "missing); was it written with another optimizer?", missing[0])
+    unstepped = _unstepped(osd, meta, path)
     rng = _wrapped(path, "rng.pt", "reading the RNG state", lambda: torch.load(path / "rng.pt", weights_only=True))
     (m_plain, m_back), (o_plain, o_back) = dcp_mappable(msd), dcp_mappable(osd)
-    holder = {"model": m_plain, "optim": o_plain}
+    holder = {"model": m_plain, "optim": {k: v for k, v in o_plain.items() if k not in unstepped}}
     _wrapped(path, "__*.distcp", "loading the tensors", lambda: dcp.load(holder, checkpoint_id=str(path)))
     copy_back(holder["model"], m_back)   # into the packed projections' strided shards
     copy_back(holder["optim"], o_back)
@@ -297,6 +293,30 @@ def load(runner, model: nn.Module, path: str | Path) -> dict[str, Any]:
     torch.set_rng_state(rng["cpu"])
     log.info("resumed from %s (step %d, verified)", path, state["step"])
     return state
+
+
+def _unstepped(osd: dict, meta, path: Path) -> set[str]:
+    """The entries of ``osd`` not to read: those of a parameter the checkpoint holds no optimizer
+    state for at all. Such a parameter never had a gradient before it was written (the vision
+    layer after a VL model's feature layer, any unused module): AdamW made no state, and the fresh
+    one torch initialises for it here is kept -- it is not stepped while it gets no gradient.
+    Anything else missing is another optimizer's checkpoint (CheckpointMismatchError)."""
+    flat = {k for k in meta if k.startswith("optim.")}
+    by_param: dict[str, list[str]] = {}
+    for key in osd:
+        if key.startswith("state."):
+            by_param.setdefault(key.rsplit(".", 1)[0], []).append(key)
+    unstepped = {k for keys in by_param.values() if not any(f"optim.{k}" in flat for k in keys) for k in keys}
+    missing = [k for k in osd if f"optim.{k}" not in flat and k not in unstepped]
+    if missing or (unstepped and len(unstepped) == sum(len(v) for v in by_param.values())):
+        first = (missing or sorted(unstepped))[0]
+        raise CheckpointMismatchError(
+            f"checkpoint {path}: optimizer entry {first!r} is not in the checkpoint ({len(missing or unstepped)} "
+            "missing); was it written with another optimizer?", first)
+    if unstepped:
+        log.info("checkpoint %s: %d parameters had no optimizer state (no gradient before step %s); they keep "
+                 "a fresh one", path, len({k.rsplit('.', 1)[0] for k in unstepped}), path.name)
+    return unstepped
 
 
 def gathered_state(runner) -> dict[str, Any]:

@@ -56,6 +56,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def _vocab(model) -> int:
     cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg   # a VL model: its decoder's
     return int(getattr(cfg, "vocab_size"))
 
 

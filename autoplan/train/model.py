@@ -42,8 +42,8 @@ def _hf_config(spec: str, layers: int | None, overrides: dict[str, Any]):
             cfg = transformers.AutoConfig.for_model(kind, **overrides)
         except ValueError as e:
             raise TrainConfigError(f"train: --model {spec!r}: {str(e).splitlines()[0]}") from None
-    if layers:
-        cfg.num_hidden_layers = layers
+    if layers:   # the decoder's layers (a composite config's text_config)
+        cfg.get_text_config().num_hidden_layers = layers
     return cfg
 
 
@@ -64,8 +64,12 @@ def _build_on_meta(spec: str, layers: int | None, overrides: dict[str, Any]) -> 
         import transformers
 
         cfg = _hf_config(spec, layers, overrides)
+        # a vision-language config (a ``vision_config`` beside its ``text_config``) trains its
+        # image-text-to-text model: the tower and the decoder, as it was saved
+        auto = transformers.AutoModelForImageTextToText if getattr(cfg, "vision_config", None) is not None \
+            else transformers.AutoModelForCausalLM
         with torch.device("meta"):   # fp32 parameters (the optimizer's master copy) whatever dtype was saved
-            return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            return auto.from_config(cfg, dtype=torch.float32)
     try:
         preset = get_preset(spec)
     except UnknownPresetError as e:
@@ -104,6 +108,7 @@ def flops_per_token(model: nn.Module, seq: int) -> float:
     """Training FLOPs per token, PaLM's formula: 6 N + 12 L H Q T (N without the embedding table,
     L layers, H heads, Q head dim, T sequence length); what MFU is measured against."""
     cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg   # a VL model: its decoder's
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else getattr(model, "tok_embeddings", None)
     n = sum(p.numel() for p in model.parameters()) - (emb.weight.numel() if emb is not None else 0)
     layers = getattr(cfg, "n_layers", None) or getattr(cfg, "num_hidden_layers", 0)

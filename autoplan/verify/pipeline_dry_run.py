@@ -32,13 +32,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
+from autoplan.capture.image_inputs import image_inputs
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.parallelisms.context import cp_share
 from autoplan.parallelisms.expert import batch_shards
 from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, meta_copy,
                                         plan_dtype)
-from hyper_parallel.core.pipeline_parallel import split_microbatches
+from hyper_parallel.core.pipeline_parallel import ImageFeatures, split_microbatches
+from hyper_parallel.core.pipeline_parallel.image_features import METHOD
+from hyper_parallel.core.pipeline_parallel.stage import flatten
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
 from hyper_parallel import balanced_routing
 from hyper_parallel.local import CollectiveRecorder, fake_world
@@ -56,13 +59,16 @@ def _global_rank(plan, pp_rank: int) -> int:
     return rank
 
 
-def _tower_inputs(model: torch.nn.Module, pre, tokens: torch.Tensor) -> dict:
-    """The MPipe tower's step keywords for ``tokens`` (``model.extra_inputs``, e.g. pixel_values);
-    none without a tower. Every pipeline rank passes them: any may own a micro-batch's tower."""
-    if pre is None:
+def _tower_inputs(plan, model: torch.nn.Module, pre, tokens: torch.Tensor) -> dict:
+    """The step's image keywords for ``tokens``: the MPipe tower's (``pre.inputs``), or -- a tower
+    on stage 0 -- every image input and the token ids with the image tokens placed; none without a
+    tower. Every pipeline rank passes them: any may own a micro-batch's tower."""
+    placement = ((plan.pipeline or {}).get("preprocess") or {}).get("placement")
+    make = image_inputs(model) if placement else None
+    if make is None:
         return {}
-    extra = model.extra_inputs(tokens)
-    return {k: extra[k] for k in pre.inputs}
+    extra = make(tokens)
+    return {k: extra[k] for k in pre.inputs} if pre is not None else dict(extra)
 
 
 def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_rank: int = 0,
@@ -108,7 +114,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             inputs, targets = dry_batch(plan, batch_shards(plan), inputs)
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)
             step_kwargs = runner.step_kwargs(inputs)
-            extra = _tower_inputs(meta, pre, inputs)
+            extra = _tower_inputs(plan, meta, pre, inputs)
+            inputs = extra.pop("input_ids", inputs)
             if shapes_model is not None:
                 m = int(plan.pipeline["microbatches"])
                 mb_args, mb_kwargs = split_microbatches((inputs,), {}, m)
@@ -116,8 +123,13 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
                 mb_kwargs = [{**kw, **step_kwargs} for kw in mb_kwargs]
                 if pre is not None:   # stage 0 takes micro-batch 0's tower output (the dry run's own tower)
                     _, pv = split_microbatches((), extra, m)
-                    tower = shapes_model.get_submodule(plan.pipeline["preprocess"]["module"])
-                    mb_kwargs[0] = {pre.into: tower(**pv[0])}
+                    module = plan.pipeline["preprocess"]["module"]
+                    tower = ImageFeatures(shapes_model) if module == METHOD else shapes_model.get_submodule(module)
+                    out = tower(**pv[0])
+                    mb_kwargs[0] = {**mb_kwargs[0], pre.into: pre.unpack(flatten(out, "tower")) if pre.unpack else out}
+                elif extra:   # the tower on stage 0: micro-batch 0's images reach it
+                    _, pv = split_microbatches((), extra, m)
+                    mb_kwargs[0] = {**mb_kwargs[0], **pv[0]}
                 boundaries["metas"] = local_boundaries(shapes_model, list(plan.pipeline["cuts"]), tp_mesh,
                                                        mb_args[0], mb_kwargs[0], device="cpu")
             runner.schedule.boundary_metas = boundaries["metas"]

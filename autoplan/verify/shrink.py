@@ -100,10 +100,54 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers
                "decoder_layers", "n_layers")
 
 
+def _sub_configs(config: Any) -> dict[str, Any]:
+    """The sub-models' configs of a composite config (a VL model's ``text_config`` and
+    ``vision_config``): every attribute named ``*_config`` that is a config itself."""
+    d = config.to_dict()
+    return {k: getattr(config, k) for k in d if k.endswith("_config") and hasattr(getattr(config, k, None), "to_dict")}
+
+
+def _shrink_composite(config: Any, subs: dict[str, Any], degrees: list[int]) -> dict:
+    """Each sub-model shrunk as a model of its own; a top-level width that names a sub-model's
+    hidden size (PaliGemma's ``projection_dim``, a ``hidden_size`` mirrored at the top) follows it."""
+    out = dict(config.to_dict())
+    follow: dict[int, int] = {}
+    for key, sub in subs.items():
+        small = shrink_hf_config(sub, degrees)
+        small.pop("model_class", None)
+        old = next((sub.to_dict()[k] for k in ("hidden_size", "d_model", "n_embd") if k in sub.to_dict()), None)
+        new = next((small[k] for k in ("hidden_size", "d_model", "n_embd") if k in small), None)
+        if isinstance(old, int) and isinstance(new, int) and key == "text_config":
+            follow[old] = new
+        elif isinstance(old, int) and isinstance(new, int):
+            follow.setdefault(old, new)
+        out[key] = small
+    for k, v in list(out.items()):
+        if isinstance(v, int) and not isinstance(v, bool) and v in follow and any(
+                w in k for w in ("hidden", "dim", "size")):
+            out[k] = follow[v]
+    text = out.get("text_config")
+    ids = [v for k, v in out.items() if "token" in k and isinstance(v, int) and not isinstance(v, bool)]
+    if isinstance(text, dict) and isinstance(text.get("vocab_size"), int) and ids and max(ids) >= text["vocab_size"]:
+        # the image token must stay an id the small vocabulary embeds: grow it by whole lcm steps
+        step = math.lcm(*degrees) if degrees else 1
+        text["vocab_size"] += step * math.ceil((max(ids) + 1 - text["vocab_size"]) / step)
+    for k in list(out):
+        if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
+            out[k] = 0.0
+    out.pop("architectures", None)
+    out.pop("transformers_version", None)
+    return out
+
+
 def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
     """The small config (as a dict) of an HF ``config``: heads kept, head dim ``HEAD_DIM``, widths
-    small with their residues modulo ``degrees`` kept, ``LAYERS`` blocks per stack, no dropout."""
+    small with their residues modulo ``degrees`` kept, ``LAYERS`` blocks per stack, no dropout.
+    A composite config (no head count of its own, sub-models' configs) shrinks each sub-model."""
     d = config.to_dict()
+    subs = _sub_configs(config)
+    if subs and not any(isinstance(d.get(k), int) for k in _HEAD_KEYS):
+        return _shrink_composite(config, subs, degrees)
     out = dict(d)
     heads = next((d[k] for k in ("num_attention_heads", "encoder_attention_heads", "num_heads", "n_head", "n_heads",
                                  "attention_heads") if isinstance(d.get(k), int)), None)

@@ -82,15 +82,32 @@ class InitSources:
         return out
 
 
+def _meta_shadow(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s subtree whose tensors are on meta: an init function that reaches into
+    children (CLIP's initialises its embeddings' patch projection with the class token) writes
+    nothing there, and leaves the real children untouched."""
+    shadow = object.__new__(type(module))
+    shadow.__dict__.update(module.__dict__)
+    shadow._parameters = {a: None if t is None else nn.Parameter(torch.empty(tuple(t.shape), dtype=t.dtype,
+                                                                              device="meta"), t.requires_grad)
+                          for a, t in module._parameters.items()}
+    shadow._buffers = {a: None if t is None else torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                       for a, t in module._buffers.items()}
+    shadow._modules = {a: None if c is None else _meta_shadow(c) for a, c in module._modules.items()}
+    return shadow
+
+
 def _stand_in(module: nn.Module, cls: type, device: torch.device) -> nn.Module:
     """A shallow copy of ``module`` with full-size, empty tensors of its own on ``device`` (None
-    entries kept: ``bias=None`` is read by inits) and no children, so ``init_fn`` writes nothing
-    but the stand-in. Floating tensors start NaN, so a tensor the init function leaves untouched
-    is seen. ``cls``: the module's class before any parallelism (FSDP2 swaps in a subclass whose
-    construction is not a copy)."""
+    entries kept: ``bias=None`` is read by inits) and its children as meta copies
+    (:func:`_meta_shadow`), so ``init_fn`` writes nothing but the stand-in's own tensors.
+    Floating tensors start NaN, so a tensor the init function leaves untouched is seen. ``cls``:
+    the module's class before any parallelism (FSDP2 swaps in a subclass whose construction is
+    not a copy)."""
     shadow = object.__new__(cls)
     shadow.__dict__.update(module.__dict__)
-    shadow._parameters, shadow._buffers, shadow._modules = {}, {}, {}
+    shadow._parameters, shadow._buffers = {}, {}
+    shadow._modules = {a: None if c is None else _meta_shadow(c) for a, c in module._modules.items()}
     for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
         for attr, src in table.items():
             full = None

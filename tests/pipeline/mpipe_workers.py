@@ -8,7 +8,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.core.pipeline_parallel import HFVisionTower, Preprocess, build_stages, schedule_facts
+from hyper_parallel.core.pipeline_parallel import ImageFeatures, Preprocess, build_stages, schedule_facts
+from hyper_parallel.core.pipeline_parallel.image_features import INTO
 from hyper_parallel.local import full
 from tests.pipeline.workers import lm_loss
 
@@ -156,8 +157,10 @@ def run_llava_mpipe(cases) -> list[dict]:
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         model = copy.deepcopy(_llava())
         cls = schedule_facts(name).schedule_class
-        stages = build_stages(model, cls.ir(pp, m))
-        sched = cls(stages, m, lm_loss, preprocess=Preprocess(HFVisionTower(model), ("pixel_values",)))
+        stages = build_stages(model, cls.ir(pp, m), side=False)
+        tower = ImageFeatures(model)
+        sched = cls(stages, m, lm_loss, preprocess=Preprocess(tower, ("pixel_values",), into=INTO,
+                                                              unpack=tower.unpack))
         loss = sched.step(x, target=y, pixel_values=pv)
         stage_err, n_stage = _errors([(n, p) for st in stages for n, p in st.module.named_parameters()], ref_grads)
         tower = [(n, p) for n, p in model.named_parameters() if n.startswith(("model.vision_tower.",

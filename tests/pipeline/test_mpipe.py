@@ -42,6 +42,7 @@ def test_mpipe_dp2_pp2_fsdp_overlap_and_accumulation(pool4):
 
 
 def test_mpipe_transformers_llava_equals_one_device(pool4):
-    """transformers' LLaVA: the CLIP tower + projector (HFVisionTower) under MPipe, the Llama decoder cut
-    over pp=4 by the hf-llava spine."""
+    """transformers' LLaVA: the CLIP tower + projector (ImageFeatures: the model's own
+    get_image_features) under MPipe, handed to stage 0's forward as mm_encoder_outputs; the Llama
+    decoder cut over pp=4, each stage running the model's own forward."""
     _check(pool4.run(run_llava_mpipe, [("ZeroBubble", 4)]))

@@ -25,9 +25,12 @@ from hyper_parallel.core.pipeline_parallel.schedules import (
 from hyper_parallel.core.pipeline_parallel.schedule_facts import (
     SCHEDULE_NAMES, SCHEDULES, ScheduleFacts, build_schedule, schedule_facts,
 )
+from hyper_parallel.core.pipeline_parallel import image_features
+from hyper_parallel.core.pipeline_parallel.forward_split import STAGE_TOKENS
+from hyper_parallel.core.pipeline_parallel.image_features import ImageFeatures
 from hyper_parallel.core.pipeline_parallel.simulator import SimResult, StageCost, simulate
 from hyper_parallel.core.pipeline_parallel.split import (
-    HFVisionTower, Spine, StageModule, even_cuts, pipeline_units, prepare_split, register_spine, split_gap, split_model,
+    Spine, StageModule, even_cuts, pipeline_units, prepare_split, register_spine, split_gap, split_model,
     stage_units, tied_parameters,
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
@@ -37,7 +40,7 @@ __all__ = [
     # runtime
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
-    "split_microbatches", "Preprocess", "HFVisionTower",
+    "split_microbatches", "Preprocess", "ImageFeatures", "image_features", "STAGE_TOKENS",
     # stage split
     "split_model", "even_cuts", "pipeline_units", "prepare_split", "split_gap", "stage_units", "tied_parameters", "StageModule",
     "Spine", "register_spine",

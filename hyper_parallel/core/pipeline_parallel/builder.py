@@ -14,10 +14,12 @@ from hyper_parallel.errors import StageSplitError
 
 
 def build_stages(model: nn.Module, schedule: PipelineSchedule, group=None,
-                 cuts: Sequence[str] | None = None, device=None, activation_mesh=None) -> list[PipelineStage]:
+                 cuts: Sequence[str] | None = None, device=None, activation_mesh=None,
+                 side: bool = True) -> list[PipelineStage]:
     """This pipeline rank's stages of ``model`` for ``schedule`` (an IR, e.g. ``Schedule1F1B.ir(p, m)``).
 
-    ``cuts`` default to :func:`even_cuts` for the schedule's stage count.
+    ``cuts`` default to :func:`even_cuts` for the schedule's stage count. ``side``: stage 0 holds
+    a VL model's tower (False when MPipe runs it: split.stage_units).
     """
     n = schedule.n_stages
     cuts = even_cuts(model, n) if cuts is None else list(cuts)
@@ -26,6 +28,6 @@ def build_stages(model: nn.Module, schedule: PipelineSchedule, group=None,
                               f"got {len(cuts)}: {cuts}")
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     mine = schedule.stages_of(rank)
-    modules = split_model(model, cuts, mine)
+    modules = split_model(model, cuts, mine, side)
     return [PipelineStage(m, s, n, group=group, device=device, activation_mesh=activation_mesh)
             for s, m in zip(mine, modules)]

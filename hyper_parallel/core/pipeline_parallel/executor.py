@@ -214,7 +214,7 @@ class Executor:
             stage = st.stages[0]
             bufs = self._take(Action(K.RECV_PRE, 0, mb), st)
             tensors = [_wrap_input(stage, b, m) for b, m in zip(bufs, metas)]
-        return st.pre.pre.into, tensors, [m.requires_grad for m in metas]
+        return st.pre.pre.into, tensors, [m.requires_grad for m in metas], st.pre.pre.unpack
 
     def _tower_backward(self, mb: int, st: StepState) -> None:
         metas = st.pre.metas

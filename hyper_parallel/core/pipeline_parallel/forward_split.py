@@ -43,7 +43,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyper_parallel.errors import StageSplitError
 
-_RUNNER_KWARGS = ("sequence_length",)   # keywords the pipeline runner adds for spines; not the model's
+# keywords the pipeline runner adds, not the model's: the full sequence length (a stage receiving a
+# sequence shard), the micro-batch's token ids (every stage: a forward may read them beyond the
+# embedding -- Qwen-VL's M-RoPE positions come from the image tokens' places), and the image
+# features MPipe computed for stage 0 (image_features.INTO)
+STAGE_TOKENS = "stage_tokens"
+IMAGE_FEATURES = "image_features"
+_RUNNER_KWARGS = ("sequence_length", STAGE_TOKENS, IMAGE_FEATURES)
+# the step's image tensors (transformers' ``pixel_values``, ``pixel_values_videos``,
+# ``pixel_attention_mask``): only the stage that runs the tower reads them
+TOWER_INPUT_PREFIX = "pixel_"
 
 
 @dataclass
@@ -86,6 +95,9 @@ class ForwardTrace:
     blocks: list[str]
     shared: list[str]
     lead: list[str] = field(default_factory=list)   # units before the first cut-able one: stage 0's
+    # modules with parameters the token-only forward never calls, under the containers (a VL
+    # model's vision tower and projector: they run when the step has images): stage 0's, or MPipe's
+    side: list[str] = field(default_factory=list)
 
     @property
     def units(self) -> list[str]:
@@ -106,6 +118,45 @@ def _block_lists(model: nn.Module) -> list[str]:
         if any(any(True for _ in c.parameters()) for c in m.children()):
             found.append(name)
     return found
+
+
+def _called_lists(model: nn.Module, lists: list[str]) -> list[str]:
+    """The block lists a token-only forward of ``model`` calls (on fake tensors): a VL model's
+    vision encoder layers run only when the step has images, so its decoder is the one stack."""
+    called: set[str] = set()
+    handles = [child.register_forward_pre_hook(lambda m, a, name=name: called.add(name))
+               for name in lists for child in model.get_submodule(name).children()]
+    try:
+        _fake_forward(model)
+    except Exception:  # noqa: BLE001 - the trace proper reports a forward that cannot run
+        return lists
+    finally:
+        for h in handles:
+            h.remove()
+        gc.collect()
+    return [name for name in lists if name in called]
+
+
+def _fake_forward(model: nn.Module) -> None:
+    # fake tensors: no memory, no compute, and transformers skips its data-dependent mask checks
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with torch.no_grad(), mode, _Bf16GroupedMM():
+        model(_tiny_input(model), **model_kwargs(model, {}))
+
+
+def _side_modules(model: nn.Module, containers: dict[int, str], prefix: str, calls: list[UnitCall],
+                  shared: list[str]) -> list[str]:
+    """Children of the containers with parameters that the forward did not call: the tower a VL
+    model runs only on images (see :attr:`ForwardTrace.side`)."""
+    taken = {c.fqn for c in calls} | set(shared) | {prefix} | set(containers.values())
+    out = []
+    for path in containers.values():
+        parent = model.get_submodule(path) if path else model
+        for name, child in parent.named_children():
+            fqn = f"{path}.{name}" if path else name
+            if fqn not in taken and any(True for _ in child.parameters()):
+                out.append(fqn)
+    return out
 
 
 def _containers(model: nn.Module, prefix: str) -> dict[int, str]:
@@ -171,6 +222,8 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
         raise StageSplitError(f"split: {type(model).__name__} has no block list (an nn.ModuleList or ModuleDict "
                               "of modules with parameters) to cut between")
     if len(lists) > 1:
+        lists = _called_lists(model, lists) or lists
+    if len(lists) > 1:
         raise StageSplitError(
             f"split: {type(model).__name__} runs {len(lists)} block stacks ({', '.join(lists)}); an encoder-decoder "
             "pipeline would have to carry the first stack's output to every stage of the second (its cross "
@@ -220,10 +273,7 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
     try:
-        # fake tensors: no memory, no compute, and transformers skips its data-dependent mask checks
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with torch.no_grad(), mode, _Bf16GroupedMM():
-            model(_tiny_input(model), **model_kwargs(model, {}))
+        _fake_forward(model)
     except StageSplitError:
         raise
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run on a tiny input cannot be traced
@@ -235,8 +285,7 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
         for m in model.modules():
             m.__dict__.pop("_hp_trace_args", None)
         # the fake mode holds weak references to the parameters it converted, and torch refuses to
-        # swap a tensor with one (materialising a meta model does): drop the mode now
-        mode = None
+        # swap a tensor with one (materialising a meta model does): collect it now
         gc.collect()
     blocks = [c.fqn for c in calls if c.fqn.startswith(prefix + ".")]
     if not blocks:
@@ -252,7 +301,7 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
             raise StageSplitError(f"split: {type(model).__name__}'s forward calls {c.fqn} with no floating-point "
                                   "input; the split cannot tell what reaches it")
     lead = [c.fqn for c in calls[1:first]]   # position embeddings, embedding norms: with the embedding
-    trace = ForwardTrace(prefix, calls, blocks, shared, lead)
+    trace = ForwardTrace(prefix, calls, blocks, shared, lead, _side_modules(model, containers, prefix, calls, shared))
     _TRACES[key] = trace
     return trace
 
@@ -352,8 +401,12 @@ class ForwardStage:
                     raise _StageOutput(_at_slot(args, kw, nslot))
 
                 swaps.append(self._swap(self.next_unit, leave))
-            inputs = x if self.start is None else self._stand_in_tokens(received, kwargs)
-            out = self.model(inputs, **model_kwargs(self.model, kwargs))
+            if self.start is None:
+                inputs = x
+            else:
+                given = kwargs.get(STAGE_TOKENS)
+                inputs = given if given is not None else self._stand_in_tokens(received, kwargs)
+            out = self.model(inputs, **self._model_kwargs(kwargs))
         except _StageOutput as done:
             return done.value
         finally:
@@ -366,6 +419,19 @@ class ForwardStage:
         if logits is not None:
             return logits
         return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _model_kwargs(self, kwargs: dict) -> dict:
+        """What this stage's forward gets of the step's keywords. Image tensors reach only the
+        stage that runs the tower, stage 0 (later stages do not run it: its output only feeds the
+        embedding, a stand-in there); under MPipe stage 0 gets the tower's output instead and
+        hands it to the forward the way transformers takes precomputed encoder outputs."""
+        out = model_kwargs(self.model, kwargs)
+        features = kwargs.get(IMAGE_FEATURES)
+        if self.start is not None or features is not None:
+            out = {k: v for k, v in out.items() if not k.startswith(TOWER_INPUT_PREFIX)}
+        if self.start is None and features is not None:
+            out["mm_encoder_outputs"] = {"image": features}
+        return out
 
     @staticmethod
     def _stand_in_tokens(h: torch.Tensor, kwargs: dict) -> torch.Tensor:

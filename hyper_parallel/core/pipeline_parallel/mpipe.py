@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,10 @@ class Preprocess:
     keyword arguments it takes (``("pixel_values",)``), split into micro-batches by ``specs``
     (default: dim 0) and given to it as keywords; every rank that owns a micro-batch must pass
     them. ``into``: the keyword under which stage 0 receives the tower output (a tensor, or a
-    tuple when the tower returns one). ``placement``: see :func:`mpipe_ir.mpipe`.
+    tuple when the tower returns one; ``unpack(tensors)``, when given, rebuilds what stage 0 gets
+    from the tensors -- image_features.ImageFeatures.unpack). ``keep``: inputs the stages read too
+    (Qwen-VL's ``image_grid_thw``: M-RoPE positions), left in the step's keywords. ``placement``:
+    see :func:`mpipe_ir.mpipe`.
     """
 
     module: nn.Module
@@ -52,6 +55,8 @@ class Preprocess:
     into: str = "vision"
     specs: Mapping[str, BatchDimSpec | int | None] | None = None
     placement: str = "front"
+    unpack: Callable[[Sequence[torch.Tensor]], Any] | None = None
+    keep: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -65,6 +70,10 @@ class Preprocess:
             raise PipelineError("Preprocess: an FSDP-wrapped tower is not supported (MPipe reduces the tower's "
                                 "gradients over the pipeline ranks itself); shard the tower with TP or keep it whole")
         self.inputs = tuple(self.inputs)
+        self.keep = tuple(self.keep)
+        if set(self.keep) - set(self.inputs):
+            raise PipelineError(f"Preprocess: keep={list(self.keep)} names keywords that are not inputs "
+                                f"{list(self.inputs)}")
         unknown = set(self.specs or {}) - set(self.inputs)
         if unknown:
             raise PipelineError(f"Preprocess: specs name {sorted(unknown)}, which are not inputs {list(self.inputs)}")
@@ -85,7 +94,7 @@ class PreprocessState:
     def begin(cls, pre: Preprocess, kwargs: dict, n_mb: int, dp_group=None) -> "PreprocessState":
         """Take the tower inputs out of the step's ``kwargs`` (in place), split them, and set
         this rank's existing tower gradients aside."""
-        given = {k: kwargs.pop(k) for k in pre.inputs if k in kwargs}
+        given = {k: (kwargs[k] if k in pre.keep else kwargs.pop(k)) for k in pre.inputs if k in kwargs}
         if given and len(given) != len(pre.inputs):
             raise MicrobatchError(f"MPipe: the tower takes {list(pre.inputs)}; got only {sorted(given)}")
         mb_inputs: list = [None] * n_mb
@@ -119,10 +128,6 @@ class PreprocessState:
             raise PipelineError(f"MPipe: tower output of micro-batch {mb} is {metas}, micro-batch 0's was "
                                 f"{self.metas}; every micro-batch must give the same shapes")
         return out
-
-    def value(self, tensors: Sequence[torch.Tensor]):
-        """What stage 0 gets under ``into``: a tensor, or a tuple like the tower returned."""
-        return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
     def backward(self, mb: int, grads: Sequence[torch.Tensor | None]) -> None:
         """Tower backward of micro-batch mb from the gradients of its outputs (None: no gradient)."""

@@ -23,7 +23,7 @@ from hyper_parallel.core.pipeline_parallel.mpipe_ir import mpipe
 from hyper_parallel.core.pipeline_parallel.schedule_ir import PipelineSchedule, lower
 from hyper_parallel.core.pipeline_parallel.shape_inference import infer_boundaries, signature
 from hyper_parallel.core.pipeline_parallel.shared_params import SharedParameters
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage, flatten
 from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
 from hyper_parallel.errors import MicrobatchError, PipelineError, PipelinePeerFailedError, ScheduleError
 
@@ -163,7 +163,10 @@ class PipelineScheduleRuntime:
             kw0 = mb_kwargs[0]
             if pre is not None and 0 in self.stages and self.boundary_metas is None:
                 with torch.no_grad():  # stage 0 needs a tower output to describe its own output
-                    kw0 = {**kw0, self.preprocess.into: self.preprocess.module(**pre.inputs_of(0))}
+                    out = self.preprocess.module(**pre.inputs_of(0))
+                    if self.preprocess.unpack is not None:
+                        out = self.preprocess.unpack(flatten(out, "MPipe tower micro-batch 0"))
+                    kw0 = {**kw0, self.preprocess.into: out}
             self._metas[key] = self.boundary_metas if self.boundary_metas is not None else \
                 infer_boundaries(self.stages, self.ir.stage_to_rank, self.group, mb_args[0], kw0)
         for s in self.stages.values():

@@ -10,19 +10,20 @@ What a stage runs: for any model, the model's own forward between its cuts (forw
 units read from a trace of the forward, the other stages' units stood in for at their call sites).
 Spines -- adapters that call a family's units in order themselves -- remain only for the repo's
 own models whose step carries inputs a forward does not take (the torchtitan Llama's context-
-parallel ``positions``, the vision-language models' MPipe tower output); ``register_spine`` adds
-one. :func:`split_gap` checks either kind against the model's forward.
+parallel ``positions``, the repo VL model's MPipe tower output); ``register_spine`` adds one.
+transformers' VL models need none: their tower is a module the token-only forward does not call
+(``ForwardTrace.side``), held by stage 0 or run by MPipe (image_features.py), and their forward
+takes the tower's output precomputed. :func:`split_gap` checks either kind against the model's forward.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
-from hyper_parallel.core.pipeline_parallel.forward_split import ForwardStage, model_kwargs, trace_forward
+from hyper_parallel.core.pipeline_parallel.forward_split import STAGE_TOKENS, ForwardStage, model_kwargs, trace_forward
 from hyper_parallel.errors import StageSplitError
 
 
@@ -106,143 +107,11 @@ def _vl_call(stage, fqn, module, h, ctx):
     return out
 
 
-# ---- what transformers' decoder layers take (the LLaVA spine builds it per stage) -------------
-
-# the mask each attention kind gets from transformers' decoder forwards (``config.layer_types``)
-_MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
-                  "chunked_attention": "create_chunked_causal_mask"}
-
-
-def _layer_kind(config, fqn: str) -> str:
-    """The attention kind of decoder layer ``fqn`` as the model's forward reads it: its entry in
-    ``config.layer_types`` (EXAONE-4, Gemma-2/3, Qwen2: a per-layer sliding window), else a
-    sliding window for every layer when the config sets one (Mistral, Starcoder2, Phi-3 build
-    ``create_sliding_window_causal_mask`` then), else full causal attention. The spine must
-    honour it: a layer run with the full causal mask in place of its window computes another
-    function once the sequence is longer than the window (EXAONE-4 trained wrong gradients)."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return types[int(fqn.rsplit(".", 1)[1])]
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and not isinstance(window, bool) and getattr(config, "use_sliding_window", True):
-        return "sliding_attention"
-    return "full_attention"
-
-
-def _hf_layer_context(config, rotary: nn.Module, h: torch.Tensor, kwargs: dict, fqns: Sequence[str]) -> dict:
-    """Positions, RoPE and the masks of transformers' decoder layers ``fqns``, rebuilt on a stage
-    as the model's forward builds them: one mask (and, when the rotary module takes a
-    ``layer_type``, one RoPE table -- Gemma-3) per attention kind of those layers. They cover the
-    whole sequence: the step's ``sequence_length`` (the pipeline runner passes it) when the hidden
-    state that reached this stage is a local sequence shard (sequence parallel: attention gathers
-    the sequence before it applies them), else the hidden state's length; the step's
-    ``position_ids`` when given (context parallel: this rank's chunks)."""
-    import transformers.masking_utils as masking
-
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        length = int(kwargs.get("sequence_length") or h.shape[1])
-        position_ids = torch.arange(length, device=h.device).unsqueeze(0)
-    length = position_ids.shape[-1]
-    # the mask reads only the shape, dtype and device of its inputs_embeds: a view at full length
-    like = h if h.shape[1] == length else h[:, :1].expand(h.shape[0], length, *h.shape[2:])
-    mask_kwargs = dict(config=config, inputs_embeds=like, attention_mask=kwargs.get("attention_mask"),
-                       position_ids=position_ids)
-    params = inspect.signature(masking.create_causal_mask).parameters
-    mask_kwargs["cache" if "cache" in params else "past_key_values"] = None
-    kinds = {fqn: _layer_kind(config, fqn) for fqn in fqns}
-    masks, rope = {}, {}
-    per_kind_rope = "layer_type" in inspect.signature(rotary.forward).parameters
-    for kind in sorted(set(kinds.values())):
-        builder = getattr(masking, _MASK_BUILDERS.get(kind, ""), None)
-        if builder is None:
-            raise StageSplitError(f"split: decoder layers of kind {kind!r} ({type(config).__name__}.layer_types) "
-                                  f"have no known mask; known: {sorted(_MASK_BUILDERS)} (add one with register_spine)")
-        masks[kind] = builder(**mask_kwargs)
-        rope[kind] = rotary(like, position_ids, layer_type=kind) if per_kind_rope else None
-    if not per_kind_rope:
-        shared = rotary(like, position_ids=position_ids)
-        rope = {kind: shared for kind in rope}
-    return dict(kinds=kinds, masks=masks, rope=rope, position_ids=position_ids)
-
-
-def _hf_layer_call(module, fqn: str, h, ctx):
-    kind = ctx["kinds"][fqn]
-    return module(h, attention_mask=ctx["masks"][kind], position_ids=ctx["position_ids"],
-                  position_embeddings=ctx["rope"][kind], use_cache=False)
-
-
-# ---- transformers' LLaVA-style VL models: ``model.vision_tower`` + ``model.multi_modal_projector`` (the
-# tower, run by MPipe through HFVisionTower) and ``model.language_model`` (a decoder) + ``lm_head`` --------
-
-def _hf_vl_matches(m: nn.Module) -> bool:
-    base = getattr(m, "model", None)
-    lm = getattr(base, "language_model", None)
-    return (hasattr(m, "lm_head") and all(hasattr(base, a) for a in ("vision_tower", "multi_modal_projector"))
-            and lm is not None and all(hasattr(lm, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")))
-
-
-def _hf_vl_units(m: nn.Module) -> list[str]:
-    p = "model.language_model"
-    return [f"{p}.embed_tokens"] + [f"{p}.layers.{i}" for i in range(len(m.model.language_model.layers))] + \
-        [f"{p}.norm", "lm_head"]
-
-
-def _hf_vl_layer_context(stage, h, kwargs) -> dict:
-    return _hf_layer_context(getattr(stage.config, "text_config", stage.config),
-                             stage.get_submodule("model.language_model.rotary_emb"), h, kwargs,
-                             [u for u in stage.units if ".layers." in u])
-
-
-def _hf_vl_call(stage, fqn, module, h, ctx):
-    if fqn.endswith("embed_tokens"):
-        vision = ctx.get("vision")
-        if vision is None:
-            raise StageSplitError("LLaVA-style stage 0: no tower output; run the tower with MPipe "
-                                  "(Preprocess(HFVisionTower(model), ('pixel_values',)))")
-        emb = module(h)
-        mask = (h == stage.config.image_token_id).unsqueeze(-1).expand_as(emb)
-        return emb.masked_scatter(mask, vision.to(emb.dtype))
-    if ".layers." in fqn:
-        if "masks" not in ctx:   # built lazily: stage 0 only knows the hidden state after embedding
-            ctx.update(_hf_vl_layer_context(stage, h, ctx.get("kwargs", {})))
-        return _hf_layer_call(module, fqn, h, ctx)
-    return module(h)
-
-
-class HFVisionTower(nn.Module):
-    """The tower of a transformers LLaVA-style model as one module for MPipe: vision encoder, the
-    configured feature layer and selection (``default`` drops CLS), then the projector.
-    ``forward(pixel_values) -> (batch, image tokens, text hidden)``; shares the model's modules."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        if not _hf_vl_matches(model):
-            raise StageSplitError(f"HFVisionTower: {type(model).__name__} has no model.vision_tower / "
-                                  "model.multi_modal_projector / model.language_model")
-        self.vision_tower = model.model.vision_tower
-        self.multi_modal_projector = model.model.multi_modal_projector
-        self.feature_layer = model.config.vision_feature_layer
-        self.strategy = model.config.vision_feature_select_strategy
-        if not isinstance(self.feature_layer, int):
-            raise StageSplitError(f"HFVisionTower: vision_feature_layer={self.feature_layer!r}; only one layer "
-                                  "(an int) is supported")
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        hidden = self.vision_tower(pixel_values, output_hidden_states=True).hidden_states[self.feature_layer]
-        if self.strategy == "default":
-            hidden = hidden[:, 1:]
-        return self.multi_modal_projector(hidden)
-
-
 SPINES: list[Spine] = [
     Spine("vision-language", _vl_matches, _titan_units, _vl_call, context=_vl_context,
           buffers=lambda m: ["rope"], shared=lambda m: ["image_merge"], context_on_input=True),
     Spine("torchtitan-llama", _titan_matches, _titan_units, _titan_call, context=_titan_context,
           buffers=lambda m: ["rope"]),
-    Spine("hf-llava", _hf_vl_matches, _hf_vl_units, _hf_vl_call,
-          context=lambda stage, h, kwargs: {"vision": kwargs.get("vision"), "kwargs": kwargs},
-          shared=lambda m: ["model.language_model.rotary_emb"], context_on_input=True),
 ]
 
 
@@ -336,10 +205,11 @@ class StageModule(nn.Module):
         return f"stage {self.stage_index}/{self.n_stages}: {self.units[0]} .. {self.units[-1]}"
 
 
-def stage_units(model: nn.Module, cuts: Sequence[str]) -> list[list[str]]:
+def stage_units(model: nn.Module, cuts: Sequence[str], side: bool = True) -> list[list[str]]:
     """The unit FQNs of each stage for cut points ``cuts`` (each the first unit of a stage); the
     first stage also holds the units the forward runs between the embedding and the first block
-    (position embeddings, embedding norms), which are no cut points."""
+    (position embeddings, embedding norms), which are no cut points, and -- ``side`` -- the modules
+    the forward calls only on images (a VL tower placed on stage 0; without ``side`` MPipe runs it)."""
     units = pipeline_units(model)
     cuts = list(cuts)
     where = []
@@ -355,7 +225,8 @@ def stage_units(model: nn.Module, cuts: Sequence[str]) -> list[list[str]]:
     bounds = [0] + where + [len(units)]
     groups = [units[a:b] for a, b in zip(bounds, bounds[1:])]
     if spine_for(model) is None:
-        groups[0] = groups[0][:1] + trace_forward(model).lead + groups[0][1:]
+        trace = trace_forward(model)
+        groups[0] = groups[0][:1] + trace.lead + groups[0][1:] + (trace.side if side else [])
     return groups
 
 
@@ -383,17 +254,18 @@ def even_cuts(model: nn.Module, n_stages: int) -> list[str]:
     return starts
 
 
-def split_model(model: nn.Module, cuts: Sequence[str], stage_indices: Sequence[int] | None = None
-                ) -> list[StageModule]:
-    """Build the stage modules ``stage_indices`` (default: all) of ``model`` cut at ``cuts``."""
+def split_model(model: nn.Module, cuts: Sequence[str], stage_indices: Sequence[int] | None = None,
+                side: bool = True) -> list[StageModule]:
+    """Build the stage modules ``stage_indices`` (default: all) of ``model`` cut at ``cuts``
+    (``side``: stage 0 holds the VL tower, see :func:`stage_units`)."""
     spine = spine_for(model)
-    groups = stage_units(model, cuts)
+    groups = stage_units(model, cuts, side)
     idx = range(len(groups)) if stage_indices is None else list(stage_indices)
     for i in idx:
         if not 0 <= i < len(groups):
             raise StageSplitError(f"split_model: stage {i} does not exist; {len(cuts)} cuts make "
                                   f"{len(groups)} stages")
-    tied = tied_parameters(model, cuts)
+    tied = tied_parameters(model, cuts, side)
     stages = [StageModule(model, spine, groups[i], i, len(groups),
                           groups[i + 1][0] if i + 1 < len(groups) else None) for i in idx]
     for st in stages:
@@ -401,19 +273,23 @@ def split_model(model: nn.Module, cuts: Sequence[str], stage_indices: Sequence[i
     return stages
 
 
-def split_gap(model: nn.Module, tokens: torch.Tensor) -> float:
+def split_gap(model: nn.Module, tokens: torch.Tensor, extra: dict | None = None) -> float:
     """Largest absolute difference between ``model``'s output and its stages run in order on
-    ``tokens``: 0 when the split computes the model's function. Without a spine the model is cut
-    at every boundary (every stage's stand-ins run); a spine runs as one stage holding every unit
-    (a spine matches models by attributes, and one whose forward does more than its units would
-    match and train another function). Run it on a small copy of the model."""
+    ``tokens`` (and the step's ``extra`` keywords, e.g. a VL model's images -- ``tokens`` then
+    with the image tokens placed): 0 when the split computes the model's function. Without a
+    spine the model is cut at every boundary (every stage's stand-ins run; each stage gets the
+    step's keywords and token ids, as the pipeline runner passes them); a spine runs as one stage
+    holding every unit (a spine matches models by attributes, and one whose forward does more than
+    its units would match and train another function). Run it on a small copy of the model."""
     spine = spine_for(model)
     cuts = [] if spine is not None else pipeline_units(model)[1:]
+    extra = dict(extra or {})
     with torch.no_grad():
-        want = model(tokens, **({} if spine is not None else model_kwargs(model, {})))
+        want = model(tokens, **({} if spine is not None else model_kwargs(model, extra)))
         h = tokens
         for stage in split_model(model, cuts):
-            h = stage(h, sequence_length=tokens.shape[1])
+            h = stage(h, sequence_length=tokens.shape[1], **({STAGE_TOKENS: tokens} if spine is None else {}),
+                      **extra)
     want = getattr(want, "logits", want)
     want = want[0] if isinstance(want, (tuple, list)) else want
     if not isinstance(want, torch.Tensor) or not isinstance(h, torch.Tensor) or want.shape != h.shape:
@@ -421,9 +297,9 @@ def split_gap(model: nn.Module, tokens: torch.Tensor) -> float:
     return float((want.float() - h.float()).abs().max())
 
 
-def tied_parameters(model: nn.Module, cuts: Sequence[str]) -> list[dict[int, str]]:
+def tied_parameters(model: nn.Module, cuts: Sequence[str], side: bool = True) -> list[dict[int, str]]:
     """Parameters that more than one stage holds: for each, {stage index: FQN in that stage}."""
-    groups = stage_units(model, cuts)
+    groups = stage_units(model, cuts, side)
     holders: dict[int, dict[int, str]] = {}
     for s, units in enumerate(groups):
         for u in units:

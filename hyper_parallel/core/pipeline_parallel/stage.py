@@ -134,16 +134,19 @@ class PipelineStage:
         return out
 
     def forward(self, mb: int, args: Sequence[Any], kwargs: dict,
-                pre: tuple[str, Sequence[torch.Tensor], Sequence[bool]] | None = None) -> list[torch.Tensor]:
-        """``pre`` (MPipe, stage 0): (keyword, tower output tensors, which need a gradient); they
+                pre: tuple | None = None) -> list[torch.Tensor]:
+        """``pre`` (MPipe, stage 0): (keyword, tower output tensors, which need a gradient[, how to
+        unpack them -- Preprocess.unpack]); they
         enter as fresh leaves, so the tower's graph stays on its owner and ``pre_grads[mb]`` gets
         the gradient of each (None where none is needed) at the B or I of this micro-batch."""
         inputs = list(args) if self.is_first else self.leaf_inputs(args)
         if pre is not None:
-            into, tensors, needs_grad = pre
+            into, tensors, needs_grad, *unpack = pre
             leaves = [t.detach().requires_grad_(bool(g)) for t, g in zip(tensors, needs_grad)]
             self._pre[mb] = leaves
-            kwargs = {**kwargs, into: leaves[0] if len(leaves) == 1 else tuple(leaves)}
+            value = unpack[0](leaves) if unpack and unpack[0] is not None else \
+                (leaves[0] if len(leaves) == 1 else tuple(leaves))
+            kwargs = {**kwargs, into: value}
         out = self.module(*inputs, **kwargs)
         flat = flatten(out, f"stage {self.stage_index} micro-batch {mb}")
         self._inputs[mb] = inputs

@@ -1,0 +1,105 @@
+"""A transformers vision-language model's tower as one module, for MPipe: image inputs in, the
+features its forward merges out.
+
+transformers' VL models take their tower's output precomputed: ``forward(...,
+mm_encoder_outputs={"image": get_image_features(..., return_dict=True)})`` skips the tower and
+merges the given features at the image tokens (and, for Qwen3-VL, adds its DeepStack levels in
+the decoder). That is the seam MPipe needs, and it is the model's own: :class:`ImageFeatures`
+runs ``get_image_features`` on an owner rank, and stage 0's forward receives what it returned
+(forward_split.ForwardStage passes it as ``mm_encoder_outputs``). Nothing is re-implemented:
+the merge, the placeholder checks, M-RoPE positions and masks stay the model's code.
+
+What crosses the pipeline is tensors: the features a forward merges (``pooler_output``, the
+image features, and any ``*_features`` field such as DeepStack's levels) -- a tensor or a list of
+them per field -- preceded by one small ``uint8`` tensor holding their layout (field names and
+list lengths, as JSON), so the receiving rank rebuilds the same structure without having run the
+tower. Diagnostic fields (every layer's hidden states) stay on the owner.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from types import SimpleNamespace
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from hyper_parallel.core.pipeline_parallel.forward_split import IMAGE_FEATURES, TOWER_INPUT_PREFIX, trace_forward
+from hyper_parallel.errors import PipelineError
+
+INTO = IMAGE_FEATURES   # the step keyword stage 0 receives the tower output under
+METHOD = "get_image_features"
+
+
+def _merged_fields(out) -> list[str]:
+    keys = list(out.keys()) if hasattr(out, "keys") else []
+    return [k for k in keys if k == "pooler_output" or k.endswith("_features")]
+
+
+class ImageFeatures(nn.Module):
+    """``model.get_image_features`` as a module whose parameters are the tower's (the modules the
+    token-only forward never calls, forward_split.ForwardTrace.side), registered under their FQNs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        name = type(model).__name__
+        if not callable(getattr(model, METHOD, None)):
+            raise PipelineError(f"ImageFeatures: {name} has no {METHOD}(); its tower cannot run apart from the "
+                                "decoder (give the pipeline a Preprocess of your own tower module)")
+        inner = getattr(model, "model", model)
+        if "mm_encoder_outputs" not in inspect.signature(inner.forward).parameters:
+            raise PipelineError(f"ImageFeatures: {type(inner).__name__}.forward takes no mm_encoder_outputs, so "
+                                "stage 0 could not be handed the tower's output; place the tower on stage 0")
+        side = trace_forward(model).side
+        if not side:
+            raise PipelineError(f"ImageFeatures: {name}'s forward calls every module on token ids alone; no "
+                                "tower to run apart")
+        object.__setattr__(self, "_model", model)
+        self.fqns = list(side)
+        for fqn in side:
+            *path, leaf = fqn.split(".")
+            parent: nn.Module = self
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            parent.add_module(leaf, model.get_submodule(fqn))
+
+    def forward(self, **inputs) -> tuple[torch.Tensor, ...]:
+        out = getattr(self._model, METHOD)(**inputs, return_dict=True)
+        layout, tensors = {}, []
+        for key in _merged_fields(out):
+            value = out[key]
+            if isinstance(value, torch.Tensor):
+                layout[key] = -1
+                tensors.append(value)
+            elif isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+                layout[key] = len(value)
+                tensors.extend(value)
+        if not tensors:
+            raise PipelineError(f"ImageFeatures: {type(self._model).__name__}.{METHOD} returned no pooler_output "
+                                f"or *_features tensors ({type(out).__name__})")
+        header = torch.tensor(list(json.dumps(layout).encode()), dtype=torch.uint8, device=tensors[0].device)
+        return (header, *tensors)
+
+    @staticmethod
+    def unpack(tensors: Sequence[torch.Tensor]) -> SimpleNamespace:
+        """The tower output stage 0 hands the forward (attribute access, as a ModelOutput)."""
+        layout = json.loads(bytes(tensors[0].to("cpu").tolist()).decode())
+        fields, i = {}, 1
+        for key, n in layout.items():
+            if n < 0:
+                fields[key], i = tensors[i], i + 1
+            else:
+                fields[key], i = tuple(tensors[i:i + n]), i + n
+        return SimpleNamespace(**fields)
+
+
+def tower_inputs(model: nn.Module, step_keys: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the step keywords the tower takes and only it reads -- the image tensors --, those it takes
+    that the decoder reads too -- e.g. Qwen-VL's ``image_grid_thw`` for M-RoPE positions)."""
+    takes = set(inspect.signature(getattr(model, METHOD)).parameters)
+    own = [k for k in step_keys if k.startswith(TOWER_INPUT_PREFIX)]
+    both = [k for k in step_keys if k in takes and k not in own]
+    return own, both
