@@ -19,6 +19,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device
 from autoplan.capture.fallback import capture_with_hooks
+from autoplan.capture.image_inputs import value_checks_off
+from autoplan.capture.patch_grid import sizes_from_values
 from autoplan.capture.graph_cache import graph_key, load_graph, store_graph
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_view, resolve_inputs
 from autoplan.capture.ir import ModelGraph
@@ -83,7 +85,9 @@ def _capture_model(model: nn.Module, args: tuple, kwargs: dict, dtype, max_copy_
         modes = [(m, m.training) for m in mm.modules()]
         mm.train()  # training-time graph: dropout present, caches off
         try:
-            return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
+            # a VL model's image-token count check has no values on meta; its image grid has
+            with value_checks_off(mm), sizes_from_values(kwargs):
+                return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
         except AutoplanError:
             raise
         except Exception as exc:  # a torch error escaping every attempt: typed, naming model and error

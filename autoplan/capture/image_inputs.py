@@ -21,8 +21,10 @@ holds some rows of a batch builds the same images for them as one device does fo
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -32,7 +34,11 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from autoplan.capture.patch_grid import SIZE_INPUTS, PatchGrid, patch_grid, takes_grid
 from autoplan.errors import CaptureError
+
+__all__ = ["ImageBatch", "SIZE_INPUTS", "derive", "image_inputs", "is_vision_language", "param_dtype",
+           "value_checks_off"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,9 @@ class ImageBatch:
     token_id: int
     per_image: int
     pixel_shape: tuple[int, ...]
-    layout: str          # "pixels", "pixels+sizes" or "tiles" (see the module docstring)
+    layout: str          # "pixels", "pixels+sizes", "tiles" or "patches" (see the module docstring)
     dtype: torch.dtype
+    patches: PatchGrid | None = None   # the grid of a "patches" image (autoplan.capture.patch_grid)
 
     def __call__(self, tokens: torch.Tensor) -> dict:
         """``input_ids`` (``tokens`` with the image tokens placed) and the pixel inputs."""
@@ -59,7 +66,10 @@ class ImageBatch:
         else:
             pixels = torch.stack([_row_image(row, self.pixel_shape, self.dtype) for row in tokens])
         out = {"input_ids": ids}
-        if self.layout == "tiles":
+        if self.patches is not None:   # one sequence of every row's patches, and the grid's inputs
+            out["pixel_values"] = pixels.flatten(0, 1)
+            out.update(self.patches.inputs(rows, seq, tokens.device, tokens.is_meta or is_fake(tokens)))
+        elif self.layout == "tiles":
             out["pixel_values"] = pixels.unsqueeze(1)
             out["pixel_attention_mask"] = torch.ones((rows, 1, *self.pixel_shape[-2:]), dtype=torch.bool,
                                                      device=pixels.device)
@@ -104,6 +114,27 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
     return known[1]
 
 
+@contextlib.contextmanager
+def value_checks_off(model: nn.Module, tokens: torch.Tensor | None = None):
+    """transformers' checks of input values off while a VL ``model`` runs without values (on
+    meta, or ``tokens`` meta or fake): "as many image tokens as image features" compares counts
+    of token ids a meta tensor does not hold, and answering it from no data fails a model whose
+    derived inputs are consistent by construction. A real run keeps every check."""
+    shapes_only = tokens is None or tokens.is_meta or is_fake(tokens)
+    if not (shapes_only and is_vision_language(model)):
+        yield
+        return
+    key, before = "TRANSFORMERS_DISABLE_TORCH_CHECK", os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def param_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of ``model``'s first floating parameter (float32 if none)."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -129,7 +160,11 @@ def derive(model: nn.Module) -> ImageBatch | None:
                            f"extra_inputs(tokens) hook")
     takes = inspect.signature(model.get_image_features).parameters
     forward_takes = inspect.signature(model.forward).parameters
-    unknown = [k for k in ("image_grid_thw", "aspect_ratio_ids") if k in takes or k in forward_takes]
+    dtype = param_dtype(model)
+    if takes_grid(model):
+        grid, shape = patch_grid(model, int(token_id))
+        return ImageBatch(int(token_id), grid.tokens, shape, "patches", dtype, grid)
+    unknown = [k for k in ("aspect_ratio_ids",) if k in takes or k in forward_takes]
     if "image_sizes" in takes and takes["image_sizes"].default is inspect.Parameter.empty:
         layout = "pixels+sizes"
     elif "pixel_attention_mask" in takes:
@@ -147,7 +182,6 @@ def derive(model: nn.Module) -> ImageBatch | None:
         raise CaptureError(f"{name}: vision_config has no image_size to build an image of; give the model an "
                            f"extra_inputs(tokens) hook")
     channels = int(_first_int(vision, ("num_channels", "in_channels")) or 3)
-    dtype = param_dtype(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     one_image = ImageBatch(int(token_id), 0, (channels, size, size), layout, dtype)
     try:
