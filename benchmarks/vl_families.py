@@ -48,7 +48,7 @@ def florence2_with_images() -> torch.nn.Module:
 
 def _sections(plan) -> tuple[bool, bool]:
     units = [d["unit"] for d in plan.decisions if d["strategy"] != "replicate"]
-    return (any("vision" in u and u.endswith(("/attention", "/mlp")) for u in units),
+    return (any(("vision" in u or "visual" in u) and u.endswith(("/attention", "/mlp")) for u in units),
             any("language_model" in u and u.endswith(("/attention", "/mlp")) for u in units))
 
 

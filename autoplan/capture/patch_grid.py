@@ -89,7 +89,8 @@ def sizes_from_values(kwargs: dict):
 
 def takes_grid(model: nn.Module) -> bool:
     """Whether ``model``'s images come with ``image_grid_thw`` (the Qwen-VL convention)."""
-    return "image_grid_thw" in inspect.signature(model.forward).parameters
+    return (getattr(getattr(model, "config", None), "vision_config", None) is not None
+            and "image_grid_thw" in inspect.signature(model.forward).parameters)
 
 
 def patch_grid(model: nn.Module, token_id: int) -> tuple[PatchGrid, tuple[int, int]]:
