@@ -9,6 +9,8 @@ copy (``width=1``, images of 56 pixels) on 4 gloo ranks and one SGD step compare
 - EQUAL: trained equal; ``tower`` / ``decoder`` say whether the plan shards the vision tower's and
   the language model's attention or MLP;
 - REFUSED: autoplan raised a typed error (the reason is listed);
+- DP ONLY: capture could not run the model on meta, so the planner planned data parallelism only
+  (its note, listed, names the module and the reason; nothing is sharded, nothing trains wrong);
 - WRONG / CRASH / UNTYPED: bugs.
 
 Florence-2 (no image size in its config) is refused without a hook; with a hook it is also run
@@ -65,6 +67,11 @@ def run_family(family: str, pool4: RankPool) -> dict:
         row.update(outcome="UNTYPED", detail=f"{type(exc).__name__}: {str(exc)[:300]}")
     else:
         row["tower"], row["decoder"] = _sections(plan)
+        untraced = next((n for n in plan.notes if n.startswith("capture could not trace")), None)
+        if untraced is not None:   # the planner's answer to a model capture cannot run: data parallel only
+            row.update(outcome="DP ONLY", detail=untraced[:300])
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            return row
         recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": family, "image": 2}, seed=3)
         result = check_numerics(plan, recipe, pool=pool4, seq=40)
         row.update(outcome="EQUAL" if result.passed else ("CRASH" if result.error else "WRONG"),

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import inspect
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -49,7 +50,7 @@ class ImageBatch:
     token_id: int
     per_image: int
     pixel_shape: tuple[int, ...]
-    layout: str          # "pixels", "pixels+sizes", "tiles" or "patches" (see the module docstring)
+    layout: str          # "pixels", "pixels+sizes", "tiles", "anyres" or "patches" (see the module docstring)
     dtype: torch.dtype
     patches: PatchGrid | None = None   # the grid of a "patches" image (autoplan.capture.patch_grid)
 
@@ -75,6 +76,8 @@ class ImageBatch:
                                                      device=pixels.device)
         else:
             out["pixel_values"] = pixels
+        if self.layout == "anyres":   # sizes as ints: the model computes its tiling from them in Python
+            out["image_sizes"] = [list(self.pixel_shape[-2:])] * rows
         if self.layout == "pixels+sizes":
             out["image_sizes"] = torch.tensor([list(self.pixel_shape[-2:])] * rows, device=pixels.device)
         return out
@@ -171,7 +174,8 @@ def derive(model: nn.Module) -> ImageBatch | None:
         layout = "tiles"
     else:
         layout = "pixels"
-    if unknown or _tiled(model):
+    tiles = _tiles(model) if _tiled(model) else None
+    if unknown or (_tiled(model) and tiles is None):
         raise CaptureError(f"{name}: its images are not one pixel tensor per image (it takes {unknown or 'tiles'}), "
                            f"which autoplan does not build yet; give the model an extra_inputs(tokens) hook "
                            f"returning input_ids with the image tokens placed and the pixel inputs")
@@ -182,8 +186,12 @@ def derive(model: nn.Module) -> ImageBatch | None:
         raise CaptureError(f"{name}: vision_config has no image_size to build an image of; give the model an "
                            f"extra_inputs(tokens) hook")
     channels = int(_first_int(vision, ("num_channels", "in_channels")) or 3)
+    if tiles is not None:   # an image of the tower's size, cut as the model's own tiling cuts it
+        layout, shape = "anyres", (tiles([size, size]), channels, size, size)
+    else:
+        shape = (channels, size, size)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    one_image = ImageBatch(int(token_id), 0, (channels, size, size), layout, dtype)
+    one_image = ImageBatch(int(token_id), 0, shape, layout, dtype)
     try:
         features = _one_image_features(model, one_image, device)
     except Exception as exc:  # noqa: BLE001 - a tower that cannot run one image is refused, typed
@@ -198,7 +206,7 @@ def derive(model: nn.Module) -> ImageBatch | None:
     if count is None:
         raise CaptureError(f"{name}.get_image_features returned no features of the text width {hidden}; give the "
                            f"model an extra_inputs(tokens) hook")
-    return ImageBatch(int(token_id), count, (channels, size, size), layout, dtype)
+    return ImageBatch(int(token_id), count, shape, layout, dtype)
 
 
 def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.device):
@@ -219,6 +227,17 @@ def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.d
         if "image_sizes" in kwargs:   # as plain ints: a fake tensor keeps no values to slice by
             kwargs["image_sizes"] = [list(one_image.pixel_shape[-2:])]
         return stand_in.get_image_features(**kwargs)
+
+
+def _tiles(model: nn.Module) -> Callable[[list[int]], int] | None:
+    """The number of tiles (with the base image) an image of a given size becomes, by the
+    model's own function (LLaVA-NeXT's ``image_size_to_num_patches`` in its module), or None."""
+    fn = getattr(sys.modules.get(type(model).__module__), "image_size_to_num_patches", None)
+    if fn is None:
+        return None
+    config = model.config
+    return lambda image: int(fn(image_size=image, grid_pinpoints=config.image_grid_pinpoints,
+                                patch_size=config.vision_config.image_size))
 
 
 def _tiled(model: nn.Module) -> bool:

@@ -53,8 +53,8 @@ def _config(family: str, w: int, k: int):
     if family == "llava_next":
         return transformers.LlavaNextConfig(text_config=dict(model_type="llama", **_text(w)), image_token_index=200,
                                             vision_config=dict(model_type="clip_vision_model", projection_dim=32,
-                                                               **_vision(w, 28 * k)),
-                                            image_grid_pinpoints=[[28 * k, 28 * k]])
+                                                               **_vision(w, 14 * k)),
+                                            image_grid_pinpoints=[[14 * k, 14 * k]])
     if family in ("qwen2_vl", "qwen2_5_vl"):
         cls = transformers.Qwen2VLConfig if family == "qwen2_vl" else transformers.Qwen2_5_VLConfig
         text = dict(model_type=f"{family}_text", rope_scaling={"type": "mrope", "mrope_section": [2 * w, 3 * w, 3 * w]}, **_text(w))
