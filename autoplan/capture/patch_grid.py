@@ -56,26 +56,27 @@ class PatchGrid:
 
     def inputs(self, rows: int, seq: int, device: torch.device, shapes_only: bool) -> dict:
         """Everything but the pixels for ``rows`` rows of ``seq`` tokens, one image each."""
-        grid = torch.tensor([list(self.grid)] * rows, dtype=torch.long)
-        sizes_device = torch.device("cpu") if shapes_only else device
-        image = torch.tensor(self.positions, dtype=torch.long)
-        text = torch.arange(self.text_start, self.text_start + seq - self.tokens).expand(3, -1)
-        out = {
-            "image_grid_thw": grid.to(sizes_device),
-            "position_ids": torch.cat([image, text], dim=1)[:, None, :].expand(3, rows, seq).contiguous().to(device),
-            "image_position_ids": get_vision_position_ids(grid, self.merge).to(device),
-            "image_cu_seqlens": get_vision_cu_seqlens(grid).to(sizes_device),
-        }
-        if self.window is not None:
-            index, bounds = get_vision_window_index(grid, self.merge, self.window[0], self.window[1])
-            out["image_window_index"] = index.to(device)
-            out["image_cu_window_seqlens"] = bounds.to(sizes_device)
-        if self.interp is not None:
-            side, mode, corners = self.interp
-            idx, weights = get_vision_interpolation_indices_and_weights(grid, side, mode=mode, align_corners=corners,
-                                                                        spatial_merge_size=self.merge)
-            out["image_interp_indices"], out["image_interp_weights"] = idx.to(device), weights.to(device)
-        return out
+        with torch.device("cpu"):   # computed from the grid's values, whatever the caller's device context
+            grid = torch.tensor([list(self.grid)] * rows, dtype=torch.long)
+            sizes_device = torch.device("cpu") if shapes_only else device
+            image = torch.tensor(self.positions, dtype=torch.long)
+            text = torch.arange(self.text_start, self.text_start + seq - self.tokens).expand(3, -1)
+            out = {
+                "image_grid_thw": grid.to(sizes_device),
+                "position_ids": torch.cat([image, text], dim=1)[:, None, :].expand(3, rows, seq).contiguous().to(device),
+                "image_position_ids": get_vision_position_ids(grid, self.merge).to(device),
+                "image_cu_seqlens": get_vision_cu_seqlens(grid).to(sizes_device),
+            }
+            if self.window is not None:
+                index, bounds = get_vision_window_index(grid, self.merge, self.window[0], self.window[1])
+                out["image_window_index"] = index.to(device)
+                out["image_cu_window_seqlens"] = bounds.to(sizes_device)
+            if self.interp is not None:
+                side, mode, corners = self.interp
+                idx, weights = get_vision_interpolation_indices_and_weights(grid, side, mode=mode, align_corners=corners,
+                                                                            spatial_merge_size=self.merge)
+                out["image_interp_indices"], out["image_interp_weights"] = idx.to(device), weights.to(device)
+            return out
 
 
 def sizes_from_values(kwargs: dict):
@@ -113,11 +114,10 @@ def patch_grid(model: nn.Module, token_id: int) -> tuple[PatchGrid, tuple[int, i
     interp = ((int(tower.num_grid_per_side), str(tower.interpolation_mode), bool(tower.interpolation_align_corners))
               if hasattr(tower, "num_grid_per_side") else None)
     per_image = side * side // merge ** 2
-    ids = torch.full((1, per_image + 1), token_id, dtype=torch.long)
-    ids[0, -1] = 0
-    kinds = (ids == token_id).int()
     with torch.device("cpu"):   # the model's own M-RoPE of one row, from its config alone
-        positions, _ = rope(ids, kinds, image_grid_thw=torch.tensor([list(grid)]))
+        ids = torch.full((1, per_image + 1), token_id, dtype=torch.long)
+        ids[0, -1] = 0
+        positions, _ = rope(ids, (ids == token_id).int(), image_grid_thw=torch.tensor([list(grid)]))
     positions = positions[:, 0, :]
     layout = PatchGrid(grid, merge, window, interp, tuple(tuple(int(v) for v in r) for r in positions[:, :per_image]),
                        int(positions[0, -1]))
