@@ -9,12 +9,14 @@ image tokens placed at the start of every row, and the pixel tensors in the layo
 and the number of tokens an image becomes are read off the config and measured by running the
 model's own ``get_image_features`` once on one image (on meta tensors for a model on meta).
 
-Layouts are told apart by what ``get_image_features`` takes: ``pixel_values`` alone (LLaVA,
-PaliGemma, Gemma 3, InternVL, Aya Vision, Florence-2), with ``image_sizes`` (Mistral 3), with
-``pixel_attention_mask`` (Idefics 3, SmolVLM: one tile per image). Families whose images are
-patch sequences with grids (Qwen-VL), tiled with aspect ratios (LLaVA-NeXT) or fed through
-cross-attention (Mllama) are refused with a :class:`~autoplan.errors.CaptureError` naming what
-to give instead: an ``extra_inputs(tokens) -> dict`` hook on the model.
+Layouts are told apart by what the model takes: ``pixel_values`` alone (LLaVA, PaliGemma,
+Gemma 3, InternVL, Aya Vision, Florence-2), with ``image_sizes`` (Mistral 3), with
+``pixel_attention_mask`` (Idefics 3, SmolVLM: one tile per image), any-resolution tiles with
+``image_sizes`` as ints (LLaVA-NeXT: the tile count from the model's own tiling function), patch
+sequences with ``image_grid_thw`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: :mod:`autoplan.capture.patch_grid`).
+Families fed through cross-attention (Mllama) or without an image size in their config
+(Florence-2) are refused with a :class:`~autoplan.errors.CaptureError` naming what to give
+instead: an ``extra_inputs(tokens) -> dict`` hook on the model.
 
 Pixel values are a function of each row's tokens (seeded by the row's content), so a rank that
 holds some rows of a batch builds the same images for them as one device does for the whole.

@@ -79,11 +79,16 @@ class PatchGrid:
             return out
 
 
+def has_real_sizes(kwargs: dict) -> bool:
+    """Whether ``kwargs`` hold size inputs with values (a grid model's capture inputs)."""
+    return any(isinstance(kwargs.get(k), torch.Tensor) and not kwargs[k].is_meta for k in SIZE_INPUTS)
+
+
 def sizes_from_values(kwargs: dict):
     """Export with fake tensors that keep the real values of the size inputs in ``kwargs`` (torch's
     real-tensor propagation), so ``.tolist()`` of a grid gives the sizes it holds instead of
     unknowns every later shape would have to guard on; nothing when there are none."""
-    if not any(isinstance(kwargs.get(k), torch.Tensor) and not kwargs[k].is_meta for k in SIZE_INPUTS):
+    if not has_real_sizes(kwargs):
         return contextlib.nullcontext()
     return functorch_config.patch(fake_tensor_propagate_real_tensors=True)
 
