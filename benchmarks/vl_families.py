@@ -1,9 +1,10 @@
 """transformers' vision-language families planned with tensor parallelism, as a new user would
 (issue 31): a tiny config per family (tests/capture/vl_families.py), no ``extra_inputs`` hook.
 
-Each family is planned on meta at 32x the small widths with 224-pixel images (56k for the pooling
-families) on a (tp=4) mesh with a 512-token batch, then the plan's styles are applied to the small
-copy (``width=1``, images of 56 pixels) on 4 gloo ranks and one SGD step compared with one device
+Each family is planned on meta at 32x the small widths with 224-pixel images (448 for the pooling
+families, 112-pixel tiles for LLaVA-NeXT) on a (tp=4) mesh with a 512-token batch, then the plan's
+styles are applied to the small copy (``width=1``, images a quarter the size) on 4 gloo ranks and
+one SGD step compared with one device
 (loss rtol 1e-5, every gradient rtol 1e-4 / atol 1e-6). Outcome per family:
 
 - EQUAL: trained equal; ``tower`` / ``decoder`` say whether the plan shards the vision tower's and

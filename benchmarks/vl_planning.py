@@ -53,9 +53,10 @@ w0, c0 = time.perf_counter(), time.process_time()
 plan = plan_cluster(model, 64, hardware="h100_sxm", batch=(256, 4096))
 wall, cpu = time.perf_counter() - w0, time.process_time() - c0
 sharded = sorted({d["unit"] for d in plan.decisions if d["strategy"] != "replicate"})
-print(json.dumps(dict(import_s=import_s, build_s=build_s, wall_s=wall, cpu_s=cpu, mesh=str(plan.mesh),
-                      step_s=plan.predicted_step_time if hasattr(plan, "predicted_step_time") else None,
-                      sharded=sharded)))
+print(json.dumps(dict(import_s=import_s, build_s=build_s, wall_s=wall, cpu_s=cpu,
+                      parallel=dict(zip(plan.mesh["names"], plan.mesh["shape"]),
+                                    fsdp=(plan.parallel.get("dp") or {}).get("fsdp")),
+                      sharded=sharded), default=str))
 """
 
 
@@ -80,9 +81,8 @@ def main() -> None:
                wall_max_s=round(max(r["wall_s"] for r in runs), 2),
                import_s=round(statistics.median(r["import_s"] for r in runs), 2),
                build_s=round(statistics.median(r["build_s"] for r in runs), 2),
-               load=round(os.getloadavg()[0], 2), mesh=runs[0]["mesh"],
-               tower_sharded=any("visual" in u for u in runs[0]["sharded"]),
-               decoder_sharded=any("language_model" in u for u in runs[0]["sharded"]))
+               load=round(os.getloadavg()[0], 2),
+               plan=", ".join(f"{k}={v}" for k, v in runs[0]["parallel"].items()))
     df = pd.DataFrame([row])
     df.to_csv(HERE / "results" / "vl_planning.csv", index=False)
     (HERE / "results" / "vl_planning.md").write_text(
@@ -90,7 +90,7 @@ def main() -> None:
         f"Median of {len(runs)} fresh processes (empty planner cache); the call alone, wall and CPU seconds; "
         "`load` is the 1-minute load average of this shared machine when the runs ended.\n"
         "Regenerate: `.venv/bin/python benchmarks/vl_planning.py`.\n\n" + df.to_markdown(index=False)
-        + "\n\nUnits sharded by the plan: " + ", ".join(runs[0]["sharded"]) + "\n")
+        + "\n\nTensor-parallel units of the plan: " + (", ".join(runs[0]["sharded"]) or "none") + "\n")
 
 
 if __name__ == "__main__":
