@@ -122,9 +122,9 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
 @contextlib.contextmanager
 def value_checks_off(model: nn.Module, tokens: torch.Tensor | None = None):
     """transformers' checks of input values off while a ``model`` with image grids (Qwen-VL) runs
-    without values (on meta, or ``tokens`` meta or fake): "as many image tokens as image features" compares counts
-    of token ids a meta tensor does not hold, and answering it from no data fails a model whose
-    derived inputs are consistent by construction. A real run keeps every check."""
+    without values (on meta, or ``tokens`` meta or fake): "as many image tokens as image
+    features" counts token ids a meta tensor does not hold, and answering it from no data fails
+    a model whose derived inputs are consistent by construction. A real run keeps every check."""
     shapes_only = tokens is None or tokens.is_meta or is_fake(tokens)
     if not (shapes_only and takes_grid(model)):   # only where the inputs are built so (patch_grid.py)
         yield

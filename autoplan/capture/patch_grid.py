@@ -63,7 +63,8 @@ class PatchGrid:
             text = torch.arange(self.text_start, self.text_start + seq - self.tokens).expand(3, -1)
             out = {
                 "image_grid_thw": grid.to(sizes_device),
-                "position_ids": torch.cat([image, text], dim=1)[:, None, :].expand(3, rows, seq).contiguous().to(device),
+                "position_ids": torch.cat([image, text], dim=1)[:, None, :].expand(3, rows, seq).contiguous()
+                                .to(device),
                 "image_position_ids": get_vision_position_ids(grid, self.merge).to(device),
                 "image_cu_seqlens": get_vision_cu_seqlens(grid).to(sizes_device),
             }
@@ -73,8 +74,8 @@ class PatchGrid:
                 out["image_cu_window_seqlens"] = bounds.to(sizes_device)
             if self.interp is not None:
                 side, mode, corners = self.interp
-                idx, weights = get_vision_interpolation_indices_and_weights(grid, side, mode=mode, align_corners=corners,
-                                                                            spatial_merge_size=self.merge)
+                idx, weights = get_vision_interpolation_indices_and_weights(
+                    grid, side, mode=mode, align_corners=corners, spatial_merge_size=self.merge)
                 out["image_interp_indices"], out["image_interp_weights"] = idx.to(device), weights.to(device)
             return out
 

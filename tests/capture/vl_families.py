@@ -57,7 +57,8 @@ def _config(family: str, w: int, k: int):
                                             image_grid_pinpoints=[[14 * k, 14 * k]])
     if family in ("qwen2_vl", "qwen2_5_vl"):
         cls = transformers.Qwen2VLConfig if family == "qwen2_vl" else transformers.Qwen2_5_VLConfig
-        text = dict(model_type=f"{family}_text", rope_scaling={"type": "mrope", "mrope_section": [2 * w, 3 * w, 3 * w]}, **_text(w))
+        mrope = {"type": "mrope", "mrope_section": [2 * w, 3 * w, 3 * w]}   # half the head dim
+        text = dict(model_type=f"{family}_text", rope_scaling=mrope, **_text(w))
         vision = dict(depth=2, hidden_size=64 * w, out_hidden_size=64 * w, num_heads=4, in_channels=3, patch_size=14,
                       image_size=28 * k)
         if family == "qwen2_vl":
@@ -66,8 +67,8 @@ def _config(family: str, w: int, k: int):
             vision.update(intermediate_size=128 * w, window_size=56, fullatt_block_indexes=[1])
         return cls(text_config=text, image_token_id=200, vision_config=vision)
     if family == "qwen3_vl":
-        text = dict(model_type="qwen3_vl_text", rope_parameters={"rope_type": "default", "mrope_section": [2 * w, 3 * w, 3 * w],
-                                                                 "rope_theta": 10000.0}, **_text(w))
+        rope = {"rope_type": "default", "mrope_section": [2 * w, 3 * w, 3 * w], "rope_theta": 10000.0}
+        text = dict(model_type="qwen3_vl_text", rope_parameters=rope, **_text(w))
         return transformers.Qwen3VLConfig(
             text_config=text, image_token_id=200,
             vision_config=dict(depth=2, hidden_size=32 * w, intermediate_size=64 * w, num_heads=4, patch_size=14,
