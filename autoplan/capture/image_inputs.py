@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autoplan.capture.patch_grid import SIZE_INPUTS, PatchGrid, patch_grid, takes_grid
@@ -63,6 +64,10 @@ class ImageBatch:
             raise CaptureError(f"image inputs: a row of {seq} tokens cannot hold one image of {self.per_image} "
                                f"image tokens and text after it; give sequences longer than {self.per_image}")
         ids = tokens.clone()
+        if not (tokens.is_meta or is_fake(tokens)):
+            # an image token in the text (synthetic ids) would count as one more image token than
+            # the image has features; a processor never puts one there: its neighbour stands in
+            ids = torch.where(ids == self.token_id, self.token_id - 1 if self.token_id else 1, ids)
         ids[..., : self.per_image] = self.token_id
         if tokens.is_meta or is_fake(tokens):   # shapes only: a capture, a probe on fake tensors
             pixels = torch.empty((rows, *self.pixel_shape), dtype=self.dtype, device=tokens.device)
@@ -111,7 +116,7 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
             # copies of one model (the probe's styled copies, every rank's) share the measurement:
             # it depends only on the class, the config and the dtype, and a styled copy's tower
             # may not run outside its step
-            key = (type(model), model.config.to_json_string(use_diff=False), dtype)
+            key = (plain_class(model), model.config.to_json_string(use_diff=False), dtype)
             if key not in _BY_CONFIG:
                 _BY_CONFIG[key] = derive(model)
             batch = _BY_CONFIG[key]
@@ -138,6 +143,12 @@ def value_checks_off(model: nn.Module, tokens: torch.Tensor | None = None):
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
+
+
+def plain_class(model: nn.Module) -> type:
+    """``model``'s own class under the wrappers FSDP2 and the runners add (``FSDPLlava...``)."""
+    return next((c for c in type(model).__mro__ if not c.__module__.startswith(("torch.", "hyper_parallel."))),
+                type(model))
 
 
 def param_dtype(model: nn.Module) -> torch.dtype:
@@ -194,8 +205,15 @@ def derive(model: nn.Module) -> ImageBatch | None:
         shape = (channels, size, size)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     one_image = ImageBatch(int(token_id), 0, shape, layout, dtype)
+    measured = model
+    if plain_class(model) is not type(model) or any(isinstance(p, DTensor) for p in model.parameters()):
+        # a sharded or wrapped model (FSDP2, the runners' styles) runs its tower only inside its
+        # step: the measurement is the plain class's from the config, on meta
+        with torch.device("meta"):
+            measured = plain_class(model)(model.config).to(dtype)
+        device = torch.device("meta")
     try:
-        features = _one_image_features(model, one_image, device)
+        features = _one_image_features(measured, one_image, device)
     except Exception as exc:  # noqa: BLE001 - a tower that cannot run one image is refused, typed
         raise CaptureError(f"{name}.get_image_features failed on one {size}x{size} image: "
                            f"{type(exc).__name__}: {exc}") from exc
@@ -234,7 +252,9 @@ def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.d
 def _tiles(model: nn.Module) -> Callable[[list[int]], int] | None:
     """The number of tiles (with the base image) an image of a given size becomes, by the
     model's own function (LLaVA-NeXT's ``image_size_to_num_patches`` in its module), or None."""
-    fn = getattr(sys.modules.get(type(model).__module__), "image_size_to_num_patches", None)
+    # through the class's bases: FSDP2 and the runners wrap a model in classes of their own
+    fn = next((f for c in type(model).__mro__
+               if (f := getattr(sys.modules.get(c.__module__), "image_size_to_num_patches", None)) is not None), None)
     if fn is None:
         return None
     config = model.config

@@ -141,12 +141,14 @@ def test_llava_tensor_parallel_plan_shards_tower_and_decoder_and_trains_equal(po
 
 
 def test_qwen2_5_vl_tensor_parallel_plan_shards_tower_and_decoder_and_trains_equal(pool4):
-    """Qwen2.5-VL planned at tp=4 from its config alone: capture on meta resolves the tower's
-    grid-sized splits from the real grid (the size inputs stay real), the plan shards the
-    windowed tower's MLP and the decoder's attention and MLP, and trains equal to one device."""
+    """Qwen2.5-VL planned on dp=2 x tp=2 from its config alone: capture on meta resolves the
+    tower's grid-sized splits from the real grid (the size inputs stay real), the plan shards the
+    windowed tower's MLP and the decoder's attention and MLP, and trains equal to one device --
+    each dp rank building its rows' images, grids and positions, under FSDP's wrapper class, with
+    random text that may hold the image token id."""
     with torch.device("meta"):
         wide = build("qwen2_5_vl", 32, 8)
-    plan = autoplan(wide, MeshSpec((4,), ("tp",)), batch=(2, 512))
+    plan = autoplan(wide, MeshSpec((2, 2), ("dp", "tp")), batch=(4, 512))
     sharded = {d["unit"] for d in plan.decisions if d["strategy"] != "replicate"}
     assert {"model.visual.blocks/mlp", "model.language_model.layers/attention",
             "model.language_model.layers/mlp"} <= sharded
