@@ -19,6 +19,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device
 from autoplan.capture.fallback import capture_with_hooks
+from autoplan.capture.image_inputs import value_checks_off
+from autoplan.capture.patch_grid import has_real_sizes, sizes_from_values
 from autoplan.capture.graph_cache import graph_key, load_graph, store_graph
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_view, resolve_inputs
 from autoplan.capture.ir import ModelGraph
@@ -83,7 +85,9 @@ def _capture_model(model: nn.Module, args: tuple, kwargs: dict, dtype, max_copy_
         modes = [(m, m.training) for m in mm.modules()]
         mm.train()  # training-time graph: dropout present, caches off
         try:
-            return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
+            # a VL model's image-token count check has no values on meta; its image grid has
+            with value_checks_off(mm), sizes_from_values(kwargs):
+                return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
         except AutoplanError:
             raise
         except Exception as exc:  # a torch error escaping every attempt: typed, naming model and error
@@ -129,6 +133,8 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
     try:
         graph = capture_with_hooks(mm, args, kwargs, infos, groups, tied, nparams, errors)
     except CaptureError as exc:
+        if has_real_sizes(kwargs):   # fake CPU copies would lose the sizes: this error is the reason
+            raise
         errors.append(str(exc))
         log.warning("hooks on meta failed (%s); retrying with fake CPU tensors", exc)
         with fake_device(mm, args, kwargs) as (_, a, kw):

@@ -9,20 +9,25 @@ image tokens placed at the start of every row, and the pixel tensors in the layo
 and the number of tokens an image becomes are read off the config and measured by running the
 model's own ``get_image_features`` once on one image (on meta tensors for a model on meta).
 
-Layouts are told apart by what ``get_image_features`` takes: ``pixel_values`` alone (LLaVA,
-PaliGemma, Gemma 3, InternVL, Aya Vision, Florence-2), with ``image_sizes`` (Mistral 3), with
-``pixel_attention_mask`` (Idefics 3, SmolVLM: one tile per image). Families whose images are
-patch sequences with grids (Qwen-VL), tiled with aspect ratios (LLaVA-NeXT) or fed through
-cross-attention (Mllama) are refused with a :class:`~autoplan.errors.CaptureError` naming what
-to give instead: an ``extra_inputs(tokens) -> dict`` hook on the model.
+Layouts are told apart by what the model takes: ``pixel_values`` alone (LLaVA, PaliGemma,
+Gemma 3, InternVL, Aya Vision, Florence-2), with ``image_sizes`` (Mistral 3), with
+``pixel_attention_mask`` (Idefics 3, SmolVLM: one tile per image), any-resolution tiles with
+``image_sizes`` as ints (LLaVA-NeXT: the tile count from the model's own tiling function), patch
+sequences with ``image_grid_thw`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: :mod:`autoplan.capture.patch_grid`).
+Families fed through cross-attention (Mllama) or without an image size in their config
+(Florence-2) are refused with a :class:`~autoplan.errors.CaptureError` naming what to give
+instead: an ``extra_inputs(tokens) -> dict`` hook on the model.
 
 Pixel values are a function of each row's tokens (seeded by the row's content), so a rank that
 holds some rows of a batch builds the same images for them as one device does for the whole.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import os
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -30,9 +35,14 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from autoplan.capture.patch_grid import SIZE_INPUTS, PatchGrid, patch_grid, takes_grid
 from autoplan.errors import CaptureError
+
+__all__ = ["ImageBatch", "SIZE_INPUTS", "derive", "image_inputs", "is_vision_language", "param_dtype",
+           "value_checks_off"]
 
 
 @dataclass(frozen=True)
@@ -43,8 +53,9 @@ class ImageBatch:
     token_id: int
     per_image: int
     pixel_shape: tuple[int, ...]
-    layout: str          # "pixels", "pixels+sizes" or "tiles" (see the module docstring)
+    layout: str          # "pixels", "pixels+sizes", "tiles", "anyres" or "patches" (see the module docstring)
     dtype: torch.dtype
+    patches: PatchGrid | None = None   # the grid of a "patches" image (autoplan.capture.patch_grid)
 
     def __call__(self, tokens: torch.Tensor) -> dict:
         """``input_ids`` (``tokens`` with the image tokens placed) and the pixel inputs."""
@@ -53,21 +64,27 @@ class ImageBatch:
             raise CaptureError(f"image inputs: a row of {seq} tokens cannot hold one image of {self.per_image} "
                                f"image tokens and text after it; give sequences longer than {self.per_image}")
         ids = tokens.clone()
-        # the text holds no image token of its own (a processor never puts one there): a stray one
-        # would make the model count one image token more than its images' features
-        ids[ids == self.token_id] = 0 if self.token_id != 0 else 1
+        if not (tokens.is_meta or is_fake(tokens)):
+            # an image token in the text (synthetic ids) would count as one more image token than
+            # the image has features; a processor never puts one there: its neighbour stands in
+            ids = torch.where(ids == self.token_id, self.token_id - 1 if self.token_id else 1, ids)
         ids[..., : self.per_image] = self.token_id
         if tokens.is_meta or is_fake(tokens):   # shapes only: a capture, a probe on fake tensors
             pixels = torch.empty((rows, *self.pixel_shape), dtype=self.dtype, device=tokens.device)
         else:
             pixels = torch.stack([_row_image(row, self.pixel_shape, self.dtype) for row in tokens])
         out = {"input_ids": ids}
-        if self.layout == "tiles":
+        if self.patches is not None:   # one sequence of every row's patches, and the grid's inputs
+            out["pixel_values"] = pixels.flatten(0, 1)
+            out.update(self.patches.inputs(rows, seq, tokens.device, tokens.is_meta or is_fake(tokens)))
+        elif self.layout == "tiles":
             out["pixel_values"] = pixels.unsqueeze(1)
             out["pixel_attention_mask"] = torch.ones((rows, 1, *self.pixel_shape[-2:]), dtype=torch.bool,
                                                      device=pixels.device)
         else:
             out["pixel_values"] = pixels
+        if self.layout == "anyres":   # sizes as ints: the model computes its tiling from them in Python
+            out["image_sizes"] = [list(self.pixel_shape[-2:])] * rows
         if self.layout == "pixels+sizes":
             out["image_sizes"] = torch.tensor([list(self.pixel_shape[-2:])] * rows, device=pixels.device)
         return out
@@ -99,12 +116,39 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
             # copies of one model (the probe's styled copies, every rank's) share the measurement:
             # it depends only on the class, the config and the dtype, and a styled copy's tower
             # may not run outside its step
-            key = (type(model), model.config.to_json_string(use_diff=False), dtype)
+            key = (plain_class(model), model.config.to_json_string(use_diff=False), dtype)
             if key not in _BY_CONFIG:
                 _BY_CONFIG[key] = derive(model)
             batch = _BY_CONFIG[key]
         known = _DERIVED[model] = (dtype, batch)
     return known[1]
+
+
+@contextlib.contextmanager
+def value_checks_off(model: nn.Module, tokens: torch.Tensor | None = None):
+    """transformers' checks of input values off while a ``model`` with image grids (Qwen-VL) runs
+    without values (on meta, or ``tokens`` meta or fake): "as many image tokens as image
+    features" counts token ids a meta tensor does not hold, and answering it from no data fails
+    a model whose derived inputs are consistent by construction. A real run keeps every check."""
+    shapes_only = tokens is None or tokens.is_meta or is_fake(tokens)
+    if not (shapes_only and takes_grid(model)):   # only where the inputs are built so (patch_grid.py)
+        yield
+        return
+    key, before = "TRANSFORMERS_DISABLE_TORCH_CHECK", os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def plain_class(model: nn.Module) -> type:
+    """``model``'s own class under the wrappers FSDP2 and the runners add (``FSDPLlava...``)."""
+    return next((c for c in type(model).__mro__ if not c.__module__.startswith(("torch.", "hyper_parallel."))),
+                type(model))
 
 
 def param_dtype(model: nn.Module) -> torch.dtype:
@@ -132,14 +176,19 @@ def derive(model: nn.Module) -> ImageBatch | None:
                            f"extra_inputs(tokens) hook")
     takes = inspect.signature(model.get_image_features).parameters
     forward_takes = inspect.signature(model.forward).parameters
-    unknown = [k for k in ("image_grid_thw", "aspect_ratio_ids") if k in takes or k in forward_takes]
+    dtype = param_dtype(model)
+    if takes_grid(model):
+        grid, shape = patch_grid(model, int(token_id))
+        return ImageBatch(int(token_id), grid.tokens, shape, "patches", dtype, grid)
+    unknown = [k for k in ("aspect_ratio_ids",) if k in takes or k in forward_takes]
     if "image_sizes" in takes and takes["image_sizes"].default is inspect.Parameter.empty:
         layout = "pixels+sizes"
     elif "pixel_attention_mask" in takes:
         layout = "tiles"
     else:
         layout = "pixels"
-    if unknown or _tiled(model):
+    tiles = _tiles(model) if _tiled(model) else None
+    if unknown or (_tiled(model) and tiles is None):
         raise CaptureError(f"{name}: its images are not one pixel tensor per image (it takes {unknown or 'tiles'}), "
                            f"which autoplan does not build yet; give the model an extra_inputs(tokens) hook "
                            f"returning input_ids with the image tokens placed and the pixel inputs")
@@ -150,11 +199,21 @@ def derive(model: nn.Module) -> ImageBatch | None:
         raise CaptureError(f"{name}: vision_config has no image_size to build an image of; give the model an "
                            f"extra_inputs(tokens) hook")
     channels = int(_first_int(vision, ("num_channels", "in_channels")) or 3)
-    dtype = param_dtype(model)
+    if tiles is not None:   # an image of the tower's size, cut as the model's own tiling cuts it
+        layout, shape = "anyres", (tiles([size, size]), channels, size, size)
+    else:
+        shape = (channels, size, size)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    one_image = ImageBatch(int(token_id), 0, (channels, size, size), layout, dtype)
+    one_image = ImageBatch(int(token_id), 0, shape, layout, dtype)
+    measured = model
+    if plain_class(model) is not type(model) or any(isinstance(p, DTensor) for p in model.parameters()):
+        # a sharded or wrapped model (FSDP2, the runners' styles) runs its tower only inside its
+        # step: the measurement is the plain class's from the config, on meta
+        with torch.device("meta"):
+            measured = plain_class(model)(model.config).to(dtype)
+        device = torch.device("meta")
     try:
-        features = _one_image_features(model, one_image, device)
+        features = _one_image_features(measured, one_image, device)
     except Exception as exc:  # noqa: BLE001 - a tower that cannot run one image is refused, typed
         raise CaptureError(f"{name}.get_image_features failed on one {size}x{size} image: "
                            f"{type(exc).__name__}: {exc}") from exc
@@ -167,7 +226,7 @@ def derive(model: nn.Module) -> ImageBatch | None:
     if count is None:
         raise CaptureError(f"{name}.get_image_features returned no features of the text width {hidden}; give the "
                            f"model an extra_inputs(tokens) hook")
-    return ImageBatch(int(token_id), count, (channels, size, size), layout, dtype)
+    return ImageBatch(int(token_id), count, shape, layout, dtype)
 
 
 def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.device):
@@ -188,6 +247,19 @@ def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.d
         if "image_sizes" in kwargs:   # as plain ints: a fake tensor keeps no values to slice by
             kwargs["image_sizes"] = [list(one_image.pixel_shape[-2:])]
         return stand_in.get_image_features(**kwargs)
+
+
+def _tiles(model: nn.Module) -> Callable[[list[int]], int] | None:
+    """The number of tiles (with the base image) an image of a given size becomes, by the
+    model's own function (LLaVA-NeXT's ``image_size_to_num_patches`` in its module), or None."""
+    # through the class's bases: FSDP2 and the runners wrap a model in classes of their own
+    fn = next((f for c in type(model).__mro__
+               if (f := getattr(sys.modules.get(c.__module__), "image_size_to_num_patches", None)) is not None), None)
+    if fn is None:
+        return None
+    config = model.config
+    return lambda image: int(fn(image_size=image, grid_pinpoints=config.image_grid_pinpoints,
+                                patch_size=config.vision_config.image_size))
 
 
 def _tiled(model: nn.Module) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from autoplan.capture.image_inputs import image_inputs, param_dtype
+from autoplan.capture.image_inputs import SIZE_INPUTS, image_inputs, param_dtype
 from autoplan.errors import CaptureError, MissingInputsError, ModelTooLargeError
 
 DEFAULT_MAX_COPY_BYTES = 8 * 2**30
@@ -92,7 +92,10 @@ def inputs_from_batch(model: nn.Module, batch: Any, dtype: torch.dtype | None = 
             kwargs["decoder_input_ids"] = torch.zeros(spec.batch_size, dec, dtype=torch.long, device="meta")
         extra = image_inputs(model)   # a VL model's images for the tokens, as plan/forward.py gives them
         if extra is not None:
-            images = to_meta_tree(extra(ids), dtype)
+            images = extra(ids)
+            # sizes the forward reads the values of (image grids) stay real: shapes on meta follow them
+            sizes = {k: images.pop(k) for k in SIZE_INPUTS if k in images}
+            images = {**to_meta_tree(images, dtype), **sizes}
             if "input_ids" in images and "input_ids" not in kwargs:
                 kwargs[next(k for k, v in kwargs.items() if v is ids)] = images.pop("input_ids")
             kwargs.update(images)

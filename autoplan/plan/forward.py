@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoplan.capture.image_inputs import image_inputs
+from autoplan.capture.image_inputs import image_inputs, value_checks_off
 
 
 def output_logits(out):
@@ -34,11 +34,12 @@ def forward_tokens(model: nn.Module, tokens: torch.Tensor, **extra):
     extra = dict(extra)
     ids = extra.pop("input_ids", tokens)
     config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        # the extra inputs too (Florence-2's images feed its encoder): capture traces them, so a
-        # step without them would leave the modules they reach planned but never run
-        return model(input_ids=ids, decoder_input_ids=tokens, **extra)
-    return model(ids, **extra)
+    with value_checks_off(model, tokens):   # a probe on meta has no token values to count
+        if getattr(config, "is_encoder_decoder", False):
+            # the extra inputs too (Florence-2's images feed its encoder): capture traces them, so a
+            # step without them would leave the modules they reach planned but never run
+            return model(input_ids=ids, decoder_input_ids=tokens, **extra)
+        return model(ids, **extra)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -61,12 +61,31 @@ def test_image_inputs_are_derived_and_run_the_model(family, per_image):
     assert image_inputs(model)(tokens)["pixel_values"].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("family, per_image", [("qwen2_5_vl", 4), ("llava_next", 10)])
+def test_grid_and_tiled_image_inputs_run_the_model_as_its_processor_would(family, per_image):
+    """Qwen2.5-VL (patches with a grid, windowed tower, M-RoPE) and LLaVA-NeXT (any-resolution
+    tiles, image sizes) from the config alone: the model runs (it checks tokens against
+    features), our M-RoPE positions are the model's own, a row's inputs depend on that row only,
+    and a model on meta derives the same."""
+    torch.manual_seed(0)
+    model = build(family, 1, 2)
+    batch = derive(model)
+    assert batch.per_image == per_image
+    with torch.device("meta"):
+        assert derive(build(family, 1, 2)) == batch
+    tokens = torch.randint(3, 199, (3, per_image + 6))
+    out = output_logits(forward_tokens(model, tokens))
+    whole, rows = image_inputs(model)(tokens), image_inputs(model)(tokens[1:])
+    assert torch.equal(whole["pixel_values"][-rows["pixel_values"].shape[0]:], rows["pixel_values"])
+    if family == "qwen2_5_vl":   # the model's own positions, from the token types a processor gives
+        kw = {k: v for k, v in whole.items() if k in ("input_ids", "pixel_values", "image_grid_thw")}
+        own = model(**kw, mm_token_type_ids=(kw["input_ids"] == 200).int()).logits
+        torch.testing.assert_close(own, out, rtol=0, atol=0)
+        assert whole["image_grid_thw"].tolist() == [[1, 4, 4]] * 3
+
+
 def test_families_whose_images_are_not_one_tensor_are_refused_by_name():
     torch.manual_seed(0)
-    with pytest.raises(CaptureError, match="Qwen2VLForConditionalGeneration.*image_grid_thw.*extra_inputs"):
-        derive(build("qwen2_vl"))
-    with pytest.raises(CaptureError, match="LlavaNextForConditionalGeneration.*tiles"):
-        derive(build("llava_next"))
     with pytest.raises(CaptureError, match="Mllama.*cross-attention"):
         forward_tokens(build("mllama"), torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(CaptureError, match="Florence2.*no image_size"):
@@ -117,5 +136,22 @@ def test_llava_tensor_parallel_plan_shards_tower_and_decoder_and_trains_equal(po
     assert {"model.vision_tower.encoder.layers/attention", "model.vision_tower.encoder.layers/mlp",
             "model.language_model.layers/attention", "model.language_model.layers/mlp"} <= sharded
     recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": "llava", "image": 2}, seed=3)
+    result = check_numerics(plan, recipe, pool=pool4, seq=40)
+    assert result.passed, result.summary()
+
+
+def test_qwen2_5_vl_tensor_parallel_plan_shards_tower_and_decoder_and_trains_equal(pool4):
+    """Qwen2.5-VL planned on dp=2 x tp=2 from its config alone: capture on meta resolves the
+    tower's grid-sized splits from the real grid (the size inputs stay real), the plan shards the
+    windowed tower's MLP and the decoder's attention and MLP, and trains equal to one device --
+    each dp rank building its rows' images, grids and positions, under FSDP's wrapper class, with
+    random text that may hold the image token id."""
+    with torch.device("meta"):
+        wide = build("qwen2_5_vl", 32, 8)
+    plan = autoplan(wide, MeshSpec((2, 2), ("dp", "tp")), batch=(4, 512))
+    sharded = {d["unit"] for d in plan.decisions if d["strategy"] != "replicate"}
+    assert {"model.visual.blocks/mlp", "model.language_model.layers/attention",
+            "model.language_model.layers/mlp"} <= sharded
+    recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": "qwen2_5_vl", "image": 2}, seed=3)
     result = check_numerics(plan, recipe, pool=pool4, seq=40)
     assert result.passed, result.summary()

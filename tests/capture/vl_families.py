@@ -53,14 +53,27 @@ def _config(family: str, w: int, k: int):
     if family == "llava_next":
         return transformers.LlavaNextConfig(text_config=dict(model_type="llama", **_text(w)), image_token_index=200,
                                             vision_config=dict(model_type="clip_vision_model", projection_dim=32,
-                                                               **_vision(w, 28 * k)),
-                                            image_grid_pinpoints=[[28 * k, 28 * k]])
+                                                               **_vision(w, 14 * k)),
+                                            image_grid_pinpoints=[[14 * k, 14 * k]])
     if family in ("qwen2_vl", "qwen2_5_vl"):
         cls = transformers.Qwen2VLConfig if family == "qwen2_vl" else transformers.Qwen2_5_VLConfig
-        text = dict(model_type=f"{family}_text", rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, **_text(w))
-        return cls(text_config=text, image_token_id=200,
-                   vision_config=dict(depth=2, embed_dim=32 * w, hidden_size=64 * w, out_hidden_size=64 * w,
-                                      num_heads=4, in_channels=3, patch_size=14))
+        mrope = {"type": "mrope", "mrope_section": [2 * w, 3 * w, 3 * w]}   # half the head dim
+        text = dict(model_type=f"{family}_text", rope_scaling=mrope, **_text(w))
+        vision = dict(depth=2, hidden_size=64 * w, out_hidden_size=64 * w, num_heads=4, in_channels=3, patch_size=14,
+                      image_size=28 * k)
+        if family == "qwen2_vl":
+            vision.update(embed_dim=32 * w, mlp_ratio=2)
+        else:   # windowed attention: 56-pixel windows (2x2 merged tokens), the second block full
+            vision.update(intermediate_size=128 * w, window_size=56, fullatt_block_indexes=[1])
+        return cls(text_config=text, image_token_id=200, vision_config=vision)
+    if family == "qwen3_vl":
+        rope = {"rope_type": "default", "mrope_section": [2 * w, 3 * w, 3 * w], "rope_theta": 10000.0}
+        text = dict(model_type="qwen3_vl_text", rope_parameters=rope, **_text(w))
+        return transformers.Qwen3VLConfig(
+            text_config=text, image_token_id=200,
+            vision_config=dict(depth=2, hidden_size=32 * w, intermediate_size=64 * w, num_heads=4, patch_size=14,
+                               out_hidden_size=64 * w, num_position_embeddings=16, deepstack_visual_indexes=[0],
+                               image_size=28 * k))
     if family == "mllama":
         return transformers.MllamaConfig(
             vision_config=dict(hidden_size=64 * w, intermediate_size=128 * w, num_hidden_layers=2, num_global_layers=1,
@@ -87,7 +100,7 @@ def _config(family: str, w: int, k: int):
 # the families with one pixel tensor per image (planned from their config alone), then those
 # autoplan refuses without a hook (image grids, tiling, cross-attention, no image size)
 FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "mistral3", "idefics3", "smolvlm",
-            "llava_next", "qwen2_vl", "qwen2_5_vl", "mllama", "florence2")
+            "llava_next", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "florence2")
 
 
 def build(family: str, width: int = 1, image: int = 1) -> torch.nn.Module:
