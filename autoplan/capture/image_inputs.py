@@ -125,13 +125,16 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
 
 
 @contextlib.contextmanager
-def value_checks_off(model: nn.Module, tokens: torch.Tensor | None = None):
+def value_checks_off(model: nn.Module, tokens: torch.Tensor | None = None, every_family: bool = False):
     """transformers' checks of input values off while a ``model`` with image grids (Qwen-VL) runs
     without values (on meta, or ``tokens`` meta or fake): "as many image tokens as image
     features" counts token ids a meta tensor does not hold, and answering it from no data fails
-    a model whose derived inputs are consistent by construction. A real run keeps every check."""
+    a model whose derived inputs are consistent by construction. A real run keeps every check.
+    ``every_family``: for any VL model (verify's dry run on fake tensors, which counts
+    collectives; the probe keeps them for the others, see the module docstring)."""
     shapes_only = tokens is None or tokens.is_meta or is_fake(tokens)
-    if not (shapes_only and takes_grid(model)):   # only where the inputs are built so (patch_grid.py)
+    wanted = takes_grid(model) or (every_family and is_vision_language(model))
+    if not (shapes_only and wanted):   # only where the inputs are built so (patch_grid.py)
         yield
         return
     key, before = "TRANSFORMERS_DISABLE_TORCH_CHECK", os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")

@@ -33,7 +33,7 @@ from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.pipeline_parallel.microbatch import NO_SPLIT
 from hyper_parallel.parallel_dims import mesh_roles
 from hyper_parallel.core.pipeline_parallel import SCHEDULES, schedule_facts
-from hyper_parallel.errors import MeshError, PipelineError
+from hyper_parallel.errors import MeshError, MicrobatchError, PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,7 @@ class PipelineRunner(HeldWeights):
         model's hook or derived image inputs are used, as ``Runner.step``."""
         inputs, targets = batch
         if not kwargs and self.root is not None:
-            make = image_inputs(self.root)
-            kwargs = make(inputs) if make is not None else {}
+            inputs, kwargs = microbatch_image_inputs(self.root, inputs, self.schedule.n_microbatches)
         kwargs = dict(kwargs)
         inputs = kwargs.pop("input_ids", inputs)
         self.optimizer.zero_grad()
@@ -142,6 +141,23 @@ class PipelineRunner(HeldWeights):
                 dist.all_reduce(value, group=dp_group(mesh))
                 value /= mesh.size()
         return float(value)
+
+
+def microbatch_image_inputs(model: nn.Module, tokens: torch.Tensor, m: int) -> tuple[torch.Tensor, dict]:
+    """(token ids with the image tokens placed, the step's image keywords) for ``m`` micro-batches
+    of ``tokens``' rows, from the model's hook or derived image inputs (none for a text model).
+    Each micro-batch's are built for its own rows (``PerMicrobatch``): a grid model's inputs span
+    all of a batch's images (cumulative lengths, window indices) and no split of the whole batch's
+    gives a micro-batch's."""
+    make = image_inputs(model)
+    if make is None:
+        return tokens, {}
+    if tokens.shape[0] % m:
+        raise MicrobatchError(f"PipelineRunner.step: {tokens.shape[0]} rows do not split into the plan's {m} "
+                              "micro-batches")
+    parts = [dict(make(rows)) for rows in tokens.tensor_split(m)]
+    ids = torch.cat([p.pop("input_ids", rows) for p, rows in zip(parts, tokens.tensor_split(m))])
+    return ids, {k: pipe.PerMicrobatch(p[k] for p in parts) for k in parts[0]}
 
 
 def plan_preprocess(pre_cfg: dict | None, model: nn.Module, dp_mode: str | None) -> pipe.Preprocess | None:

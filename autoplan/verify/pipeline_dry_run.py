@@ -32,11 +32,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.capture.image_inputs import image_inputs
+from autoplan.capture.image_inputs import value_checks_off
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.parallelisms.context import cp_share
 from autoplan.parallelisms.expert import batch_shards
+from autoplan.plan.pipeline_runner import microbatch_image_inputs
 from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, meta_copy,
                                         plan_dtype)
 from hyper_parallel.core.pipeline_parallel import ImageFeatures, split_microbatches
@@ -59,16 +60,13 @@ def _global_rank(plan, pp_rank: int) -> int:
     return rank
 
 
-def _tower_inputs(plan, model: torch.nn.Module, pre, tokens: torch.Tensor) -> dict:
-    """The step's image keywords for ``tokens``: the MPipe tower's (``pre.inputs``), or -- a tower
-    on stage 0 -- every image input and the token ids with the image tokens placed; none without a
-    tower. Every pipeline rank passes them: any may own a micro-batch's tower."""
-    placement = ((plan.pipeline or {}).get("preprocess") or {}).get("placement")
-    make = image_inputs(model) if placement else None
-    if make is None:
-        return {}
-    extra = make(tokens)
-    return {k: extra[k] for k in pre.inputs} if pre is not None else dict(extra)
+def _image_inputs(plan, model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(token ids, the step's image keywords) as PipelineRunner.step derives them for a plan with a
+    vision tower (per micro-batch); ``tokens`` and none without one. Every pipeline rank passes
+    them: stage 0 or any MPipe owner runs the tower, every stage may read the token ids."""
+    if not ((plan.pipeline or {}).get("preprocess") or {}).get("placement"):
+        return tokens, {}
+    return microbatch_image_inputs(model, tokens, int(plan.pipeline["microbatches"]))
 
 
 def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_rank: int = 0,
@@ -109,27 +107,28 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             if shapes_model is not None:
                 shapes_model.to_empty(device="cpu")
         # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
-        with fake, balanced_routing():
+        # shapes only: transformers' checks of input values have none to read (VL models' image-token
+        # counts), and the derived inputs are consistent by construction
+        with fake, balanced_routing(), value_checks_off(meta, every_family=True):
             # one dp x ep rank's rows (the ep dimension shards the batch), as PipelineRunner.local_batch
             inputs, targets = dry_batch(plan, batch_shards(plan), inputs)
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)
+            inputs, extra = _image_inputs(plan, meta, inputs)
             step_kwargs = runner.step_kwargs(inputs)
-            extra = _tower_inputs(plan, meta, pre, inputs)
-            inputs = extra.pop("input_ids", inputs)
             if shapes_model is not None:
                 m = int(plan.pipeline["microbatches"])
-                mb_args, mb_kwargs = split_microbatches((inputs,), {}, m)
-                # every stage gets the step's keywords whole, as the schedule hands them (NO_SPLIT)
-                mb_kwargs = [{**kw, **step_kwargs} for kw in mb_kwargs]
+                # micro-batch 0's keywords, split as the schedule splits the step's
+                mb_args, mb_kwargs = split_microbatches((inputs,), {**step_kwargs, **extra}, m, None,
+                                                        runner.schedule.kwarg_specs)
                 if pre is not None:   # stage 0 takes micro-batch 0's tower output (the dry run's own tower)
-                    _, pv = split_microbatches((), extra, m)
+                    mb0 = mb_kwargs[0]
+                    tower_kw = {k: mb0[k] for k in pre.inputs}
+                    for k in set(pre.inputs) - set(pre.keep):
+                        mb0.pop(k)
                     module = plan.pipeline["preprocess"]["module"]
                     tower = ImageFeatures(shapes_model) if module == METHOD else shapes_model.get_submodule(module)
-                    out = tower(**pv[0])
-                    mb_kwargs[0] = {**mb_kwargs[0], pre.into: pre.unpack(flatten(out, "tower")) if pre.unpack else out}
-                elif extra:   # the tower on stage 0: micro-batch 0's images reach it
-                    _, pv = split_microbatches((), extra, m)
-                    mb_kwargs[0] = {**mb_kwargs[0], **pv[0]}
+                    out = tower(**tower_kw)
+                    mb0[pre.into] = pre.unpack(flatten(out, "tower")) if pre.unpack else out
                 boundaries["metas"] = local_boundaries(shapes_model, list(plan.pipeline["cuts"]), tp_mesh,
                                                        mb_args[0], mb_kwargs[0], device="cpu")
             runner.schedule.boundary_metas = boundaries["metas"]

@@ -113,7 +113,8 @@ def _shrink_composite(config: Any, subs: dict[str, Any], degrees: list[int]) -> 
     out = dict(config.to_dict())
     follow: dict[int, int] = {}
     for key, sub in subs.items():
-        small = shrink_hf_config(sub, degrees)
+        # windows are shrunk in the text model only (a vision tower's windows are in pixels)
+        small = shrink_hf_config(sub, degrees, extents=key == "text_config")
         small.pop("model_class", None)
         old = next((sub.to_dict()[k] for k in ("hidden_size", "d_model", "n_embd") if k in sub.to_dict()), None)
         new = next((small[k] for k in ("hidden_size", "d_model", "n_embd") if k in small), None)
@@ -122,10 +123,13 @@ def _shrink_composite(config: Any, subs: dict[str, Any], degrees: list[int]) -> 
         elif isinstance(old, int) and isinstance(new, int):
             follow.setdefault(old, new)
         out[key] = small
-    for k, v in list(out.items()):
-        if isinstance(v, int) and not isinstance(v, bool) and v in follow and any(
-                w in k for w in ("hidden", "dim", "size")):
-            out[k] = follow[v]
+    text_hidden = {old: new for old, new in follow.items() if new == next(
+        (out["text_config"].get(k) for k in ("hidden_size", "d_model", "n_embd") if k in out.get("text_config", {})), None)}
+    for table, names in [(out, follow)] + [(out[k], text_hidden) for k in subs if k != "text_config"]:
+        for k, v in list(table.items()):   # Qwen-VL's vision out_hidden_size feeds the decoder
+            if isinstance(v, int) and not isinstance(v, bool) and v in names and any(
+                    w in k for w in ("hidden", "dim", "size")) and not (table is not out and k == "hidden_size"):
+                table[k] = names[v]
     text = out.get("text_config")
     ids = [v for k, v in out.items() if "token" in k and isinstance(v, int) and not isinstance(v, bool)]
     if isinstance(text, dict) and isinstance(text.get("vocab_size"), int) and ids and max(ids) >= text["vocab_size"]:
@@ -140,10 +144,28 @@ def _shrink_composite(config: Any, subs: dict[str, Any], degrees: list[int]) -> 
     return out
 
 
-def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
+def _mrope_sections(d: dict) -> dict:
+    """M-RoPE's per-axis split of the rotary half (Qwen-VL's ``mrope_section``, summing to
+    head_dim / 2) rescaled to the small head dim, each axis keeping at least one pair."""
+    out = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = d.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and sum(rope["mrope_section"]):
+            sec, want = rope["mrope_section"], HEAD_DIM // 2
+            new = [max(1, want * s // sum(sec)) for s in sec]
+            while sum(new) > want:
+                new[new.index(max(new))] -= 1
+            while sum(new) < want:
+                new[new.index(min(new))] += 1
+            out[key] = dict(rope, mrope_section=new)
+    return out
+
+
+def shrink_hf_config(config: Any, degrees: list[int], extents: bool = True) -> dict:
     """The small config (as a dict) of an HF ``config``: heads kept, head dim ``HEAD_DIM``, widths
-    small with their residues modulo ``degrees`` kept, ``LAYERS`` blocks per stack, no dropout.
-    A composite config (no head count of its own, sub-models' configs) shrinks each sub-model."""
+    small with their residues modulo ``degrees`` kept, ``LAYERS`` blocks per stack, no dropout,
+    attention windows and chunks shorter than the check's sequences (``extents``). A composite
+    config (no head count of its own, sub-models' configs) shrinks each sub-model."""
     d = config.to_dict()
     subs = _sub_configs(config)
     if subs and not any(isinstance(d.get(k), int) for k in _HEAD_KEYS):
@@ -194,8 +216,9 @@ def shrink_hf_config(config: Any, degrees: list[int]) -> dict:
         if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
             out[k] = 0.0
     for k, v in attention_extents(d).items():
-        if v > WINDOW and "." not in k:   # nested configs (composite models) are not shrunk here
+        if extents and v > WINDOW and "." not in k:   # nested configs (composite models) are not shrunk here
             out[k] = WINDOW
+    out.update(_mrope_sections(d))
     if "max_position_embeddings" in d:
         out["max_position_embeddings"] = max(64, min(d["max_position_embeddings"], 512))
     if "n_positions" in d:

@@ -12,7 +12,7 @@ from hyper_parallel.core.pipeline_parallel.builder import build_stages
 from hyper_parallel.core.pipeline_parallel.generators import (
     gpipe, interleaved_1f1b, one_f_one_b, zbv, zero_bubble_h1,
 )
-from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, split_microbatches
+from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, PerMicrobatch, split_microbatches
 from hyper_parallel.core.pipeline_parallel.mpipe import Preprocess
 from hyper_parallel.core.pipeline_parallel.mpipe_ir import mpipe
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (
@@ -38,7 +38,7 @@ from hyper_parallel.core.pipeline_parallel.validator import validate_schedule
 
 __all__ = [
     # runtime
-    "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+    "PipelineStage", "BatchDimSpec", "PerMicrobatch", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "PipelineScheduleRuntime", "build_stages", "stage_placement",
     "split_microbatches", "Preprocess", "ImageFeatures", "image_features", "STAGE_TOKENS",
     # stage split

@@ -98,6 +98,7 @@ class ForwardTrace:
     # modules with parameters the token-only forward never calls, under the containers (a VL
     # model's vision tower and projector: they run when the step has images): stage 0's, or MPipe's
     side: list[str] = field(default_factory=list)
+    side_params: list[str] = field(default_factory=list)   # the containers' own parameters beside a tower
 
     @property
     def units(self) -> list[str]:
@@ -118,6 +119,21 @@ def _block_lists(model: nn.Module) -> list[str]:
         if any(any(True for _ in c.parameters()) for c in m.children()):
             found.append(name)
     return found
+
+
+def attach(root: nn.Module, fqn: str, value: nn.Module | nn.Parameter) -> None:
+    """Register a module or parameter of a model under ``root`` at its original FQN (plain
+    ``nn.Module`` holders made on the way), so plans and checkpoints address it as on the model."""
+    *path, leaf = fqn.split(".")
+    parent = root
+    for part in path:
+        if part not in parent._modules:
+            parent.add_module(part, nn.Module())
+        parent = parent._modules[part]
+    if isinstance(value, nn.Parameter):
+        parent.register_parameter(leaf, value)
+    else:
+        parent.add_module(leaf, value)
 
 
 def _called_lists(model: nn.Module, lists: list[str]) -> list[str]:
@@ -233,11 +249,10 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
     containers = _containers(model, prefix)
     block_ids = {id(m): f"{prefix}.{k}" for k, m in model.get_submodule(prefix).named_children()}
     names = {id(m): n for n, m in model.named_modules() if n}
+    held = {}   # parameters of the containers themselves: the tower's (if there is one), else no stage's
     for cid, path in containers.items():
-        own = list(model.get_submodule(path)._parameters) if path else list(model._parameters)
-        if own:
-            raise StageSplitError(f"split: {type(model).__name__}.{path or '<root>'} holds parameters {own} that its "
-                                  "forward uses outside any submodule; no stage would own them")
+        for name in (model.get_submodule(path)._parameters if path else model._parameters):
+            held[f"{path}.{name}" if path else name] = path
     stack: list[int] = []
     calls: list[UnitCall] = []
     shared: list[str] = []
@@ -301,7 +316,15 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
             raise StageSplitError(f"split: {type(model).__name__}'s forward calls {c.fqn} with no floating-point "
                                   "input; the split cannot tell what reaches it")
     lead = [c.fqn for c in calls[1:first]]   # position embeddings, embedding norms: with the embedding
-    trace = ForwardTrace(prefix, calls, blocks, shared, lead, _side_modules(model, containers, prefix, calls, shared))
+    side = _side_modules(model, containers, prefix, calls, shared)
+    if held and not side:
+        path = next(iter(held.values()))
+        raise StageSplitError(f"split: {type(model).__name__}.{path or '<root>'} holds parameters "
+                              f"{[k for k, v in held.items() if v == path]} that its forward uses outside any "
+                              "submodule; no stage would own them")
+    # beside a tower, a container's own parameter is the tower's (LLaVA-NeXT's image_newline, which
+    # its image features end with): the token-only forward called no module that could own it
+    trace = ForwardTrace(prefix, calls, blocks, shared, lead, side, list(held))
     _TRACES[key] = trace
     return trace
 

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from hyper_parallel.core.pipeline_parallel.forward_split import IMAGE_FEATURES, TOWER_INPUT_PREFIX, trace_forward
+from hyper_parallel.core.pipeline_parallel.forward_split import IMAGE_FEATURES, TOWER_INPUT_PREFIX, attach, trace_forward
 from hyper_parallel.errors import PipelineError
 
 INTO = IMAGE_FEATURES   # the step keyword stage 0 receives the tower output under
@@ -51,20 +51,17 @@ class ImageFeatures(nn.Module):
         if "mm_encoder_outputs" not in inspect.signature(inner.forward).parameters:
             raise PipelineError(f"ImageFeatures: {type(inner).__name__}.forward takes no mm_encoder_outputs, so "
                                 "stage 0 could not be handed the tower's output; place the tower on stage 0")
-        side = trace_forward(model).side
+        trace = trace_forward(model)
+        side = trace.side
         if not side:
             raise PipelineError(f"ImageFeatures: {name}'s forward calls every module on token ids alone; no "
                                 "tower to run apart")
         object.__setattr__(self, "_model", model)
-        self.fqns = list(side)
+        self.fqns = list(side) + list(trace.side_params)
         for fqn in side:
-            *path, leaf = fqn.split(".")
-            parent: nn.Module = self
-            for part in path:
-                if part not in parent._modules:
-                    parent.add_module(part, nn.Module())
-                parent = parent._modules[part]
-            parent.add_module(leaf, model.get_submodule(fqn))
+            attach(self, fqn, model.get_submodule(fqn))
+        for fqn in trace.side_params:   # a container's own parameter beside the tower (image_newline)
+            attach(self, fqn, model.get_parameter(fqn))
 
     def forward(self, **inputs) -> tuple[torch.Tensor, ...]:
         out = getattr(self._model, METHOD)(**inputs, return_dict=True)
@@ -97,9 +94,11 @@ class ImageFeatures(nn.Module):
 
 
 def tower_inputs(model: nn.Module, step_keys: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(the step keywords the tower takes and only it reads -- the image tensors --, those it takes
-    that the decoder reads too -- e.g. Qwen-VL's ``image_grid_thw`` for M-RoPE positions)."""
+    """(the step keywords only the tower reads -- its image tensors and precomputed image inputs,
+    ``pixel_*`` / ``image_*`` --, those it reads that the decoder's forward takes too -- e.g.
+    Qwen-VL's ``image_grid_thw`` for M-RoPE positions, LLaVA-NeXT's ``image_sizes``)."""
     takes = set(inspect.signature(getattr(model, METHOD)).parameters)
-    own = [k for k in step_keys if k.startswith(TOWER_INPUT_PREFIX)]
-    both = [k for k in step_keys if k in takes and k not in own]
-    return own, both
+    forward = set(inspect.signature(model.forward).parameters)
+    tower = [k for k in step_keys if k.startswith((TOWER_INPUT_PREFIX, "image_")) or k in takes]
+    both = [k for k in tower if k in forward and not k.startswith(TOWER_INPUT_PREFIX)]
+    return [k for k in tower if k not in both], both

@@ -2,7 +2,7 @@
 
 Each tensor argument is split along its ``BatchDimSpec`` dim (default 0); ``BatchDimSpec(-1)``
 means "not split": every micro-batch sees the whole value. Non-tensor values are passed to every
-micro-batch as they are. A DTensor is split on its local tensor and re-wrapped with the same mesh
+micro-batch as they are; a :class:`PerMicrobatch` value gives each micro-batch its own. A DTensor is split on its local tensor and re-wrapped with the same mesh
 and placements; if its batch dim is itself sharded, micro-batch i holds the i-th slice of every
 shard. A dimension the micro-batch count does not divide is an error naming the argument.
 """
@@ -29,6 +29,13 @@ class BatchDimSpec:
 
 
 NO_SPLIT = BatchDimSpec(-1)
+
+
+class PerMicrobatch(tuple):
+    """A step keyword given per micro-batch: micro-batch i gets item i. For inputs no dimension of
+    the whole batch cuts into the micro-batches' own: a VL model's image-grid inputs (cumulative
+    sequence lengths and window indices over all of a batch's images, M-RoPE positions with the
+    batch on dim 1), built for each micro-batch's rows instead."""
 
 
 def _split_tensor(value: torch.Tensor, spec: BatchDimSpec, n: int, where: str) -> list[Any]:
@@ -101,6 +108,11 @@ def split_microbatches(args: Sequence[Any], kwargs: Mapping[str, Any] | None, n:
     kw_parts = {}
     for k, v in kwargs.items():
         where = f"keyword argument {k!r}"
+        if isinstance(v, PerMicrobatch):
+            if len(v) != n:
+                raise MicrobatchError(f"{where}: given for {len(v)} micro-batches, the step has {n}")
+            kw_parts[k] = list(v)
+            continue
         kw_parts[k] = (_split_tensor(v, _spec(kwarg_specs, k, where), n, where)
                        if isinstance(v, torch.Tensor) else [v] * n)
     mb_args = [tuple(p[i] for p in arg_parts) for i in range(n)]

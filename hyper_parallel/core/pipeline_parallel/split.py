@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from hyper_parallel.core.pipeline_parallel.forward_split import STAGE_TOKENS, ForwardStage, model_kwargs, trace_forward
+from hyper_parallel.core.pipeline_parallel.forward_split import (STAGE_TOKENS, ForwardStage, attach, model_kwargs,
+                                                                 trace_forward)
 from hyper_parallel.errors import StageSplitError
 
 
@@ -151,7 +152,7 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, spine: Spine | None, units: Sequence[str], stage_index: int,
-                 n_stages: int, next_unit: str | None = None):
+                 n_stages: int, next_unit: str | None = None, side: bool = True):
         super().__init__()
         self.spine = spine
         self.units = list(units)
@@ -170,17 +171,14 @@ class StageModule(nn.Module):
             shared = spine.shared(model)
         for fqn in list(units) + list(shared):
             self._attach(fqn, model.get_submodule(fqn))
+        if spine is None and side and stage_index == 0:   # a tower's parameters held by its container
+            for fqn in trace.side_params:
+                attach(self, fqn, model.get_parameter(fqn))
         for name in (spine.buffers(model) if spine is not None else []):
             self.register_buffer(name, getattr(model, name), persistent=False)
 
     def _attach(self, fqn: str, module: nn.Module) -> None:
-        *path, leaf = fqn.split(".")
-        parent: nn.Module = self
-        for part in path:
-            if part not in parent._modules:
-                parent.add_module(part, nn.Module())
-            parent = parent._modules[part]
-        parent.add_module(leaf, module)
+        attach(self, fqn, module)
 
     @property
     def is_first(self) -> bool:
@@ -267,7 +265,7 @@ def split_model(model: nn.Module, cuts: Sequence[str], stage_indices: Sequence[i
                                   f"{len(groups)} stages")
     tied = tied_parameters(model, cuts, side)
     stages = [StageModule(model, spine, groups[i], i, len(groups),
-                          groups[i + 1][0] if i + 1 < len(groups) else None) for i in idx]
+                          groups[i + 1][0] if i + 1 < len(groups) else None, side) for i in idx]
     for st in stages:
         st.tied_groups = tied  # every rank needs the full list: the gradient sum is collective
     return stages
