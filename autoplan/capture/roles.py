@@ -27,6 +27,8 @@ _PASS = (
     # a clamp of a fused q/k/v (DBRX's clip_qkv) and per-head norms of q and k (Persimmon's
     # q_layernorm / k_layernorm) sit between a projection and the attention core
     "clamp", "clip", "native_layer_norm", "layer_norm",
+    # squared-ReLU MLPs (Nemotron, Persimmon, Primer): relu(x) ** 2 between up and down
+    "square", "pow",
 ) + _ACT
 
 

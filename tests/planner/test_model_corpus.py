@@ -28,6 +28,8 @@ SLICE = [
     # heads with plain-tensor inputs
     ("bert", "dp2_tp2", "default", ("attention:heads_sharded_plain_input", "mlp:hidden_sharded")),
     ("starcoder2", "tp4", "forced_S", ()),
+    # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
+    ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place
     ("falcon", "dp2_tp2", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded_owned_output")),
     # Bloom: ALiBi bias built once by the model with heads folded into the batch, cut to the rank's heads
