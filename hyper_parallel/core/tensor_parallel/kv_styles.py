@@ -16,6 +16,15 @@ local head counts -- PrepareHeadsInput on the attention module). The weight and 
 Partial gradients that the gradient-alignment hook all-reduces in backward (one all-reduce per
 parameter); the input's gradient is Partial and is reduced where the input was made replicated
 (the PrepareModuleInput boundary), together with the query projection's.
+
+``kv_heads`` generalises this to grouped-query attention with fewer KV heads than ranks (Starcoder2's
+2 KV heads at tp=4, Llama-3-70B's 8 at tp=16): when the mesh size is a multiple of ``kv_heads``,
+each rank's query heads all read one KV head -- rank r's is ``r // (size / kv_heads)`` -- so the
+rank keeps only that head's rows of each kept-whole part (K, V; a fused [q|k|v]'s k and v). The
+module's code then sees one KV head and local query heads (PrepareHeadsInput makes its group count
+local with ``attribute_divisors``). Every parameter still stays whole and replicated; the rows a
+rank does not use get no gradient there, and the all-reduce sums each head's share from the ranks
+that read it.
 """
 from __future__ import annotations
 
@@ -33,10 +42,11 @@ class KVReplicatedParallel(ParallelStyle):
     """Query heads (the first of ``fused_heads``) column-wise, the rest replicated with their
     gradients reduced over the mesh; see the module docstring."""
 
-    _args = {"fused_heads": None, "input_layouts": None}
+    _args = {"fused_heads": None, "kv_heads": None, "input_layouts": None}
     _layout_args = frozenset({"input_layouts"})
 
-    def __init__(self, *, fused_heads: list[int] | None = None, input_layouts: Placement | None = None):
+    def __init__(self, *, fused_heads: list[int] | None = None, kv_heads: int | None = None,
+                 input_layouts: Placement | None = None):
         if fused_heads is not None:
             if not isinstance(fused_heads, (list, tuple)) or len(fused_heads) != 2 or \
                     any(type(h) is not int or h < 0 for h in fused_heads) or sum(fused_heads) == 0:
@@ -45,7 +55,14 @@ class KVReplicatedParallel(ParallelStyle):
             fused_heads = [int(h) for h in fused_heads]
         if input_layouts is not None and not isinstance(input_layouts, Placement):
             raise LayoutError(f"KVReplicatedParallel: input_layouts must be one Placement, got {input_layouts!r}")
+        if kv_heads is not None and (type(kv_heads) is not int or kv_heads < 1):
+            raise StyleSpecError(f"KVReplicatedParallel: kv_heads must be an int >= 1 (the KV heads in each "
+                                 f"kept-whole part), got {kv_heads!r}")
+        if kv_heads is not None and fused_heads is not None and fused_heads[1] % kv_heads:
+            raise StyleSpecError(f"KVReplicatedParallel: fused_heads[1]={fused_heads[1]} (head widths kept whole) "
+                                 f"is not a multiple of kv_heads={kv_heads}")
         self.fused_heads = fused_heads
+        self.kv_heads = kv_heads
         self.input_layouts = input_layouts
 
     def _query_features(self, module: nn.Linear) -> int:
@@ -62,6 +79,14 @@ class KVReplicatedParallel(ParallelStyle):
                 raise DivisibilityError(f"{where}: out_features = {module.out_features} is not {sum(self.fused_heads)} "
                                         f"equal head widths (fused_heads={self.fused_heads})")
             check_divides(self.fused_heads[0], mesh, where, "query heads (fused_heads[0])")
+        if self.kv_heads is not None:
+            if mesh.size() % self.kv_heads:
+                raise DivisibilityError(f"{where}: the mesh size {mesh.size()} is not a multiple of kv_heads="
+                                        f"{self.kv_heads} (each rank's query heads must read one KV head)")
+            parts = self.fused_heads[1] if self.fused_heads is not None else self.kv_heads
+            rest = module.out_features - self._query_features(module)
+            if rest % parts:
+                raise DivisibilityError(f"{where}: the {rest} kept-whole features are not {parts} equal head widths")
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"KVReplicatedParallel on {fqn or '<root>'}"
@@ -69,11 +94,19 @@ class KVReplicatedParallel(ParallelStyle):
         q, size, rank = self._query_features(module), mesh.size(), mesh.get_local_rank()
         lo, hi = rank * q // size, (rank + 1) * q // size
         layout = self.input_layouts or Replicate()
+        kept = [slice(q, None)]
+        if self.kv_heads is not None:   # only this rank's KV head of each kept-whole part
+            parts = self.fused_heads[1] if self.fused_heads is not None else self.kv_heads
+            width = (module.out_features - q) // parts
+            head = rank // (size // self.kv_heads)
+            kept = [slice(q + (p * self.kv_heads + head) * width, q + (p * self.kv_heads + head + 1) * width)
+                    for p in range(parts // self.kv_heads)]
 
         def local_rows(t: torch.Tensor) -> torch.Tensor:
             # a gradient arriving here is this rank's share: Partial over the mesh
             t = t.to_local(grad_placements=(Partial(),)) if isinstance(t, DTensor) else t
-            return t if q == 0 else torch.cat([t[lo:hi], t[q:]])
+            rows = ([t[lo:hi]] if q else []) + [t[k] for k in kept]
+            return rows[0] if len(rows) == 1 else torch.cat(rows)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             x = to_dtensor(x, mesh, layout, Replicate(), where).to_local(grad_placements=(Partial(),))
