@@ -4,7 +4,9 @@ Attention is the op that does softmax(QK^T)V (SDPA, or softmax between two activ
 its q/k/v projections are the nearest matmuls with a weight upstream of its operands, its output
 projection the nearest one downstream. An MLP is a weighted matmul fed (through elementwise ops
 only) by other weighted matmuls; gated when that path multiplies two of them. A router is the
-weighted matmul feeding a top-k; experts are the weights the grouped GEMMs after it use.
+weighted matmul feeding a top-k; experts are the weights the grouped GEMMs after it use. A
+state-space (Mamba) mixer is the module around a depthwise 1-D convolution fed by a weighted matmul
+(its in_proj): its linears are the mixer's, never an MLP, even where a gate path multiplies them.
 """
 from __future__ import annotations
 
@@ -353,6 +355,8 @@ def recognise_roles(graph: ModelGraph) -> None:
             }
         )
 
+    _mamba_mixers(flow, role, per_block, rep_of, claimed)
+
     for n in graph.nodes:
         if _base(n.op) != "topk":
             continue
@@ -440,6 +444,44 @@ def recognise_roles(graph: ModelGraph) -> None:
         b.roles = {k: list(v) for k, v in per_block.get(b.id, {}).items()}
     top = per_block.get(None, {})
     graph.roles = {k: list(v) for k, v in top.items()}
+
+
+_CONV = ("conv1d", "convolution", "_convolution")
+
+
+def _mamba_mixers(flow: _Flow, role, per_block, rep_of, claimed) -> None:
+    """State-space mixers (Mamba, Mamba-2): a depthwise 1-D convolution over the sequence (weight
+    (channels, 1, width)) whose input a weighted matmul makes; the mixer is the nearest module
+    holding both. Its linears are claimed (in_proj -> conv -> scan -> gated out_proj would
+    otherwise read as a gated MLP, and sharding it as one trains wrong)."""
+    graph = flow.graph
+    for n in graph.nodes:
+        if _base(n.op) not in _CONV or len(n.input_nodes) < 2 or not n.input_nodes[1].startswith("param:"):
+            continue
+        weight = n.input_nodes[1][6:]
+        shape = _param_shape(graph, weight)
+        if len(shape) != 3 or shape[1] != 1:
+            continue
+        ins, _ = flow.up_matmuls(n.input_nodes[0])
+        if not ins:
+            continue
+        mixer = _lca([ins[0].module, weight.rpartition(".")[0]])
+        if not mixer or mixer in role:
+            continue
+        inside = sorted({m.module for m in graph.nodes if flow.weight(m) and (m.module + ".").startswith(mixer + ".")})
+        base = rep_of.get(n.block, "")
+        role[mixer] = "mamba"
+        for m in inside:
+            if m != mixer:
+                role[m] = "mamba.linear"
+        role[weight.rpartition(".")[0]] = "mamba.conv"
+        for fqn in graph.modules:   # its norms (Jamba's dt/B/C norms) see the mixer's activations, not the stream
+            if fqn.startswith(mixer + "."):
+                role.setdefault(fqn, "mamba.part")
+        claimed.update(inside)
+        per_block[n.block]["mamba"].append({"module": _rel(mixer, base), "in_proj": _rel(ins[0].module, base),
+                                            "linears": [_rel(m, base) for m in inside],
+                                            "channels": shape[0]})
 
 
 def _param_shape(graph: ModelGraph, fqn: str) -> tuple[int, ...]:

@@ -379,6 +379,12 @@ def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
     return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
 
 
+# why a state-space mixer stays replicated (roles._mamba_mixers recognises it)
+MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer: its in_proj packs z, x, B, C and dt per head and group, which "
+                    "column-wise styles cannot cut by head, and its scan and depthwise convolution run over the "
+                    "whole sequence; it stays replicated")
+
+
 def without_moe_units(st: "ModelStructure") -> "ModelStructure":
     """``st`` with its MoE layers as no tensor-parallel unit: on a mesh with an ep dimension the
     experts are planned by expert parallelism, and the TP search keeps its stream away from them."""
@@ -607,6 +613,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 not_units.append((where, f"a mixture-of-experts layer: {unit}"))
             else:
                 moe = unit
+        for x in roles.get("mamba", []):
+            not_units.append((f"{rep}.{x['module']}" if x["module"] else rep, MAMBA_NOT_A_UNIT))
         mlp = None
         for m in roles.get("mlp", [])[1:]:
             not_units.append((f"{rep}.{m['module']}" if m["module"] else rep, "a second MLP in the block"))
@@ -625,7 +633,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
         inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel] + \
-            [u["module"] for u in roles.get("attention_untraced", []) if u["module"]]
+            [u["module"] for u in roles.get("attention_untraced", []) + roles.get("mamba", []) if u["module"]]
         norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
         for n in norms:
