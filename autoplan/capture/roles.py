@@ -264,6 +264,9 @@ def fused_qkv_layout(flow: _Flow, proj: Node, limit: int = 6) -> tuple[str, int]
         shape = tuple(u.outputs[0].shape) if u.outputs else ()
         if base in _SPLITS:
             return "concat", 0
+        if base in ("clamp", "clip", "to", "_to_copy", "contiguous") and shape and shape[-1] == width:
+            cur = u   # DBRX clamps its fused q/k/v (clip_qkv) before cutting it
+            continue
         if base in ("view", "reshape", "_unsafe_view", "unflatten", "unsqueeze") and shape:
             if shape[-1] == width:
                 cur = u
@@ -429,6 +432,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         per_block[n.block]["mlp"].append(entry)
 
     _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed)
+    _routed_modules(graph, per_block, rep_of)
     for fqn, r in role.items():
         if fqn in graph.modules:
             graph.modules[fqn].role = r
@@ -444,6 +448,22 @@ def recognise_roles(graph: ModelGraph) -> None:
         b.roles = {k: list(v) for k, v in per_block.get(b.id, {}).items()}
     top = per_block.get(None, {})
     graph.roles = {k: list(v) for k, v in top.items()}
+
+
+def _routed_modules(graph: ModelGraph, per_block, rep_of) -> None:
+    """Modules inside blocks that capture ran at module level (hooks: they read data-dependent
+    values, as experts routed by token counts do -- DBRX's) whose output is shaped like their first
+    input: the probe runs a shape-true stand-in for them (``routed`` entries), as for recognised
+    experts, so the block's other units can still be checked."""
+    calls = [n for n in graph.nodes if n.op.startswith("module:") and n.block is not None and n.module]
+    fqns = {n.module for n in calls}
+    for n in calls:
+        if any(f.startswith(n.module + ".") for f in fqns) or not n.inputs or not n.outputs:
+            continue   # the innermost ones only
+        if tuple(n.outputs[0].shape) == tuple(n.inputs[0].shape):
+            entry = _rel(n.module, rep_of.get(n.block, ""))
+            if entry not in per_block[n.block]["routed"]:
+                per_block[n.block]["routed"].append(entry)
 
 
 _CONV = ("conv1d", "convolution", "_convolution")

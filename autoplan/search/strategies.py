@@ -168,6 +168,14 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         else:
             why = f"{why}; {kv}"
     column = _column_styles(a, t) if why is None else why
+    if isinstance(column, str) and why is None and a.qkv and a.qkv_layout == "concat" and \
+            a.n_heads != a.n_kv_heads:
+        # a fused [q|k|v] of unequal widths (DBRX's Wqkv): each rank computes its heads' rows of it
+        kv = _kv_replicated(a, blk, t, layout)
+        if isinstance(kv, Strategy):
+            out.append(kv)
+        else:
+            column = f"{column}; {kv}"
     if isinstance(column, str):
         why = column
     plain_why = why
@@ -229,15 +237,22 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
     (partial: each rank's heads' share) all-reduced in backward. With several KV heads (GQA with
     fewer KV heads than ranks) it needs tp a multiple of the KV heads, so that each rank's query
     heads read one KV head: the rank computes that head only (KVReplicatedParallel's ``kv_heads``)
-    and the module's query-heads-per-KV-head count shrinks by tp / KV heads."""
+    and the module's query-heads-per-KV-head count shrinks by tp / KV heads. A fused [q|k|v] of
+    unequal widths (DBRX) whose KV heads tp divides takes the same form, each rank computing its
+    rows of q and its KV heads' rows of k and v from the projection kept whole: compute sharded,
+    that projection's parameters not."""
     n, kv, hd = a.n_heads, a.n_kv_heads, a.head_dim
-    if t % kv:
-        return f"kv-replicated attention needs tp={t} a multiple of the {kv} KV heads (each rank's query heads " \
-               f"reading one KV head)"
+    if t % kv and kv % t:
+        return f"kv-replicated attention needs tp={t} a multiple or a divisor of the {kv} KV heads (each rank's " \
+               f"query heads reading whole KV heads)"
     local = sorted([k for k, v in a.head_attrs.items() if v in (n, n * hd) and v not in (kv, kv * hd)]
                    + list(a.group_attrs))
     divisors = {}
-    if kv > 1:
+    if kv % t == 0:
+        # KV heads divide tp (a fused [q|k|v] of unequal widths): each rank kv / t of them, the
+        # query heads per KV head unchanged
+        local = sorted({k for k, v in a.head_attrs.items() if v in (n, n * hd, kv, kv * hd)})
+    elif kv > 1:
         # each rank keeps one KV head: groups shrink by t / kv, KV head counts and widths by kv
         kv_attrs = sorted(k for k, v in a.head_attrs.items() if v in (kv, kv * hd) and v not in (n, n * hd))
         local = sorted(set(local) | set(kv_attrs))
@@ -251,7 +266,7 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
             return "the fused [q|k|v] is cut by widths the module does not hold as attributes"
         cols = {a.qkv: KVReplicatedParallel(fused_heads=[n, 2 * kv], kv_heads=whole)}
     else:
-        if kv > 1 and not a.group_attrs:
+        if 1 < kv < t and not a.group_attrs:
             return f"the module holds no count of query heads per KV head to make local ({kv} KV heads)"
         cols = {a.q: ColwiseParallel(), a.k: KVReplicatedParallel(kv_heads=whole),
                 a.v: KVReplicatedParallel(kv_heads=whole)}
@@ -265,7 +280,8 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
     param_shard = total / (whole_params + (total - whole_params) / t)
     comm = (_ag_rs_pair(h) if layout == "S" else _ar_pair(h)) + \
         [Collective("all_reduce", "backward", int(p * per_param), weight_grad=True) for p in a.kv_params]
-    form = "Megatron's multi-query form" if kv == 1 else "each rank computing the one KV head its query heads read"
+    form = "Megatron's multi-query form" if kv == 1 else "each rank computing the one KV head its query heads read" \
+        if kv < t else f"each rank computing its {kv // t} of them from the fused projection kept whole"
     return Strategy("kv_replicated", layout, {a.rel: prep, **cols, a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])},
                     comm, compute_shard=t, param_shard=param_shard, activation_shard=t,
                     reason=f"query heads ({n}) sharded, the {kv} KV head{'s' if kv > 1 else ''} replicated with "

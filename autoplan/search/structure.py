@@ -648,7 +648,9 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         # T5's first block returns its position bias beside the hidden states)
         out_shapes = [tuple(o) for o in rows[rep]["output_shapes"]] if rep in rows else []
         in_shapes = {tuple(i) for i in rows[rep]["input_shapes"]} if rep in rows else set()
-        shape = next((o for o in out_shapes if o in in_shapes), out_shapes[0] if out_shapes else (1, 1, 1))
+        # (a block captured at module level may record no output: its first input then, the stream)
+        first_in = tuple(rows[rep]["input_shapes"][0]) if rep in rows and rows[rep]["input_shapes"] else (1, 1, 1)
+        shape = next((o for o in out_shapes if o in in_shapes), out_shapes[0] if out_shapes else first_in)
         hidden = 1
         for s in shape:
             hidden *= s

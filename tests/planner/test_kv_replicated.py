@@ -71,7 +71,7 @@ def test_kv_replicated_style_checks_its_arguments():
             KVReplicatedParallel(fused_heads=[6, 2]).check_module(torch.nn.Linear(8, 64), mesh, "attn.c_attn")
         with pytest.raises(DivisibilityError, match="head widths"):
             KVReplicatedParallel(fused_heads=[8, 2]).check_module(torch.nn.Linear(8, 63), mesh, "attn.c_attn")
-        with pytest.raises(DivisibilityError, match="multiple of kv_heads"):
+        with pytest.raises(DivisibilityError, match="neither a multiple nor a divisor"):
             KVReplicatedParallel(kv_heads=3).check_module(torch.nn.Linear(8, 24), mesh, "attn.k_proj")
     with pytest.raises(StyleSpecError):
         KVReplicatedParallel(fused_heads=[16, 3], kv_heads=2)

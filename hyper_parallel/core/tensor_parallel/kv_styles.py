@@ -17,14 +17,16 @@ Partial gradients that the gradient-alignment hook all-reduces in backward (one 
 parameter); the input's gradient is Partial and is reduced where the input was made replicated
 (the PrepareModuleInput boundary), together with the query projection's.
 
-``kv_heads`` generalises this to grouped-query attention with fewer KV heads than ranks (Starcoder2's
-2 KV heads at tp=4, Llama-3-70B's 8 at tp=16): when the mesh size is a multiple of ``kv_heads``,
-each rank's query heads all read one KV head -- rank r's is ``r // (size / kv_heads)`` -- so the
-rank keeps only that head's rows of each kept-whole part (K, V; a fused [q|k|v]'s k and v). The
-module's code then sees one KV head and local query heads (PrepareHeadsInput makes its group count
-local with ``attribute_divisors``). Every parameter still stays whole and replicated; the rows a
-rank does not use get no gradient there, and the all-reduce sums each head's share from the ranks
-that read it.
+``kv_heads`` generalises this to grouped-query attention: each rank computes only the KV heads its
+query heads read, rows ``[r*kv/size, (r+1)*kv/size)`` of each kept-whole part (K, V; a fused
+[q|k|v]'s k and v). With fewer KV heads than ranks (Starcoder2's 2 at tp=4, Llama-3-70B's 8 at
+tp=16; the mesh size a multiple of ``kv_heads``) that is one head, ``r // (size / kv_heads)``, and
+the module's code sees one KV head beside its local query heads (PrepareHeadsInput makes its group
+count local with ``attribute_divisors``). With ``kv_heads`` a multiple of the mesh size it is
+``kv_heads / size`` heads: the form for a fused [q|k|v] of unequal widths (DBRX's Wqkv), which no
+strided column shard can cut. Every parameter still stays whole and replicated; the rows a rank
+does not use get no gradient there, and the all-reduce sums each row's share from the ranks that
+read it.
 """
 from __future__ import annotations
 
@@ -80,9 +82,10 @@ class KVReplicatedParallel(ParallelStyle):
                                         f"equal head widths (fused_heads={self.fused_heads})")
             check_divides(self.fused_heads[0], mesh, where, "query heads (fused_heads[0])")
         if self.kv_heads is not None:
-            if mesh.size() % self.kv_heads:
-                raise DivisibilityError(f"{where}: the mesh size {mesh.size()} is not a multiple of kv_heads="
-                                        f"{self.kv_heads} (each rank's query heads must read one KV head)")
+            if mesh.size() % self.kv_heads and self.kv_heads % mesh.size():
+                raise DivisibilityError(f"{where}: the mesh size {mesh.size()} is neither a multiple nor a divisor of "
+                                        f"kv_heads={self.kv_heads} (each rank's query heads must read whole KV heads "
+                                        f"no other rank's query heads share)")
             parts = self.fused_heads[1] if self.fused_heads is not None else self.kv_heads
             rest = module.out_features - self._query_features(module)
             if rest % parts:
@@ -98,8 +101,9 @@ class KVReplicatedParallel(ParallelStyle):
         if self.kv_heads is not None:   # only this rank's KV head of each kept-whole part
             parts = self.fused_heads[1] if self.fused_heads is not None else self.kv_heads
             width = (module.out_features - q) // parts
-            head = rank // (size // self.kv_heads)
-            kept = [slice(q + (p * self.kv_heads + head) * width, q + (p * self.kv_heads + head + 1) * width)
+            first = rank * self.kv_heads // size
+            last = max((rank + 1) * self.kv_heads // size, first + 1)
+            kept = [slice(q + (p * self.kv_heads + first) * width, q + (p * self.kv_heads + last) * width)
                     for p in range(parts // self.kv_heads)]
 
         def local_rows(t: torch.Tensor) -> torch.Tensor:
