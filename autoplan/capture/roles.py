@@ -399,6 +399,8 @@ def recognise_roles(graph: ModelGraph) -> None:
         )
         claimed.update(m.module for m in after if flow.weight(m) and m.module.startswith(experts_mod + "."))
 
+    _flat_experts(flow, role, per_block, rep_of, claimed)
+
     for n in graph.nodes:
         if not flow.weight(n) or n.module in claimed:
             continue
@@ -448,6 +450,42 @@ def recognise_roles(graph: ModelGraph) -> None:
         b.roles = {k: list(v) for k, v in per_block.get(b.id, {}).items()}
     top = per_block.get(None, {})
     graph.roles = {k: list(v) for k, v in top.items()}
+
+
+def _flat_experts(flow: _Flow, role, per_block, rep_of, claimed) -> None:
+    """Experts a capture could only run at module level (routing by data-dependent token counts:
+    DBRX's), so no top-k reaches them in the graph: a module-level call inside a block whose 2-D
+    weights all have E x F rows, beside a weighted matmul with E outputs in the same container
+    (the router). Recorded as a ``moe`` entry with
+    ``flat_params`` (the weights' paths) and ``ffn`` F."""
+    graph = flow.graph
+    known = {(b, e["experts"]) for b, entries in per_block.items() for e in entries.get("moe", [])}
+    for n in graph.nodes:
+        if not n.op.startswith("module:") or n.block is None or not n.module or "." not in n.module:
+            continue
+        mod, base = n.module, rep_of.get(n.block, "")
+        if (n.block, _rel(mod, base)) in known:
+            continue
+        shapes = {f"{f}.{p}": s for f, info in graph.modules.items() if f == mod or f.startswith(mod + ".")
+                  for p, s in info.params.items()}
+        if len(shapes) < 2 or any(len(s) != 2 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
+            continue
+        parent = mod.rpartition(".")[0]
+        rows = next(iter(shapes.values()))[0]
+        for r in graph.nodes:
+            experts = _out_features(r)
+            if r.block != n.block or not flow.weight(r) or r.module in claimed or \
+                    not r.module.startswith(parent + ".") or r.module.startswith(mod + ".") or \
+                    experts < 2 or rows % experts or rows // experts < 2:
+                continue
+            role[r.module], role[mod] = "moe.router", "moe.experts"
+            role.setdefault(parent, "moe")
+            claimed.add(r.module)
+            per_block[n.block]["moe"].append({
+                "module": _rel(parent, base), "router": _rel(r.module, base), "experts": _rel(mod, base),
+                "num_experts": experts, "top_k": None, "expert_params": [],
+                "flat_params": sorted(_rel(p, base) for p in shapes), "ffn": rows // experts})
+            break
 
 
 def _routed_modules(graph: ModelGraph, per_block, rep_of) -> None:

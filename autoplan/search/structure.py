@@ -131,6 +131,7 @@ class MoeUnit:
     ffn: int
     work: Work = field(default_factory=Work)          # the router's and the experts'
     expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
+    flat: bool = False          # experts as flat (E * F, H) weights (DBRX): FlatExpertsParallel splits them
 
 
 @dataclass
@@ -401,6 +402,10 @@ def without_moe_units(st: "ModelStructure") -> "ModelStructure":
 def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
     """The planner unit of a MoE layer (roles "moe" entry), or why it is none: tensor parallelism
     splits each expert on its ffn width, which needs the experts as 3-D weights."""
+    if e.get("flat_params") and e.get("experts"):
+        experts = work(f"{rep}.{e['experts']}")
+        return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
+                       work(f"{rep}.{e['router']}") + experts, experts, flat=True)
     if not e.get("expert_params") or not e.get("experts"):
         return "its experts are a list of modules, not 3-D weights (split them with expert parallelism on an ep " \
                "dimension)"

@@ -28,6 +28,9 @@ SLICE = [
     # heads with plain-tensor inputs
     ("bert", "dp2_tp2", "default", ("attention:heads_sharded_plain_input", "mlp:hidden_sharded")),
     ("starcoder2", "tp4", "forced_S", ("attention:kv_replicated",)),   # 2 KV heads at tp=4
+    # issue 33: DBRX -- a clamped fused [q|k|v] of unequal widths (each rank its heads' rows), experts as
+    # flat (E*F, H) weights split on F (FlatExpertsParallel), captured at module level (routing by counts)
+    ("dbrx", "dp2_tp2", "forced_S", ("attention:kv_replicated", "moe:experts_tp")),
     # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
     ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place

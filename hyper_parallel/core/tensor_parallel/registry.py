@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel.core.expert_parallel.dense import DenseExpertsParallel
+from hyper_parallel.core.expert_parallel.flat import FlatExpertsParallel
 from hyper_parallel.core.expert_parallel.style import ExpertParallel
 from hyper_parallel.core.context_parallel.style import ContextParallel
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
@@ -28,7 +29,7 @@ STYLES: dict[str, type[ParallelStyle]] = {
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
                 ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel,
-                DenseExpertsParallel)
+                DenseExpertsParallel, FlatExpertsParallel)
 }
 
 

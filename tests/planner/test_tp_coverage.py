@@ -1,0 +1,64 @@
+"""Shapes the planner used to leave replicated or misread (issue 33), at the capture/structure
+level -- the corpus slice (test_model_corpus.py) runs the sharded ones against one device.
+
+A state-space mixer (Falcon-H1's Mamba-2: in_proj -> depthwise conv -> scan -> gated out_proj)
+must not read as a gated MLP: sharding it as one would cut its packed z/x/B/C/dt columns blindly.
+It is recognised, kept replicated with the reason, and the block's real MLP is planned. A model
+capture cannot trace at all is planned data-parallel only -- and refused, naming the capture
+failure, when the user asks for tensor parallelism that cannot happen."""
+import pytest
+import torch
+import torch.nn as nn
+import transformers
+
+from autoplan import MeshSpec, autoplan
+from autoplan.capture import capture
+from autoplan.errors import InfeasiblePlanError
+from autoplan.search.structure import MAMBA_NOT_A_UNIT, model_structure
+
+
+def test_mamba_mixer_is_recognised_and_the_feed_forward_is_the_mlp():
+    cfg = transformers.FalconH1Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                      mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
+                                      mamba_chunk_size=16)
+    with torch.device("meta"):
+        model = transformers.FalconH1ForCausalLM(cfg)
+    graph = capture(model, batch=(1, 32), dtype=torch.float32)
+    roles = graph.blocks[0].roles
+    assert [m["module"] for m in roles["mamba"]] == ["mamba"], roles
+    assert [m["module"] for m in roles["mlp"]] == ["feed_forward"], roles
+    st = model_structure(graph)
+    block = st.blocks[0]
+    assert block.mlp.rel == "feed_forward" and block.attention.rel == "self_attn"
+    assert (f"{block.representative}.mamba", MAMBA_NOT_A_UNIT) in st.not_units
+    assert not any(n.startswith("mamba") for n in block.norms), block.norms   # its gated norm is the mixer's
+
+
+class _CountRouted(nn.Module):
+    """Splits tokens by counts read from the data (JetMoE-like): neither export nor hooks trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        counts = torch.bincount(input_ids.flatten() % 4, minlength=4).tolist()
+        parts = h.reshape(-1, 32).split(counts)
+        h = torch.cat([p * (i + 1) for i, p in enumerate(parts)]).reshape(h.shape)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_a_model_capture_cannot_trace_is_refused_when_tp_is_asked_for():
+    model = _CountRouted()
+    mesh = MeshSpec((2,), ("tp",), "cpu")
+    plan = autoplan(model, mesh, batch=(2, 8))          # planned data-parallel only, with the reason
+    assert any("capture could not trace" in n for n in plan.notes), plan.notes
+    for forced in ({"allow_replicated_units": False}, {"sequence_parallel": True}):
+        with pytest.raises(InfeasiblePlanError, match="capture could not trace _CountRouted"):
+            autoplan(model, mesh, batch=(2, 8), **forced)
