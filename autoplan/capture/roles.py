@@ -11,11 +11,14 @@ state-space (Mamba) mixer is the module around a depthwise 1-D convolution fed b
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from autoplan.capture.aliases import aliases, is_inplace, op_base
 from autoplan.capture.ir import ModelGraph, Node
 from autoplan.capture.latent import latent_projections
+from autoplan.capture.mixer_roles import flat_experts, mamba_mixers, routed_modules
+from autoplan.capture.role_paths import lca as _lca, out_features as _out_features, param_shape as _param_shape
+from autoplan.capture.role_paths import rel as _rel
 
 _MATMUL = ("aten.linear", "aten.addmm", "aten.mm", "aten.matmul", "aten.bmm")
 _ACT = ("silu", "gelu", "relu", "tanh", "sigmoid", "elu", "mish", "softplus")
@@ -71,25 +74,6 @@ def _param_views(graph: ModelGraph) -> dict[str, str]:
         elif src in out:
             out[n.name] = out[src]
     return out
-
-
-def _lca(fqns: Iterable[str]) -> str:
-    parts = [f.split(".") for f in fqns]
-    if not parts:
-        return ""
-    out = []
-    for col in zip(*parts):
-        if len(set(col)) != 1:
-            break
-        out.append(col[0])
-    return ".".join(out)
-
-
-def _rel(fqn: str, base: str) -> str:
-    """``fqn`` relative to the block representative ``base`` ("" for the block itself)."""
-    if base and fqn == base:
-        return ""
-    return fqn[len(base) + 1:] if base and fqn.startswith(base + ".") else fqn
 
 
 class _Flow:
@@ -223,10 +207,6 @@ def _find_down(flow: _Flow, name: str, kinds: tuple[str, ...], limit: int = 6) -
     return None
 
 
-def _out_features(n: Node) -> int:
-    return n.outputs[0].shape[-1] if n.outputs else 0
-
-
 def fixed_head_count(flow: _Flow, name: str, n_heads: int, limit: int = 40) -> bool:
     """Whether a reshape between tensor ``name`` (q, k or v at the attention) and its projection
     names the global head count while inferring another dimension (OPT:
@@ -358,7 +338,7 @@ def recognise_roles(graph: ModelGraph) -> None:
             }
         )
 
-    _mamba_mixers(flow, role, per_block, rep_of, claimed)
+    mamba_mixers(flow, role, per_block, rep_of, claimed)
 
     for n in graph.nodes:
         if _base(n.op) != "topk":
@@ -399,7 +379,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         )
         claimed.update(m.module for m in after if flow.weight(m) and m.module.startswith(experts_mod + "."))
 
-    _flat_experts(flow, role, per_block, rep_of, claimed)
+    flat_experts(flow, role, per_block, rep_of, claimed)
 
     for n in graph.nodes:
         if not flow.weight(n) or n.module in claimed:
@@ -434,7 +414,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         per_block[n.block]["mlp"].append(entry)
 
     _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed)
-    _routed_modules(graph, per_block, rep_of)
+    routed_modules(graph, per_block, rep_of)
     for fqn, r in role.items():
         if fqn in graph.modules:
             graph.modules[fqn].role = r
@@ -450,102 +430,6 @@ def recognise_roles(graph: ModelGraph) -> None:
         b.roles = {k: list(v) for k, v in per_block.get(b.id, {}).items()}
     top = per_block.get(None, {})
     graph.roles = {k: list(v) for k, v in top.items()}
-
-
-def _flat_experts(flow: _Flow, role, per_block, rep_of, claimed) -> None:
-    """Experts a capture could only run at module level (routing by data-dependent token counts:
-    DBRX's), so no top-k reaches them in the graph: a module-level call inside a block whose 2-D
-    weights all have E x F rows, beside a weighted matmul with E outputs in the same container
-    (the router). Recorded as a ``moe`` entry with
-    ``flat_params`` (the weights' paths) and ``ffn`` F."""
-    graph = flow.graph
-    known = {(b, e["experts"]) for b, entries in per_block.items() for e in entries.get("moe", [])}
-    for n in graph.nodes:
-        if not n.op.startswith("module:") or n.block is None or not n.module or "." not in n.module:
-            continue
-        mod, base = n.module, rep_of.get(n.block, "")
-        if (n.block, _rel(mod, base)) in known:
-            continue
-        shapes = {f"{f}.{p}": s for f, info in graph.modules.items() if f == mod or f.startswith(mod + ".")
-                  for p, s in info.params.items()}
-        if len(shapes) < 2 or any(len(s) != 2 for s in shapes.values()) or len({s[0] for s in shapes.values()}) != 1:
-            continue
-        parent = mod.rpartition(".")[0]
-        rows = next(iter(shapes.values()))[0]
-        for r in graph.nodes:
-            experts = _out_features(r)
-            if r.block != n.block or not flow.weight(r) or r.module in claimed or \
-                    not r.module.startswith(parent + ".") or r.module.startswith(mod + ".") or \
-                    experts < 2 or rows % experts or rows // experts < 2:
-                continue
-            role[r.module], role[mod] = "moe.router", "moe.experts"
-            role.setdefault(parent, "moe")
-            claimed.add(r.module)
-            per_block[n.block]["moe"].append({
-                "module": _rel(parent, base), "router": _rel(r.module, base), "experts": _rel(mod, base),
-                "num_experts": experts, "top_k": None, "expert_params": [],
-                "flat_params": sorted(_rel(p, base) for p in shapes), "ffn": rows // experts})
-            break
-
-
-def _routed_modules(graph: ModelGraph, per_block, rep_of) -> None:
-    """Modules inside blocks that capture ran at module level (hooks: they read data-dependent
-    values, as experts routed by token counts do -- DBRX's) whose output is shaped like their first
-    input: the probe runs a shape-true stand-in for them (``routed`` entries), as for recognised
-    experts, so the block's other units can still be checked."""
-    calls = [n for n in graph.nodes if n.op.startswith("module:") and n.block is not None and n.module]
-    fqns = {n.module for n in calls}
-    for n in calls:
-        if any(f.startswith(n.module + ".") for f in fqns) or not n.inputs or not n.outputs:
-            continue   # the innermost ones only
-        if tuple(n.outputs[0].shape) == tuple(n.inputs[0].shape):
-            entry = _rel(n.module, rep_of.get(n.block, ""))
-            if entry not in per_block[n.block]["routed"]:
-                per_block[n.block]["routed"].append(entry)
-
-
-_CONV = ("conv1d", "convolution", "_convolution")
-
-
-def _mamba_mixers(flow: _Flow, role, per_block, rep_of, claimed) -> None:
-    """State-space mixers (Mamba, Mamba-2): a depthwise 1-D convolution over the sequence (weight
-    (channels, 1, width)) whose input a weighted matmul makes; the mixer is the nearest module
-    holding both. Its linears are claimed (in_proj -> conv -> scan -> gated out_proj would
-    otherwise read as a gated MLP, and sharding it as one trains wrong)."""
-    graph = flow.graph
-    for n in graph.nodes:
-        if _base(n.op) not in _CONV or len(n.input_nodes) < 2 or not n.input_nodes[1].startswith("param:"):
-            continue
-        weight = n.input_nodes[1][6:]
-        shape = _param_shape(graph, weight)
-        if len(shape) != 3 or shape[1] != 1:
-            continue
-        ins, _ = flow.up_matmuls(n.input_nodes[0])
-        if not ins:
-            continue
-        mixer = _lca([ins[0].module, weight.rpartition(".")[0]])
-        if not mixer or mixer in role:
-            continue
-        inside = sorted({m.module for m in graph.nodes if flow.weight(m) and (m.module + ".").startswith(mixer + ".")})
-        base = rep_of.get(n.block, "")
-        role[mixer] = "mamba"
-        for m in inside:
-            if m != mixer:
-                role[m] = "mamba.linear"
-        role[weight.rpartition(".")[0]] = "mamba.conv"
-        for fqn in graph.modules:   # its norms (Jamba's dt/B/C norms) see the mixer's activations, not the stream
-            if fqn.startswith(mixer + "."):
-                role.setdefault(fqn, "mamba.part")
-        claimed.update(inside)
-        per_block[n.block]["mamba"].append({"module": _rel(mixer, base), "in_proj": _rel(ins[0].module, base),
-                                            "linears": [_rel(m, base) for m in inside],
-                                            "channels": shape[0]})
-
-
-def _param_shape(graph: ModelGraph, fqn: str) -> tuple[int, ...]:
-    owner, _, name = fqn.rpartition(".")
-    info = graph.modules.get(owner)
-    return info.params.get(name, ()) if info else ()
 
 
 def _feeds_activation(flow: _Flow, node: Node, limit: int = 4) -> bool:

@@ -380,7 +380,7 @@ def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
     return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
 
 
-# why a state-space mixer stays replicated (roles._mamba_mixers recognises it)
+# why a state-space mixer stays replicated (capture.mixer_roles.mamba_mixers recognises it)
 MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer: its in_proj packs z, x, B, C and dt per head and group, which "
                     "column-wise styles cannot cut by head, and its scan and depthwise convolution run over the "
                     "whole sequence; it stays replicated")
