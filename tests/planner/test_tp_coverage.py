@@ -15,6 +15,10 @@ from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.structure import MAMBA_NOT_A_UNIT, model_structure
+from hyper_parallel import FlatExpertsParallel, PrepareHeadsInput
+from hyper_parallel.errors import DivisibilityError, StyleSpecError, UnsupportedModuleError
+from hyper_parallel.local import fake_world
+from torch.distributed.device_mesh import init_device_mesh
 
 
 def test_mamba_mixer_is_recognised_and_the_feed_forward_is_the_mlp():
@@ -62,3 +66,23 @@ def test_a_model_capture_cannot_trace_is_refused_when_tp_is_asked_for():
     for forced in ({"allow_replicated_units": False}, {"sequence_parallel": True}):
         with pytest.raises(InfeasiblePlanError, match="capture could not trace _CountRouted"):
             autoplan(model, mesh, batch=(2, 8), **forced)
+
+
+def test_flat_experts_and_divisor_styles_check_their_arguments():
+    class Experts(nn.Module):
+        def __init__(self, rows, ffn):
+            super().__init__()
+            self.mlp = nn.Module()
+            for name in ("w1", "v1", "w2"):
+                setattr(self.mlp, name, nn.Parameter(torch.zeros(rows, 8)))
+            self.ffn_hidden_size = ffn
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        FlatExpertsParallel().check_module(Experts(4 * 8, 8), mesh, "ffn.experts")
+        with pytest.raises(UnsupportedModuleError, match="not a multiple"):
+            FlatExpertsParallel().check_module(Experts(30, 8), mesh, "ffn.experts")
+        with pytest.raises(DivisibilityError, match="ffn_hidden_size"):
+            FlatExpertsParallel().check_module(Experts(4 * 6, 6), mesh, "ffn.experts")
+    with pytest.raises(StyleSpecError, match="attribute_divisors"):
+        PrepareHeadsInput(local_attributes=["num_heads"], attribute_divisors={"num_key_value_groups": 2})
