@@ -83,16 +83,20 @@ def flat_experts(flow, role, per_block, rep_of, claimed) -> None:
             break
 
 
-def routed_modules(graph: ModelGraph, per_block, rep_of) -> None:
+def routed_modules(graph: ModelGraph, role, per_block, rep_of) -> None:
     """Modules inside blocks that capture ran at module level (hooks: they read data-dependent
     values, as experts routed by token counts do -- DBRX's) whose output is shaped like their first
     input: the probe runs a shape-true stand-in for them (``routed`` entries), as for recognised
-    experts, so the block's other units can still be checked."""
+    experts, so the block's other units can still be checked. Never one inside an attention or an
+    MLP: standing in part of a unit would hide from the probe what its styles do to that part."""
     calls = [n for n in graph.nodes if n.op.startswith("module:") and n.block is not None and n.module]
     fqns = {n.module for n in calls}
+    units = [m for m, r in role.items() if r.split(".")[0] in ("attention", "mlp")]
     for n in calls:
         if any(f.startswith(n.module + ".") for f in fqns) or not n.inputs or not n.outputs:
             continue   # the innermost ones only
+        if any(n.module == u or n.module.startswith(u + ".") for u in units):
+            continue
         if tuple(n.outputs[0].shape) == tuple(n.inputs[0].shape):
             entry = _rel(n.module, rep_of.get(n.block, ""))
             if entry not in per_block[n.block]["routed"]:

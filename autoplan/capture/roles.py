@@ -414,7 +414,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         per_block[n.block]["mlp"].append(entry)
 
     _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed)
-    routed_modules(graph, per_block, rep_of)
+    routed_modules(graph, role, per_block, rep_of)
     for fqn, r in role.items():
         if fqn in graph.modules:
             graph.modules[fqn].role = r
