@@ -135,6 +135,19 @@ class MoeUnit:
 
 
 @dataclass
+class MambaUnit:
+    """A state-space (Mamba) mixer (roles ``mamba``): its module relative to the block, its inner
+    channel count, the modules inside it whose outputs are last whole before the per-channel scan
+    (Jamba's dt/B/C norms: MambaMixerParallel's ``replicated_after``) and the bytes of its x_proj
+    output per call (all-reduced in forward and backward when its channels are split)."""
+    rel: str
+    channels: int
+    after: list[str]
+    xproj_bytes: int
+    work: Work = field(default_factory=Work)
+
+
+@dataclass
 class BlockGroupInfo:
     id: str
     prefix: str
@@ -152,6 +165,7 @@ class BlockGroupInfo:
     dim: int
     cross_attention: AttentionUnit | None = None   # a decoder's second attention (keys from the encoder)
     moe: MoeUnit | None = None  # a mixture-of-experts layer with stacked expert weights
+    mamba: MambaUnit | None = None   # a state-space mixer (split on its channels by MambaMixerParallel)
 
 
 @dataclass
@@ -380,10 +394,23 @@ def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
     return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
 
 
-# why a state-space mixer stays replicated (capture.mixer_roles.mamba_mixers recognises it)
-MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer: its in_proj packs z, x, B, C and dt per head and group, which "
-                    "column-wise styles cannot cut by head, and its scan and depthwise convolution run over the "
-                    "whole sequence; it stays replicated")
+# why a state-space mixer is no unit (capture.mixer_roles.mamba_mixers recognises it): one mixer per
+# block is planned (MambaMixerParallel), inside a module of its own
+MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer directly in the block, or a second one in it: only one mixer per "
+                    "block, in a module of its own, is planned; it stays replicated")
+
+
+def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
+    """The planner unit of a Mamba mixer (roles ``mamba`` entry). Whether its code is the Mamba-1
+    layout MambaMixerParallel splits is the style's check, run by the probe (a Mamba-2 mixer is
+    rejected there and stays replicated with that reason)."""
+    where = f"{rep}.{x['module']}"
+    after = sorted(f[len(where) + 1:] for f, info in graph.modules.items()
+                   if f.startswith(where + ".") and info.role == "mamba.part" and info.params
+                   and all(len(s) == 1 for s in info.params.values()))
+    xproj = next((n for n in graph.nodes if n.module == f"{where}.x_proj" and n.outputs), None)
+    return MambaUnit(x["module"], int(x.get("channels") or 0), after,
+                     xproj.outputs[0].nbytes if xproj is not None else 0, work(where))
 
 
 def without_moe_units(st: "ModelStructure") -> "ModelStructure":
@@ -618,8 +645,13 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 not_units.append((where, f"a mixture-of-experts layer: {unit}"))
             else:
                 moe = unit
+        mamba = None
         for x in roles.get("mamba", []):
-            not_units.append((f"{rep}.{x['module']}" if x["module"] else rep, MAMBA_NOT_A_UNIT))
+            unit = _mamba_unit(graph, rep, x, work) if mamba is None and x["module"] else None
+            if unit is None:
+                not_units.append((f"{rep}.{x['module']}" if x["module"] else rep, MAMBA_NOT_A_UNIT))
+            else:
+                mamba = unit
         mlp = None
         for m in roles.get("mlp", [])[1:]:
             not_units.append((f"{rep}.{m['module']}" if m["module"] else rep, "a second MLP in the block"))
@@ -644,7 +676,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")
         whole = work(rep)
-        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe) if u is not None), Work())
+        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe, mamba) if u is not None), Work())
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
@@ -662,7 +694,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         blocks.append(BlockGroupInfo(
             b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
             norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1],
-            cross_attention=cross, moe=moe))
+            cross_attention=cross, moe=moe, mamba=mamba))
         claimed.add(rep)
 
     outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(

@@ -31,6 +31,8 @@ SLICE = [
     # issue 33: DBRX -- a clamped fused [q|k|v] of unequal widths (each rank its heads' rows), experts as
     # flat (E*F, H) weights split on F (FlatExpertsParallel), captured at module level (routing by counts)
     ("dbrx", "dp2_tp2", "forced_S", ("attention:kv_replicated", "moe:experts_tp")),
+    # issue 33: Jamba's Mamba-1 mixers split on their channels (MambaMixerParallel), its experts over tp
+    ("jamba", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "mlp:hidden_sharded", "moe:experts_tp")),
     # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
     ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place

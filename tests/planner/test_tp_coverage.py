@@ -3,7 +3,8 @@ level -- the corpus slice (test_model_corpus.py) runs the sharded ones against o
 
 A state-space mixer (Falcon-H1's Mamba-2: in_proj -> depthwise conv -> scan -> gated out_proj)
 must not read as a gated MLP: sharding it as one would cut its packed z/x/B/C/dt columns blindly.
-It is recognised, kept replicated with the reason, and the block's real MLP is planned. A model
+It is recognised as its own unit (Jamba's Mamba-1 mixers are split on their channels: the corpus
+slice), and the block's real MLP is planned. A model
 capture cannot trace at all is planned data-parallel only -- and refused, naming the capture
 failure, when the user asks for tensor parallelism that cannot happen."""
 import pytest
@@ -14,8 +15,9 @@ import transformers
 from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search.structure import MAMBA_NOT_A_UNIT, model_structure
+from autoplan.search.structure import model_structure
 from hyper_parallel import FlatExpertsParallel, PrepareHeadsInput
+from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
 from hyper_parallel.errors import DivisibilityError, StyleSpecError, UnsupportedModuleError
 from hyper_parallel.local import fake_world
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,8 +37,13 @@ def test_mamba_mixer_is_recognised_and_the_feed_forward_is_the_mlp():
     st = model_structure(graph)
     block = st.blocks[0]
     assert block.mlp.rel == "feed_forward" and block.attention.rel == "self_attn"
-    assert (f"{block.representative}.mamba", MAMBA_NOT_A_UNIT) in st.not_units
+    assert block.mamba.rel == "mamba" and block.mamba.channels == 64 + 2 * 16   # conv over [x | B | C]
     assert not any(n.startswith("mamba") for n in block.norms), block.norms   # its gated norm is the mixer's
+    # a Mamba-2 mixer is no layout MambaMixerParallel splits: refused by its check, so the probe keeps it replicated
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        with pytest.raises(UnsupportedModuleError, match="Mamba-1"):
+            MambaMixerParallel().check_module(model.model.layers[0].mamba, mesh, "model.layers.0.mamba")
 
 
 class _CountRouted(nn.Module):
