@@ -28,8 +28,11 @@ def mamba_strategies(m: MambaUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
     if not m.channels or m.channels % t:
         out[0].extra["tp_excluded"] = f"mixer channels {m.channels} not divisible by tp={t}"
         return out
-    comm = _ar_pair(blk.hidden_bytes) + [Collective("all_reduce", "forward", m.xproj_bytes),
-                                         Collective("all_reduce", "backward", m.xproj_bytes)]
+    # x_proj's output all-reduced in forward; the partial gradients in backward, one all-reduce per
+    # module they are last whole after (Jamba's three norms), else one at x_proj's output
+    grads = m.after_bytes if m.after else [m.xproj_bytes]
+    comm = _ar_pair(blk.hidden_bytes) + [Collective("all_reduce", "forward", m.xproj_bytes)] + \
+        [Collective("all_reduce", "backward", b) for b in grads]
     out.append(Strategy("channels_sharded", "R", {m.rel: MambaMixerParallel(replicated_after=m.after or None)}, comm,
                         compute_shard=t, param_shard=t, activation_shard=t,
                         reason=f"Mamba mixer split on its {m.channels} inner channels: in_proj column-wise, conv1d, "

@@ -145,6 +145,7 @@ class MambaUnit:
     after: list[str]
     xproj_bytes: int
     work: Work = field(default_factory=Work)
+    after_bytes: list[int] = field(default_factory=list)   # each ``after`` module's output bytes per call
 
 
 @dataclass
@@ -408,9 +409,12 @@ def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
     after = sorted(f[len(where) + 1:] for f, info in graph.modules.items()
                    if f.startswith(where + ".") and info.role == "mamba.part" and info.params
                    and all(len(s) == 1 for s in info.params.values()))
-    xproj = next((n for n in graph.nodes if n.module == f"{where}.x_proj" and n.outputs), None)
-    return MambaUnit(x["module"], int(x.get("channels") or 0), after,
-                     xproj.outputs[0].nbytes if xproj is not None else 0, work(where))
+    def out_bytes(fqn: str) -> int:   # the last op of the module: its output
+        nodes = [n for n in graph.nodes if n.module == fqn and n.outputs]
+        return nodes[-1].outputs[0].nbytes if nodes else 0
+
+    return MambaUnit(x["module"], int(x.get("channels") or 0), after, out_bytes(f"{where}.x_proj"), work(where),
+                     [out_bytes(f"{where}.{a}") for a in after])
 
 
 def without_moe_units(st: "ModelStructure") -> "ModelStructure":
