@@ -159,7 +159,11 @@ def seq_len(model: torch.nn.Module) -> int:
 def small_recipe(family: str, model: torch.nn.Module, degrees: list[int]) -> ModelRecipe:
     if family == "llama":
         return ModelRecipe(factory="autoplan.models:build_llama", kwargs=dict(LLAMA_SMALL, seed=3), seed=3)
-    return recipe_for(model, degrees, seed=3)
+    recipe = recipe_for(model, degrees, seed=3)
+    layers = HF_FAMILIES[family][2].get("num_hidden_layers")
+    if layers and recipe.hf_config:   # a layer count the entry sets (Jamba's four: each kind twice) is kept
+        recipe.hf_config["num_hidden_layers"] = layers
+    return recipe
 
 
 @dataclass
