@@ -219,6 +219,10 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     if graph is None:
         graph = _capture_graph(model, inputs, batch, dp * ep, dtype, cp)
     t_captured = time.perf_counter()
+    if graph.method == OPAQUE and tp > 1 and (sequence_parallel is True or allow_replicated_units is False):
+        asked = "sequence_parallel=True" if sequence_parallel is True else "allow_replicated_units=False"
+        raise InfeasiblePlanError(f"autoplan: {asked} at tp={tp}, but {graph.warnings[0]}: nothing in it can be "
+                                  f"tensor-parallel or sequence-sharded")
     structure = cp_structure(model_structure(graph), cp)
     pbytes = structure.dtype_bytes
     ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",

@@ -54,6 +54,7 @@ from hyper_parallel.core.tensor_parallel import (
 # after tensor_parallel: its style registry imports ExpertParallel and ContextParallel, built on tensor_parallel.base
 from hyper_parallel.core.expert_parallel import (
     DenseExpertsParallel,
+    FlatExpertsParallel,
     ExpertParallel,
     balanced_routing,
     expert_parallel_collectives,
@@ -78,7 +79,8 @@ __all__ = [
     "PrepareLatentInput",
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-    "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "DenseExpertsParallel", "balanced_routing",
+    "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "DenseExpertsParallel", "FlatExpertsParallel",
+    "balanced_routing",
     "expert_parallel_collectives", "split_model", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
     "ContextParallel", "apply_context_parallel", "shard_batch", "unshard_sequence", "local_positions",

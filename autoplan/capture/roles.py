@@ -4,16 +4,21 @@ Attention is the op that does softmax(QK^T)V (SDPA, or softmax between two activ
 its q/k/v projections are the nearest matmuls with a weight upstream of its operands, its output
 projection the nearest one downstream. An MLP is a weighted matmul fed (through elementwise ops
 only) by other weighted matmuls; gated when that path multiplies two of them. A router is the
-weighted matmul feeding a top-k; experts are the weights the grouped GEMMs after it use.
+weighted matmul feeding a top-k; experts are the weights the grouped GEMMs after it use. A
+state-space (Mamba) mixer is the module around a depthwise 1-D convolution fed by a weighted matmul
+(its in_proj): its linears are the mixer's, never an MLP, even where a gate path multiplies them.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from autoplan.capture.aliases import aliases, is_inplace, op_base
 from autoplan.capture.ir import ModelGraph, Node
 from autoplan.capture.latent import latent_projections
+from autoplan.capture.mixer_roles import flat_experts, mamba_mixers, routed_modules
+from autoplan.capture.role_paths import lca as _lca, out_features as _out_features, param_shape as _param_shape
+from autoplan.capture.role_paths import rel as _rel
 
 _MATMUL = ("aten.linear", "aten.addmm", "aten.mm", "aten.matmul", "aten.bmm")
 _ACT = ("silu", "gelu", "relu", "tanh", "sigmoid", "elu", "mish", "softplus")
@@ -27,6 +32,8 @@ _PASS = (
     # a clamp of a fused q/k/v (DBRX's clip_qkv) and per-head norms of q and k (Persimmon's
     # q_layernorm / k_layernorm) sit between a projection and the attention core
     "clamp", "clip", "native_layer_norm", "layer_norm",
+    # squared-ReLU MLPs (Nemotron, Persimmon, Primer): relu(x) ** 2 between up and down
+    "square", "pow",
 ) + _ACT
 
 
@@ -67,25 +74,6 @@ def _param_views(graph: ModelGraph) -> dict[str, str]:
         elif src in out:
             out[n.name] = out[src]
     return out
-
-
-def _lca(fqns: Iterable[str]) -> str:
-    parts = [f.split(".") for f in fqns]
-    if not parts:
-        return ""
-    out = []
-    for col in zip(*parts):
-        if len(set(col)) != 1:
-            break
-        out.append(col[0])
-    return ".".join(out)
-
-
-def _rel(fqn: str, base: str) -> str:
-    """``fqn`` relative to the block representative ``base`` ("" for the block itself)."""
-    if base and fqn == base:
-        return ""
-    return fqn[len(base) + 1:] if base and fqn.startswith(base + ".") else fqn
 
 
 class _Flow:
@@ -219,10 +207,6 @@ def _find_down(flow: _Flow, name: str, kinds: tuple[str, ...], limit: int = 6) -
     return None
 
 
-def _out_features(n: Node) -> int:
-    return n.outputs[0].shape[-1] if n.outputs else 0
-
-
 def fixed_head_count(flow: _Flow, name: str, n_heads: int, limit: int = 40) -> bool:
     """Whether a reshape between tensor ``name`` (q, k or v at the attention) and its projection
     names the global head count while inferring another dimension (OPT:
@@ -260,6 +244,9 @@ def fused_qkv_layout(flow: _Flow, proj: Node, limit: int = 6) -> tuple[str, int]
         shape = tuple(u.outputs[0].shape) if u.outputs else ()
         if base in _SPLITS:
             return "concat", 0
+        if base in ("clamp", "clip", "to", "_to_copy", "contiguous") and shape and shape[-1] == width:
+            cur = u   # DBRX clamps its fused q/k/v (clip_qkv) before cutting it
+            continue
         if base in ("view", "reshape", "_unsafe_view", "unflatten", "unsqueeze") and shape:
             if shape[-1] == width:
                 cur = u
@@ -351,6 +338,8 @@ def recognise_roles(graph: ModelGraph) -> None:
             }
         )
 
+    mamba_mixers(flow, role, per_block, rep_of, claimed)
+
     for n in graph.nodes:
         if _base(n.op) != "topk":
             continue
@@ -390,6 +379,8 @@ def recognise_roles(graph: ModelGraph) -> None:
         )
         claimed.update(m.module for m in after if flow.weight(m) and m.module.startswith(experts_mod + "."))
 
+    flat_experts(flow, role, per_block, rep_of, claimed)
+
     for n in graph.nodes:
         if not flow.weight(n) or n.module in claimed:
             continue
@@ -423,6 +414,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         per_block[n.block]["mlp"].append(entry)
 
     _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed)
+    routed_modules(graph, role, per_block, rep_of)
     for fqn, r in role.items():
         if fqn in graph.modules:
             graph.modules[fqn].role = r
@@ -438,12 +430,6 @@ def recognise_roles(graph: ModelGraph) -> None:
         b.roles = {k: list(v) for k, v in per_block.get(b.id, {}).items()}
     top = per_block.get(None, {})
     graph.roles = {k: list(v) for k, v in top.items()}
-
-
-def _param_shape(graph: ModelGraph, fqn: str) -> tuple[int, ...]:
-    owner, _, name = fqn.rpartition(".")
-    info = graph.modules.get(owner)
-    return info.params.get(name, ()) if info else ()
 
 
 def _feeds_activation(flow: _Flow, node: Node, limit: int = 4) -> bool:

@@ -13,7 +13,7 @@ optionally with expert TP inside each ep group); the TP search then offers only 
 from __future__ import annotations
 
 from hyper_parallel import PrepareModuleInputOutput, Replicate, Shard
-from hyper_parallel.core.expert_parallel import DenseExpertsParallel, ExpertParallel
+from hyper_parallel.core.expert_parallel import DenseExpertsParallel, ExpertParallel, FlatExpertsParallel
 from hyper_parallel.core.collective import Collective
 
 from autoplan.search.strategies import Strategy, _replicated_region_on_s
@@ -37,7 +37,7 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
         return out
     rows = h * m.top_k
     comm = [Collective("all_reduce", "forward", rows), Collective("all_reduce", "backward", rows)]
-    styles = {m.experts: ExpertParallel(ep_dim="")}
+    styles = {m.experts: FlatExpertsParallel() if m.flat else ExpertParallel(ep_dim="")}
     if layout == "S":
         styles.update(_container(m, S))
         comm += _replicated_region_on_s(h)
@@ -49,6 +49,8 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
           f"down row-wise; router replicated"
     shards = dict(compute_shard=flops / (flops - eflops + eflops / t), param_shard=param_shard, activation_shard=1.0)
     out.append(Strategy("experts_tp", layout, styles, comm, reason=why, **shards))
+    if m.flat:   # flat (E * F, H) weights: their own style, no dense form
+        return out
     # experts that run every expert on tokens the block pre-scaled (Llama-4): the probe picks the
     # form the module's forward takes; the dense one moves every expert's copy of every token
     dense = dict(styles, **{m.experts: DenseExpertsParallel()})

@@ -92,15 +92,18 @@ def _routed_rows(hidden_states, top_k_index=None, top_k_weights=None, *args, **k
 
 
 def _stand_in_experts(model: nn.Module, groups, short) -> None:
-    """Replace the forward of every experts container the capture recognised (roles ``moe``)."""
+    """Replace the forward of every experts container the capture recognised (roles ``moe``), and
+    of every module it could only run at module level for reading data-dependent values (roles
+    ``routed``: DBRX's experts, which no MoE entry names)."""
     for b in groups:
-        for e in (b.roles or {}).get("moe", []):
-            if e.get("experts"):
-                try:
-                    module = model.get_submodule(short(f"{b.representative}.{e['experts']}"))
-                except AttributeError:
-                    continue
-                module.forward = _routed_rows
+        roles = b.roles or {}
+        paths = [e["experts"] for e in roles.get("moe", []) if e.get("experts")] + list(roles.get("routed", []))
+        for path in paths:
+            try:
+                module = model.get_submodule(short(f"{b.representative}.{path}"))
+            except AttributeError:
+                continue
+            module.forward = _routed_rows
 
 
 class Prober:

@@ -261,7 +261,7 @@ class SlotChecker:
             self.report.rejected.append((self.search.unit_module(slot), option.strategy.name, layout, why))
             for o in opts:  # the replicated fallback says why it stays
                 if o.strategy.name == "replicate" and o.stream in (None, layout):
-                    o.strategy.extra.setdefault("tp_excluded", f"{option.strategy.name} rejected: {why}")
+                    _say_rejected(o.strategy, f"{option.strategy.name} rejected: {why}")
             log.info("%s: %s on %s rejected: %s", slot, option.strategy.name, layout, why)
 
     def _drop_layout(self, layout: str, why: str) -> None:
@@ -287,7 +287,7 @@ class SlotChecker:
             slot = next((x for x in self.search.slots if self.search.unit_module(x) == unit), unit)
             for o in self.search.slots.get(slot, []):
                 if o.strategy.name == "replicate" and o.stream in (None, stream):
-                    o.strategy.extra.setdefault("tp_excluded", f"{name} rejected: {why}")
+                    _say_rejected(o.strategy, f"{name} rejected: {why}")
 
     def reject_all(self, why: str) -> None:
         self.report.skipped = why
@@ -297,6 +297,17 @@ class SlotChecker:
                     self._reject(slot, o, o.stream or "R", why)
         if "S" in self.search.layouts:
             self._drop_layout("S", why)
+
+
+def _say_rejected(replicated, text: str) -> None:
+    """Add ``text`` to why a replicated fallback stays: after the reason the other forms were not
+    offered (a fused [q|k|v] of unequal widths), the run that rejected the form that was (DBRX's
+    kv-replicated attention, when the model does not run on fake tensors)."""
+    before = replicated.extra.get("tp_excluded")
+    if before is None:
+        replicated.extra["tp_excluded"] = text
+    elif text not in before:
+        replicated.extra["tp_excluded"] = f"{before}; {text}"
 
 
 def _key(slot: str, o) -> tuple:

@@ -168,6 +168,14 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         else:
             why = f"{why}; {kv}"
     column = _column_styles(a, t) if why is None else why
+    if isinstance(column, str) and why is None and a.qkv and a.qkv_layout == "concat" and \
+            a.n_heads != a.n_kv_heads:
+        # a fused [q|k|v] of unequal widths (DBRX's Wqkv): each rank computes its heads' rows of it
+        kv = _kv_replicated(a, blk, t, layout)
+        if isinstance(kv, Strategy):
+            out.append(kv)
+        else:
+            column = f"{column}; {kv}"
     if isinstance(column, str):
         why = column
     plain_why = why
@@ -226,35 +234,59 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
     """Query heads sharded, K/V projections whole on every rank (Megatron's and HF's form for
     multi-query attention): q column-wise -- or, in a fused [q|k|v], its q columns -- with the
     module's query head counts and widths made local; K/V's weights replicated, their gradients
-    (partial: each rank's heads' share) all-reduced in backward. Offered for one KV head: with
-    several, each rank would need the slice of KV heads its query heads read."""
-    if a.n_kv_heads != 1:
-        return f"kv-replicated attention needs one KV head (MQA); {a.n_kv_heads} would each need its own ranks"
+    (partial: each rank's heads' share) all-reduced in backward. With several KV heads (GQA with
+    fewer KV heads than ranks) it needs tp a multiple of the KV heads, so that each rank's query
+    heads read one KV head: the rank computes that head only (KVReplicatedParallel's ``kv_heads``)
+    and the module's query-heads-per-KV-head count shrinks by tp / KV heads. A fused [q|k|v] of
+    unequal widths (DBRX) whose KV heads tp divides takes the same form, each rank computing its
+    rows of q and its KV heads' rows of k and v from the projection kept whole: compute sharded,
+    that projection's parameters not."""
     n, kv, hd = a.n_heads, a.n_kv_heads, a.head_dim
+    if t % kv and kv % t:
+        return f"kv-replicated attention needs tp={t} a multiple or a divisor of the {kv} KV heads (each rank's " \
+               f"query heads reading whole KV heads)"
     local = sorted([k for k, v in a.head_attrs.items() if v in (n, n * hd) and v not in (kv, kv * hd)]
                    + list(a.group_attrs))
+    divisors = {}
+    if kv % t == 0:
+        # KV heads divide tp (a fused [q|k|v] of unequal widths): each rank kv / t of them, the
+        # query heads per KV head unchanged
+        local = sorted({k for k, v in a.head_attrs.items() if v in (n, n * hd, kv, kv * hd)})
+    elif kv > 1:
+        # each rank keeps one KV head: groups shrink by t / kv, KV head counts and widths by kv
+        kv_attrs = sorted(k for k, v in a.head_attrs.items() if v in (kv, kv * hd) and v not in (n, n * hd))
+        local = sorted(set(local) | set(kv_attrs))
+        divisors = {**{k: t // kv for k in a.group_attrs}, **{k: kv for k in kv_attrs}}
+        divisors = {k: d for k, d in divisors.items() if d != t}
+    whole = kv if kv > 1 else None
     if a.qkv:
         if a.qkv_layout != "concat" or not hd:
             return "kv-replicated attention needs a fused projection cut as [q|k|v]"
         if not local:
             return "the fused [q|k|v] is cut by widths the module does not hold as attributes"
-        cols = {a.qkv: KVReplicatedParallel(fused_heads=[n, 2 * kv])}
+        cols = {a.qkv: KVReplicatedParallel(fused_heads=[n, 2 * kv], kv_heads=whole)}
     else:
-        cols = {a.q: ColwiseParallel(), a.k: KVReplicatedParallel(), a.v: KVReplicatedParallel()}
+        if 1 < kv < t and not a.group_attrs:
+            return f"the module holds no count of query heads per KV head to make local ({kv} KV heads)"
+        cols = {a.q: ColwiseParallel(), a.k: KVReplicatedParallel(kv_heads=whole),
+                a.v: KVReplicatedParallel(kv_heads=whole)}
     inp, h = (_PLACEMENT[layout],), blk.hidden_bytes
-    prep = PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,), local_attributes=local) if local \
+    prep = PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,), local_attributes=local,
+                             attribute_divisors=divisors or None) if local \
         else PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,))
     per_param = a.work.param_bytes / a.work.params if a.work.params else 4
-    whole = sum(a.kv_params)
-    total = max(a.work.params, whole + 1)
-    param_shard = total / (whole + (total - whole) / t)
+    whole_params = sum(a.kv_params)
+    total = max(a.work.params, whole_params + 1)
+    param_shard = total / (whole_params + (total - whole_params) / t)
     comm = (_ag_rs_pair(h) if layout == "S" else _ar_pair(h)) + \
         [Collective("all_reduce", "backward", int(p * per_param), weight_grad=True) for p in a.kv_params]
+    form = "Megatron's multi-query form" if kv == 1 else "each rank computing the one KV head its query heads read" \
+        if kv < t else f"each rank computing its {kv // t} of them from the fused projection kept whole"
     return Strategy("kv_replicated", layout, {a.rel: prep, **cols, a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])},
                     comm, compute_shard=t, param_shard=param_shard, activation_shard=t,
-                    reason=f"query heads ({n}) sharded, the {kv} KV head replicated with its gradients all-reduced "
-                           f"(Megatron's multi-query form)" + (f"; the module's {', '.join(local)} made local"
-                                                               if local else ""))
+                    reason=f"query heads ({n}) sharded, the {kv} KV head{'s' if kv > 1 else ''} replicated with "
+                           f"their gradients all-reduced ({form})" + (f"; the module's {', '.join(local)} made local"
+                                                                      if local else ""))
 
 
 def _latent_heads(a: AttentionUnit, h: int, t: int, layout: str) -> Strategy:

@@ -131,6 +131,21 @@ class MoeUnit:
     ffn: int
     work: Work = field(default_factory=Work)          # the router's and the experts'
     expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
+    flat: bool = False          # experts as flat (E * F, H) weights (DBRX): FlatExpertsParallel splits them
+
+
+@dataclass
+class MambaUnit:
+    """A state-space (Mamba) mixer (roles ``mamba``): its module relative to the block, its inner
+    channel count, the modules inside it whose outputs are last whole before the per-channel scan
+    (Jamba's dt/B/C norms: MambaMixerParallel's ``replicated_after``) and the bytes of its x_proj
+    output per call (all-reduced in forward and backward when its channels are split)."""
+    rel: str
+    channels: int
+    after: list[str]
+    xproj_bytes: int
+    work: Work = field(default_factory=Work)
+    after_bytes: list[int] = field(default_factory=list)   # each ``after`` module's output bytes per call
 
 
 @dataclass
@@ -151,6 +166,7 @@ class BlockGroupInfo:
     dim: int
     cross_attention: AttentionUnit | None = None   # a decoder's second attention (keys from the encoder)
     moe: MoeUnit | None = None  # a mixture-of-experts layer with stacked expert weights
+    mamba: MambaUnit | None = None   # a state-space mixer (split on its channels by MambaMixerParallel)
 
 
 @dataclass
@@ -403,6 +419,28 @@ def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
     return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
 
 
+# why a state-space mixer is no unit (capture.mixer_roles.mamba_mixers recognises it): one mixer per
+# block is planned (MambaMixerParallel), inside a module of its own
+MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer directly in the block, or a second one in it: only one mixer per "
+                    "block, in a module of its own, is planned; it stays replicated")
+
+
+def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
+    """The planner unit of a Mamba mixer (roles ``mamba`` entry). Whether its code is the Mamba-1
+    layout MambaMixerParallel splits is the style's check, run by the probe (a Mamba-2 mixer is
+    rejected there and stays replicated with that reason)."""
+    where = f"{rep}.{x['module']}"
+    after = sorted(f[len(where) + 1:] for f, info in graph.modules.items()
+                   if f.startswith(where + ".") and info.role == "mamba.part" and info.params
+                   and all(len(s) == 1 for s in info.params.values()))
+    def out_bytes(fqn: str) -> int:   # the last op of the module: its output
+        nodes = [n for n in graph.nodes if n.module == fqn and n.outputs]
+        return nodes[-1].outputs[0].nbytes if nodes else 0
+
+    return MambaUnit(x["module"], int(x.get("channels") or 0), after, out_bytes(f"{where}.x_proj"), work(where),
+                     [out_bytes(f"{where}.{a}") for a in after])
+
+
 def without_moe_units(st: "ModelStructure") -> "ModelStructure":
     """``st`` with its MoE layers as no tensor-parallel unit: on a mesh with an ep dimension the
     experts are planned by expert parallelism, and the TP search keeps its stream away from them."""
@@ -419,6 +457,10 @@ def without_moe_units(st: "ModelStructure") -> "ModelStructure":
 def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
     """The planner unit of a MoE layer (roles "moe" entry), or why it is none: tensor parallelism
     splits each expert on its ffn width, which needs the experts as 3-D weights."""
+    if e.get("flat_params") and e.get("experts"):
+        experts = work(f"{rep}.{e['experts']}")
+        return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
+                       work(f"{rep}.{e['router']}") + experts, experts, flat=True)
     if not e.get("expert_params") or not e.get("experts"):
         return "its experts are a list of modules, not 3-D weights (split them with expert parallelism on an ep " \
                "dimension)"
@@ -631,6 +673,13 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 not_units.append((where, f"a mixture-of-experts layer: {unit}"))
             else:
                 moe = unit
+        mamba = None
+        for x in roles.get("mamba", []):
+            unit = _mamba_unit(graph, rep, x, work) if mamba is None and x["module"] else None
+            if unit is None:
+                not_units.append((f"{rep}.{x['module']}" if x["module"] else rep, MAMBA_NOT_A_UNIT))
+            else:
+                mamba = unit
         mlp = None
         for m in roles.get("mlp", [])[1:]:
             not_units.append((f"{rep}.{m['module']}" if m["module"] else rep, "a second MLP in the block"))
@@ -649,13 +698,13 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
         inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel] + \
-            [u["module"] for u in roles.get("attention_untraced", []) if u["module"]]
+            [u["module"] for u in roles.get("attention_untraced", []) + roles.get("mamba", []) if u["module"]]
         norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")
         whole = work(rep)
-        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe) if u is not None), Work())
+        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe, mamba) if u is not None), Work())
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
@@ -664,14 +713,16 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         # T5's first block returns its position bias beside the hidden states)
         out_shapes = [tuple(o) for o in rows[rep]["output_shapes"]] if rep in rows else []
         in_shapes = {tuple(i) for i in rows[rep]["input_shapes"]} if rep in rows else set()
-        shape = next((o for o in out_shapes if o in in_shapes), out_shapes[0] if out_shapes else (1, 1, 1))
+        # (a block captured at module level may record no output: its first input then, the stream)
+        first_in = tuple(rows[rep]["input_shapes"][0]) if rep in rows and rows[rep]["input_shapes"] else (1, 1, 1)
+        shape = next((o for o in out_shapes if o in in_shapes), out_shapes[0] if out_shapes else first_in)
         hidden = 1
         for s in shape:
             hidden *= s
         blocks.append(BlockGroupInfo(
             b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
             norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1],
-            cross_attention=cross, moe=moe))
+            cross_attention=cross, moe=moe, mamba=mamba))
         claimed.add(rep)
 
     outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(

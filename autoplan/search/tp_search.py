@@ -30,6 +30,7 @@ from autoplan.search.strategies import (
     mlp_strategies,
     norm_strategies,
 )
+from autoplan.search.mamba_strategies import mamba_strategies
 from autoplan.search.expert_strategies import experts_strategies
 from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
@@ -235,6 +236,9 @@ class TPSearch:
                 if b.moe is not None:
                     for s in experts_strategies(b.moe, b, t, layout):
                         self._add(f"{b.id}/moe", s, owner, b.count, b.moe.work, b.moe.work.param_bytes)
+                if b.mamba is not None:
+                    for s in mamba_strategies(b.mamba, b, t, layout):
+                        self._add(f"{b.id}/mamba", s, owner, b.count, b.mamba.work, b.mamba.work.param_bytes)
                 pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
                 for s in norm_strategies(b.norms, t, layout, pt):
                     self._add(f"{b.id}/norms", s, owner, b.count, b.norm_work, b.norm_param_bytes)
@@ -285,7 +289,7 @@ class TPSearch:
         for b in st.blocks:
             if slot.startswith(b.id + "/"):
                 unit = {"attention": b.attention, "cross_attention": b.cross_attention,
-                        "mlp": b.mlp, "moe": b.moe}.get(slot.split("/")[-1])
+                        "mlp": b.mlp, "moe": b.moe, "mamba": b.mamba}.get(slot.split("/")[-1])
                 owner = self._owner(b)
                 return f"{owner}.{unit.rel}" if unit is not None and unit.rel else owner
         fixed = {"embedding": st.embedding.fqn if st.embedding else None, "head": st.head.fqn if st.head else None}
@@ -303,7 +307,7 @@ class TPSearch:
     def _must_shard(self, slot: str) -> bool:
         """With ``allow_replicated=False`` the ILP may not pick a replicated attention, MLP,
         embedding or head (the options stay: the probe's base assignment runs them)."""
-        return not self.allow_replicated and (slot.endswith(("/attention", "/cross_attention", "/mlp"))
+        return not self.allow_replicated and (slot.endswith(("/attention", "/cross_attention", "/mlp", "/mamba"))
                                               or slot in ("embedding", "head"))
 
     def _require_sharded(self) -> None:

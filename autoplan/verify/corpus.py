@@ -95,8 +95,9 @@ SHAPE_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {}),
     # JetMoE: mixture of attention heads and of MLP experts routed by data-dependent counts
     "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", {}),
-    # Jamba: a Mamba layer with a dense MLP, then an attention layer with 16 experts
-    "jamba": ("JambaConfig", "JambaForCausalLM", {"attn_layer_period": 2, "attn_layer_offset": 1,
+    # Jamba: a Mamba layer with a dense MLP, then an attention layer with 16 experts, twice (four layers: each
+    # kind repeats, so each forms a block group the planner solves; two layers of two classes form none)
+    "jamba": ("JambaConfig", "JambaForCausalLM", {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
                                                   "expert_layer_period": 2, "expert_layer_offset": 1,
                                                   "use_mamba_kernels": False}),
     # Falcon-H1: attention and a Mamba-2 mixer in parallel in every block
@@ -158,7 +159,11 @@ def seq_len(model: torch.nn.Module) -> int:
 def small_recipe(family: str, model: torch.nn.Module, degrees: list[int]) -> ModelRecipe:
     if family == "llama":
         return ModelRecipe(factory="autoplan.models:build_llama", kwargs=dict(LLAMA_SMALL, seed=3), seed=3)
-    return recipe_for(model, degrees, seed=3)
+    recipe = recipe_for(model, degrees, seed=3)
+    layers = HF_FAMILIES[family][2].get("num_hidden_layers")
+    if layers and recipe.hf_config:   # a layer count the entry sets (Jamba's four: each kind twice) is kept
+        recipe.hf_config["num_hidden_layers"] = layers
+    return recipe
 
 
 @dataclass

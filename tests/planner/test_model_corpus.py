@@ -27,7 +27,14 @@ SLICE = [
     # BERT adds the attention input to its output inside the module (post-norm residual): sharded by
     # heads with plain-tensor inputs
     ("bert", "dp2_tp2", "default", ("attention:heads_sharded_plain_input", "mlp:hidden_sharded")),
-    ("starcoder2", "tp4", "forced_S", ()),
+    ("starcoder2", "tp4", "forced_S", ("attention:kv_replicated",)),   # 2 KV heads at tp=4
+    # issue 33: DBRX -- a clamped fused [q|k|v] of unequal widths (each rank its heads' rows), experts as
+    # flat (E*F, H) weights split on F (FlatExpertsParallel), captured at module level (routing by counts)
+    ("dbrx", "dp2_tp2", "forced_S", ("attention:kv_replicated", "moe:experts_tp")),
+    # issue 33: Jamba's Mamba-1 mixers split on their channels (MambaMixerParallel), its experts over tp
+    ("jamba", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "mlp:hidden_sharded", "moe:experts_tp")),
+    # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
+    ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place
     ("falcon", "dp2_tp2", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded_owned_output")),
     # Bloom: ALiBi bias built once by the model with heads folded into the batch, cut to the rank's heads

@@ -11,6 +11,11 @@ the model, so never changed in place). The plan names attributes, not values, so
 a model of any width (planned at full size, checked on a small copy); each attribute must exist,
 be an int and divide evenly, or nothing is applied.
 
+``attribute_divisors`` divides some of them by another number than the mesh size: with grouped-query
+attention whose KV heads are fewer than the ranks (KVReplicatedParallel's ``kv_heads``), each rank
+keeps one KV head and its query heads, so the query heads per KV head (``num_key_value_groups``)
+shrink by ``size / kv_heads`` and a KV head count by ``kv_heads``.
+
 ``folded_heads`` names the attribute holding the global head count when the module also receives
 per-head tensors with the heads folded into the batch dimension (Bloom's ALiBi bias, built once
 by the model as ``(batch * heads, 1, seq)`` and passed to every layer): any tensor input after
@@ -50,11 +55,18 @@ class PrepareHeadsInput(PrepareModuleInput):
     ``object.name`` through one non-module object (``config.num_attention_heads``), which is
     then copied for this module."""
 
-    _args = {**PrepareModuleInput._args, "local_attributes": None, "folded_heads": None}
+    _args = {**PrepareModuleInput._args, "local_attributes": None, "folded_heads": None, "attribute_divisors": None}
 
-    def __init__(self, *, local_attributes: list[str] | None = None, folded_heads: str | None = None, **kwargs):
+    def __init__(self, *, local_attributes: list[str] | None = None, folded_heads: str | None = None,
+                 attribute_divisors: dict[str, int] | None = None, **kwargs):
         super().__init__(**kwargs)
         where = type(self).__name__
+        divisors = dict(attribute_divisors or {})
+        for path, d in divisors.items():
+            if path not in (local_attributes or []) or type(d) is not int or d < 1:
+                raise StyleSpecError(f"{where}: attribute_divisors entry {path!r}: {d!r} must name one of "
+                                     f"local_attributes {local_attributes!r} with an int >= 1")
+        self.attribute_divisors = divisors or None
         if folded_heads is not None and folded_heads not in (local_attributes or []):
             raise StyleSpecError(f"{where}: folded_heads={folded_heads!r} must be one of local_attributes "
                                  f"{local_attributes!r} (the head count the folded inputs are cut by)")
@@ -81,7 +93,14 @@ class PrepareHeadsInput(PrepareModuleInput):
             value = getattr(obj, name)
             if type(value) is not int:
                 raise LayoutError(f"{where}: {path} is {value!r}, not an int")
-            check_divides(value, mesh, where, path)
+            d = self._divisor(path)
+            if d is None:
+                check_divides(value, mesh, where, path)
+            elif value % d:
+                raise LayoutError(f"{where}: {path} = {value} is not divisible by its divisor {d}")
+
+    def _divisor(self, path: str) -> int | None:
+        return (self.attribute_divisors or {}).get(path)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         size = mesh.size()
@@ -92,7 +111,7 @@ class PrepareHeadsInput(PrepareModuleInput):
                 record.set_attr(module, hop, copy.copy(getattr(module, hop)))
                 copied.add(hop)
             obj, name = _owner(module, path)
-            record.set_attr(obj, name, getattr(obj, name) // size)
+            record.set_attr(obj, name, getattr(obj, name) // (self._divisor(path) or size))
         out = super().apply(module, mesh, record, fqn)
         if self.folded_heads is not None:   # runs after the layouts' hook: the first input is settled
             record.add_hook(module.register_forward_pre_hook(self._unfold(module, mesh), with_kwargs=True))

@@ -16,6 +16,17 @@ local head counts -- PrepareHeadsInput on the attention module). The weight and 
 Partial gradients that the gradient-alignment hook all-reduces in backward (one all-reduce per
 parameter); the input's gradient is Partial and is reduced where the input was made replicated
 (the PrepareModuleInput boundary), together with the query projection's.
+
+``kv_heads`` generalises this to grouped-query attention: each rank computes only the KV heads its
+query heads read, rows ``[r*kv/size, (r+1)*kv/size)`` of each kept-whole part (K, V; a fused
+[q|k|v]'s k and v). With fewer KV heads than ranks (Starcoder2's 2 at tp=4, Llama-3-70B's 8 at
+tp=16; the mesh size a multiple of ``kv_heads``) that is one head, ``r // (size / kv_heads)``, and
+the module's code sees one KV head beside its local query heads (PrepareHeadsInput makes its group
+count local with ``attribute_divisors``). With ``kv_heads`` a multiple of the mesh size it is
+``kv_heads / size`` heads: the form for a fused [q|k|v] of unequal widths (DBRX's Wqkv), which no
+strided column shard can cut. Every parameter still stays whole and replicated; the rows a rank
+does not use get no gradient there, and the all-reduce sums each row's share from the ranks that
+read it.
 """
 from __future__ import annotations
 
@@ -33,10 +44,11 @@ class KVReplicatedParallel(ParallelStyle):
     """Query heads (the first of ``fused_heads``) column-wise, the rest replicated with their
     gradients reduced over the mesh; see the module docstring."""
 
-    _args = {"fused_heads": None, "input_layouts": None}
+    _args = {"fused_heads": None, "kv_heads": None, "input_layouts": None}
     _layout_args = frozenset({"input_layouts"})
 
-    def __init__(self, *, fused_heads: list[int] | None = None, input_layouts: Placement | None = None):
+    def __init__(self, *, fused_heads: list[int] | None = None, kv_heads: int | None = None,
+                 input_layouts: Placement | None = None):
         if fused_heads is not None:
             if not isinstance(fused_heads, (list, tuple)) or len(fused_heads) != 2 or \
                     any(type(h) is not int or h < 0 for h in fused_heads) or sum(fused_heads) == 0:
@@ -45,7 +57,14 @@ class KVReplicatedParallel(ParallelStyle):
             fused_heads = [int(h) for h in fused_heads]
         if input_layouts is not None and not isinstance(input_layouts, Placement):
             raise LayoutError(f"KVReplicatedParallel: input_layouts must be one Placement, got {input_layouts!r}")
+        if kv_heads is not None and (type(kv_heads) is not int or kv_heads < 1):
+            raise StyleSpecError(f"KVReplicatedParallel: kv_heads must be an int >= 1 (the KV heads in each "
+                                 f"kept-whole part), got {kv_heads!r}")
+        if kv_heads is not None and fused_heads is not None and fused_heads[1] % kv_heads:
+            raise StyleSpecError(f"KVReplicatedParallel: fused_heads[1]={fused_heads[1]} (head widths kept whole) "
+                                 f"is not a multiple of kv_heads={kv_heads}")
         self.fused_heads = fused_heads
+        self.kv_heads = kv_heads
         self.input_layouts = input_layouts
 
     def _query_features(self, module: nn.Linear) -> int:
@@ -62,6 +81,15 @@ class KVReplicatedParallel(ParallelStyle):
                 raise DivisibilityError(f"{where}: out_features = {module.out_features} is not {sum(self.fused_heads)} "
                                         f"equal head widths (fused_heads={self.fused_heads})")
             check_divides(self.fused_heads[0], mesh, where, "query heads (fused_heads[0])")
+        if self.kv_heads is not None:
+            if mesh.size() % self.kv_heads and self.kv_heads % mesh.size():
+                raise DivisibilityError(f"{where}: the mesh size {mesh.size()} is neither a multiple nor a divisor of "
+                                        f"kv_heads={self.kv_heads} (each rank's query heads must read whole KV heads "
+                                        f"no other rank's query heads share)")
+            parts = self.fused_heads[1] if self.fused_heads is not None else self.kv_heads
+            rest = module.out_features - self._query_features(module)
+            if rest % parts:
+                raise DivisibilityError(f"{where}: the {rest} kept-whole features are not {parts} equal head widths")
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"KVReplicatedParallel on {fqn or '<root>'}"
@@ -69,11 +97,20 @@ class KVReplicatedParallel(ParallelStyle):
         q, size, rank = self._query_features(module), mesh.size(), mesh.get_local_rank()
         lo, hi = rank * q // size, (rank + 1) * q // size
         layout = self.input_layouts or Replicate()
+        kept = [slice(q, None)]
+        if self.kv_heads is not None:   # only this rank's KV head of each kept-whole part
+            parts = self.fused_heads[1] if self.fused_heads is not None else self.kv_heads
+            width = (module.out_features - q) // parts
+            first = rank * self.kv_heads // size
+            last = max((rank + 1) * self.kv_heads // size, first + 1)
+            kept = [slice(q + (p * self.kv_heads + first) * width, q + (p * self.kv_heads + last) * width)
+                    for p in range(parts // self.kv_heads)]
 
         def local_rows(t: torch.Tensor) -> torch.Tensor:
             # a gradient arriving here is this rank's share: Partial over the mesh
             t = t.to_local(grad_placements=(Partial(),)) if isinstance(t, DTensor) else t
-            return t if q == 0 else torch.cat([t[lo:hi], t[q:]])
+            rows = ([t[lo:hi]] if q else []) + [t[k] for k in kept]
+            return rows[0] if len(rows) == 1 else torch.cat(rows)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             x = to_dtensor(x, mesh, layout, Replicate(), where).to_local(grad_placements=(Partial(),))

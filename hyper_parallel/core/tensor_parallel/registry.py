@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel.core.expert_parallel.dense import DenseExpertsParallel
+from hyper_parallel.core.expert_parallel.flat import FlatExpertsParallel
 from hyper_parallel.core.expert_parallel.style import ExpertParallel
 from hyper_parallel.core.context_parallel.style import ContextParallel
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
 from hyper_parallel.core.tensor_parallel.latent_styles import PrepareLatentInput
+from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
 from hyper_parallel.core.tensor_parallel.head_styles import PrepareHeadsInput
 from hyper_parallel.core.tensor_parallel.kv_styles import KVReplicatedParallel
 from hyper_parallel.core.tensor_parallel.linear_styles import ColwiseParallel, RowwiseParallel
@@ -28,7 +30,7 @@ STYLES: dict[str, type[ParallelStyle]] = {
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
                 ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel,
-                DenseExpertsParallel)
+                DenseExpertsParallel, FlatExpertsParallel, MambaMixerParallel)
 }
 
 

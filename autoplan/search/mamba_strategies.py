@@ -1,0 +1,41 @@
+"""Strategies for a state-space (Mamba) mixer: replicated, or split on its inner channels.
+
+``MambaMixerParallel`` (hyper_parallel) cuts every per-channel piece of a Mamba-1 mixer over tp --
+in_proj column-wise, the depthwise convolution, dt_proj, A_log and D on their channels, out_proj
+row-wise -- and all-reduces x_proj's partial (dt, B, C) in forward and their partial gradient in
+backward. Per layer that is Megatron's f/g pair on the stream plus one all-reduce each way of
+x_proj's output. Offered on a replicated stream only: on a sequence-sharded one the mixer's scan
+and convolution need the whole sequence (the planner keeps that stream off it). Whether the
+mixer's code is the Mamba-1 layout the style splits is checked by the probe (Falcon-H1's Mamba-2
+is rejected there, with the style's reason, and stays replicated).
+"""
+from __future__ import annotations
+
+from hyper_parallel.core.collective import Collective
+from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
+
+from autoplan.search.strategies import Strategy, _ar_pair
+from autoplan.search.structure import BlockGroupInfo, MambaUnit
+
+
+def mamba_strategies(m: MambaUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
+    """Replicated, or its channels split over tp (replicated stream only)."""
+    if layout != "R":
+        return []
+    out = [Strategy("replicate", "R", {}, [], reason="state-space mixer replicated")]
+    if t == 1:
+        return out
+    if not m.channels or m.channels % t:
+        out[0].extra["tp_excluded"] = f"mixer channels {m.channels} not divisible by tp={t}"
+        return out
+    # x_proj's output all-reduced in forward; the partial gradients in backward, one all-reduce per
+    # module they are last whole after (Jamba's three norms), else one at x_proj's output
+    grads = m.after_bytes if m.after else [m.xproj_bytes]
+    comm = _ar_pair(blk.hidden_bytes) + [Collective("all_reduce", "forward", m.xproj_bytes)] + \
+        [Collective("all_reduce", "backward", b) for b in grads]
+    out.append(Strategy("channels_sharded", "R", {m.rel: MambaMixerParallel(replicated_after=m.after or None)}, comm,
+                        compute_shard=t, param_shard=t, activation_shard=t,
+                        reason=f"Mamba mixer split on its {m.channels} inner channels: in_proj column-wise, conv1d, "
+                               f"dt_proj, A_log and D per channel, out_proj row-wise; x_proj's (dt, B, C) all-reduced"
+                               + (f", last whole after {', '.join(m.after)}" if m.after else "")))
+    return out
