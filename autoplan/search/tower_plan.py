@@ -15,6 +15,7 @@ Tower parts outside its blocks (patch embedding, merger) are priced by the searc
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter
@@ -24,6 +25,7 @@ import torch.nn as nn
 
 from autoplan.capture.fake import fake_device
 from autoplan.capture.image_inputs import image_inputs
+from autoplan.capture.patch_grid import SIZE_INPUTS, sizes_from_values
 from autoplan.errors import InvalidConstraintError
 from autoplan.search.pipeline_search import UnitCost
 from autoplan.search.tower_placement import choose_tower_placement
@@ -96,16 +98,20 @@ def tower_units(search, best, group: str) -> list[UnitCost]:
     return [UnitCost(f"{group}.{i}", *[a / n for a in acc], fsdp=ctx.fsdp) for i in range(n)] if n else []
 
 
-def tower_tp_rows(search, best, group: str) -> list[Collective]:
+def tower_tp_rows(search, best, module: str, group: str) -> list[Collective]:
     """The tensor-parallel collectives one micro-batch of the tower issues (forward and backward,
     recomputation included), from the search's TP options of its block group: what the rank that
-    runs that micro-batch's tower adds -- stage 0's under "stage0", the owner's under MPipe."""
+    runs that micro-batch's tower adds -- stage 0's under "stage0", the owner's under MPipe. The
+    backward ones only for the blocks the features read (:func:`live_tower_blocks`)."""
     if best.tp <= 1:
         return []
     options, _ = search.tp_solution(best.tp, best.b, best.recompute)
     ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
-    return [col for o in options if o.in_block and o.owner == group + ".*"
+    rows = [col for o in options if o.in_block and o.owner == group + ".*"
             for col in o.collectives(ctx) if col.dim == "tp" and col.nbytes > 0]
+    live, n = live_tower_blocks(search.meta, module, group, best.b, search.seq, search.dtype)
+    return [dataclasses.replace(col, count=col.count * live // n) if col.phase == "backward" else col
+            for col in rows if col.phase != "backward" or live]
 
 
 def local_tower_bytes(tower: nn.Module, prefix: str, styles: dict, tp: int) -> dict[torch.dtype, int]:
@@ -121,9 +127,9 @@ def local_tower_bytes(tower: nn.Module, prefix: str, styles: dict, tp: int) -> d
     return dict(out)
 
 
-def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> list[tuple[int, bool]]:
-    """(bytes, needs a gradient) of each tensor the tower of ``model`` (the search's meta copy)
-    returns for one micro-batch of ``b`` sequences, run on meta."""
+def _tower_run(model: nn.Module, module: str, b: int, seq: int, dtype, then=None):
+    """Run the tower of ``model`` (the search's meta copy) on one micro-batch of ``b`` sequences:
+    (its output tensors, ``then(outputs)`` -- evaluated while they are live)."""
     tokens = torch.zeros(b, seq, dtype=torch.long, device="meta")
     kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs(model)(tokens).items()
               if k != "input_ids"}
@@ -131,13 +137,53 @@ def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> lis
     if module != METHOD:
         with torch.enable_grad():
             out = flatten(tower(**kwargs), "tower_outputs")
-        return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
+            return out, then(out) if then else None
     own, keep = tower_inputs(model, list(kwargs))
+    given = {k: kwargs[k] for k in own + keep}
+    sizes = {k: v for k, v in given.items() if k in SIZE_INPUTS}   # real values: a grid's splits read them
     # transformers' towers create tensors without a device (meta does not mix with them): fake ones
-    with fake_device(model, (), {k: kwargs[k] for k in own + keep}) as (mode, _, fake_kwargs), mode, \
-            torch.enable_grad():
-        out = flatten(tower(**fake_kwargs), "tower_outputs")
+    with sizes_from_values(sizes), \
+            fake_device(model, (), {k: v for k, v in given.items() if k not in sizes}) as (mode, _, fake_kwargs), \
+            mode, torch.enable_grad():
+        out = flatten(tower(**fake_kwargs, **sizes), "tower_outputs")
+        return out, then(out) if then else None
+
+
+def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> list[tuple[int, bool]]:
+    """(bytes, needs a gradient) of each tensor the tower of ``model`` returns for one micro-batch.
+    A tower that cannot run on fake tensors (Qwen-VL's windows index by values) is priced by what
+    it must deliver: one image's features per row at the decoder's width (a plan note says so)."""
+    try:
+        out, _ = _tower_run(model, module, b, seq, dtype)
+    except Exception as exc:  # noqa: BLE001 - any fake-tensor failure: the structural estimate below
+        if module != METHOD:
+            raise
+        log.info("tower outputs of %s estimated (its tower does not run on fake tensors: %s)",
+                 type(model).__name__, exc)
+        batch = image_inputs(model)
+        hidden = model.config.get_text_config().hidden_size
+        return [(b * batch.per_image * hidden * torch.empty((), dtype=dtype).element_size(), True)]
     return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
+
+
+def live_tower_blocks(model: nn.Module, module: str, group: str, b: int, seq: int, dtype) -> tuple[int, int]:
+    """(tower blocks whose parameters get a gradient, all of them): a block whose output the
+    features never read runs no backward (LLaVA's ``vision_feature_layer=-2`` leaves the last
+    layer out), so its backward collectives are never issued. Read off autograd, not the config."""
+    blocks = list(model.get_submodule(group).children())
+
+    def live(out):
+        loss = sum(t.float().sum() for t in out if t.requires_grad)
+        firsts = [next(blk.parameters()) for blk in blocks]
+        grads = torch.autograd.grad(loss, firsts, allow_unused=True)
+        return sum(g is not None for g in grads)
+
+    try:
+        _, n = _tower_run(model, module, b, seq, dtype, live)
+    except Exception as exc:  # noqa: BLE001 - a tower that does not run on fake tensors: every block counted
+        log.info("live tower blocks of %s not measured (%s): all counted", type(model).__name__, exc)
+        return len(blocks), len(blocks)
+    return n, len(blocks)
 
 
 def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[int],
@@ -201,7 +247,7 @@ def plan_tower(search, best, model_inputs: list[str], module: str, group: str, s
                                          f"with one stage per rank; {c.schedule} has several (only mpipe places it)")
         entry.update(placement="mpipe", choices=[])
     ir = schedule_facts(c.schedule).ir(c.p, c.m, c.v)
-    tp_rows = tower_tp_rows(search, best, group)
+    tp_rows = tower_tp_rows(search, best, module, group)
     if entry["placement"] != "mpipe":   # stage 0 runs every micro-batch's tower
         rows = [[] for _ in range(c.p)]
         rows[ir.stage_to_rank[0]] = [col.scaled(c.m) for col in tp_rows]

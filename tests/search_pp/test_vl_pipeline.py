@@ -16,6 +16,7 @@ import torch
 
 from autoplan import autoplan
 from autoplan.errors import InvalidConstraintError
+from autoplan.verify.dry_run import verify
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.shrink import ModelRecipe
 from tests.capture.vl_families import build
@@ -40,6 +41,19 @@ def test_pipelined_vl_plan_equals_one_device(pool4, family, placement):
     recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": family, "image": 2}, seed=3)
     result = check_numerics(plan, recipe, pool=pool4, seq=40, global_batch=8)
     assert result.passed, result.summary()
+
+
+def test_verify_predicts_the_tower_on_stage_0_exactly():
+    """verify's dry run, every pipeline rank on a fake process group, with the step's images: the
+    tower's TP all-reduces on stage 0's rank (its last CLIP layer, after LLaVA's feature layer,
+    runs no backward), its parameters there, and the decoder's stream across the boundary."""
+    with torch.device("meta"):
+        wide = build("llava", 32, 8)
+    plan = autoplan(wide, 4, batch=(8, 512), constraints={"pp": 2, "tp": 2, "tower_placement": "stage0"})
+    result = verify(plan, wide)
+    assert result.passed, result.mismatches()
+    tower = result.collectives[(result.collectives.pp_rank == 0) & (result.collectives.bytes == 4 * 257 * 1024 * 2)]
+    assert int(tower.issued.sum()) == 12   # 2 micro-batches x (2 layers forward + 1 backward) x 2
 
 
 def test_a_placement_the_runtime_does_not_run_is_refused():
