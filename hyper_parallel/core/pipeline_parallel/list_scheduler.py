@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from hyper_parallel.core.pipeline_parallel.schedule_ir import (
-    Action, B, F, I, W, PipelineSchedule,
-)
+from hyper_parallel.core.pipeline_parallel.orders import ComputeOrder, as_arrays
+from hyper_parallel.core.pipeline_parallel.schedule_ir import PipelineSchedule
 from hyper_parallel.errors import ScheduleError
 
 
@@ -22,7 +21,18 @@ def greedy_schedule(name: str, stage_to_rank: Sequence[int], n_microbatches: int
                     inflight_limit: Sequence[int], split_backward: bool = True,
                     cost: tuple[int, int, int] = (1, 1, 1),
                     w_cap: Sequence[int] | None = None) -> PipelineSchedule:
-    """Compute order per rank from a unit-time greedy play of the pipeline.
+    """The runtime's IR of :func:`greedy_order`."""
+    return greedy_order(name, stage_to_rank, n_microbatches, inflight_limit, split_backward, cost,
+                        w_cap).schedule()
+
+
+def greedy_order(name: str, stage_to_rank: Sequence[int], n_microbatches: int,
+                 inflight_limit: Sequence[int], split_backward: bool = True,
+                 cost: tuple[int, int, int] = (1, 1, 1),
+                 w_cap: Sequence[int] | None = None, n_virtual: int | None = None) -> ComputeOrder:
+    """Compute order per rank from a unit-time greedy play of the pipeline, as integer codes
+    (``orders``: one loop step per rank and time unit, no Action objects -- this loop runs
+    millions of times when the planner builds orders at p=128, m=2048).
 
     ``inflight_limit[r]`` bounds, on rank r, the micro-batch chunks whose forward ran and whose
     input gradient (I or B) has not yet: the activation memory the schedule may hold.
@@ -34,58 +44,67 @@ def greedy_schedule(name: str, stage_to_rank: Sequence[int], n_microbatches: int
     n_ranks = max(stage_to_rank) + 1
     tf, ti, tw = cost
     never = 1 << 60
-    # end times per stage and micro-batch (lists, not dicts keyed by tuples: this loop runs
-    # hundreds of thousands of times when the planner builds schedules for large m)
-    f_end = [[never] * m for _ in range(n_stages)]
-    b_end = [[never] * m for _ in range(n_stages)]   # I (or B) end time
+    # end times per stage and micro-batch, flat (index s * m + mb); one extra stage of "never"
+    # past the last, so the dx test of the last stage needs no branch
+    f_end = [never] * (n_stages * m)
+    b_end = [never] * ((n_stages + 1) * m)
+    b_end[n_stages * m:] = [0] * m
     next_f = [0] * n_stages
     next_b = [0] * n_stages
-    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(n_ranks)]
+    pending_w: list[deque[int]] = [deque() for _ in range(n_ranks)]
     inflight = [0] * n_ranks
     free_at = [0] * n_ranks
-    orders: list[list[Action]] = [[] for _ in range(n_ranks)]
-    deepest_first = [sorted((s for s in range(n_stages) if stage_to_rank[s] == r), reverse=True)
+    orders: list[list[int]] = [[] for _ in range(n_ranks)]
+    deepest_first = [tuple(sorted((s for s in range(n_stages) if stage_to_rank[s] == r), reverse=True))
                      for r in range(n_ranks)]
-    last = n_stages - 1
-    backward = I if split_backward else B
+    back_slot = 2 if split_backward else 1
     b_dur = ti if split_backward else ti + tw
     total = n_stages * m * (3 if split_backward else 2)
+    caps = list(w_cap) if w_cap is not None else None
+    limits = list(inflight_limit)
+    ranks = range(n_ranks)
     done, t, idle_steps = 0, 0, 0
     while done < total:
         progressed = False
-        for r in range(n_ranks):
+        for r in ranks:
             if free_at[r] > t:
                 continue
+            order = orders[r]
             # 1) input-gradient work, deepest stage first (closest to finishing a micro-batch)
             for s in deepest_first[r]:
                 mb = next_b[s]
-                if mb < m and f_end[s][mb] <= t and (s == last or b_end[s + 1][mb] <= t):
-                    free_at[r] = b_end[s][mb] = t + b_dur
-                    next_b[s] += 1
-                    inflight[r] -= 1
-                    if split_backward:
-                        pending_w[r].append((s, mb))
-                    orders[r].append(backward(s, mb))
-                    break
+                if mb < m:
+                    k = s * m + mb
+                    if f_end[k] <= t and b_end[k + m] <= t:
+                        free_at[r] = b_end[k] = t + b_dur
+                        next_b[s] = mb + 1
+                        inflight[r] -= 1
+                        if split_backward:
+                            pending_w[r].append(k * 4 + 3)
+                        order.append(k * 4 + back_slot)
+                        break
             else:
-                if w_cap is not None and len(pending_w[r]) >= w_cap[r]:
-                    orders[r].append(W(*pending_w[r].popleft()))
+                pend = pending_w[r]
+                if caps is not None and len(pend) >= caps[r]:
+                    order.append(pend.popleft())
                     free_at[r] = t + tw
                 else:
                     # 2) a forward, deepest stage first, within the in-flight limit
-                    for s in (deepest_first[r] if inflight[r] < inflight_limit[r] else ()):
+                    for s in (deepest_first[r] if inflight[r] < limits[r] else ()):
                         mb = next_f[s]
-                        if mb < m and (s == 0 or f_end[s - 1][mb] <= t):
-                            free_at[r] = f_end[s][mb] = t + tf
-                            next_f[s] += 1
-                            inflight[r] += 1
-                            orders[r].append(F(s, mb))
-                            break
+                        if mb < m:
+                            k = s * m + mb
+                            if s == 0 or f_end[k - m] <= t:
+                                free_at[r] = f_end[k] = t + tf
+                                next_f[s] = mb + 1
+                                inflight[r] += 1
+                                order.append(k * 4)
+                                break
                     else:
                         # 3) deferred weight gradients fill what is left
-                        if not pending_w[r]:
+                        if not pend:
                             continue
-                        orders[r].append(W(*pending_w[r].popleft()))
+                        order.append(pend.popleft())
                         free_at[r] = t + tw
             done += 1
             progressed = True
@@ -96,4 +115,4 @@ def greedy_schedule(name: str, stage_to_rank: Sequence[int], n_microbatches: int
                 f"{name}: no rank can make progress with in-flight limits {list(inflight_limit)} "
                 f"(in flight now {stuck}); raise the limit or the micro-batch count")
         t += 1
-    return PipelineSchedule(name, m, tuple(stage_to_rank), orders, split_backward)
+    return ComputeOrder(name, m, tuple(stage_to_rank), as_arrays(orders), split_backward, n_virtual)
