@@ -13,10 +13,12 @@ reports the first run apart (``first_s``) from the median of the rest.
 The median of ``--runs`` processes (5) goes to benchmarks/results/planning_cold.csv under ``--label``
 with the load average; the markdown is rebuilt from the CSV. Every run writes its plan's JSON; the
 check compares them byte for byte with benchmarks/results/planning_cold_plans/ (plans saved from the
-tree before the speed work, e2fe67b) and a difference fails the run.
+tree before the speed work: e2fe67b for the first round; regenerated from 06e039c, where later
+features had changed the plans (``reduce_grads`` in the styles, DeepSeek-V3's cuts), before the
+second) and a difference fails the run.
 
     .venv/bin/python benchmarks/planning_cold.py --label HEAD [--runs 5] [--only 70b-mesh,405b-128k]
-    .venv/bin/python benchmarks/planning_cold.py --label e2fe67b --save-plans   # write the reference plans
+    .venv/bin/python benchmarks/planning_cold.py --label 06e039c --save-plans   # write the reference plans
     .venv/bin/python benchmarks/planning_cold.py --profile 405b-128k           # cProfile of one cold call
 """
 from __future__ import annotations
@@ -153,7 +155,9 @@ def compare_plans(names, plans_dir: Path) -> list[str]:
 
 
 def profile(name: str, sort: str) -> None:
-    """cProfile of one cold call in this (fresh) process, imports and build excluded."""
+    """cProfile of one cold call in this (fresh) process, imports and build excluded, with an empty
+    planner cache (the first call ever)."""
+    os.environ["AUTOPLAN_CACHE_DIR"] = str(_hardware_cache())
     scope: dict = {}
     exec("import torch\nfrom autoplan import MeshSpec, autoplan, plan_cluster\n"
          "from autoplan.presets import build_preset\n" + CALLS[name][1], scope)

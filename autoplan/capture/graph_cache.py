@@ -102,6 +102,19 @@ def _model_fingerprint(model: nn.Module) -> dict:
     return {"modules": modules, "configs": list(configs.values()), "sources": sorted(files.items())}
 
 
+def model_key(model: nn.Module) -> str | None:
+    """The model part of the key (module tree, configs, class sources) as JSON, for other results
+    that are a function of the model alone (``pipeline_support.pipeline_layout``); None when the
+    cache is off or the model cannot be described."""
+    if not disk_cache.enabled():
+        return None
+    try:
+        return json.dumps(_model_fingerprint(model), sort_keys=True)
+    except _Unkeyable as e:
+        log.debug("disk cache: model not keyable: %s", e)
+        return None
+
+
 def _inputs_fingerprint(args: tuple, kwargs: dict) -> list:
     leaves, spec = tree_flatten((args, kwargs))
     out: list = [str(spec)]

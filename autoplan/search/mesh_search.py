@@ -42,7 +42,7 @@ from autoplan.search.pipeline_search import (
 from autoplan.search.mesh_candidates import (
     Candidate, dp_mode_of, mesh_factorizations, recompute_of,
 )
-from autoplan.search.pipeline_support import pipeline_refusal
+from autoplan.search.pipeline_support import pipeline_layout
 from autoplan.search.probe import Prober
 from autoplan.search.strategies import PACKED_BIAS
 from autoplan.search.structure import model_structure
@@ -51,7 +51,6 @@ from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
-from hyper_parallel.core.pipeline_parallel.split import pipeline_units
 from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -121,7 +120,7 @@ class ClusterSearch:
         self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
         self.simulations = 0
         self.tp_skipped: dict[int, str] = {}     # tensor-parallel degree -> why its TP search refused
-        self.pipeline_refusal = pipeline_refusal(self.model)
+        self.pipeline_refusal, self._pipeline_units = pipeline_layout(self.model)
         if self.pipeline_refusal and int(self.cons.get("pp", 1)) > 1:
             raise InfeasiblePlanError(f"plan_cluster: constraints pp={self.cons['pp']}: {self.pipeline_refusal}")
         self.unit_names = self._unit_names()
@@ -165,7 +164,7 @@ class ClusterSearch:
         when it can cut the model, else (a model priced at pp=1 only) embedding, every block,
         final norms, head from the captured structure."""
         if self.pipeline_refusal is None:
-            return pipeline_units(self.model)
+            return list(self._pipeline_units)
         st = self.structure(self.mb_sizes[0])
         names = [st.embedding.fqn] if st.embedding else []
         for g in st.blocks:

@@ -17,14 +17,23 @@ so a skipped norm scale or bias shows.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 
 import torch
 import torch.nn as nn
 
+from autoplan import disk_cache
+from autoplan.capture import graph_cache
+from autoplan.capture import image_inputs as image_inputs_module
 from autoplan.capture.image_inputs import ImageBatch, image_inputs
+from autoplan.verify import shrink
 from autoplan.verify.shrink import attention_extents, recipe_for
+from hyper_parallel.core.pipeline_parallel import forward_split, split
 from hyper_parallel.core.pipeline_parallel.split import pipeline_units, spine_for, split_gap
 from hyper_parallel.errors import StageSplitError
+
+log = logging.getLogger(__name__)
 
 # the stages run the model's own code: in fp32 on the CPU the outputs are bit-equal when the split
 # computes the same function
@@ -33,6 +42,32 @@ GUARD_MARGIN = 8      # tokens beyond the longest window/chunk: several position
 GUARD_MAX_TOKENS = 256
 GUARD_MIN_TOKENS = 8
 GUARD_PERTURB = 0.2   # noise on every parameter of the copy: norms far from 1, biases far from 0
+
+
+def pipeline_layout(model: nn.Module) -> tuple[str | None, tuple[str, ...]]:
+    """(``pipeline_refusal(model)``, the runtime's pipeline units when it can cut the model, else
+    ()), kept on disk (``autoplan.disk_cache``) for a model whose stages run its own forward.
+
+    Why: reading the units traces the whole model's forward on fake tensors and the guard runs a
+    small copy -- 2-4 s of a first 70B-405B plan, every process (issue 35). Both are a function
+    of what the capture cache's model key holds (module tree, configs, class sources) and of the
+    split, guard and shrink code (the entry's version). A model a spine runs is not cached: the
+    spine names its units without a trace, and spines can be registered at run time."""
+    key = graph_cache.model_key(model) if spine_for(model) is None else None
+    version = disk_cache.code_version(__file__, split.__file__, forward_split.__file__, shrink.__file__,
+                                      graph_cache.__file__, image_inputs_module.__file__)
+    raw = disk_cache.load("pipeline_layout", version, key) if key is not None else None
+    if raw is not None:
+        try:
+            refusal, units = json.loads(raw)
+            return refusal, tuple(units)
+        except ValueError:
+            log.debug("pipeline layout cache: damaged entry, computed again")
+    refusal = pipeline_refusal(model)
+    units = tuple(pipeline_units(model)) if refusal is None else ()
+    if key is not None:
+        disk_cache.store("pipeline_layout", version, key, json.dumps([refusal, list(units)]).encode())
+    return refusal, units
 
 
 def pipeline_refusal(model: nn.Module) -> str | None:

@@ -16,13 +16,17 @@ import functools
 import json
 from pathlib import Path
 
+import numpy as np
+
 from autoplan import disk_cache
 from hyper_parallel.core.pipeline_parallel import generators, schedule_facts
-from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K, peak_inflight
+from hyper_parallel.core.pipeline_parallel.orders import SLOT_F, SLOT_W, ComputeOrder, peak_inflight
 
-# the generators, the greedy list scheduler, the IR and the schedule table, and this module
+# the generators, their integer orders, the greedy list scheduler, the IR and the schedule table,
+# and this module
 GENERATOR_CODE = tuple(str(Path(generators.__file__).with_name(f)) for f in
-              ("generators.py", "list_scheduler.py", "schedule_ir.py", "schedule_facts.py")) + (__file__,)
+              ("generators.py", "orders.py", "list_scheduler.py", "schedule_ir.py", "schedule_facts.py")) \
+    + (__file__,)
 
 
 def code_version() -> str:
@@ -30,35 +34,36 @@ def code_version() -> str:
     return disk_cache.code_version(*GENERATOR_CODE)
 
 
-def _placement(ir) -> list:
-    return [list(ir.stage_to_rank), [peak_inflight(prog) for prog in ir.actions]]
+def _placement(order: ComputeOrder) -> list:
+    return [list(order.stage_to_rank), peak_inflight(order)]
 
 
-def _rank_ends(ir) -> list:
+def _rank_ends(order: ComputeOrder) -> list:
     out = []
-    for r, prog in enumerate(ir.actions):
-        comp = [a for a in prog if a.is_compute]
-        last = comp[-1]
-        out.append([comp[0].stage, [last.kind in (K.BACKWARD, K.BACKWARD_INPUT), last.stage],
-                    [s for s, rr in enumerate(ir.stage_to_rank) if rr == r]])
+    for r in range(order.n_ranks):
+        slots, stages = order.slots(r), order.stages(r)
+        out.append([int(stages[0]), [bool(slots[-1] in (1, 2)), int(stages[-1])],
+                    [s for s, rr in enumerate(order.stage_to_rank) if rr == r]])
     return out
 
 
-def _gathers(ir) -> list:
+def _gathers(order: ComputeOrder) -> list:
     """As the runtime runs FSDP inside a pipeline (fsdp_actions.py): resharded after every
     forward, kept unsharded after backward until the step ends; a forward or backward that finds
-    it resharded gathers it."""
-    out = [0] * ir.n_stages
-    for prog in ir.actions:
-        sharded: dict[int, bool] = {}
-        for a in prog:
-            if a.kind is K.FORWARD:
-                out[a.stage] += sharded.get(a.stage, True)
-                sharded[a.stage] = True
-            elif a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
-                out[a.stage] += sharded.get(a.stage, True)
-                sharded[a.stage] = False
-    return out
+    it resharded gathers it (the first of a stage on its rank, or one after a forward)."""
+    out = np.zeros(order.n_stages, dtype=np.int64)
+    for r in range(order.n_ranks):
+        slots, stages = order.slots(r), order.stages(r)
+        keep = slots != SLOT_W
+        st, fwd = stages[keep], slots[keep] == SLOT_F
+        by_stage = np.argsort(st, kind="stable")
+        st, fwd = st[by_stage], fwd[by_stage]
+        first = np.ones(len(st), dtype=bool)
+        first[1:] = st[1:] != st[:-1]
+        after_fwd = np.zeros(len(st), dtype=bool)
+        after_fwd[1:] = fwd[:-1]
+        out += np.bincount(st[first | after_fwd], minlength=order.n_stages)
+    return [int(x) for x in out]
 
 
 _DERIVE = {"placement": _placement, "rank_ends": _rank_ends, "gathers": _gathers}
@@ -71,7 +76,7 @@ def normalised_v(name: str, v: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _fact(kind: str, name: str, p: int, m: int, v: int) -> list:
-    """``_DERIVE[kind]`` of ``schedule_facts(name).ir(p, m, v)`` as JSON data, from disk when an
+    """``_DERIVE[kind]`` of ``schedule_facts(name).order(p, m, v)`` as JSON data, from disk when an
     earlier process derived it (each kind its own entry: a search that needs only the placement
     of a schedule derives nothing else); raises the IR's ScheduleError on a refused shape."""
     key = f"{kind} {name} {p} {m} {v}"
@@ -81,7 +86,7 @@ def _fact(kind: str, name: str, p: int, m: int, v: int) -> list:
             return json.loads(raw)
         except ValueError:
             pass   # a damaged entry: derived again and rewritten below
-    value = _DERIVE[kind](schedule_facts(name).ir(p, m, v))
+    value = _DERIVE[kind](schedule_facts(name).order(p, m, v))
     disk_cache.store("schedules", code_version(), key, json.dumps(value).encode())
     return value
 

@@ -28,14 +28,16 @@ import json
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
+
 from autoplan import disk_cache
 from autoplan.search.schedule_store import GENERATOR_CODE, normalised_v
 from hyper_parallel.core.pipeline_parallel import schedule_facts
-from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+from hyper_parallel.core.pipeline_parallel.orders import ComputeOrder
 from hyper_parallel.errors import ScheduleError
 
-# duration slots per compute action: forward, full backward, backward-input, backward-weight
-_SLOT = {K.FORWARD: 0, K.BACKWARD: 1, K.BACKWARD_INPUT: 2, K.BACKWARD_WEIGHT: 3}
+# a compute action's duration slot is its order code's slot (orders.py): forward, full backward,
+# backward-input, backward-weight
 _SEND, _RECV = -1, -2
 
 
@@ -69,30 +71,30 @@ class CompiledSchedule:
         return cls(n_ranks, n_keys, *arrays)
 
 
-def _programs(ir) -> list[list[tuple[int, int]]]:
-    """Per rank, (what, arg) of the lowered program: ``lower``'s receives and sends around the
+def _programs(order: ComputeOrder) -> list[tuple[list[int], list[int]]]:
+    """Per rank, (whats, args) of the lowered program: ``lower``'s receives and sends around the
     compute actions (send keys: 2 * (stage * m + micro-batch) for a forward output, + 1 for a
-    gradient)."""
-    s2r, last, m = ir.stage_to_rank, ir.n_stages - 1, ir.n_microbatches
+    gradient), built from the integer order without Action objects."""
+    s2r = np.asarray(order.stage_to_rank, dtype=np.int64)
+    last, m = order.n_stages - 1, order.n_microbatches
     out = []
-    for r, prog in enumerate(ir.actions):
-        ops: list[tuple[int, int]] = []
-        for a in prog:
-            kind, s, mb = a.kind, a.stage, a.microbatch
-            slot = _SLOT.get(kind)
-            if slot is None or mb is None or not 0 <= mb < m:
-                raise ScheduleError(f"{ir.name}: rank {r}: {a} is not a compute action of micro-batch < {m}")
-            if slot == 0 and s > 0 and s2r[s - 1] != r:
-                ops.append((_RECV, 2 * ((s - 1) * m + mb)))
-            grad = slot in (1, 2)
-            if grad and s < last and s2r[s + 1] != r:
-                ops.append((_RECV, 2 * ((s + 1) * m + mb) + 1))
-            ops.append((s * 4 + slot, 0))
-            if slot == 0 and s < last and s2r[s + 1] != r:
-                ops.append((_SEND, 2 * (s * m + mb)))
-            if grad and s > 0 and s2r[s - 1] != r:
-                ops.append((_SEND, 2 * (s * m + mb) + 1))
-        out.append(ops)
+    for r in range(order.n_ranks):
+        code = order.codes[r]
+        slot, sm = code & 3, code >> 2
+        s, mb = np.divmod(sm, m)
+        prev_remote = (s > 0) & (s2r[np.maximum(s - 1, 0)] != r)
+        next_remote = (s < last) & (s2r[np.minimum(s + 1, last)] != r)
+        fwd, grad = slot == 0, (slot == 1) | (slot == 2)
+        recv_f, recv_b = fwd & prev_remote, grad & next_remote
+        send_f, send_b = fwd & next_remote, grad & prev_remote
+        n = len(code)
+        whats = np.empty((n, 3), dtype=np.int64)
+        args = np.zeros((n, 3), dtype=np.int64)
+        whats[:, 0], whats[:, 1], whats[:, 2] = _RECV, s * 4 + slot, _SEND
+        args[:, 0] = np.where(recv_f, 2 * (sm - m), 2 * (sm + m) + 1)
+        args[:, 2] = np.where(send_f, 2 * sm, 2 * sm + 1)
+        keep = np.stack([recv_f | recv_b, np.ones(n, dtype=bool), send_f | send_b], axis=1)
+        out.append((whats[keep].tolist(), args[keep].tolist()))
     return out
 
 
@@ -118,14 +120,12 @@ def _compile(name: str, p: int, m: int, v: int) -> CompiledSchedule:
     has not run, and a send wakes the rank parked on its receive. Any such order times the same
     (a rank's clock and every end time are fixed by the dependencies), and this one visits each
     action once. Raises ScheduleError on a receive without a send or a deadlock."""
-    ir = schedule_facts(name).ir(p, m, v)
-    if ir.meta.get("preprocess"):
-        raise ScheduleError(f"{name}: the planner times schedules without a preprocess tower")
-    progs = _programs(ir)
-    n_keys = 2 * ir.n_stages * ir.n_microbatches
+    order = schedule_facts(name).order(p, m, v)
+    progs = _programs(order)
+    n_keys = 2 * order.n_stages * order.n_microbatches
     sent = bytearray(n_keys)
-    for prog in progs:
-        for what, key in prog:
+    for whats_r, args_r in progs:
+        for what, key in zip(whats_r, args_r):
             if what == _SEND:
                 sent[key] = 1
     done = bytearray(n_keys)
@@ -135,10 +135,10 @@ def _compile(name: str, p: int, m: int, v: int) -> CompiledSchedule:
     ready = list(range(len(progs)))
     while ready:
         r = ready.pop()
-        prog, i = progs[r], ptr[r]
-        n = len(prog)
+        (whats_r, args_r), i = progs[r], ptr[r]
+        n = len(whats_r)
         while i < n:
-            what, key = prog[i]
+            what, key = whats_r[i], args_r[i]
             if what == _RECV:
                 if not sent[key]:
                     raise ScheduleError(f"{name}: rank {r} step {i}: a receive (key {key}) has no matching send")
@@ -155,7 +155,7 @@ def _compile(name: str, p: int, m: int, v: int) -> CompiledSchedule:
                 if waiting is not None:
                     ready.append(waiting)
         ptr[r] = i
-    if any(ptr[r] < len(prog) for r, prog in enumerate(progs)):
+    if any(ptr[r] < len(prog[0]) for r, prog in enumerate(progs)):
         raise ScheduleError(f"{name}: the order deadlocks (p={p}, m={m})")
     return CompiledSchedule(len(progs), n_keys, ranks, whats, args)
 

@@ -8,7 +8,7 @@ from autoplan.capture import capture
 from autoplan.capture.graph_cache import graph_key
 from autoplan.capture.inputs import resolve_inputs
 from autoplan.presets import build_preset
-from autoplan.search import schedule_store, schedule_timing
+from autoplan.search import pipeline_support, schedule_store, schedule_timing
 
 
 @pytest.fixture
@@ -41,6 +41,26 @@ def test_warm_cache_plans_byte_identical(cache):
     schedule_timing.compile_schedule.cache_clear()
     assert _plan() == cold        # a later call (as a fresh process would) reads them
     assert _entries(cache, "graphs") == graphs
+
+
+def test_pipeline_layout_is_read_back_for_the_same_model_only(cache, monkeypatch):
+    """The pipeline guard's verdict and units (a trace of the whole forward and a small copy's run)
+    are read from disk by a later process; another model computes its own."""
+    def small(layers):
+        return build_preset("llama3-8b", num_layers=layers, hidden_size=128, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+
+    first = pipeline_support.pipeline_layout(small(2))
+    assert first[0] is None and first[1][-1] == "lm_head" and len(first[1]) == 5
+    assert len(_entries(cache, "pipeline_layout")) == 1
+
+    def computed(model):
+        raise AssertionError("computed again")
+
+    monkeypatch.setattr(pipeline_support, "pipeline_refusal", computed)
+    assert pipeline_support.pipeline_layout(small(2)) == first
+    with pytest.raises(AssertionError, match="computed again"):
+        pipeline_support.pipeline_layout(small(3))
 
 
 def test_key_names_model_config_and_inputs(cache):

@@ -11,6 +11,7 @@ so a change to a generator changes every consumer at once.
 
     facts = schedule_facts("Interleaved1F1B")
     facts.ir(p, m, v)                    # the generator's compute IR (cached)
+    facts.order(p, m, v)                 # the same order as integer codes (orders.ComputeOrder)
     facts.stages_per_rank(v), facts.split_backward
     facts.inflight(p, m, v)              # peak in-flight chunks per pipeline rank
     facts.inflight_microbatches(p, m, rank, v)   # the same in micro-batches of the rank's layers
@@ -23,7 +24,8 @@ import inspect
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind, PipelineSchedule, peak_inflight
+from hyper_parallel.core.pipeline_parallel.orders import ComputeOrder, peak_inflight as order_peak_inflight
+from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind, PipelineSchedule
 from hyper_parallel.core.pipeline_parallel.schedules import (
     PipelineScheduleRuntime, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
 )
@@ -64,6 +66,10 @@ class ScheduleFacts:
         """The generator's compute IR on ``p`` ranks with ``m`` micro-batches (cached: the planner
         asks for the same few IRs many times). ``v`` is ignored where the schedule fixes it."""
         return _ir(self.name, p, m, int(v) if self.virtual_configurable else 1)
+
+    def order(self, p: int, m: int, v: int = 1) -> ComputeOrder:
+        """The same order as integer codes (``orders``; cached): what the planner reads."""
+        return _order(self.name, p, m, int(v) if self.virtual_configurable else 1)
 
     def stages_per_rank(self, v: int = 1) -> int:
         """Pipeline stages each rank holds: 1 (GPipe, 1F1B, ZB-H1), ``v`` (interleaved), 2 (ZBV)."""
@@ -127,8 +133,13 @@ def build_schedule(name: str, n_ranks: int, n_microbatches: int, **kwargs) -> Pi
 
 @functools.lru_cache(maxsize=256)
 def _ir(name: str, p: int, m: int, v: int) -> PipelineSchedule:
+    return _order(name, p, m, v).schedule()
+
+
+@functools.lru_cache(maxsize=256)
+def _order(name: str, p: int, m: int, v: int) -> ComputeOrder:
     facts = schedule_facts(name)
-    return facts.generator(p, m, **facts.generator_kwargs(v))
+    return facts.generator.order(p, m, **facts.generator_kwargs(v))
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +155,7 @@ def _split_backward(name: str) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _inflight(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
-    return tuple(peak_inflight(prog) for prog in _ir(name, p, m, v).actions)
+    return tuple(order_peak_inflight(_order(name, p, m, v)))
 
 
 @functools.lru_cache(maxsize=None)
