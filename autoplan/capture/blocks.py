@@ -17,6 +17,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from autoplan.capture.ir import BlockGroup, ModuleInfo
+from hyper_parallel.core.hook_state import hook_state, restore_hooks
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D, is_conv1d
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -195,7 +196,7 @@ def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator
     restore: list[tuple[nn.Module, str, nn.Module]] = []
     configs: list[tuple[object, int]] = []
     rename: dict[str, str] = {}
-    hooks = _hook_state(model)
+    hooks = hook_state(model)
     try:
         for prefix, gs in by_prefix.items():
             container = model.get_submodule(prefix)
@@ -224,35 +225,7 @@ def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator
             config.num_hidden_layers = count
         for parent, attr, container in reversed(restore):
             setattr(parent, attr, container)
-        _restore_hooks(model, hooks)
-
-
-_FLAG = "_output_capturing_hooks_installed"
-
-
-def _hook_state(model: nn.Module) -> dict[int, tuple]:
-    """Every module's forward hooks and transformers' "output hooks installed" mark."""
-    return {id(m): (set(m._forward_hooks), set(m._forward_pre_hooks), m.__dict__.get(_FLAG)) for m in model.modules()}
-
-
-def _restore_hooks(model: nn.Module, state: dict[int, tuple]) -> None:
-    """Undo the hooks a run of the shortened model installed: transformers 5 installs its
-    hidden-state recorders on first use, on the layers present then, and marks the model done --
-    left in place, the whole model would later record only the representative layers (LLaVA's
-    ``hidden_states[-2]`` is None in a later run of the same object)."""
-    for m in model.modules():
-        fwd, pre, flag = state.get(id(m), (set(), set(), None))
-        for key in set(m._forward_hooks) - fwd:
-            del m._forward_hooks[key]
-            m._forward_hooks_with_kwargs.pop(key, None)
-            m._forward_hooks_always_called.pop(key, None)
-        for key in set(m._forward_pre_hooks) - pre:
-            del m._forward_pre_hooks[key]
-            m._forward_pre_hooks_with_kwargs.pop(key, None)
-        if flag is None:
-            m.__dict__.pop(_FLAG, None)
-        else:
-            m.__dict__[_FLAG] = flag
+        restore_hooks(model, hooks)   # what transformers installed on the short stack (hook_state.py)
 
 
 def remap_fqn(fqn: str, rename: dict[str, str]) -> str:

@@ -30,6 +30,7 @@ the stand-ins cannot carry (two values crossing a block boundary) shows as a gap
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hyper_parallel.core.hook_state import hook_state, restore_hooks
 from hyper_parallel.errors import StageSplitError
 
 # keywords the pipeline runner adds, not the model's: the full sequence length (a stage receiving a
@@ -151,6 +153,52 @@ def _called_lists(model: nn.Module, lists: list[str]) -> list[str]:
             h.remove()
         gc.collect()
     return [name for name in lists if name in called]
+
+
+SHORTEN_FROM = 8   # block lists this long are traced through their first block (the guard's copies are short)
+
+
+@contextlib.contextmanager
+def _one_block(model: nn.Module, prefix: str):
+    """A long stack of one block class traced through its first block alone (yields the function
+    that expands the recorded calls back to every block). Why: the trace runs the whole forward on
+    fake tensors, ~160 dispatches a block -- 1.9 s of a first 70B plan for what one block tells:
+    where its hidden state enters and the shapes it returns, the same for every block of one class
+    and config. What a short stack could hide -- a module the forward runs between its blocks --
+    the pipeline guard's small copy (a short stack, traced in full, cut at every boundary) sees.
+    The stack's config count follows the shortening while it lasts, and hooks transformers
+    installs on the short stack are undone (hook_state.py)."""
+    container = model.get_submodule(prefix)
+    children = list(container.named_children())
+    if not isinstance(container, nn.ModuleList) or len(children) < SHORTEN_FROM or \
+            len({type(c) for _, c in children}) != 1:
+        yield lambda calls: calls
+        return
+    parent_name, _, attr = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    config = getattr(parent, "config", None)
+    count = getattr(config, "num_hidden_layers", None)
+    hooks = hook_state(model)
+    short = nn.ModuleList([children[0][1]])
+    first = f"{prefix}.{children[0][0]}"
+
+    def expand(calls: list[UnitCall]) -> list[UnitCall]:
+        out = []
+        for c in calls:
+            out += [UnitCall(f"{prefix}.{k}", c.slot, c.out_spec, c.out_leaves) for k, _ in children] \
+                if c.fqn == first else [c]
+        return out
+
+    setattr(parent, attr, short)
+    if count == len(children):
+        config.num_hidden_layers = 1
+    try:
+        yield expand
+    finally:
+        setattr(parent, attr, container)
+        if count == len(children):
+            config.num_hidden_layers = count
+        restore_hooks(model, hooks)
 
 
 def _fake_forward(model: nn.Module) -> None:
@@ -288,7 +336,8 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
     try:
-        _fake_forward(model)
+        with _one_block(model, prefix) as expand:
+            _fake_forward(model)
     except StageSplitError:
         raise
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run on a tiny input cannot be traced
@@ -302,6 +351,7 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
         # the fake mode holds weak references to the parameters it converted, and torch refuses to
         # swap a tensor with one (materialising a meta model does): collect it now
         gc.collect()
+    calls = expand(calls)
     blocks = [c.fqn for c in calls if c.fqn.startswith(prefix + ".")]
     if not blocks:
         raise StageSplitError(f"split: {type(model).__name__}'s forward never called a block of {prefix}")
