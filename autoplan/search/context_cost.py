@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from autoplan.parallelisms.data import flat_name
 from autoplan.search.costing import CostContext
-from autoplan.search.structure import ModelStructure, Work
+from autoplan.search.structure import ModelStructure
+from autoplan.search.unit_work import Work
 from cost_models.topology import MeshTopology, mesh_topology
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.context_parallel import VARIANTS, kv_shard_bytes, predicted_collectives

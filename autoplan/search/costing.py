@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from hyper_parallel.core.collective import Collective
-from autoplan.search.structure import Work
+from autoplan.search.unit_work import Work
 from cost_models.collectives import collective_terms
 from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, attention_time, gemm_efficiency, sharded_gemm_dims
 from cost_models.overlap import DP_MODES, dp_overlap

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.views import module_summary
-from autoplan.search.structure import Work, module_work
+from autoplan.search.unit_work import Work, module_work
 from cost_models.compute import gemm_efficiency
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.expert_parallel import ExpertParallel

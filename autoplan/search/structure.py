@@ -14,40 +14,14 @@ from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
+from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
 from autoplan.search.outside_units import outside_units
-from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, gemm_shape_dims, gemm_split, is_attention_op
+from autoplan.search.unit_work import Work, work_of
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
 _SHARDABLE_LINEARS = (_LINEAR, CONV1D)     # what Colwise/RowwiseParallel shard as a linear layer
 _EMBEDDING = "torch.nn.modules.sparse.Embedding"
-
-
-@dataclass
-class Work:
-    """Cost inputs of one module (per call): FLOPs, bytes moved, activation bytes saved, kernels."""
-
-    flops: float = 0.0          # forward + backward
-    bytes: float = 0.0          # forward read + written, backward taken as twice forward
-    saved: float = 0.0
-    kernels: int = 0
-    params: int = 0
-    param_bytes: int = 0
-    # per op class, for cost_models' compute pricing: (flops fwd+bwd, M, N, K, split) of each GEMM
-    # or fused-attention op -- split names the dimension a tensor-parallel shard divides
-    # (cost_models.compute.gemm_split) -- and the bytes of every other non-view op (fwd + bwd)
-    gemms: tuple = ()
-    other_bytes: float = 0.0
-    # the attention core (ops of the attention module itself, not of its projections): what
-    # selective recomputation recomputes and stops saving -- its ``saved`` is the bytes that frees:
-    # what the core's ops save, less the projection outputs they read, which the checkpoint keeps
-    core: "Work | None" = None
-
-    def __add__(self, o: "Work") -> "Work":
-        core = self.core if o.core is None else (o.core if self.core is None else self.core + o.core)
-        return Work(self.flops + o.flops, self.bytes + o.bytes, self.saved + o.saved,
-                    self.kernels + o.kernels, self.params + o.params, self.param_bytes + o.param_bytes,
-                    self.gemms + o.gemms, self.other_bytes + o.other_bytes, core)
 
 
 @dataclass
@@ -68,7 +42,7 @@ class AttentionUnit:
     qkv_groups: int = 0
     fixed_head_count: bool = False   # reshapes by the global head count (roles.fixed_head_count)
     qkv_bias: bool = False           # the fused q/k/v projection has a bias (1-D, strided when packed)
-    # attributes its code may cut by, with their global values (structure.head_attributes)
+    # attributes its code may cut by, with their global values (head_fields.head_attributes)
     head_attrs: dict[str, int] = field(default_factory=dict)
     # an embedding inside the module with one column per head (T5's relative position bias):
     # sharded by heads along with the projections, so each rank adds its own heads' bias
@@ -228,100 +202,6 @@ class ModelStructure:
         return stream
 
 
-def _work(graph: ModelGraph, fqn: str, rows: dict) -> Work:
-    row = rows.get(fqn)
-    if row is None:
-        return Work()
-    nodes = graph.nodes_in(fqn)
-    pbytes = 0
-    info = graph.modules.get(fqn)
-    for sub, m in graph.modules.items():
-        if sub == fqn or sub.startswith(fqn + "."):
-            for shape in m.params.values():
-                n = 1
-                for s in shape:
-                    n *= s
-                pbytes += n * 4  # refined by the caller with the model dtype
-    fwd_bytes = float(row["bytes_read"] + row["bytes_written"])
-    causal = causal_lm(graph)
-    gemms, other = _op_classes(nodes, causal)
-    core_nodes = [n for n in nodes if n.module == fqn]
-    core = None
-    if core_nodes and any(_op_classes([n])[0] for n in core_nodes):  # a module that runs its own matmuls
-        cg, co = _op_classes(core_nodes, causal)
-        saved = sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs) if n.saved_for_backward else 0)
-                    for n in core_nodes)
-        core = Work(flops=float(sum(n.flops_fwd + n.flops_bwd for n in core_nodes)), bytes=0.0,
-                    saved=float(max(saved - _kept_inputs(fqn, nodes, core_nodes), 0)),
-                    kernels=3 * sum(1 for n in core_nodes if not _is_view(n.op)), gemms=cg, other_bytes=co)
-    return Work(flops=float(row["flops_fwd"] + row["flops_bwd"]), bytes=3.0 * fwd_bytes,
-                saved=float(row["saved_bytes"]), kernels=3 * sum(1 for n in nodes if not _is_view(n.op)),
-                params=int(row["num_params"]), param_bytes=pbytes if info else 0,
-                gemms=gemms, other_bytes=other, core=core)
-
-
-def module_work(graph: ModelGraph, fqn: str, rows: dict | None = None) -> Work:
-    """Cost inputs of module ``fqn`` per call (``rows``: module_summary rows by FQN, computed
-    when not given), parameter bytes in the model's dtype -- what model_structure gives its units,
-    for modules that are no unit of the TP search (MoE experts containers)."""
-    rows = rows if rows is not None else {r["fqn"]: r for r in module_summary(graph).to_dict("records")}
-    w = _work(graph, fqn, rows)
-    float_dtypes = [o.dtype for n in graph.nodes for o in n.outputs if "float" in o.dtype]
-    w.param_bytes = w.params * (dtype_size(float_dtypes[0]) if float_dtypes else 4)
-    return w
-
-
-def _kept_inputs(fqn: str, nodes, core_nodes) -> int:
-    """Bytes of the child modules' outputs (the q/k/v projections) that the attention core reads:
-    selective recomputation (autoplan.parallelisms.recompute, as Megatron-LM's) keeps them saved to
-    recompute the core from, so they are not freed with it -- Korthikanti et al.'s 34*s*b*h per
-    layer under selective recomputation counts them (Q, K, V: 6*s*b*h of it for multi-head)."""
-    by_name = {n.name: n for n in nodes}
-    producers = {src for n in core_nodes for src in n.input_nodes
-                 if src in by_name and by_name[src].module.startswith(fqn + ".")}
-    return sum(t.nbytes for src in producers for t in by_name[src].outputs)
-
-
-_CAUSAL_ROOTS = ("ForCausalLM", "LMHeadModel")   # transformers' decoder-only heads: self-attention is causal
-
-
-def causal_lm(graph: ModelGraph) -> bool:
-    """The captured model is a decoder-only language model (a transformers ``*ForCausalLM`` /
-    ``*LMHeadModel``), whose self-attention runs under a causal mask -- transformers materialises
-    that mask as a (b, 1, s, s) tensor on meta, where a real run passes ``is_causal``."""
-    return graph.model_type.endswith(_CAUSAL_ROOTS)
-
-
-def _attention_tag(n, dims, causal_model: bool) -> str:
-    """ATTENTION_CAUSAL for a fused attention op computing a causal mask's half of the scores
-    (``is_causal=True``, or self-attention of a causal LM: s_q == s_k), else ATTENTION."""
-    causal = isinstance(n.kwargs, dict) and bool(n.kwargs.get("is_causal"))
-    causal = causal or (causal_model and dims[0] == dims[1])
-    return ATTENTION_CAUSAL if causal else ATTENTION
-
-
-def _op_classes(nodes, causal_model: bool = False) -> tuple[tuple, float]:
-    """(GEMM entries (flops, M, N, K, split), bytes of the other non-view ops, backward counted as
-    twice the forward as for ``Work.bytes``). A fused attention op's split is its attention tag
-    (``cost_models.compute.ATTENTION`` / ``ATTENTION_CAUSAL``), priced by ``attention_time``."""
-    gemms, other = [], 0.0
-    for n in nodes:
-        short = n.op.split(".")[1] if n.op.count(".") >= 1 else n.op
-        dims = gemm_shape_dims(short, [tuple(t.shape) for t in n.inputs])
-        if dims is not None and n.flops_fwd > 0:
-            split = _attention_tag(n, dims, causal_model) if is_attention_op(short) else \
-                gemm_split(*dims, bool(n.params))
-            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims, split))
-        elif not _is_view(n.op):
-            other += 3.0 * float(n.bytes_read + n.bytes_written)
-    return tuple(gemms), other
-
-
-def _is_view(op: str) -> bool:
-    return any(w in op for w in ("view", "reshape", "expand", "permute", "transpose", "unsqueeze", "squeeze",
-                                 "slice", "select", "detach", "alias", "_to_copy", "t.default"))
-
-
 def _type(graph: ModelGraph, fqn: str) -> str:
     """The shardable torch.nn layer a module is (by isinstance at capture), else its own type."""
     m = graph.modules.get(fqn)
@@ -333,94 +213,6 @@ def _has_bias(graph: ModelGraph, fqn: str) -> bool:
     return bool(m and "bias" in m.params)
 
 
-_WIDTH_WORDS = ("size", "dim", "width", "embd", "embed")
-
-
-def head_attributes(graph: ModelGraph, fqn: str, a: dict) -> dict[str, int]:
-    """The head counts and widths an attention module holds (captured ``size_attrs``) that its
-    code may cut its projections by, with their global values: counts (named for heads, equal
-    to the query or KV head count) on the module or its config, widths (equal to all query or
-    all KV heads' width) on the module itself. With heads sharded they must be local
-    (PrepareHeadsInput); the probe then proves the module runs and its core sees 1/tp of the heads."""
-    m = graph.modules.get(fqn)
-    n, kv, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a.get("head_dim") or 0)
-    out = {}
-    for path, value in (m.size_attrs if m else {}).items():
-        name = path.rsplit(".", 1)[-1].lower()
-        widthish = any(w in name for w in _WIDTH_WORDS)
-        if "head" in name and not widthish and value in (n, kv):
-            out[path] = value
-        elif widthish and "." not in path and hd and value != hd and value in (n * hd, kv * hd):
-            out[path] = value
-    return out
-
-
-def folded_head_inputs(graph: ModelGraph, where: str, first: str, n_heads: int) -> bool:
-    """Whether the attention module ``where`` reads a tensor made outside it whose leading
-    dimension is batch x ``n_heads`` (batch: the first projection ``first``'s input): per-head
-    rows folded into the batch, which must be cut to the rank's heads with them."""
-    inside = lambda m: m == where or m.startswith(where + ".")   # noqa: E731
-    module_of = {n.name: n.module for n in graph.nodes}
-    batch = next((n.inputs[0].shape[0] for n in graph.nodes if n.module == first and n.inputs
-                  and len(n.inputs[0].shape) == 3), 0)
-    if not batch:
-        return False
-    folded = batch * n_heads
-    made_outside: set[str] = set()   # tensors from outside the module, or slices/views of them
-    for n in graph.nodes:
-        if not inside(n.module) or n_heads <= 1:
-            continue
-        acts = [src for src in n.input_nodes if not src.startswith(("param:", "buffer:", "const:"))]
-        base = n.op.split(".")[-2] if n.op.count(".") >= 2 else n.op
-        if acts and base in ("slice", "view", "expand", "unsqueeze", "_to_copy", "to", "alias") and all(
-                src.startswith("input:") or src in made_outside or (src in module_of and not inside(module_of[src]))
-                for src in acts):
-            made_outside.add(n.name)
-            continue
-        # the op combines it with per-head tensors in the same folded (batch * heads, ...) layout
-        # (Bloom: baddbmm(alibi, q, k)); a table that only happens to have batch * heads rows
-        # (RoPE frequencies when seq == batch * heads) meets (batch, seq, heads, ...) tensors instead.
-        # Or a (heads, ., .) table added to (batch, heads, ., .) scores (MPT's ALiBi position_bias).
-        folded_peers = [m for m, src in zip(n.inputs, n.input_nodes)
-                        if len(m.shape) == 3 and m.shape[0] == folded and src in module_of and inside(module_of[src])]
-        head_peers = [m for m, src in zip(n.inputs, n.input_nodes)
-                      if len(m.shape) == 4 and m.shape[1] == n_heads and src in module_of and inside(module_of[src])]
-        for meta, src in zip(n.inputs, n.input_nodes):
-            outside = src.startswith("input:") or src in made_outside or \
-                (src in module_of and not inside(module_of[src]))
-            if outside and meta.shape and ((meta.shape[0] == folded and folded_peers) or
-                                           (len(meta.shape) == 3 and meta.shape[0] == n_heads and head_peers)):
-                return True
-    return False
-
-
-def _folded_attr(graph: ModelGraph, rep: str, a: dict, where: str, attrs: dict[str, int]) -> str:
-    n = int(a["n_heads"])
-    counts = sorted(k for k, v in attrs.items() if v == n and "head" in k.rsplit(".", 1)[-1].lower()
-                    and not any(w in k.rsplit(".", 1)[-1].lower() for w in _WIDTH_WORDS))
-    if not counts or not a["module"]:
-        return ""
-    p = a["projections"]
-    first = f"{rep}.{p.get('qkv') or p.get('q')}"
-    return counts[0] if folded_head_inputs(graph, where, first, n) else ""
-
-
-def _kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
-    """head_dim, group_attrs and kv_params of an attention (AttentionUnit): what a kv-replicated
-    plan needs to know of it."""
-    n, kv, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a.get("head_dim") or 0)
-    m = graph.modules.get(where) if a["module"] else None
-    groups = {path: v for path, v in (m.size_attrs if m else {}).items()
-              if "group" in path.rsplit(".", 1)[-1].lower() and kv and v == n // kv and n > kv}
-    p = a["projections"]
-    whole = [p["qkv"]] if "qkv" in p else [p[x] for x in "kv" if x in p]   # the modules kept whole
-    kv_params = [math.prod(shape) for m in whole for shape in
-                 (graph.modules[f"{rep}.{m}"].params.values() if f"{rep}.{m}" in graph.modules else ())]
-    return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
-
-
-# why a state-space mixer is no unit (capture.mixer_roles.mamba_mixers recognises it): one mixer per
-# block is planned (MambaMixerParallel), inside a module of its own
 MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer directly in the block, or a second one in it: only one mixer per "
                     "block, in a module of its own, is planned; it stays replicated")
 
@@ -483,9 +275,9 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
     p = a["projections"]
     where = f"{rep}.{a['module']}" if a["module"] else rep
     attrs = head_attributes(graph, where, a) if a["module"] else {}
-    folded = _folded_attr(graph, rep, a, where, attrs)
+    folded = folded_attr(graph, rep, a, where, attrs)
     own = work(f"{rep}.{a['module']}")   # nothing of its own when its projections sit in the block
-    kv = _kv_fields(graph, rep, where, a)
+    kv = kv_fields(graph, rep, where, a)
     if "qkv" in p and "o" in p:
         lin = all(_type(graph, f"{rep}.{p[k]}") in _SHARDABLE_LINEARS for k in ("qkv", "o"))
         return AttentionUnit(a["module"], "", "", "", p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
@@ -635,7 +427,7 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     dtype_bytes = dtype_size(float_dtypes[0]) if float_dtypes else 4
 
     def work(fqn):
-        w = _work(graph, fqn, rows)
+        w = work_of(graph, fqn, rows)
         w.param_bytes = w.params * dtype_bytes
         return w
 

@@ -35,7 +35,8 @@ from autoplan.search.expert_strategies import experts_strategies
 from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
 from autoplan.search.soundness import SoundnessReport, check_search, settle
-from autoplan.search.structure import ModelStructure, Work, without_moe_units
+from autoplan.search.structure import ModelStructure, without_moe_units
+from autoplan.search.unit_work import Work
 from cost_models.overlap import dp_overlap
 
 log = logging.getLogger(__name__)

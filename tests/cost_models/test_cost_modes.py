@@ -3,7 +3,7 @@ ZeRO-1 / FSDP state, recomputation, optimizer step, memory headroom."""
 import pytest
 
 from autoplan.search.costing import CostContext
-from autoplan.search.structure import Work
+from autoplan.search.unit_work import Work
 from cost_models import load_hardware, mesh_links
 from cost_models.compute import gemm_efficiency
 from cost_models.overlap import DP_OVERLAP, dp_overlap

@@ -5,7 +5,7 @@ import pytest
 
 from autoplan.search.costing import CostContext
 from hyper_parallel.core.collective import Collective
-from autoplan.search.structure import Work
+from autoplan.search.unit_work import Work
 from cost_models import load_hardware, mesh_links
 from cost_models.collectives import collective_terms
 from cost_models.hardware import Link
