@@ -17,7 +17,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from autoplan.capture.ir import BlockGroup, ModuleInfo
-from hyper_parallel.core.hook_state import hook_state, restore_hooks
+from hyper_parallel.core.short_stack import short_stacks
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D, is_conv1d
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -193,39 +193,21 @@ def only_representatives(model: nn.Module, groups: list[BlockGroup]) -> Iterator
     by_prefix: dict[str, list[BlockGroup]] = defaultdict(list)
     for g in groups:
         by_prefix[g.prefix].append(g)
-    restore: list[tuple[nn.Module, str, nn.Module]] = []
-    configs: list[tuple[object, int]] = []
+    shorts: dict[str, nn.Module] = {}
     rename: dict[str, str] = {}
-    hooks = hook_state(model)
-    try:
-        for prefix, gs in by_prefix.items():
-            container = model.get_submodule(prefix)
-            keep = sorted({g.indices[0] for g in gs}, key=lambda i: list(container._modules).index(i))
-            if isinstance(container, nn.ModuleDict):
-                short = nn.ModuleDict({k: container[k] for k in keep})
-            else:
-                short = type(container)() if isinstance(container, nn.Sequential) else nn.ModuleList()
-                for pos, k in enumerate(keep):
-                    short.add_module(str(pos), container._modules[k])
-                    rename[f"{prefix}.{pos}"] = f"{prefix}.{k}"
-            parent_name, _, attr = prefix.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            restore.append((parent, attr, container))
-            setattr(parent, attr, short)
-            # the stack's config says how many layers it has; transformers resolves hidden-state
-            # indices counted from the end by it (LLaVA's vision_feature_layer=-2), so it must
-            # say the shortened count while the stack is short
-            config = getattr(parent, "config", None)
-            if getattr(config, "num_hidden_layers", None) == len(container) and not isinstance(config, nn.Module):
-                configs.append((config, config.num_hidden_layers))
-                config.num_hidden_layers = len(short)
+    for prefix, gs in by_prefix.items():
+        container = model.get_submodule(prefix)
+        keep = sorted({g.indices[0] for g in gs}, key=lambda i: list(container._modules).index(i))
+        if isinstance(container, nn.ModuleDict):
+            short = nn.ModuleDict({k: container[k] for k in keep})
+        else:
+            short = type(container)() if isinstance(container, nn.Sequential) else nn.ModuleList()
+            for pos, k in enumerate(keep):
+                short.add_module(str(pos), container._modules[k])
+                rename[f"{prefix}.{pos}"] = f"{prefix}.{k}"
+        shorts[prefix] = short
+    with short_stacks(model, shorts):   # config counts follow, transformers' recorders undone (short_stack.py)
         yield rename
-    finally:
-        for config, count in reversed(configs):
-            config.num_hidden_layers = count
-        for parent, attr, container in reversed(restore):
-            setattr(parent, attr, container)
-        restore_hooks(model, hooks)   # what transformers installed on the short stack (hook_state.py)
 
 
 def remap_fqn(fqn: str, rename: dict[str, str]) -> str:

@@ -169,7 +169,7 @@ def plan_preprocess(pre_cfg: dict | None, model: nn.Module, dp_mode: str | None)
     if not pre_cfg:
         return None
     placement, module = pre_cfg["placement"], pre_cfg["module"]
-    runs = ("mpipe", "stage0") if module == pipe.image_features.METHOD else ("mpipe",)
+    runs = pipe.image_features.runnable_placements(module)
     if placement not in runs:
         raise PipelineError(f"plan.apply: pipeline.preprocess.placement={placement!r} is priced only; for tower "
                             f"{module!r} the runtime runs {list(runs)}")

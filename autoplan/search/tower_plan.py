@@ -36,7 +36,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_ir import preprocess_owner
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
 from hyper_parallel.core.pipeline_parallel.image_features import INTO as IMAGE_INTO
-from hyper_parallel.core.pipeline_parallel.image_features import METHOD, ImageFeatures, tower_inputs
+from hyper_parallel.core.pipeline_parallel.image_features import METHOD, ImageFeatures, runnable_placements, tower_inputs
 from hyper_parallel.core.pipeline_parallel.split import spine_for
 from hyper_parallel.core.pipeline_parallel.stage import flatten
 
@@ -67,14 +67,6 @@ def find_tower(model: nn.Module, graph, unit_names) -> tuple[str, str] | None:
 def tower_module(model: nn.Module, module: str) -> nn.Module:
     """The module MPipe runs for a plan's ``pipeline.preprocess.module`` (see :func:`find_tower`)."""
     return ImageFeatures(model) if module == METHOD else model.get_submodule(module)
-
-
-def runnable_placements(module: str) -> tuple[str, ...]:
-    """The placements the runtime runs for a tower: MPipe always; stage 0 when the stages run the
-    model's own forward (the tower is stage 0's: forward_split.ForwardTrace.side). A tower as
-    stages of its own ("own_stage") would hand the decoder a second value across the pipeline:
-    priced, not run."""
-    return ("mpipe", "stage0") if module == METHOD else ("mpipe",)
 
 
 def _side_bytes(model: nn.Module, styles: dict, tp: int) -> dict[torch.dtype, int]:

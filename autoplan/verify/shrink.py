@@ -136,6 +136,11 @@ def _shrink_composite(config: Any, subs: dict[str, Any], degrees: list[int]) -> 
         # the image token must stay an id the small vocabulary embeds: grow it by whole lcm steps
         step = math.lcm(*degrees) if degrees else 1
         text["vocab_size"] += step * math.ceil((max(ids) + 1 - text["vocab_size"]) / step)
+    return _without_noise(out)
+
+
+def _without_noise(out: dict) -> dict:
+    """``out`` with every dropout probability 0 and the file's provenance keys dropped."""
     for k in list(out):
         if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
             out[k] = 0.0
@@ -212,9 +217,6 @@ def shrink_hf_config(config: Any, degrees: list[int], extents: bool = True) -> d
                 small["moe_num_experts"] = min(sub["moe_num_experts"], 4)
                 small["moe_top_k"] = min(int(sub.get("moe_top_k") or 1), small["moe_num_experts"])
             out[name] = small
-    for k in list(out):
-        if ("dropout" in k or k.endswith("pdrop")) and isinstance(out[k], float):
-            out[k] = 0.0
     for k, v in attention_extents(d).items():
         if extents and v > WINDOW and "." not in k:   # nested configs (composite models) are not shrunk here
             out[k] = WINDOW
@@ -229,9 +231,7 @@ def shrink_hf_config(config: Any, degrees: list[int], extents: bool = True) -> d
         v = out.get(k)
         if isinstance(v, int) and v >= out.get("vocab_size", 1 << 30):
             out[k] = 0
-    out.pop("architectures", None)
-    out.pop("transformers_version", None)
-    return out
+    return _without_noise(out)
 
 
 def _is_extent_key(key: str) -> bool:

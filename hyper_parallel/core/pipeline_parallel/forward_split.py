@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hyper_parallel.core.hook_state import hook_state, restore_hooks
+from hyper_parallel.core.short_stack import short_stacks
 from hyper_parallel.errors import StageSplitError
 
 # keywords the pipeline runner adds, not the model's: the full sequence length (a stage receiving a
@@ -167,19 +167,13 @@ def _one_block(model: nn.Module, prefix: str):
     and config. What a short stack could hide -- a module the forward runs between its blocks --
     the pipeline guard's small copy (a short stack, traced in full, cut at every boundary) sees.
     The stack's config count follows the shortening while it lasts, and hooks transformers
-    installs on the short stack are undone (hook_state.py)."""
+    installs on the short stack are undone (short_stack.py)."""
     container = model.get_submodule(prefix)
     children = list(container.named_children())
     if not isinstance(container, nn.ModuleList) or len(children) < SHORTEN_FROM or \
             len({type(c) for _, c in children}) != 1:
         yield lambda calls: calls
         return
-    parent_name, _, attr = prefix.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    config = getattr(parent, "config", None)
-    count = getattr(config, "num_hidden_layers", None)
-    hooks = hook_state(model)
-    short = nn.ModuleList([children[0][1]])
     first = f"{prefix}.{children[0][0]}"
 
     def expand(calls: list[UnitCall]) -> list[UnitCall]:
@@ -189,16 +183,8 @@ def _one_block(model: nn.Module, prefix: str):
                 if c.fqn == first else [c]
         return out
 
-    setattr(parent, attr, short)
-    if count == len(children):
-        config.num_hidden_layers = 1
-    try:
+    with short_stacks(model, {prefix: nn.ModuleList([children[0][1]])}):
         yield expand
-    finally:
-        setattr(parent, attr, container)
-        if count == len(children):
-            config.num_hidden_layers = count
-        restore_hooks(model, hooks)
 
 
 def _fake_forward(model: nn.Module) -> None:

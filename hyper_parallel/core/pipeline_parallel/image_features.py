@@ -32,6 +32,14 @@ INTO = IMAGE_FEATURES   # the step keyword stage 0 receives the tower output und
 METHOD = "get_image_features"
 
 
+def runnable_placements(module: str) -> tuple[str, ...]:
+    """The placements of a VL tower the runtime runs, for a plan's ``pipeline.preprocess.module``:
+    MPipe always; stage 0 for ``get_image_features`` (the stages run the model's own forward, the
+    tower is stage 0's: forward_split.ForwardTrace.side). A tower as stages of its own
+    ("own_stage") would hand the decoder a second value across the pipeline: priced, not run."""
+    return ("mpipe", "stage0") if module == METHOD else ("mpipe",)
+
+
 def _merged_fields(out) -> list[str]:
     keys = list(out.keys()) if hasattr(out, "keys") else []
     return [k for k in keys if k == "pooler_output" or k.endswith("_features")]
@@ -57,7 +65,6 @@ class ImageFeatures(nn.Module):
             raise PipelineError(f"ImageFeatures: {name}'s forward calls every module on token ids alone; no "
                                 "tower to run apart")
         object.__setattr__(self, "_model", model)
-        self.fqns = list(side) + list(trace.side_params)
         for fqn in side:
             attach(self, fqn, model.get_submodule(fqn))
         for fqn in trace.side_params:   # a container's own parameter beside the tower (image_newline)
