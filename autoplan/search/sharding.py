@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 
 from autoplan.capture.ir import ModelGraph, dtype_size
+from hyper_parallel.core.tensor_parallel.base import ParallelStyle
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
+from hyper_parallel.core.tensor_parallel.registry import style_from_dict
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.fqn_pattern import fqn_matches, wildcards
 
@@ -84,6 +86,7 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
         if best:
             owner_style[fqn] = best[1]
             owner_packed[fqn] = int((best[2].get("args") or {}).get("packed", 1))
+    own_dims = _style_shard_dims(graph, styles)
     out, seen = [], set()
     dtype_bytes = _param_dtype_bytes(graph)
     for fqn, info in sorted(graph.modules.items()):
@@ -96,15 +99,39 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
             owner = full.rsplit(".", 1)[0] if "." in full else ""
             mtype = _layer(graph.modules[owner]) if owner in graph.modules else _layer(info)
             dim = _shard_dim(owner_style.get(owner, ""), mtype, full.rsplit(".", 1)[-1])
+            packed = owner_packed.get(owner, 1) > 1
+            if full in own_dims:   # a style that shards its parameters its own way says how
+                dim, packed = own_dims[full]
             local = list(shape)
             if dim is not None and tp > 1:
                 local[dim] = math.ceil(local[dim] / tp)
-            strided_rows = dim == 0 and tp > 1 and owner_packed.get(owner, 1) > 1 and len(shape) > 1
+            strided_rows = dim == 0 and tp > 1 and packed and len(shape) > 1
             unit = next((f"{p}.{rest.split('.')[0]}" for p in block_prefixes
                          if full.startswith(p + ".") and (rest := full[len(p) + 1:]).count(".") >= 1), "")
-            strided_bias = dim == 0 and tp > 1 and owner_packed.get(owner, 1) > 1 and len(shape) == 1
+            strided_bias = dim == 0 and tp > 1 and packed and len(shape) == 1
             out.append(ParamShard(full, unit, tuple(local), dtype_bytes,
                                   None if strided_bias else 1 if strided_rows else 0))
+    return out
+
+
+def _style_shard_dims(graph: ModelGraph, styles: dict[str, dict]) -> dict[str, tuple[int, bool]]:
+    """{parameter FQN: (dim, strided)} for the parameters under each module whose style says how it
+    shards them (``ParallelStyle.param_shard_dims``: experts, Mamba mixers), from the shapes the
+    capture recorded; the styles that do not say are read by layer type in :func:`_shard_dim`."""
+    out: dict[str, tuple[int, bool]] = {}
+    built: dict[str, object] = {}
+    for pattern, spec in styles.items():
+        key = repr(sorted(spec.items()))
+        style = built.get(key) or built.setdefault(key, style_from_dict(spec))
+        if type(style).param_shard_dims is ParallelStyle.param_shard_dims:
+            continue
+        for fqn in graph.modules:
+            if not fqn_matches(pattern, fqn):
+                continue
+            params = {(f"{m.fqn[len(fqn) + 1:]}." if m.fqn != fqn else "") + name: shape
+                      for m in graph.modules_under(fqn) for name, shape in m.params.items()}
+            for path, dims in (style.param_shard_dims(params) or {}).items():
+                out[f"{fqn}.{path}" if fqn else path] = dims
     return out
 
 

@@ -22,8 +22,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP
 from hyper_parallel.core.expert_parallel.layouts import local
-from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides, shard_dims
 from hyper_parallel.errors import UnsupportedModuleError
+
+
+# gate_up_proj (E, H, 2F): each rank its slice of the gate and of the up half; down_proj (E, F, H) by rows
+_PLACEMENTS = {"gate_up_proj": _StridedShard(2, split_factor=2), "down_proj": Shard(1)}
 
 
 class DenseExpertsParallel(ParallelStyle):
@@ -44,10 +48,12 @@ class DenseExpertsParallel(ParallelStyle):
             raise UnsupportedModuleError(f"{where}: expected the gate activation as module.act_fn")
         check_divides(down.shape[1], mesh, where, "the expert ffn width F")
 
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
+        return shard_dims({n: p for n, p in _PLACEMENTS.items() if n in params})
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
-        placements = {"gate_up_proj": (_StridedShard(2, split_factor=2),), "down_proj": (Shard(1),)}
-        for name, placement in placements.items():
-            new = record.sharded(module._parameters[name], placement, mesh, where=f"{fqn}.{name}")
+        for name, placement in _PLACEMENTS.items():
+            new = record.sharded(module._parameters[name], (placement,), mesh, where=f"{fqn}.{name}")
             record.replace_param(module, name, new)
         group = mesh.get_group()
 

@@ -54,6 +54,10 @@ class FlatExpertsParallel(ParallelStyle):
                                          f"ffn_hidden_size={ffn!r}")
         check_divides(ffn, mesh, where, "the expert ffn width (ffn_hidden_size)")
 
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
+        """Each expert's rows of w1 / v1 / w2: dim 0, strided (one stride per expert)."""
+        return {f"mlp.{n}": (0, True) for n in _WEIGHTS if f"mlp.{n}" in params}
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         mlp, size = module.mlp, mesh.size()
         experts = mlp.w1.shape[0] // module.ffn_hidden_size

@@ -59,7 +59,7 @@ from hyper_parallel.core.expert_parallel.routing import (
     balanced_routing_active,
     expert_blocks,
 )
-from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, shard_dims
 from hyper_parallel.errors import DivisibilityError, LayoutError, MeshError, StyleSpecError, UnsupportedModuleError
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,20 @@ class ExpertParallel(ParallelStyle):
                   tp_mesh.size() if tp_mesh is not None else 1)
         return module
 
-    def _placements(self, layout: ExpertsLayout, param_mesh: DeviceMesh) -> dict[str, tuple]:
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]] | None:
+        """On a one-dimensional mesh (ep alone, or tp alone with ``ep_dim=""``): stacked weights'
+        placements, their layout read from the shapes (transposed when gate_up_proj's middle
+        dimension is the hidden width down_proj ends with). Two dimensions, or a ModuleList of
+        experts, are not one placement per parameter: None."""
+        gu, down = params.get("gate_up_proj"), params.get("down_proj")
+        if (self.ep_dim and self.tp_dim is not None) or gu is None or down is None or len(gu) != 3 or len(down) != 3:
+            return None
+        transposed = gu[1] == down[2] and gu[2] == 2 * down[1]
+        h, two_f = (gu[1], gu[2]) if transposed else (gu[2], gu[1])
+        layout = ExpertsLayout("stacked", gu[0], h, two_f // 2, transposed)
+        return shard_dims({n: p[0] for n, p in self._placements(layout, None).items() if n in params})
+
+    def _placements(self, layout: ExpertsLayout, param_mesh: DeviceMesh | None) -> dict[str, tuple]:
         """Per parameter: its placements on the (ep[, tp]) weight mesh."""
         if self.tp_dim is None and self.ep_dim:
             return {n: (Shard(0),) for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}

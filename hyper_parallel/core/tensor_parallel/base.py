@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel.style import ParallelStyle as _TorchParallelStyle
 
 from hyper_parallel.core.dtensor.placements import MAX_TENSOR_DIMS, layouts_from_data, layouts_to_data
@@ -164,6 +165,16 @@ class ParallelStyle(_TorchParallelStyle):
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         raise NotImplementedError
 
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]] | None:
+        """The dimension each parameter this style shards is split on over a one-dimensional
+        mesh, and whether the split is strided, by its path under the styled module (``params``:
+        every parameter under it with its shape, the module's own and its submodules');
+        parameters left out stay replicated. A planner that holds only a model's shapes predicts
+        per-rank bytes (and where FSDP2 shards next) from this, so a style that shards parameters
+        its own way says so here, from the placements its ``apply`` uses. None: the style does
+        not say (ColwiseParallel / RowwiseParallel: the layer type decides)."""
+        return None
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         """torch's ParallelStyle entry point (used when torch's parallelize_module is given our style)."""
         check_mesh_1d(device_mesh, type(self).__name__)
@@ -263,3 +274,9 @@ def finish_output(out, mesh: DeviceMesh, layout: Placement | None, use_local: bo
     if not use_local:
         return out
     return out.to_local().clone() if owned else out.to_local()
+
+
+def shard_dims(placements: dict[str, Placement]) -> dict[str, tuple[int, bool]]:
+    """{path: (dim, strided)} of the Shard placements in ``placements`` (Replicate left out)."""
+    return {path: (p.dim, isinstance(p, _StridedShard)) for path, p in placements.items()
+            if isinstance(p, (Shard, _StridedShard))}

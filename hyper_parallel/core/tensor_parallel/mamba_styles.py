@@ -27,7 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP
 from hyper_parallel.core.expert_parallel.layouts import local
-from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides, shard_dims
 from hyper_parallel.errors import StyleSpecError, UnsupportedModuleError
 
 # parameter (path in the mixer) -> its placement on the tp mesh
@@ -81,6 +81,9 @@ class MambaMixerParallel(ParallelStyle):
             except AttributeError as exc:
                 raise UnsupportedModuleError(f"{where}: replicated_after names no submodule {path!r}") from exc
         check_divides(inner, mesh, where, "the inner width (intermediate_size)")
+
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
+        return shard_dims({path: p for path, p in _PLACEMENTS.items() if path in params})
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         sharded = []
