@@ -231,6 +231,40 @@ class Prober:
                 h.remove()
         return out
 
+    def lone_collectives(self, name: str, dim: int, mesh) -> list[Collective] | None:
+        """What a repair issues, read off the runtime: the module ``name`` alone with
+        ``SequenceParallel`` on ``dim``, given the shards the styled run gave it, forward and
+        backward on fake tensors under the fake process group. The whole-model run cannot tell a
+        module's backward collectives from its neighbours'; alone it can (OLMo-2's q norm: an
+        all-reduce of the per-token sums in forward, in backward the weight gradient's
+        all-gather and a reduce-scatter of the whole input gradient). None if it does not run
+        alone (the caller keeps the forward record and the weight all-reduce)."""
+        want = self.reference.inputs.get(name) if self.reference else None
+        if not want:
+            return None
+        module = copy.deepcopy(self.small.get_submodule(name))
+        params = list(module.parameters())
+        dtype = params[0].dtype if params else torch.float32
+        shapes = [tuple(-(-n // self.tp) if i == dim else n for i, n in enumerate(w)) for w in want]
+        try:
+            parallelize_module(module, mesh, {"": SequenceParallel(sequence_dim=dim, use_local_output=True,
+                                                                   reduce_grads=True)}, strict=True)
+            with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
+                module.to_empty(device="cpu")
+                xs = [torch.empty(s, dtype=dtype, requires_grad=True) for s in shapes]
+                with CollectiveRecorder() as rec:
+                    rec.phase = "forward"
+                    out = module(*xs)
+                    out = out[0] if isinstance(out, (tuple, list)) else out
+                    rec.phase = "backward"
+                    out.backward(torch.ones_like(out))
+        except Exception as exc:  # noqa: BLE001 - reported by the caller's fallback
+            log.debug("%s alone did not run: %s", name, exc)
+            return None
+        sizes = {p.numel() * p.element_size() for p in params}
+        return [Collective(e["kind"], e["phase"], int(e["bytes"]),
+                           weight_grad=e["phase"] == "backward" and int(e["bytes"]) in sizes) for e in rec.events]
+
     def findings(self, run: ProbeRun) -> list[Finding]:
         """Modules with plain parameters whose inputs changed shape from the replicated run, and
         attention cores that see anything but fewer heads (a reshape by the global head count
@@ -326,18 +360,23 @@ def _sharded_dims(got: list[tuple], want: list[tuple], t: int) -> int | None:
 
 
 def repaired(strategy: Strategy, repairs: dict[str, int], param_bytes: dict[str, list[int]],
-             forward: dict[str, list[Collective]], rel_of) -> Strategy:
+             forward: dict[str, list[Collective]], rel_of, lone: dict[str, list[Collective]] | None = None) -> Strategy:
     """``strategy`` plus SequenceParallel on each repaired module (relative to the unit's owner)
-    and the collectives that repair issues."""
+    and the collectives that repair issues: those it issued run alone (``lone``), else its
+    recorded forward ones and one all-reduce per weight gradient."""
+    lone = lone or {}
     styles = dict(strategy.styles)
     colls = list(strategy.collectives)
     names = []
     for module, dim in sorted(repairs.items()):
         rel = rel_of(module)
         styles[rel] = SequenceParallel(sequence_dim=dim, use_local_output=True, reduce_grads=True)
-        colls += forward.get(module, [])
-        # a weight's gradient reduction: a split backward's input pass never reaches it
-        colls += [Collective("all_reduce", "backward", b, weight_grad=True) for b in param_bytes.get(module, [])]
+        if module in lone:   # what the module issued alone, forward and backward
+            colls += lone[module]
+        else:
+            colls += forward.get(module, [])
+            # a weight's gradient reduction: a split backward's input pass never reaches it
+            colls += [Collective("all_reduce", "backward", b, weight_grad=True) for b in param_bytes.get(module, [])]
         names.append(rel.rsplit(".", 1)[-1])
     reason = strategy.reason + f"; {', '.join(names)} see sharded activations: replicated weights, gradients " \
                                f"all-reduced over tp"

@@ -217,14 +217,15 @@ class SlotChecker:
             if not new:
                 break
             for slot, mods in fixes.items():
-                trial[slot].strategy = self.apply_repair(slot, original[slot], (mods, pbytes, {}), 1)
+                trial[slot].strategy = self.apply_repair(slot, original[slot], (mods, pbytes, {}, {}), 1)
         why = run.error or "; ".join(f.detail for f in unsound)
         if not why and fixes:  # the repaired set, forward and backward, its collectives recorded
             run = p.run(self.with_entry(dict(base, **trial), layout), mesh, record=True, backward=True)
             self.report.runs += 1
             why = run.error or "; ".join(f.detail for f in p.findings(run))
             for slot, mods in fixes.items():
-                fix = (mods, pbytes, run.forward_collectives)
+                lone = {m: c for m, d in mods.items() if (c := p.lone_collectives(m, d, mesh)) is not None}
+                fix = (mods, pbytes, run.forward_collectives, lone)
                 self.repairs[_key(slot, trial[slot])] = fix
                 trial[slot].strategy = self.apply_repair(slot, original[slot], fix, 1)
         if not why:
@@ -240,10 +241,12 @@ class SlotChecker:
             self._check_set(base, {slot: o}, layout, mesh, alone=True)
 
     def apply_repair(self, slot: str, strategy, fix: tuple, batch: int):
-        mods, param_bytes, forward = fix
+        mods, param_bytes, forward, lone = fix
         root = self._root(slot)
         forward = {m: [c.scaled_bytes(batch) for c in cs] for m, cs in forward.items()}
-        return repaired(strategy, mods, param_bytes, forward, lambda m: m[len(root) + 1:] if root else m)
+        # activations scale with the batch the runs were for, weight gradients do not
+        lone = {m: [c if c.weight_grad else c.scaled_bytes(batch) for c in cs] for m, cs in lone.items()}
+        return repaired(strategy, mods, param_bytes, forward, lambda m: m[len(root) + 1:] if root else m, lone)
 
     def _owner_slot(self, f: Finding, trial: dict) -> str | None:
         best = None

@@ -1,4 +1,5 @@
-"""Expert and Mamba styles shard parameters their own way (stacked experts on the ffn width, flat
+"""What the planner cannot read off a layer type is read off the runtime, and verify holds it to
+that. Expert and Mamba styles shard parameters their own way (stacked experts on the ffn width, flat
 expert rows strided per expert, a Mamba mixer's inner channels): a plan's per-rank parameter
 bytes must come out as the runtime holds them, so the planner's memory check and FSDP traffic are
 those of the model that runs. verify's dry run applies the plan on a fake process group and reads
@@ -50,3 +51,23 @@ def test_a_style_that_says_how_it_shards_is_read_from_its_own_answer():
     shards = {s.fqn: s.local_shape for s in param_shards(graph, plan.styles, 4, ["model.layers"])}
     assert shards["model.layers.0.mlp.experts.gate_up_proj"] == (4, 2048, 2048)
     assert shards["model.layers.0.mlp.experts.down_proj"] == (4, 2048, 1024)
+
+
+def test_a_repaired_norms_collectives_are_what_it_issues_alone():
+    """OLMo-2's q/k norms normalise over the whole projected width, which head sharding cuts: the
+    repair (SequenceParallel on that width) all-reduces per-token sums in forward and, in
+    backward, all-gathers the weight gradient and reduce-scatters the whole input gradient. The
+    whole-model probe cannot attribute backward collectives; the module run alone can, and the
+    plan's predictions must equal what the dry run issues."""
+    config = transformers.Olmo2Config(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=512)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    plan = autoplan(model, ParallelDims((4,), ("tp",), "h100_sxm"), batch=(4, 512), dtype=torch.bfloat16,
+                    allow_replicated_units=False, sequence_parallel=False)
+    attention = next(d for d in plan.decisions if d["unit"].endswith("attention"))
+    assert "q_norm" in attention["reason"], attention["reason"]
+    rows = {(r["kind"], r["phase"], r["bytes"]) for r in plan.predictions["collectives"]}
+    assert ("reduce_scatter", "backward", 4 * 512 * 1024 * 4) in rows   # the fp32 input gradient of q_norm
+    result = verify(plan, model)
+    assert result.passed, result.mismatches().to_string()
