@@ -325,13 +325,28 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
     h = blk.hidden_bytes
     inp = (_PLACEMENT[layout],)
     if not m.rel:
-        # the linears sit directly in the block (OPT's fc1/fc2): no container to change layouts
-        # at, and the block may flatten tokens before them (OPT does), so only a replicated
-        # stream: the first linear takes it as is, the last all-reduces its partial sums back
+        # the linears sit directly in the block (OPT's and XGLM's fc1/fc2): no container to change
+        # layouts at. On R the first linear takes the stream as is and the last all-reduces its
+        # partial sums back. On S each up linear gathers the sequence at its own input and the
+        # down linear reduce-scatters back to the shard -- which reads the sequence on dim 1, so
+        # a block that flattens tokens before them (OPT) fails its probe run (a width mismatch)
+        # and keeps R; a replicated MLP on S would need a region no module bounds: none.
+        sharded = t > 1 and m.linear and m.hidden and m.packed == 1
         if layout != "R":
-            return []
+            if not sharded:
+                return []
+            styles = {u: ColwiseParallel(input_layouts=S) for u in m.up}
+            styles[m.down] = RowwiseParallel(output_layouts=S)
+            k = uneven_shard(m.hidden, t)
+            # every up linear gathers the sequence itself (and reduce-scatters its input gradient)
+            extra_ups = [c for _ in m.up[1:] for c in (Collective("all_gather", "forward", h),
+                                                       Collective("reduce_scatter", "backward", h))]
+            return [Strategy("hidden_sharded", "S", styles, _ag_rs_pair(h) + extra_ups, compute_shard=k,
+                             param_shard=k, activation_shard=k, extra=_uneven("MLP hidden", m.hidden, t),
+                             reason="up/gate column-wise gathering the sequence, down row-wise scattering it "
+                                    "(Megatron's sequence parallel), on the linears in the block")]
         out = [Strategy("replicate", "R", {}, [], reason="replicated (MLP linears sit directly in the block)")]
-        if t > 1 and m.linear and m.hidden and m.packed == 1:
+        if sharded:
             styles = {u: ColwiseParallel() for u in m.up}
             styles[m.down] = RowwiseParallel(output_layouts=R)
             k = uneven_shard(m.hidden, t)

@@ -10,6 +10,7 @@ from autoplan.search.sharding import _shard_dim
 from autoplan.search.strategies import PACKED_BIAS, attention_strategies, mlp_strategies
 from autoplan.search.structure import model_structure
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
+from torch.distributed.tensor import Shard
 
 MODELS = {
     "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
@@ -97,7 +98,11 @@ def test_conv1d_layers_are_shardable_linears(structures):
     assert _shard_dim("RowwiseParallel", CONV1D, "bias") is None
 
 
-def test_mlp_without_container_is_sharded_on_a_replicated_stream(structures):
+def test_mlp_without_container_is_sharded_on_either_stream(structures):
+    """fc1/fc2 directly in the block: on R, Megatron's f/g; on S the up linear gathers the
+    sequence at its input and the down linear scatters it back (no replicated form on S: no
+    module bounds the region). Whether the block's code keeps the sequence on dim 1 (OPT
+    flattens tokens first) is the probe's to find, on the model."""
     blk = structures["opt"].blocks[0]
     m = blk.mlp
     assert m.rel == "" and m.up == ["fc1"] and m.down == "fc2"
@@ -105,7 +110,12 @@ def test_mlp_without_container_is_sharded_on_a_replicated_stream(structures):
     sharded = [s for s in on_r if s.name == "hidden_sharded"]
     assert len(sharded) == 1 and set(sharded[0].styles) == {"fc1", "fc2"}
     assert [c.kind for c in sharded[0].collectives] == ["all_reduce", "all_reduce"]
-    assert mlp_strategies(m, blk, 4, "S", []) == []
+    on_s = mlp_strategies(m, blk, 4, "S", [])
+    assert [s.name for s in on_s] == ["hidden_sharded"]
+    assert on_s[0].styles["fc1"].input_layouts == Shard(1) and on_s[0].styles["fc2"].output_layouts == Shard(1)
+    assert sorted((c.kind, c.phase) for c in on_s[0].collectives) == [
+        ("all_gather", "backward"), ("all_gather", "forward"), ("reduce_scatter", "backward"),
+        ("reduce_scatter", "forward")]
 
 
 def test_reshape_by_the_global_head_count_is_sharded_only_with_the_count_made_local(structures):
