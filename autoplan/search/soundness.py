@@ -62,8 +62,12 @@ class SoundnessReport:
 
 # assignments tried, in order, as the "every unit replicated" base of a stream layout: on a
 # sequence-sharded stream the stream norms must be sequence parallel, with a DTensor output
-# (pre-norm blocks) or a local one (post-norm blocks)
-BASE_PREFERENCES = {"R": ({},), "S": ({}, {"norms": "sequence_local", "final_norm": "sequence_local"})}
+# (pre-norm blocks) or a local one (post-norm blocks). Last, the MLP sharded with an output it
+# owns: a block that adds into the MLP's output in place (Falcon's parallel attention and MLP)
+# cannot take the replicated MLP's output on S, a slice of the gathered result (a view).
+_OWNED_MLP = {"mlp": "hidden_sharded_owned_output"}
+BASE_PREFERENCES = {"R": ({},), "S": ({}, {"norms": "sequence_local", "final_norm": "sequence_local"}, _OWNED_MLP,
+                                       dict(_OWNED_MLP, norms="sequence_local", final_norm="sequence_local"))}
 
 
 class SlotChecker:
