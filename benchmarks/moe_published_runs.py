@@ -103,7 +103,7 @@ AM_AC = ("full: activation_checkpointing: true in examples/benchmark/configs/{f}
          "2025-10-08): parallelizer.apply_ac wraps every decoder block in ptd_checkpoint_wrapper")
 AM_NO_AC = "none: activation_checkpointing: false in examples/benchmark/configs/gptoss_120b_te_deepep.yaml (8d9bfb90e)"
 MB_AC = ("none: recompute_modules ['layernorm', 'moe_act'] only (Megatron-Bridge scripts/performance/configs/gpt_oss/"
-         "workload_base_configs.py, v0.2.0 / 25.11; the 26.02 V2 configs inherit it): the norms and the expert "
+         "workload_base_configs.py at v0.2.0 = 25.11, gpt_oss_workload_base_configs.py at v0.3.0 = 26.02: the V2 configs inherit it): the norms and the expert "
          "activation recomputed in backward, HBM-bound elementwise work under 1 % of the step, not priced")
 EVEN_MB = "Megatron-Core's default split: decoder layers evenly over stages, embedding first, output layer last"
 EVEN_AM = ("AutoModel AutoPipeline (pipelining/functional.py generate_hf_model_fqn_per_model_part): layers evenly over "
@@ -304,7 +304,13 @@ def write(df: pd.DataFrame) -> None:
     by = ok.assign(inside=inside).groupby("source").agg(cases=("case", "count"), within_15pct=("inside", "sum"),
                                                        median_ratio=("ratio", "median"))
     lines += ["Per source (leave-one-source-out):", "", by.reset_index().to_markdown(index=False, floatfmt=".3f"), ""]
-    lines += ["## Their runtime, not ours", "",
+    lines += ["## What each recipe states (priced as stated)", "",
+              "Recomputation and pipeline cuts are taken from the source's recipe at the commit its summary was "
+              "written from; where nothing is stated the fastest recompute mode and the planner's balanced cuts are "
+              "taken.", ""]
+    lines += [f"- {r.case}: recompute {STATED[r.case][0]}" + (f"; cuts: {STATED[r.case][1]}" if STATED[r.case][1] else "")
+              for r in df.itertuples() if r.case in STATED]
+    lines += ["", "## Their runtime, not ours", "",
               "What each published run's framework does that hyper_parallel's runtime does not (so a ratio > 1 is "
               "partly the price of our runtime, not an error of the model):", ""]
     lines += [f"- {r.case}: {r.their_runtime}" for r in df.itertuples() if r.their_runtime]
