@@ -80,6 +80,9 @@ class Run:
     # AutoPipeline split; "balanced": not stated, the planner's balanced cuts)
     recompute: str | None = None
     cuts: str = "balanced"
+    # the loss's HBM bytes per logit in the source's runtime (None: as ours, torch's F.cross_entropy
+    # on the logits' dtype -- AutoModel's MaskedCrossEntropy with fp32_upcast: false is that)
+    loss_bytes_per_logit: float | None = None
 
 
 QWEN3_30B = ("qwen3-moe-30b-a3b", {})
@@ -105,6 +108,15 @@ AM_NO_AC = "none: activation_checkpointing: false in examples/benchmark/configs/
 MB_AC = ("none: recompute_modules ['layernorm', 'moe_act'] only (Megatron-Bridge scripts/performance/configs/gpt_oss/"
          "workload_base_configs.py at v0.2.0 = 25.11, gpt_oss_workload_base_configs.py at v0.3.0 = 26.02: the V2 configs inherit it): the norms and the expert "
          "activation recomputed in backward, HBM-bound elementwise work under 1 % of the step, not priced")
+# Megatron-Core's fused vocab-parallel cross entropy (cross_entropy_loss_fusion = True in Megatron-Bridge's
+# GPTModelProvider, fp16_lm_cross_entropy = False): megatron/core/fusions/fused_cross_entropy.py's jit-fused
+# steps over tensor_parallel/cross_entropy.py run in fp32 -- logits.float() with the max (read 2, write 4),
+# minus the max, exp in place and the sum (read 4, write 4), the softmax normalised in place (read 4,
+# write 4); backward scales the saved fp32 softmax in place (read 4, write 4) and the cast's backward writes
+# bf16 (read 4, write 2): 36 B per logit, against 12 for torch's F.cross_entropy on bf16 logits
+MEGATRON_CE_BYTES = 36.0
+MEGATRON_CE = ("Megatron-Core fused vocab-parallel cross entropy in fp32 (36 B per logit; priced: "
+               "loss_bytes_per_logit)")
 EVEN_MB = "Megatron-Core's default split: decoder layers evenly over stages, embedding first, output layer last"
 EVEN_AM = ("AutoModel AutoPipeline (pipelining/functional.py generate_hf_model_fqn_per_model_part): layers evenly over "
            "ceil(L / layers_per_stage) + 1 stages, extras to the first, embedding first, norm + lm_head last")
@@ -142,18 +154,22 @@ RUNS = [
         expert_runtime=AUTOMODEL_RUNTIME, recompute="none"),
     Run("mb-gptoss-120b-h100-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 1, seq 4096, PP 4, EP 8: 5,993", GPT_OSS_120B, "h100_sxm", 64, 1280,
-        4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE], recompute="none",
+        4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES,
         cuts="even"),
     Run("mb-gptoss-120b-h100-2511", "bridge", BRIDGE.format(f="", rel="25.11", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 512, MBS 4, seq 4096, PP 4, VP 1, EP 8: 5,630", GPT_OSS_120B, "h100_sxm", 64,
-        512, 4096, 2, 8, 4, 1, 4, "zero1", bridge_step(512, 4096, 5630, 64), their_runtime=[TE], recompute="none",
+        512, 4096, 2, 8, 4, 1, 4, "zero1", bridge_step(512, 4096, 5630, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES,
         cuts="even"),
     Run("mb-gptoss-120b-b200-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-B200") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 4, seq 4096, EP 64: 8,047", GPT_OSS_120B, "b200", 64, 1280, 4096,
-        1, 64, 1, 1, 4, "zero1", bridge_step(1280, 4096, 8047, 64), their_runtime=[TE], recompute="none"),
+        1, 64, 1, 1, 4, "zero1", bridge_step(1280, 4096, 8047, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES),
     Run("mb-gptoss-120b-b200-2511", "bridge", BRIDGE.format(f="", rel="25.11", sys="DGX-B200") +
         ": GPT OSS 120B, 64 GPUs, GBS 512, MBS 4, seq 4096, EP 8: 8,213", GPT_OSS_120B, "b200", 64, 512, 4096, 8, 8,
-        1, 1, 4, "zero1", bridge_step(512, 4096, 8213, 64), their_runtime=[TE], recompute="none"),
+        1, 1, 4, "zero1", bridge_step(512, 4096, 8213, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES),
     Run("dsv3-2048-h800", "deepseek", DSV3, DEEPSEEK_V3, "h800", 2048, 15360, 4096, 2, 64, 16, 1, 1, "zero1", 19.9,
         "ZBV", 1, ["FP8 GEMMs (the report's mixed-precision framework; not priced: bf16 here)",
                    "DualPipe: all-to-alls overlapped with the other micro-batch's compute (priced: expert_runtime)",
@@ -217,7 +233,8 @@ def price(run: Run, free: bool) -> dict:
            "measured_s": run.measured_s, "their_runtime": "; ".join(run.their_runtime)}
     t0 = time.perf_counter()
     search = ClusterSearch(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
-                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.expert_runtime)
+                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.expert_runtime,
+                           loss_bytes_per_logit=run.loss_bytes_per_logit)
     best = None
     for ac in ([run.recompute] if run.recompute else ("none", "selective", "full")):
         try:
