@@ -2,8 +2,8 @@
 
 Every run below is bf16, with a stated layout (dp, ep, pp, tp, virtual stages, micro-batch) and a
 measured step time or throughput, each with its source. Each is priced with ``ClusterSearch.evaluate``
-at the published layout (what the source does not state -- cuts, recomputation -- is taken at its
-fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
+at the published layout, with what the source's recipe states (recomputation, pipeline cuts, the loss's
+precision; what it does not state is taken at its fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
 data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
 pick for the same model, devices and batch is reported with its claimed speed-up. No constant is
 fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
