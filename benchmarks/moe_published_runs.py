@@ -2,8 +2,8 @@
 
 Every run below is bf16, with a stated layout (dp, ep, pp, tp, virtual stages, micro-batch) and a
 measured step time or throughput, each with its source. Each is priced with ``ClusterSearch.evaluate``
-at the published layout (what the source does not state -- cuts, recomputation -- is taken at its
-fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
+at the published layout, with what the source's recipe states (recomputation, pipeline cuts, the loss's
+precision; what it does not state is taken at its fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
 data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
 pick for the same model, devices and batch is reported with its claimed speed-up. No constant is
 fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
@@ -22,6 +22,7 @@ Writes benchmarks/results/moe_published_runs.{csv,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import statistics
@@ -73,6 +74,15 @@ class Run:
     # how their runtime moves the experts' tokens, as the source states it (priced: "their runtime,
     # not ours"); ours (every routed copy, exposed) unless the source says otherwise
     expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME
+    # what the source's recipe states (None: not stated -- the fastest of none / selective / full
+    # is taken) and how its runtime cuts the pipeline ("even": blocks spread evenly, the embedding
+    # with the first stage, norm and head with the last, as Megatron-Core and AutoModel's
+    # AutoPipeline split; "balanced": not stated, the planner's balanced cuts)
+    recompute: str | None = None
+    cuts: str = "balanced"
+    # the loss's HBM bytes per logit in the source's runtime (None: as ours, torch's F.cross_entropy
+    # on the logits' dtype -- AutoModel's MaskedCrossEntropy with fp32_upcast: false is that)
+    loss_bytes_per_logit: float | None = None
 
 
 QWEN3_30B = ("qwen3-moe-30b-a3b", {})
@@ -82,6 +92,34 @@ DEEPSEEK_V3 = ("deepseek-v3", {})
 KIMI_K2 = ("deepseek-v3", dict(n_routed_experts=384, first_k_dense_replace=1, num_attention_heads=64,
                                num_key_value_heads=64, n_group=1, topk_group=1, vocab_size=163840))
 DEEPEP = "DeepEP dispatch/combine kernels (NVLink + RDMA, per-node de-duplication; priced: expert_runtime)"
+# NeMo AutoModel's performance-summary runs: DeepEP (as DEEPEP_RUNTIME) under the recipes' fake balanced
+# gate, which routes token t to the k consecutive experts (t * k + j) mod E -- one or two ranks of one
+# node -- so DeepEP's per-rank / per-node de-duplication sends most tokens once
+AUTOMODEL_RUNTIME = dataclasses.replace(
+    DEEPEP_RUNTIME, routing="contiguous",
+    source=DEEPEP_RUNTIME.source + "; nemo_automodel/components/moe/layers.py FakeBalancedGate (fake_balanced_gate: "
+    "true in every examples/benchmark/configs/*_te_deepep.yaml at the summary's commit 8d9bfb90e): indices = "
+    "arange(tokens * k).view(-1, k) % E")
+FAKE_GATE = "fake balanced gate: each token's k experts consecutive (priced: expert_runtime routing)"
+# what the recipes state, at the commits the summaries were written from
+AM_AC = ("full: activation_checkpointing: true in examples/benchmark/configs/{f}.yaml (Automodel 8d9bfb90e, "
+         "2025-10-08): parallelizer.apply_ac wraps every decoder block in ptd_checkpoint_wrapper")
+AM_NO_AC = "none: activation_checkpointing: false in examples/benchmark/configs/gptoss_120b_te_deepep.yaml (8d9bfb90e)"
+MB_AC = ("none: recompute_modules ['layernorm', 'moe_act'] only (Megatron-Bridge scripts/performance/configs/gpt_oss/"
+         "workload_base_configs.py at v0.2.0 = 25.11, gpt_oss_workload_base_configs.py at v0.3.0 = 26.02: the V2 configs inherit it): the norms and the expert "
+         "activation recomputed in backward, HBM-bound elementwise work under 1 % of the step, not priced")
+# Megatron-Core's fused vocab-parallel cross entropy (cross_entropy_loss_fusion = True in Megatron-Bridge's
+# GPTModelProvider, fp16_lm_cross_entropy = False): megatron/core/fusions/fused_cross_entropy.py's jit-fused
+# steps over tensor_parallel/cross_entropy.py run in fp32 -- logits.float() with the max (read 2, write 4),
+# minus the max, exp in place and the sum (read 4, write 4), the softmax normalised in place (read 4,
+# write 4); backward scales the saved fp32 softmax in place (read 4, write 4) and the cast's backward writes
+# bf16 (read 4, write 2): 36 B per logit, against 12 for torch's F.cross_entropy on bf16 logits
+MEGATRON_CE_BYTES = 36.0
+MEGATRON_CE = ("Megatron-Core fused vocab-parallel cross entropy in fp32 (36 B per logit; priced: "
+               "loss_bytes_per_logit)")
+EVEN_MB = "Megatron-Core's default split: decoder layers evenly over stages, embedding first, output layer last"
+EVEN_AM = ("AutoModel AutoPipeline (pipelining/functional.py generate_hf_model_fqn_per_model_part): layers evenly over "
+           "ceil(L / layers_per_stage) + 1 stages, extras to the first, embedding first, norm + lm_head last")
 TE = "Transformer Engine fused kernels (grouped GEMM, fused permute, fused attention)"
 DSV3_RUNTIME = DEEPSEEK_V3_RUNTIME
 
@@ -93,43 +131,64 @@ def bridge_step(gbs, seq, tps, n):
 RUNS = [
     Run("am-dsv3-1024", "automodel", AUTOMODEL + ": DeepSeek V3 671B, 1024 GPUs, GBS 8192, MBS 1, PP 4, EP 64, VP 8, "
         "FSDP 256: 37.87 s", DEEPSEEK_V3, "h100_sxm", 1024, 8192, 4096, 4, 64, 4, 1, 1, "fsdp", 37.87,
-        "Interleaved1F1B", 8, [DEEPEP, TE], DEEPEP_RUNTIME),
+        "Interleaved1F1B", 8, [DEEPEP, TE, FAKE_GATE], AUTOMODEL_RUNTIME,
+        recompute="full", cuts="even"),
     Run("am-dsv3-256", "automodel", AUTOMODEL + ": DeepSeek V3 671B, 256 GPUs, GBS 512, MBS 1, PP 4, EP 64, VP 8, "
         "FSDP 64: 8.18 s", DEEPSEEK_V3, "h100_sxm", 256, 512, 4096, 1, 64, 4, 1, 1, "fsdp", 8.18,
-        "Interleaved1F1B", 8, [DEEPEP, TE], DEEPEP_RUNTIME),
+        "Interleaved1F1B", 8, [DEEPEP, TE, FAKE_GATE], AUTOMODEL_RUNTIME, recompute="full", cuts="even"),
     Run("am-kimik2-256", "automodel", AUTOMODEL + ": Kimi K2, 256 GPUs, GBS 512, MBS 1, PP 8, EP 32, VP 4, FSDP 32: "
         "8.86 s", KIMI_K2, "h100_sxm", 256, 512, 4096, 1, 32, 8, 1, 1, "fsdp", 8.86, "Interleaved1F1B", 4,
-        [DEEPEP, TE], DEEPEP_RUNTIME),
+        [DEEPEP, TE, FAKE_GATE], AUTOMODEL_RUNTIME, recompute="full", cuts="even"),
     Run("am-qwen3-30b-8", "automodel", AUTOMODEL + ": Qwen3 MoE 30B, 8 GPUs, GBS 512, MBS 4, EP 8, FSDP 8: 21.773 s",
-        QWEN3_30B, "h100_sxm", 8, 512, 4096, 1, 8, 1, 1, 4, "fsdp", 21.773, their_runtime=[DEEPEP, TE], expert_runtime=DEEPEP_RUNTIME),
+        QWEN3_30B, "h100_sxm", 8, 512, 4096, 1, 8, 1, 1, 4, "fsdp", 21.773, their_runtime=[DEEPEP, TE, FAKE_GATE],
+        expert_runtime=AUTOMODEL_RUNTIME, recompute="full"),
     Run("am-gptoss-20b-8", "automodel", AUTOMODEL + ": GPT-OSS 20B, 8 GPUs, GBS 256, MBS 2, EP -, FSDP 8: 10.04 s "
         "(EP 8: the row's recipe examples/benchmark/configs/gptoss_20b_te_deepep.yaml sets ep_size 8)",
         GPT_OSS_20B, "h100_sxm", 8, 256, 4096, 1, 8, 1, 1, 2, "fsdp", 10.04,
-        their_runtime=[DEEPEP, TE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
-        expert_runtime=DEEPEP_RUNTIME),
+        their_runtime=[DEEPEP, TE, FAKE_GATE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
+        expert_runtime=AUTOMODEL_RUNTIME, recompute="full"),
     Run("am-gptoss-120b-64", "automodel", AUTOMODEL + ": GPT-OSS 120B, 64 GPUs, GBS 512, MBS 2, EP -, FSDP 64: "
         "4.30 s (EP 64: its recipe gptoss_120b_te_deepep.yaml sets ep_size 64)", GPT_OSS_120B, "h100_sxm", 64, 512,
         4096, 1, 64, 1, 1, 2, "fsdp", 4.30,
-        their_runtime=[DEEPEP, TE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
-        expert_runtime=DEEPEP_RUNTIME),
+        their_runtime=[DEEPEP, TE, FAKE_GATE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
+        expert_runtime=AUTOMODEL_RUNTIME, recompute="none"),
     Run("mb-gptoss-120b-h100-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 1, seq 4096, PP 4, EP 8: 5,993", GPT_OSS_120B, "h100_sxm", 64, 1280,
-        4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE]),
+        4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES,
+        cuts="even"),
     Run("mb-gptoss-120b-h100-2511", "bridge", BRIDGE.format(f="", rel="25.11", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 512, MBS 4, seq 4096, PP 4, VP 1, EP 8: 5,630", GPT_OSS_120B, "h100_sxm", 64,
-        512, 4096, 2, 8, 4, 1, 4, "zero1", bridge_step(512, 4096, 5630, 64), their_runtime=[TE]),
+        512, 4096, 2, 8, 4, 1, 4, "zero1", bridge_step(512, 4096, 5630, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES,
+        cuts="even"),
     Run("mb-gptoss-120b-b200-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-B200") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 4, seq 4096, EP 64: 8,047", GPT_OSS_120B, "b200", 64, 1280, 4096,
-        1, 64, 1, 1, 4, "zero1", bridge_step(1280, 4096, 8047, 64), their_runtime=[TE]),
+        1, 64, 1, 1, 4, "zero1", bridge_step(1280, 4096, 8047, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES),
     Run("mb-gptoss-120b-b200-2511", "bridge", BRIDGE.format(f="", rel="25.11", sys="DGX-B200") +
         ": GPT OSS 120B, 64 GPUs, GBS 512, MBS 4, seq 4096, EP 8: 8,213", GPT_OSS_120B, "b200", 64, 512, 4096, 8, 8,
-        1, 1, 4, "zero1", bridge_step(512, 4096, 8213, 64), their_runtime=[TE]),
+        1, 1, 4, "zero1", bridge_step(512, 4096, 8213, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
+        loss_bytes_per_logit=MEGATRON_CE_BYTES),
     Run("dsv3-2048-h800", "deepseek", DSV3, DEEPSEEK_V3, "h800", 2048, 15360, 4096, 2, 64, 16, 1, 1, "zero1", 19.9,
         "ZBV", 1, ["FP8 GEMMs (the report's mixed-precision framework; not priced: bf16 here)",
                    "DualPipe: all-to-alls overlapped with the other micro-batch's compute (priced: expert_runtime)",
                    "node-limited routing (<= 4 nodes per token; priced: expert_runtime)", DEEPEP],
         expert_runtime=DSV3_RUNTIME),
 ]
+# the source of each run's stated recompute and cuts (shown in the results)
+STATED = {
+    "am-dsv3-1024": (AM_AC.format(f="deepseek_v3_te_deepep"), EVEN_AM),
+    "am-dsv3-256": (AM_AC.format(f="deepseek_v3_te_deepep"), EVEN_AM),
+    "am-kimik2-256": (AM_AC.format(f="kimi_k2_te_deepep"), EVEN_AM),
+    "am-qwen3-30b-8": (AM_AC.format(f="qwen3_moe_30b_te_deepep"), ""),
+    "am-gptoss-20b-8": (AM_AC.format(f="gptoss_20b_te_deepep"), ""),
+    "am-gptoss-120b-64": (AM_NO_AC, ""),
+    "mb-gptoss-120b-h100-2602": (MB_AC, EVEN_MB),
+    "mb-gptoss-120b-h100-2511": (MB_AC, EVEN_MB),
+    "mb-gptoss-120b-b200-2602": (MB_AC, ""),
+    "mb-gptoss-120b-b200-2511": (MB_AC, ""),
+}
 
 
 def build(run: Run):
@@ -174,11 +233,12 @@ def price(run: Run, free: bool) -> dict:
            "measured_s": run.measured_s, "their_runtime": "; ".join(run.their_runtime)}
     t0 = time.perf_counter()
     search = ClusterSearch(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
-                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.expert_runtime)
+                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.expert_runtime,
+                           loss_bytes_per_logit=run.loss_bytes_per_logit)
     best = None
-    for ac in ("none", "selective", "full"):
+    for ac in ([run.recompute] if run.recompute else ("none", "selective", "full")):
         try:
-            c = search.evaluate(run.dp, run.pp, run.tp, run.schedule, run.mbs, run.dp_mode, ac, cuts="balanced",
+            c = search.evaluate(run.dp, run.pp, run.tp, run.schedule, run.mbs, run.dp_mode, ac, cuts=run.cuts,
                                 v=run.v, ep=run.ep)
         except InfeasiblePlanError as e:
             row.setdefault("error", str(e)[:200])
@@ -261,7 +321,13 @@ def write(df: pd.DataFrame) -> None:
     by = ok.assign(inside=inside).groupby("source").agg(cases=("case", "count"), within_15pct=("inside", "sum"),
                                                        median_ratio=("ratio", "median"))
     lines += ["Per source (leave-one-source-out):", "", by.reset_index().to_markdown(index=False, floatfmt=".3f"), ""]
-    lines += ["## Their runtime, not ours", "",
+    lines += ["## What each recipe states (priced as stated)", "",
+              "Recomputation and pipeline cuts are taken from the source's recipe at the commit its summary was "
+              "written from; where nothing is stated the fastest recompute mode and the planner's balanced cuts are "
+              "taken.", ""]
+    lines += [f"- {r.case}: recompute {STATED[r.case][0]}" + (f"; cuts: {STATED[r.case][1]}" if STATED[r.case][1] else "")
+              for r in df.itertuples() if r.case in STATED]
+    lines += ["", "## Their runtime, not ours", "",
               "What each published run's framework does that hyper_parallel's runtime does not (so a ratio > 1 is "
               "partly the price of our runtime, not an error of the model):", ""]
     lines += [f"- {r.case}: {r.their_runtime}" for r in df.itertuples() if r.their_runtime]

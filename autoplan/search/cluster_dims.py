@@ -178,9 +178,9 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
         # against what the TP search counted for these experts (their captured work, replicated)
         delta = (o.compute_s - ctx.compute_time(g.work, 1) * g.count) / n
         colls = list(o.collectives)
-        fwd = runtime.a2a_time(ctx, [c for c in colls if c.phase == "forward"], g.top_k) / n \
+        fwd = runtime.a2a_time(ctx, [c for c in colls if c.phase == "forward"], g.top_k, g.experts) / n \
             if o.style is not None else 0.0
-        bwd = runtime.a2a_time(ctx, [c for c in colls if c.phase != "forward"], g.top_k) / n \
+        bwd = runtime.a2a_time(ctx, [c for c in colls if c.phase != "forward"], g.top_k, g.experts) / n \
             if o.style is not None else 0.0
         if o.style is not None and ctx.checkpoint_blocks:   # the recomputed forward dispatches again
             bwd += fwd

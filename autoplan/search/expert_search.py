@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph
@@ -45,6 +46,9 @@ from hyper_parallel.core.expert_parallel.layouts import ExpertsLayout, read_layo
 from hyper_parallel.errors import HyperParallelError
 
 log = logging.getLogger(__name__)
+
+
+ROUTINGS = ("independent", "contiguous")
 
 
 @dataclass(frozen=True)
@@ -69,31 +73,53 @@ class ExpertRuntime:
     - ``overlap``: the fraction of the all-to-alls hidden behind the other micro-batch's compute
       (DualPipe's forward/backward chunk pairs, tech report sec. 3.2.1; Megatron-Core's EP A2A
       overlap of two micro-batches): at most the layer's own compute can hide them. 0: none.
+    - ``routing``: where a token's top_k experts lie, which sets how many ranks and nodes a
+      de-duplicating dispatch (``dedup`` / ``node_limit``) sends it to. ``"independent"``: each of
+      the top_k an independent uniform pick (a learned router under balanced load, Megatron-Core's
+      ``moe_router_force_load_balancing`` random logits); ``"contiguous"``: k consecutive experts
+      starting at a multiple of k (NeMo AutoModel's ``FakeBalancedGate``, which its performance
+      summary runs: token t -> experts (t * k + j) mod E, j < k; nemo_automodel/components/moe/
+      layers.py), so a token's copies land on one or two ranks of one node.
     """
 
     node_limit: int = 0
     overlap: float = 0.0
     dedup: bool = False
     dense_state_over_ep: bool = False
+    routing: str = "independent"
     source: str = "hyper_parallel's runtime: all-to-alls of every routed copy, exposed"
 
     def __post_init__(self) -> None:
         if self.node_limit < 0 or not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"ExpertRuntime: node_limit={self.node_limit} must be >= 0 and overlap={self.overlap} "
                              "in [0, 1]")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"ExpertRuntime: routing={self.routing!r} is not one of {ROUTINGS}")
 
     @property
     def ours(self) -> bool:
         return self == ExpertRuntime(source=self.source)
 
-    def node_copies(self, nodes: int, top_k: int) -> float:
+    def destinations(self, groups: int, top_k: int, experts: int = 0) -> float:
+        """Distinct groups (ranks or nodes, each holding an equal contiguous block of the
+        ``experts``) one token's ``top_k`` copies reach, on average under this runtime's routing:
+        independent picks groups x (1 - (1 - 1/groups)^top_k); contiguous routing counts the
+        groups each window of k consecutive experts (starting at t * k mod E) spans."""
+        groups = max(int(groups), 1)
+        if self.routing == "contiguous" and experts >= groups and top_k >= 1:
+            step = math.gcd(top_k, experts)
+            spans = [len({((s + j) % experts) * groups // experts for j in range(top_k)})
+                     for s in range(0, experts, step)]
+            return sum(spans) / len(spans)
+        return groups * (1.0 - (1.0 - 1.0 / groups) ** top_k)
+
+    def node_copies(self, nodes: int, top_k: int, experts: int = 0) -> float:
         """Copies of one token that cross the inter-node link when its ``top_k`` experts sit on
         ``nodes`` nodes: top_k without per-node de-duplication; with it (``dedup`` or a node limit)
-        the expected number of distinct nodes under balanced routing, nodes x (1 - (1 - 1/nodes)^top_k),
-        at most ``node_limit``."""
+        the distinct nodes its experts lie on (:meth:`destinations`), at most ``node_limit``."""
         if not (self.dedup or self.node_limit):
             return float(top_k)
-        distinct = nodes * (1.0 - (1.0 - 1.0 / nodes) ** top_k)
+        distinct = self.destinations(nodes, top_k, experts)
         return min(distinct, float(self.node_limit)) if self.node_limit else distinct
 
     def note(self) -> str:
@@ -106,26 +132,35 @@ class ExpertRuntime:
                 + ("one copy per destination node (per-node de-duplication); " if self.dedup and not self.node_limit
                    else "")
                 + ("non-expert state sharded over dp x ep; " if self.dense_state_over_ep else "")
+                + ("each token's top-k experts consecutive (a benchmark's balanced fake gate); "
+                   if self.routing == "contiguous" else "")
                 + (f"{self.overlap:.0%} overlapped with the other micro-batch's compute; " if self.overlap else "")
                 + "hyper_parallel's runtime does neither")
 
-    def a2a_time(self, ctx, collectives: list[Collective], top_k: int) -> float:
+    def a2a_time(self, ctx, collectives: list[Collective], top_k: int, experts: int = 0) -> float:
         """Seconds of the expert all-to-alls ``collectives`` on ``ctx``'s mesh under this runtime
-        (before overlap). With ``node_limit``, a dispatch / combine whose ep group crosses nodes
-        sends min(node_limit, nodes) copies of each token over the inter-node link instead of
-        top_k, and forwards the top_k copies over the intra-node link at the same time (DeepEP's
-        normal kernels run both concurrently): the slower of the two."""
+        (before overlap). A de-duplicating runtime (``dedup`` / ``node_limit``: DeepEP's kernels)
+        sends a token once per destination rank, not once per routed copy: inside a node the
+        dispatch / combine carries (distinct ranks / top_k) of the routed bytes; across nodes it
+        sends one copy per destination node over the inter-node link (at most ``node_limit``) and
+        forwards one per destination rank over the intra-node link at the same time (DeepEP's
+        normal kernels run both concurrently): the slower of the two. ``experts``: the layer's
+        expert count (where each rank's block of experts lies, for ``routing``)."""
         t = 0.0
         for c in collectives:
             md = ctx.topology[c.dim] if c.dim in ctx.topology.names else None
-            if not ((self.node_limit or self.dedup) and c.kind == "all_to_all" and md is not None and md.inter_node):
+            if not ((self.node_limit or self.dedup) and c.kind == "all_to_all" and md is not None):
                 t += ctx.collective_time(c)
+                continue
+            per_rank = self.destinations(md.size, top_k, experts) / max(top_k, 1)
+            if not md.inter_node:
+                t += ctx.collective_time(dataclasses.replace(c, nbytes=int(c.nbytes * per_rank)))
                 continue
             nodes = max(md.size // max(md.rails, 1), 1)
             inter = ctx.collective_time(dataclasses.replace(
-                c, nbytes=int(c.nbytes * self.node_copies(nodes, top_k) / max(top_k, 1))))
+                c, nbytes=int(c.nbytes * self.node_copies(nodes, top_k, experts) / max(top_k, 1))))
             hw = ctx.hardware
-            intra = c.count * c.nbytes / (hw.intra_node.bandwidth * hw.efficiency.link)
+            intra = c.count * c.nbytes * per_rank / (hw.intra_node.bandwidth * hw.efficiency.link)
             t += max(inter, intra)
         return t
 

@@ -80,10 +80,12 @@ class ClusterSearch:
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
                  sequence_parallel: bool | None = None, graphs: dict | None = None,
                  dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE,
-                 expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME):
-        # how the runtime moves the experts' tokens (expert_search.ExpertRuntime): hyper_parallel's
-        # unless a caller prices another runtime's published run (benchmarks/moe_published_runs.py)
+                 expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME, loss_bytes_per_logit: float | None = None):
+        # how the runtime moves the experts' tokens (expert_search.ExpertRuntime) and what its loss
+        # reads and writes per logit (structure.model_structure): hyper_parallel's unless a caller
+        # prices another runtime's published run (benchmarks/moe_published_runs.py)
         self.expert_runtime = expert_runtime
+        self.loss_bytes_per_logit = loss_bytes_per_logit
         self.dp_modes = [dp_mode_of(x) for x in dp_modes]
         self.recompute_modes = [recompute_of(x) for x in recompute_modes]
         self.model, self.devices, self.hardware = model, int(devices), hardware
@@ -142,7 +144,7 @@ class ClusterSearch:
 
     def structure(self, b: int, cp: int = 1):
         if (b, cp) not in self._structures:
-            self._structures[(b, cp)] = cp_structure(model_structure(self.graph(b, cp)), cp)
+            self._structures[(b, cp)] = cp_structure(model_structure(self.graph(b, cp), self.loss_bytes_per_logit), cp)
         return self._structures[(b, cp)]
 
     @functools.cached_property

@@ -16,7 +16,7 @@ from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
 from autoplan.search.outside_units import outside_units
-from autoplan.search.unit_work import Work, work_of
+from autoplan.search.unit_work import CROSS_ENTROPY_PASSES, Work, loss_work, work_of
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
@@ -419,8 +419,10 @@ def _param_sharers(graph: ModelGraph, module: str, exclude: list[str]) -> list[s
     return sorted(out - {module} - set(exclude))
 
 
-def model_structure(graph: ModelGraph) -> ModelStructure:
-    """Extract the planner's units from a captured graph."""
+def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None) -> ModelStructure:
+    """Extract the planner's units from a captured graph. The head's work includes the loss the
+    runners compute on its logits (``unit_work.loss_work``; ``loss_bytes_per_logit``: another
+    runtime's, None: ours, ``CROSS_ENTROPY_PASSES`` passes over the logits)."""
     summary = module_summary(graph)
     rows = {r["fqn"]: r for r in summary.to_dict("records")}
     float_dtypes = [o.dtype for n in graph.nodes for o in n.outputs if "float" in o.dtype or "bfloat" in o.dtype]
@@ -550,6 +552,9 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
                 max(total.param_bytes - used.param_bytes, 0))
     if head is not None and head.tied and emb is not None:
         rest.params = max(rest.params, 0)
+    if head is not None:   # after ``rest``: the loss is no captured op, so none of ``total``
+        per_logit = CROSS_ENTROPY_PASSES * dtype_bytes if loss_bytes_per_logit is None else loss_bytes_per_logit
+        head.work = head.work + loss_work(head.tokens, head.vocab, per_logit)
     covered = [emb.fqn] if emb else []
     covered += ([head.fqn] if head else []) + final_norms
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,

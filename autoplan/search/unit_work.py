@@ -40,6 +40,22 @@ class Work:
 
 
 
+# The loss is no part of the captured graph (capture runs the model's forward only), yet over a
+# large vocabulary it is one of a step's largest memory-bound ops. The runners call torch's
+# F.cross_entropy on the logits in their dtype (autoplan/plan/forward.py): log_softmax forward reads
+# and writes the logits, nll_loss backward writes a dense gradient, log_softmax backward reads two and
+# writes one -- six logits-sized passes. Another runtime's loss is stated in bytes per logit (e.g.
+# Megatron-Core's fp32 vocab-parallel cross entropy, benchmarks/moe_published_runs.py).
+CROSS_ENTROPY_PASSES = 6
+
+
+def loss_work(tokens: int, vocab: int, bytes_per_logit: float) -> Work:
+    """The cross-entropy loss over ``tokens`` x ``vocab`` logits, forward + backward, priced by its
+    HBM traffic (``bytes_per_logit`` read + written in all) and its four kernels each way."""
+    nbytes = float(tokens) * vocab * bytes_per_logit
+    return Work(bytes=nbytes, other_bytes=nbytes, kernels=8)
+
+
 def work_of(graph: ModelGraph, fqn: str, rows: dict) -> Work:
     row = rows.get(fqn)
     if row is None:

@@ -46,3 +46,20 @@ def test_expert_runtime_overlap_hides_at_most_the_compute():
     assert "not overlapped" in OUR_EXPERT_RUNTIME.note() and "DualPipe" in DEEPSEEK_V3_RUNTIME.note()
     with pytest.raises(ValueError, match="overlap"):
         ExpertRuntime(overlap=1.5)
+
+
+def test_contiguous_routing_reaches_fewer_ranks_than_independent():
+    """AutoModel's fake balanced gate routes token t to experts (t * k + j) mod E: with E/ranks
+    experts per rank a multiple of k, every token lands on one rank; independent picks spread."""
+    fake = ExpertRuntime(dedup=True, routing="contiguous", source="test")
+    learned = ExpertRuntime(dedup=True, source="test")
+    assert fake.destinations(8, 8, 128) == 1.0            # 16 experts per rank, windows of 8 aligned to 8
+    assert fake.destinations(64, 4, 128) == 2.0           # 2 experts per rank: a window of 4 spans 2 ranks
+    assert fake.destinations(8, 4, 128) == 1.0            # ... of one node (16 experts per node)
+    assert fake.destinations(32, 8, 384) == pytest.approx(4 / 3)   # 12 per rank: windows 0-7, 8-15, 16-23
+    assert learned.destinations(8, 8, 128) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    # the node copies a de-duplicating dispatch sends over the inter-node link
+    assert fake.node_copies(8, 8, 256) == 1.0 and learned.node_copies(8, 8, 256) > 5
+    assert OUR_EXPERT_RUNTIME.node_copies(8, 8, 256) == 8.0   # ours: every routed copy
+    with pytest.raises(ValueError, match="routing"):
+        ExpertRuntime(routing="round_robin")

@@ -147,3 +147,26 @@ def test_selective_recompute_keeps_34_sbh_per_layer_as_korthikanti():
                                           max_seq_len=s), batch=(b, s), dtype=torch.bfloat16)).blocks[0]
     layer = g.attention.work.saved + g.mlp.work.saved + g.norm_work.saved + g.other_work.saved
     assert (layer - g.attention.work.core.saved) / (s * b * h) == pytest.approx(34, abs=0.2)
+
+
+def test_the_head_carries_the_loss_the_capture_does_not_see():
+    """The captured graph has no loss; the head unit adds the runners' F.cross_entropy (six passes over
+    the logits in their dtype) or a stated other runtime's bytes per logit, and nothing else moves."""
+    import torch
+
+    from autoplan.capture import capture
+    from autoplan.models.gpt import build_gpt
+    from autoplan.search.structure import model_structure
+    from autoplan.search.unit_work import CROSS_ENTROPY_PASSES
+
+    b, s, v = 2, 32, 96
+    graph = capture(build_gpt(dim=64, n_layers=2, n_heads=4, vocab_size=v, ffn_hidden=256, max_seq_len=s),
+                    batch=(b, s), dtype=torch.bfloat16)
+    ours, fp32 = model_structure(graph), model_structure(graph, loss_bytes_per_logit=36.0)
+    logits = b * s * v
+    assert ours.head.logits_bytes == 2 * logits
+    assert fp32.head.work.other_bytes - ours.head.work.other_bytes == pytest.approx((36 - 2 * CROSS_ENTROPY_PASSES)
+                                                                                    * logits)
+    assert ours.head.work.flops == fp32.head.work.flops and ours.rest.bytes == fp32.rest.bytes
+    ctx = _ctx()
+    assert ctx.compute_time(fp32.head.work, 1) > ctx.compute_time(ours.head.work, 1)
