@@ -22,6 +22,7 @@ Writes benchmarks/results/moe_published_runs.{csv,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import statistics
@@ -39,6 +40,7 @@ from autoplan.search.expert_search import (
     DEEPEP_RUNTIME, DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options,
 )
 from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.moe_memory import memory_breakdown
 
 OUT = Path(__file__).parent / "results" / "moe_published_runs"
 AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.md (2025-10-02), Pre-Training, DGX-H100, BF16, "
@@ -73,6 +75,21 @@ class Run:
     # how their runtime moves the experts' tokens, as the source states it (priced: "their runtime,
     # not ours"); ours (every routed copy, exposed) unless the source says otherwise
     expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME
+    # memory settings the source states (memory_cite): its recomputation ("none" / "selective" /
+    # "full"; None: unstated, the fastest is taken), Megatron-Core recompute_modules, fused kernels'
+    # saved activations, non-expert state over dp x ep (see autoplan.search.moe_memory)
+    recompute: str | None = None
+    recompute_modules: tuple = ()
+    fused_saves: bool = False
+    dense_state_over_ep: bool | None = None
+    memory_cite: str = ""
+
+    def runtime(self) -> ExpertRuntime:
+        """The expert runtime with the memory facts this run's source states."""
+        over = dict(fused_saves=self.fused_saves, recompute_modules=tuple(self.recompute_modules))
+        if self.dense_state_over_ep is not None:
+            over["dense_state_over_ep"] = self.dense_state_over_ep
+        return dataclasses.replace(self.expert_runtime, **over)
 
 
 QWEN3_30B = ("qwen3-moe-30b-a3b", {})
@@ -131,6 +148,43 @@ RUNS = [
         expert_runtime=DSV3_RUNTIME),
 ]
 
+AM_CFG = "NVIDIA-NeMo/Automodel examples/benchmark/configs/{f}: parallelizer activation_checkpointing: {ac}"
+AM_AC = ("; nemo_automodel/components/moe/parallelizer.py apply_ac wraps every decoder block in "
+         "checkpoint_wrapper (full recompute); TE RMSNorm + grouped experts (fused saves); FSDP2 over dp_shard x ep "
+         "for every non-expert weight")
+MB_CFG = ("NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py "
+          "GPT_OSS_120B_PRETRAIN_CONFIG_{gpu}_BF16_V1 (V2 inherits): recompute_modules=['layernorm', 'moe_act']; "
+          "Megatron-Core's distributed optimizer shards the non-expert optimizer state over the whole data-parallel "
+          "group (dp x ep); TE fused kernels")
+DSV3_MEM = ("DeepSeek-V3 tech report sec. 3.2.3: 'we recompute all RMSNorm operations and MLA up-projections during "
+            "back-propagation'; sec. 3.3.2: the SwiGLU inputs in MoE are cached and its output recomputed; ZeRO-1 "
+            "(sec. 3.2); not expressible here: the MLA up-projection recompute and FP8 activation caching")
+_MEMORY = {
+    "am-dsv3-1024": dict(recompute="full", fused_saves=True,
+                         memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep_1024.yaml", ac="true") + AM_AC),
+    "am-dsv3-256": dict(recompute="full", fused_saves=True,
+                        memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep.yaml", ac="true") + AM_AC),
+    "am-kimik2-256": dict(recompute="full", fused_saves=True,
+                          memory_cite=AM_CFG.format(f="kimi_k2_te_deepep.yaml", ac="true") + AM_AC),
+    "am-qwen3-30b-8": dict(recompute="full", fused_saves=True,
+                           memory_cite=AM_CFG.format(f="qwen3_moe_30b_te_deepep.yaml", ac="true") + AM_AC),
+    "am-gptoss-20b-8": dict(recompute="none", fused_saves=True,
+                            memory_cite=AM_CFG.format(f="gptoss_20b_te_deepep.yaml", ac="false") + AM_AC),
+    "am-gptoss-120b-64": dict(recompute="none", fused_saves=True,
+                              memory_cite=AM_CFG.format(f="gptoss_120b_te_deepep.yaml", ac="false") + AM_AC),
+    "mb-gptoss-120b-h100-2602": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
+                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="H100")),
+    "mb-gptoss-120b-h100-2511": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
+                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="H100")),
+    "mb-gptoss-120b-b200-2602": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
+                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="B200")),
+    "mb-gptoss-120b-b200-2511": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
+                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="B200")),
+    "dsv3-2048-h800": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
+                           memory_cite=DSV3_MEM),
+}
+RUNS = [dataclasses.replace(r, **_MEMORY.get(r.name, {})) for r in RUNS]
+
 
 def build(run: Run):
     """The run's model on meta, its attention captured as one fused kernel (SDPA): every source
@@ -174,9 +228,9 @@ def price(run: Run, free: bool) -> dict:
            "measured_s": run.measured_s, "their_runtime": "; ".join(run.their_runtime)}
     t0 = time.perf_counter()
     search = ClusterSearch(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
-                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.expert_runtime)
+                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.runtime())
     best = None
-    for ac in ("none", "selective", "full"):
+    for ac in ((run.recompute,) if run.recompute else ("none", "selective", "full")):
         try:
             c = search.evaluate(run.dp, run.pp, run.tp, run.schedule, run.mbs, run.dp_mode, ac, cuts="balanced",
                                 v=run.v, ep=run.ep)
@@ -190,7 +244,13 @@ def price(run: Run, free: bool) -> dict:
                 "m": best.choice.m, "price_s": time.perf_counter() - t0, **terms(best),
                 "ep_term_s": ep_seconds(search, best) if run.ep > 1 else 0.0,
                 "experts_as": experts_as(search, best, run),
-                "predicted_mem_gib": max(best.choice.rank_memory) / 2**30})
+                "predicted_mem_gib": max(best.choice.rank_memory) / 2**30,
+                "recompute_modules": ",".join(run.recompute_modules), "memory_cite": run.memory_cite,
+                "device_gib": search.hw.usable_memory() / 2**30,
+                **memory_breakdown(best.choice, search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode,
+                                                                  best.recompute, best.b, ep=best.ep)[0],
+                                   search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute,
+                                              best.cp, best.ep)).gib()})
     if free:
         t1 = time.perf_counter()
         try:
@@ -265,12 +325,56 @@ def write(df: pd.DataFrame) -> None:
               "What each published run's framework does that hyper_parallel's runtime does not (so a ratio > 1 is "
               "partly the price of our runtime, not an error of the model):", ""]
     lines += [f"- {r.case}: {r.their_runtime}" for r in df.itertuples() if r.their_runtime]
+    if "mem_total_gib" in df:
+        lines += memory_lines(df)
     if "autoplan_pick" in df:
         fc = [c for c in ["case", "published", "predicted_s", "autoplan_pick", "autoplan_s", "claimed_speedup",
                           "plan_s", "mfu_note"] if c in df]
         lines += ["", "## autoplan's own choice (same cost model)", "", AUTO_NOTE, "",
                   df[fc].to_markdown(index=False, floatfmt=".4g"), ""]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+MEMORY_NOTE = (
+    "Each run at its published layout with the memory settings its source states (recompute, "
+    "Megatron-Core recompute_modules, fused kernels' saved activations, non-expert state over dp x ep; "
+    "citations below), on its busiest pipeline rank (autoplan.search.moe_memory.memory_breakdown): "
+    "parameters, gradients and optimizer state after TP, ep, FSDP / ZeRO-1 and the runtime's dp x ep "
+    "sharding; the saved activations of the micro-batches the schedule holds in flight (`inflight` chunks); "
+    "buffers = one FSDP unit gathered for compute (0 where dp = 1: FSDP over ep alone gathers the "
+    "non-expert weights only, not priced). `fits`: total <= the profile's usable memory (`device_gib`). "
+    "hyper_parallel's own runtime holds more than these runs' fused runtimes: it replicates the non-expert "
+    "state over ep (parallelisms.expert.ExpertGradSync all-reduces those gradients over ep) and saves "
+    "what the transformers modules save (HF RMSNorm's fp32 chain).")
+
+
+def memory_lines(df: pd.DataFrame) -> list[str]:
+    m = df.dropna(subset=["mem_total_gib"]).copy()
+    m["fits"] = m.mem_total_gib <= m.device_gib
+    cols = ["case", "hardware", "published", "recompute", "recompute_modules", "mem_inflight", "mem_params_gib",
+            "mem_grads_gib", "mem_optimizer_gib", "mem_activations_gib", "mem_buffers_gib", "mem_total_gib",
+            "device_gib", "fits"]
+    out = ["", "## Memory at the published layout", "", MEMORY_NOTE, "",
+           f"**{int(m.fits.sum())} of {len(m)}** published layouts fit their device's memory.", "",
+           m[cols].rename(columns=lambda c: c.replace("mem_", "")).to_markdown(index=False, floatfmt=".1f"), "",
+           "Memory settings, as each source states them:", ""]
+    out += [f"- {r.case}: {r.memory_cite}" for r in m.itertuples() if r.memory_cite]
+    return out
+
+
+def keep_picks(df: pd.DataFrame) -> pd.DataFrame:
+    """With --no-free: autoplan's picks from the committed CSV (the search is not rerun), their
+    claimed speed-up against this run's price of the published layout."""
+    old = OUT.with_suffix(".csv")
+    if not old.exists():
+        return df
+    cols = ["autoplan_pick", "autoplan_s", "plan_s", "mfu_note"]
+    prev = pd.read_csv(old)
+    prev = prev[["case"] + [c for c in cols if c in prev]]
+    out = df.merge(prev, on="case", how="left")
+    if "autoplan_s" in out and "predicted_s" in out:
+        out["claimed_speedup"] = out.predicted_s / out.autoplan_s
+    return out
 
 
 def main(argv=None) -> int:
@@ -289,7 +393,7 @@ def main(argv=None) -> int:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in ("their_runtime",)},
               flush=True)
         if not args.no_write and not args.only:
-            write(pd.DataFrame(rows))
+            write(keep_picks(pd.DataFrame(rows)) if args.no_free else pd.DataFrame(rows))
     return 0
 
 

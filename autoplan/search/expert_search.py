@@ -69,6 +69,11 @@ class ExpertRuntime:
     - ``overlap``: the fraction of the all-to-alls hidden behind the other micro-batch's compute
       (DualPipe's forward/backward chunk pairs, tech report sec. 3.2.1; Megatron-Core's EP A2A
       overlap of two micro-batches): at most the layer's own compute can hide them. 0: none.
+    - ``fused_saves``: its norms and expert MLPs are fused kernels (Transformer Engine, Megatron-Core's
+      / AutoModel's grouped experts) that save fewer activations than the transformers modules ours
+      runs (``moe_memory``). Memory only.
+    - ``recompute_modules``: the modules whose outputs the run recomputes instead of saving, as
+      Megatron-Core's ``recompute_modules`` names them (``layernorm``, ``moe_act``). Memory only.
     """
 
     node_limit: int = 0
@@ -76,6 +81,8 @@ class ExpertRuntime:
     dedup: bool = False
     dense_state_over_ep: bool = False
     source: str = "hyper_parallel's runtime: all-to-alls of every routed copy, exposed"
+    fused_saves: bool = False
+    recompute_modules: tuple = ()
 
     def __post_init__(self) -> None:
         if self.node_limit < 0 or not 0.0 <= self.overlap <= 1.0:

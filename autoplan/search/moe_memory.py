@@ -1,0 +1,196 @@
+"""What a mixture-of-experts plan holds in device memory, term by term, as the runtime holds it.
+
+Why a module of its own: the per-unit memory of a plan (``pipeline_search.UnitCost.state_bytes`` /
+``act_bytes``) is written by the TP search (captured saved tensors, ``CostContext.state_bytes``)
+and corrected for ep by ``cluster_dims.add_ep`` (expert state / ep, non-expert state over dp x ep
+where the runtime shards it); this module holds the two things that are only about memory:
+
+- **Saved activations of a runtime with fused kernels** (``ExpertRuntime.fused_saves``: Transformer
+  Engine / Megatron-Core / NeMo AutoModel's GroupedExperts). hyper_parallel runs the model's own
+  transformers modules, so what it saves is what capture measured: an HF RMSNorm keeps its fp32
+  upcast chain (about 8 bytes per element for a bf16 model), and under ExpertParallel the grouped
+  path (``expert_parallel.layouts.stacked_experts``) saves the same tensors as the captured expert
+  forward (GPT-OSS-120B at 8,192 tokens: 1.58 GiB per layer both ways; DeepSeek-V3 at 4,096:
+  1.38 GiB). A fused runtime saves less, counted here from the shapes (:func:`expert_saved_bytes`,
+  :func:`norm_saved_bytes`).
+- **Module recomputation a run states** (``ExpertRuntime.recompute_modules``, Megatron-Core's
+  ``recompute_modules``): ``layernorm`` drops each norm's output (recomputed from its input),
+  ``moe_act`` the expert activation's output (recomputed from fc1's). Memory only: the recompute of
+  an elementwise op is not priced in time.
+
+The per-term breakdown of a priced candidate (params, grads, optimizer, activations, buffers) is
+:func:`memory_breakdown`; ``benchmarks/moe_published_runs.py`` writes it for every published run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from autoplan.search import schedule_store
+from autoplan.search.pipeline_search import stage_bounds
+
+RSTD_BYTES = 4   # one fp32 1/rms per row (TE's RMSNorm saves it beside its input)
+
+
+def expert_saved_bytes(tokens: int, top_k: int, hidden: int, ffn: int, dtype_bytes: int, *,
+                       recompute_act: bool = False) -> float:
+    """Bytes one MoE layer's grouped expert MLP saves for backward under a fused runtime, one
+    micro-batch of ``tokens`` tokens on one rank (balanced routing: a rank receives as many routed
+    rows as it sends, ``tokens x top_k``), ``ffn`` = this rank's expert width (F / expert tp):
+
+    - the dispatched rows, ``rows x hidden`` (fc1's weight gradient reads them);
+    - fc1's output, ``rows x 2 ffn`` (the gated activation's backward);
+    - the activation's output, ``rows x ffn`` (fc2's weight gradient) -- recomputed from fc1's
+      output under ``recompute_act`` (Megatron-Core's ``moe_act``);
+    - the routing weights (fp32) and expert indices (int64) of every routed copy.
+
+    The routing weight multiplies the activation, between fc1 and fc2 (Megatron-Core's
+    ``weighted_bias_swiglu``; NeMo AutoModel's GroupedExpertsDeepEP: "routing weight applied
+    BETWEEN up and down projections"), so the combine is an unweighted sum and fc2's output is not
+    kept. (hyper_parallel's ``stacked_experts`` weights the output, and keeps it: the captured count.)"""
+    rows = tokens * top_k
+    act = 0 if recompute_act else ffn
+    return float(rows * (hidden + 2 * ffn + act) * dtype_bytes + rows * (4 + 8))
+
+
+def norm_saved_bytes(tokens: int, hidden: int, norms: int, dtype_bytes: int, *, recompute: bool = False) -> float:
+    """Bytes ``norms`` fused RMSNorms of one layer save: each its input (the residual stream) and
+    one fp32 1/rms per row, and its output (the next projection's input) unless Megatron-Core's
+    ``layernorm`` recompute recomputes it."""
+    per = hidden * dtype_bytes * (1 if recompute else 2) + RSTD_BYTES
+    return float(norms * tokens * per)
+
+
+def attention_saved_bytes(rows: dict, rep: str, att, tokens: int, dtype_bytes: int) -> float | None:
+    """Bytes a fused attention (TE / FlashAttention / FlexAttention with fused RoPE) saves for one
+    layer: q, k, v as projected (RoPE applied in place of a copy; k/v at their own head count, no
+    GQA expansion), the attention output (o's input) and the fp32 log-sum-exp per head and token.
+    None when the captured projections' shapes are not known (a fused q/k/v projection)."""
+    if not (att.q and att.k and att.v and att.o):
+        return None
+
+    def numel(fqn: str, key: str) -> int | None:
+        shapes = rows.get(f"{rep}.{fqn}", {}).get(key) or []
+        if not shapes:
+            return None
+        n = 1
+        for d in shapes[0]:
+            n *= int(d)
+        return n
+
+    outs = [numel(x, "output_shapes") for x in dict.fromkeys((att.q, att.k, att.v))]   # k == v: one kv projection
+    o_in = numel(att.o, "input_shapes")
+    if any(x is None for x in outs) or o_in is None:
+        return None
+    return float((sum(outs) + o_in) * dtype_bytes + tokens * att.n_heads * 4)
+
+
+def restate_activations(acc: list[list[float]], names: Sequence[str], structure, groups: Sequence, ctx, runtime, *,
+                        tokens: int, rows: dict | None = None, expert_tp: int = 1) -> None:
+    """Replace, in the per-unit rows ``acc`` (row 4: saved activation bytes per micro-batch), what
+    capture measured for the residual norms and the expert MLPs by what ``runtime`` saves when it
+    runs fused kernels (module docstring), and with ``rows`` (``module_summary`` rows by FQN) the
+    attention's (:func:`attention_saved_bytes`). Nothing changes for hyper_parallel's runtime, nor
+    under full recomputation (a block then keeps only its input), nor with a tensor-parallel
+    dimension (the published runs priced with a fused runtime have tp = 1; the per-rank shares of a
+    sequence-parallel stream are not restated)."""
+    tp = ctx.topology[ctx.tp_dim].size if ctx.tp_dim in ctx.topology.names else 1
+    if not getattr(runtime, "fused_saves", False) or ctx.checkpoint_blocks or tp > 1:
+        return
+    recompute = set(getattr(runtime, "recompute_modules", ()))
+    index = {n: i for i, n in enumerate(names)}
+    dtype = structure.dtype_bytes
+    for b in structure.blocks:
+        units = _units(index, b.prefix, b.indices)
+        if not units:
+            continue
+        delta = 0.0
+        if b.norms:
+            fused = norm_saved_bytes(tokens, b.dim, len(b.norms), dtype, recompute="layernorm" in recompute)
+            delta += fused - b.norm_work.saved
+        att = b.attention
+        if att is not None and rows is not None:
+            fused = attention_saved_bytes(rows, b.representative, att, tokens, dtype)
+            captured = att.work.saved
+            if ctx.recompute == "selective" and att.work.core is not None:   # the core is recomputed
+                captured = max(captured - att.work.core.saved, 0.0)
+                fused = None
+            if fused is not None:
+                delta += fused - captured
+        delta *= b.count / len(units)
+        for i in units:
+            acc[i][4] = max(acc[i][4] + delta, 0.0)
+    for g in groups:
+        owner = g.pattern[: -len(g.rel) - 1]
+        units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
+        if not units:
+            continue
+        fused = expert_saved_bytes(tokens, g.top_k, g.layout.hidden, g.layout.ffn // max(expert_tp, 1), dtype,
+                                   recompute_act="moe_act" in recompute)
+        delta = (fused - g.work.saved) * g.count / len(units)
+        for i in units:
+            acc[i][4] = max(acc[i][4] + delta, 0.0)
+
+
+def _units(index: dict, prefix: str, indices: Sequence[str]) -> list[int]:
+    return [index[u] for u in (f"{prefix}.{i}" if prefix else str(i) for i in indices) if u in index]
+
+
+def _units_of(owner: str, prefix: str, indices: Sequence[str]) -> list[str]:
+    if owner.endswith(".*") or owner == "*":
+        return [f"{prefix}.{i}" if prefix else str(i) for i in indices]
+    return [owner]
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes on the busiest pipeline rank by term: parameters, gradients, optimizer state (after
+    TP, ep, FSDP / ZeRO-1 and the runtime's dp x ep sharding), saved activations of the
+    micro-batches it holds in flight, and buffers (the largest FSDP-gathered unit it holds
+    unsharded for compute; 0 without FSDP)."""
+
+    rank: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    inflight: int
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def gib(self) -> dict[str, float]:
+        g = 2.0 ** 30
+        return {"mem_params_gib": self.params / g, "mem_grads_gib": self.grads / g,
+                "mem_optimizer_gib": self.optimizer / g, "mem_activations_gib": self.activations / g,
+                "mem_buffers_gib": self.buffers / g, "mem_total_gib": self.total / g, "mem_inflight": self.inflight}
+
+
+def memory_breakdown(choice, units: Sequence, ctx) -> MemoryBreakdown:
+    """The busiest rank's memory of a timed pipeline ``choice`` (``pipeline_search.time_choice``
+    filled ``rank_memory`` / ``peak_inflight``) split by term. A unit's state bytes are split into
+    params / grads / optimizer in the proportion ``ctx.state_bytes`` gives one parameter byte (the
+    dp mode's sharding of each term); the activations are ``rank_memory`` minus the state, which is
+    how ``time_choice`` counts them (in-flight chunks x the mean activation per chunk)."""
+    p = choice.p
+    s2r = schedule_store.placement(choice.schedule, p, choice.m, choice.v)[0] if p > 1 else [0] * len(choice.starts)
+    state = [0.0] * p
+    held: list[list] = [[] for _ in range(p)]
+    for s, (a, b) in enumerate(stage_bounds(choice.starts, len(units))):
+        r = s2r[s]
+        state[r] += sum(u.state_bytes for u in units[a:b])
+        held[r].extend(units[a:b])
+    r = max(range(p), key=lambda k: (choice.rank_memory[k], -k))
+    one = ctx.state_bytes(float(ctx.param_bytes_per_element), 1)
+    whole = sum(one.values())
+    split = {k: v / whole for k, v in one.items()}
+    buffers = 0.0
+    if ctx.fsdp and ctx.dp > 1 and held[r]:
+        # FSDP gathers one unit at a time: its unsharded parameters (bf16) sit beside the shards
+        pbytes = max(u.state_bytes * split["params"] for u in held[r])
+        buffers = pbytes * (ctx.dp - 1)
+    return MemoryBreakdown(r, state[r] * split["params"], state[r] * split["grads"], state[r] * split["optimizer"],
+                           max(choice.rank_memory[r] - state[r], 0.0), buffers,
+                           choice.peak_inflight[r] if choice.peak_inflight else 1)
