@@ -2,8 +2,8 @@
 
 Every run below is bf16, with a stated layout (dp, ep, pp, tp, virtual stages, micro-batch) and a
 measured step time or throughput, each with its source. Each is priced with ``ClusterSearch.evaluate``
-at the published layout (what the source does not state -- cuts, recomputation -- is taken at its
-fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
+at the published layout (recomputation as the source's recipe states it, see the memory table; what
+it does not state -- cuts -- is taken at its fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
 data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
 pick for the same model, devices and batch is reported with its claimed speed-up. No constant is
 fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
@@ -81,12 +81,14 @@ class Run:
     recompute: str | None = None
     recompute_modules: tuple = ()
     fused_saves: bool = False
+    fp8_cache: bool = False
     dense_state_over_ep: bool | None = None
     memory_cite: str = ""
 
     def runtime(self) -> ExpertRuntime:
         """The expert runtime with the memory facts this run's source states."""
-        over = dict(fused_saves=self.fused_saves, recompute_modules=tuple(self.recompute_modules))
+        over = dict(fused_saves=self.fused_saves, recompute_modules=tuple(self.recompute_modules),
+                    fp8_cache=self.fp8_cache)
         if self.dense_state_over_ep is not None:
             over["dense_state_over_ep"] = self.dense_state_over_ep
         return dataclasses.replace(self.expert_runtime, **over)
@@ -148,40 +150,52 @@ RUNS = [
         expert_runtime=DSV3_RUNTIME),
 ]
 
-AM_CFG = "NVIDIA-NeMo/Automodel examples/benchmark/configs/{f}: parallelizer activation_checkpointing: {ac}"
-AM_AC = ("; nemo_automodel/components/moe/parallelizer.py apply_ac wraps every decoder block in "
-         "checkpoint_wrapper (full recompute); TE RMSNorm + grouped experts (fused saves); FSDP2 over dp_shard x ep "
-         "for every non-expert weight")
+AM_CFG = "NVIDIA-NeMo/Automodel examples/benchmark/configs/{f}: {key} activation_checkpointing: {ac}"
+AM_FULL = ("; nemo_automodel/components/moe/parallelizer.py apply_ac wraps every decoder block in checkpoint_wrapper "
+           "(full recompute)")
+AM_RT = ("; TE RMSNorm / attention and grouped experts with the routing weight applied in the activation "
+         "(components/moe/experts.py), fused saves; FSDP2 over dp_shard x ep for every non-expert weight "
+         "(parallelizer.apply_fsdp)")
 MB_CFG = ("NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py "
           "GPT_OSS_120B_PRETRAIN_CONFIG_{gpu}_BF16_V1 (V2 inherits): recompute_modules=['layernorm', 'moe_act']; "
           "Megatron-Core's distributed optimizer shards the non-expert optimizer state over the whole data-parallel "
           "group (dp x ep); TE fused kernels")
 DSV3_MEM = ("DeepSeek-V3 tech report sec. 3.2.3: 'we recompute all RMSNorm operations and MLA up-projections during "
-            "back-propagation'; sec. 3.3.2: the SwiGLU inputs in MoE are cached and its output recomputed; ZeRO-1 "
-            "(sec. 3.2); not expressible here: the MLA up-projection recompute and FP8 activation caching")
+            "back-propagation'; sec. 3.3.2 (low-precision storage): the inputs of the Linear after attention cached in "
+            "E5M6, the SwiGLU inputs in MoE cached in FP8 and its output recomputed, the MoE up-projection inputs "
+            "dispatched and kept in FP8; ZeRO-1 over the data-parallel group (sec. 3.2); DualPipe holds PP + 1 "
+            "micro-batches' activations (Table 2), priced as ZBV's in-flight count")
 _MEMORY = {
     "am-dsv3-1024": dict(recompute="full", fused_saves=True,
-                         memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep_1024.yaml", ac="true") + AM_AC),
+                         memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep_1024.yaml", key="parallelizer", ac="true")
+                         + AM_FULL + AM_RT),
     "am-dsv3-256": dict(recompute="full", fused_saves=True,
-                        memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep.yaml", ac="true") + AM_AC),
+                        memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep.yaml", key="parallelizer", ac="true")
+                        + AM_FULL + AM_RT),
     "am-kimik2-256": dict(recompute="full", fused_saves=True,
-                          memory_cite=AM_CFG.format(f="kimi_k2_te_deepep.yaml", ac="true") + AM_AC),
+                          memory_cite=AM_CFG.format(f="kimi_k2_te_deepep.yaml", key="distributed", ac="true")
+                          + AM_FULL + AM_RT),
     "am-qwen3-30b-8": dict(recompute="full", fused_saves=True,
-                           memory_cite=AM_CFG.format(f="qwen3_moe_30b_te_deepep.yaml", ac="true") + AM_AC),
+                           memory_cite=AM_CFG.format(f="qwen3_moe_30b_te_deepep.yaml", key="parallelizer", ac="true")
+                           + AM_FULL + AM_RT),
     "am-gptoss-20b-8": dict(recompute="none", fused_saves=True,
-                            memory_cite=AM_CFG.format(f="gptoss_20b_te_deepep.yaml", ac="false") + AM_AC),
+                            memory_cite=AM_CFG.format(f="gptoss_20b_te_deepep.yaml", key="parallelizer", ac="false")
+                            + AM_RT),
     "am-gptoss-120b-64": dict(recompute="none", fused_saves=True,
-                              memory_cite=AM_CFG.format(f="gptoss_120b_te_deepep.yaml", ac="false") + AM_AC),
+                              memory_cite=AM_CFG.format(f="gptoss_120b_te_deepep.yaml", key="parallelizer", ac="false")
+                              + AM_RT),
     "mb-gptoss-120b-h100-2602": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
                                      dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="H100")),
     "mb-gptoss-120b-h100-2511": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
-                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="H100")),
+                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="H100") + (
+                                         "; caveat: that configuration runs MBS 1 on H100, the 25.11 row MBS 4 -- "
+                                         "the 25.11 release's own H100 settings are not in the stored sources")),
     "mb-gptoss-120b-b200-2602": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
                                      dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="B200")),
     "mb-gptoss-120b-b200-2511": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
                                      dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="B200")),
-    "dsv3-2048-h800": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
-                           memory_cite=DSV3_MEM),
+    "dsv3-2048-h800": dict(recompute="none", recompute_modules=("layernorm", "mla_up_proj", "moe_act"),
+                           fused_saves=True, fp8_cache=True, memory_cite=DSV3_MEM),
 }
 RUNS = [dataclasses.replace(r, **_MEMORY.get(r.name, {})) for r in RUNS]
 

@@ -10,13 +10,16 @@ where the runtime shards it); this module holds the two things that are only abo
   transformers modules, so what it saves is what capture measured: an HF RMSNorm keeps its fp32
   upcast chain (about 8 bytes per element for a bf16 model), and under ExpertParallel the grouped
   path (``expert_parallel.layouts.stacked_experts``) saves the same tensors as the captured expert
-  forward (GPT-OSS-120B at 8,192 tokens: 1.58 GiB per layer both ways; DeepSeek-V3 at 4,096:
+  forward, by count (GPT-OSS-120B at 8,192 tokens: 1.58 GiB per layer; DeepSeek-V3 at 4,096:
   1.38 GiB). A fused runtime saves less, counted here from the shapes (:func:`expert_saved_bytes`,
   :func:`norm_saved_bytes`).
 - **Module recomputation a run states** (``ExpertRuntime.recompute_modules``, Megatron-Core's
   ``recompute_modules``): ``layernorm`` drops each norm's output (recomputed from its input),
-  ``moe_act`` the expert activation's output (recomputed from fc1's). Memory only: the recompute of
-  an elementwise op is not priced in time.
+  ``moe_act`` the expert activation's output (recomputed from fc1's), ``mla_up_proj`` MLA's q / k /
+  v (recomputed from the latents, DeepSeek-V3 sec. 3.2.3). Memory only: this recompute is not
+  priced in time.
+- **Low-precision activation caching** (``ExpertRuntime.fp8_cache``, DeepSeek-V3 sec. 3.3.2): the
+  expert GEMM inputs kept for backward in FP8 (1 byte), the attention output in E5M6 (1.5 bytes).
 
 The per-term breakdown of a priced candidate (params, grads, optimizer, activations, buffers) is
 :func:`memory_breakdown`; ``benchmarks/moe_published_runs.py`` writes it for every published run.
@@ -33,7 +36,7 @@ RSTD_BYTES = 4   # one fp32 1/rms per row (TE's RMSNorm saves it beside its inpu
 
 
 def expert_saved_bytes(tokens: int, top_k: int, hidden: int, ffn: int, dtype_bytes: int, *,
-                       recompute_act: bool = False) -> float:
+                       recompute_act: bool = False, cached_bytes: float | None = None) -> float:
     """Bytes one MoE layer's grouped expert MLP saves for backward under a fused runtime, one
     micro-batch of ``tokens`` tokens on one rank (balanced routing: a rank receives as many routed
     rows as it sends, ``tokens x top_k``), ``ffn`` = this rank's expert width (F / expert tp):
@@ -44,13 +47,17 @@ def expert_saved_bytes(tokens: int, top_k: int, hidden: int, ffn: int, dtype_byt
       output under ``recompute_act`` (Megatron-Core's ``moe_act``);
     - the routing weights (fp32) and expert indices (int64) of every routed copy.
 
+    ``cached_bytes``: bytes per element of the GEMM inputs kept for backward when the run caches
+    them in low precision (DeepSeek-V3's FP8: the dispatched rows and the SwiGLU input, 1 byte).
+
     The routing weight multiplies the activation, between fc1 and fc2 (Megatron-Core's
     ``weighted_bias_swiglu``; NeMo AutoModel's GroupedExpertsDeepEP: "routing weight applied
     BETWEEN up and down projections"), so the combine is an unweighted sum and fc2's output is not
     kept. (hyper_parallel's ``stacked_experts`` weights the output, and keeps it: the captured count.)"""
     rows = tokens * top_k
     act = 0 if recompute_act else ffn
-    return float(rows * (hidden + 2 * ffn + act) * dtype_bytes + rows * (4 + 8))
+    kept = dtype_bytes if cached_bytes is None else cached_bytes
+    return float(rows * (hidden + 2 * ffn + act) * kept + rows * (4 + 8))
 
 
 def norm_saved_bytes(tokens: int, hidden: int, norms: int, dtype_bytes: int, *, recompute: bool = False) -> float:
@@ -61,10 +68,14 @@ def norm_saved_bytes(tokens: int, hidden: int, norms: int, dtype_bytes: int, *, 
     return float(norms * tokens * per)
 
 
-def attention_saved_bytes(rows: dict, rep: str, att, tokens: int, dtype_bytes: int) -> float | None:
+def attention_saved_bytes(rows: dict, rep: str, att, tokens: int, dtype_bytes: int, *,
+                          recompute_up: bool = False, out_bytes: float | None = None) -> float | None:
     """Bytes a fused attention (TE / FlashAttention / FlexAttention with fused RoPE) saves for one
     layer: q, k, v as projected (RoPE applied in place of a copy; k/v at their own head count, no
     GQA expansion), the attention output (o's input) and the fp32 log-sum-exp per head and token.
+    ``recompute_up`` (DeepSeek-V3's "recompute MLA up-projections"): a projection that widens a
+    latent (its input narrower than its output) keeps its input and recomputes q / k / v from it.
+    ``out_bytes``: bytes per element the attention output is cached in (DeepSeek-V3: E5M6, 1.5).
     None when the captured projections' shapes are not known (a fused q/k/v projection)."""
     if not (att.q and att.k and att.v and att.o):
         return None
@@ -78,11 +89,15 @@ def attention_saved_bytes(rows: dict, rep: str, att, tokens: int, dtype_bytes: i
             n *= int(d)
         return n
 
-    outs = [numel(x, "output_shapes") for x in dict.fromkeys((att.q, att.k, att.v))]   # k == v: one kv projection
+    projs = list(dict.fromkeys((att.q, att.k, att.v)))   # k == v: one kv projection (MLA's kv_b_proj)
+    outs = [numel(x, "output_shapes") for x in projs]
+    ins = [numel(x, "input_shapes") for x in projs]
     o_in = numel(att.o, "input_shapes")
-    if any(x is None for x in outs) or o_in is None:
+    if any(x is None for x in outs + ins) or o_in is None:
         return None
-    return float((sum(outs) + o_in) * dtype_bytes + tokens * att.n_heads * 4)
+    kept = [i if recompute_up and i < o else o for i, o in zip(ins, outs)]
+    o_bytes = dtype_bytes if out_bytes is None else out_bytes
+    return float(sum(kept) * dtype_bytes + o_in * o_bytes + tokens * att.n_heads * 4)
 
 
 def restate_activations(acc: list[list[float]], names: Sequence[str], structure, groups: Sequence, ctx, runtime, *,
@@ -98,6 +113,7 @@ def restate_activations(acc: list[list[float]], names: Sequence[str], structure,
     if not getattr(runtime, "fused_saves", False) or ctx.checkpoint_blocks or tp > 1:
         return
     recompute = set(getattr(runtime, "recompute_modules", ()))
+    fp8 = getattr(runtime, "fp8_cache", False)
     index = {n: i for i, n in enumerate(names)}
     dtype = structure.dtype_bytes
     for b in structure.blocks:
@@ -110,7 +126,9 @@ def restate_activations(acc: list[list[float]], names: Sequence[str], structure,
             delta += fused - b.norm_work.saved
         att = b.attention
         if att is not None and rows is not None:
-            fused = attention_saved_bytes(rows, b.representative, att, tokens, dtype)
+            fused = attention_saved_bytes(rows, b.representative, att, tokens, dtype,
+                                          recompute_up="mla_up_proj" in recompute,
+                                          out_bytes=1.5 if fp8 else None)
             captured = att.work.saved
             if ctx.recompute == "selective" and att.work.core is not None:   # the core is recomputed
                 captured = max(captured - att.work.core.saved, 0.0)
@@ -126,7 +144,7 @@ def restate_activations(acc: list[list[float]], names: Sequence[str], structure,
         if not units:
             continue
         fused = expert_saved_bytes(tokens, g.top_k, g.layout.hidden, g.layout.ffn // max(expert_tp, 1), dtype,
-                                   recompute_act="moe_act" in recompute)
+                                   recompute_act="moe_act" in recompute, cached_bytes=1 if fp8 else None)
         delta = (fused - g.work.saved) * g.count / len(units)
         for i in units:
             acc[i][4] = max(acc[i][4] + delta, 0.0)

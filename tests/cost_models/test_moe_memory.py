@@ -1,0 +1,75 @@
+"""A MoE plan's memory as the runtime holds it (autoplan.search.moe_memory, cluster_dims.add_ep):
+one layout's breakdown pinned against a count by hand from the model's config.
+
+Mixtral-8x7B's layer shape, 2 layers, on 8 H100s as dp 2 x ep 4 with FSDP, one sequence of 1,024
+tokens per micro-batch. Hand count (elements): experts 8 x 3 x 4096 x 14336 per layer, a rank
+holds 8/4 of them, FSDP halves that; outside the experts the embedding and head (32000 x 4096
+each), per layer q/o 4096 x 4096, k/v 4096 x 1024, the router 4096 x 8, two norms, and the final
+norm. bf16 weights and gradients (2 bytes each), AdamW's fp32 master weights and two moments (12).
+"""
+from __future__ import annotations
+
+import pytest
+
+from autoplan.presets import build_preset
+from autoplan.search.expert_search import OUR_EXPERT_RUNTIME, ExpertRuntime
+from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.moe_memory import expert_saved_bytes, memory_breakdown, norm_saved_bytes
+
+H, F, E, TOP_K, LAYERS, VOCAB, T = 4096, 14336, 8, 2, 2, 32000, 1024
+DP, EP = 2, 4
+EXPERT = LAYERS * (E // EP) * 3 * H * F // DP                     # per rank, after ep and FSDP
+DENSE = 2 * VOCAB * H + LAYERS * (2 * H * H + 2 * H * 1024 + H * E + 2 * H) + H
+# what a fused runtime (TE / Megatron-Core) saves per layer for one micro-batch, by hand
+NORMS = 2 * T * (2 * H * 2 + 4)                                   # input + output (bf16) + fp32 1/rms, each
+ATTENTION = T * (4096 + 1024 + 1024 + 4096) * 2 + T * 32 * 4      # q, k, v, o's input; fp32 lse per head
+EXPERTS = T * TOP_K * (H + 2 * F) * 2 + T * TOP_K * (4 + 8)       # rows x (h + 2f), act recomputed; probs, ids
+FUSED = ExpertRuntime(dedup=True, dense_state_over_ep=True, fused_saves=True, recompute_modules=("moe_act",),
+                      source="test: a fused runtime sharding the non-expert state over dp x ep")
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    model = build_preset("mixtral-8x7b", num_layers=LAYERS)
+    model.config.use_cache = False
+    return model
+
+
+def _priced(model, runtime, graphs=None):
+    search = ClusterSearch(model, DP * EP, hardware="h100_sxm", batch=(DP * EP, T), microbatch_sizes=(1,),
+                           memory_limit=1e30, expert_runtime=runtime, graphs=graphs)
+    cand = search.evaluate(DP, 1, 1, "1F1B", 1, "fsdp", "none", cuts="balanced", v=1, ep=EP)
+    units, _ = search.unit_costs(DP, 1, 1, "fsdp", "none", 1, ep=EP)
+    return search, cand, memory_breakdown(cand.choice, units, search.ctx(DP, 1, 1, "fsdp", "none", 1, EP))
+
+
+def test_moe_layout_breakdown_matches_a_hand_count(mixtral):
+    search, cand, mem = _priced(mixtral, FUSED)
+    # state: experts over ep x dp, everything else over dp x ep (FSDP2 over dp_shard x ep)
+    elements = EXPERT + DENSE / (DP * EP)
+    assert mem.params == pytest.approx(2 * elements, rel=1e-6)
+    assert mem.grads == pytest.approx(2 * elements, rel=1e-6)
+    assert mem.optimizer == pytest.approx(12 * elements, rel=1e-6)
+    # activations: the fused counts by hand, plus what neither changes (the router, residual adds,
+    # the final norm and the head's input: captured)
+    st = search.structure(1)
+    g = search.moe_groups_at(1)[0]
+    block = st.blocks[0]
+    captured_layer = block.norm_work.saved + block.attention.work.saved + g.work.saved
+    _, _, ours = _priced(mixtral, OUR_EXPERT_RUNTIME, search.graphs)
+    assert mem.activations == pytest.approx(ours.activations + LAYERS * (NORMS + ATTENTION + EXPERTS - captured_layer),
+                                            rel=1e-6)
+    assert mem.total == pytest.approx(max(cand.choice.rank_memory) + mem.buffers)
+    assert (mem.inflight, mem.rank) == (1, 0)
+    # the module functions say the same
+    assert norm_saved_bytes(T, H, 2, 2) == NORMS
+    assert expert_saved_bytes(T, TOP_K, H, F, 2, recompute_act=True) == EXPERTS
+
+
+def test_our_runtime_replicates_the_non_expert_state_over_ep(mixtral):
+    """hyper_parallel's runtime shards the experts over ep but keeps every other weight's state
+    FSDP-sharded over dp only (ExpertGradSync all-reduces those gradients over ep): the planner
+    counts that, not the dp x ep sharding it prices for runtimes that do it."""
+    _, _, ours = _priced(mixtral, OUR_EXPERT_RUNTIME)
+    assert ours.params == pytest.approx(2 * (EXPERT + DENSE / DP), rel=1e-6)
+    assert ours.optimizer == pytest.approx(12 * (EXPERT + DENSE / DP), rel=1e-6)
