@@ -165,35 +165,32 @@ DSV3_MEM = ("DeepSeek-V3 tech report sec. 3.2.3: 'we recompute all RMSNorm opera
             "E5M6, the SwiGLU inputs in MoE cached in FP8 and its output recomputed, the MoE up-projection inputs "
             "dispatched and kept in FP8; ZeRO-1 over the data-parallel group (sec. 3.2); DualPipe holds PP + 1 "
             "micro-batches' activations (Table 2), priced as ZBV's in-flight count")
+
+
+def _automodel(config: str, ac: bool, key: str = "parallelizer") -> dict:
+    """AutoModel's recipe: activation checkpointing on (every block, full) or off; TE fused kernels."""
+    cite = AM_CFG.format(f=config, key=key, ac=str(ac).lower()) + (AM_FULL if ac else "") + AM_RT
+    return dict(recompute="full" if ac else "none", fused_saves=True, memory_cite=cite)
+
+
+def _bridge(gpu: str, caveat: str = "") -> dict:
+    """Megatron-Bridge's GPT-OSS-120B workload: layernorm and moe_act recomputed, distributed optimizer."""
+    return dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
+                dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu=gpu) + caveat)
+
+
 _MEMORY = {
-    "am-dsv3-1024": dict(recompute="full", fused_saves=True,
-                         memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep_1024.yaml", key="parallelizer", ac="true")
-                         + AM_FULL + AM_RT),
-    "am-dsv3-256": dict(recompute="full", fused_saves=True,
-                        memory_cite=AM_CFG.format(f="deepseek_v3_te_deepep.yaml", key="parallelizer", ac="true")
-                        + AM_FULL + AM_RT),
-    "am-kimik2-256": dict(recompute="full", fused_saves=True,
-                          memory_cite=AM_CFG.format(f="kimi_k2_te_deepep.yaml", key="distributed", ac="true")
-                          + AM_FULL + AM_RT),
-    "am-qwen3-30b-8": dict(recompute="full", fused_saves=True,
-                           memory_cite=AM_CFG.format(f="qwen3_moe_30b_te_deepep.yaml", key="parallelizer", ac="true")
-                           + AM_FULL + AM_RT),
-    "am-gptoss-20b-8": dict(recompute="none", fused_saves=True,
-                            memory_cite=AM_CFG.format(f="gptoss_20b_te_deepep.yaml", key="parallelizer", ac="false")
-                            + AM_RT),
-    "am-gptoss-120b-64": dict(recompute="none", fused_saves=True,
-                              memory_cite=AM_CFG.format(f="gptoss_120b_te_deepep.yaml", key="parallelizer", ac="false")
-                              + AM_RT),
-    "mb-gptoss-120b-h100-2602": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
-                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="H100")),
-    "mb-gptoss-120b-h100-2511": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
-                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="H100") + (
-                                         "; caveat: that configuration runs MBS 1 on H100, the 25.11 row MBS 4 -- "
-                                         "the 25.11 release's own H100 settings are not in the stored sources")),
-    "mb-gptoss-120b-b200-2602": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
-                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="B200")),
-    "mb-gptoss-120b-b200-2511": dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
-                                     dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu="B200")),
+    "am-dsv3-1024": _automodel("deepseek_v3_te_deepep_1024.yaml", True),
+    "am-dsv3-256": _automodel("deepseek_v3_te_deepep.yaml", True),
+    "am-kimik2-256": _automodel("kimi_k2_te_deepep.yaml", True, key="distributed"),
+    "am-qwen3-30b-8": _automodel("qwen3_moe_30b_te_deepep.yaml", True),
+    "am-gptoss-20b-8": _automodel("gptoss_20b_te_deepep.yaml", False),
+    "am-gptoss-120b-64": _automodel("gptoss_120b_te_deepep.yaml", False),
+    "mb-gptoss-120b-h100-2602": _bridge("H100"),
+    "mb-gptoss-120b-h100-2511": _bridge("H100", "; caveat: that configuration runs MBS 1 on H100, the 25.11 row MBS 4 "
+                                                "-- the 25.11 release's own H100 settings are not in the stored sources"),
+    "mb-gptoss-120b-b200-2602": _bridge("B200"),
+    "mb-gptoss-120b-b200-2511": _bridge("B200"),
     "dsv3-2048-h800": dict(recompute="none", recompute_modules=("layernorm", "mla_up_proj", "moe_act"),
                            fused_saves=True, fp8_cache=True, memory_cite=DSV3_MEM),
 }

@@ -101,7 +101,7 @@ def attention_saved_bytes(rows: dict, rep: str, att, tokens: int, dtype_bytes: i
 
 
 def restate_activations(acc: list[list[float]], names: Sequence[str], structure, groups: Sequence, ctx, runtime, *,
-                        tokens: int, rows: dict | None = None, expert_tp: int = 1) -> None:
+                        tokens: int, rows: dict | None = None) -> None:
     """Replace, in the per-unit rows ``acc`` (row 4: saved activation bytes per micro-batch), what
     capture measured for the residual norms and the expert MLPs by what ``runtime`` saves when it
     runs fused kernels (module docstring), and with ``rows`` (``module_summary`` rows by FQN) the
@@ -143,7 +143,7 @@ def restate_activations(acc: list[list[float]], names: Sequence[str], structure,
         units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
         if not units:
             continue
-        fused = expert_saved_bytes(tokens, g.top_k, g.layout.hidden, g.layout.ffn // max(expert_tp, 1), dtype,
+        fused = expert_saved_bytes(tokens, g.top_k, g.layout.hidden, g.layout.ffn, dtype,
                                    recompute_act="moe_act" in recompute, cached_bytes=1 if fp8 else None)
         delta = (fused - g.work.saved) * g.count / len(units)
         for i in units:
@@ -165,7 +165,8 @@ class MemoryBreakdown:
     """Bytes on the busiest pipeline rank by term: parameters, gradients, optimizer state (after
     TP, ep, FSDP / ZeRO-1 and the runtime's dp x ep sharding), saved activations of the
     micro-batches it holds in flight, and buffers (the largest FSDP-gathered unit it holds
-    unsharded for compute; 0 without FSDP)."""
+    unsharded for compute, approximately: the unit's parameter share x (dp - 1); 0 without FSDP
+    over dp -- reported beside the plan's memory, which does not count it)."""
 
     rank: int
     params: float

@@ -73,3 +73,15 @@ def test_our_runtime_replicates_the_non_expert_state_over_ep(mixtral):
     _, _, ours = _priced(mixtral, OUR_EXPERT_RUNTIME)
     assert ours.params == pytest.approx(2 * (EXPERT + DENSE / DP), rel=1e-6)
     assert ours.optimizer == pytest.approx(12 * (EXPERT + DENSE / DP), rel=1e-6)
+
+
+def test_dp1_fsdp_over_ep_still_shards_the_non_expert_state(mixtral):
+    """AutoModel's "FSDP 8" at dp 1 x ep 8: the context prices dp=1 as "replicate" (nothing to shard
+    over dp), but the plan asked for FSDP, so a runtime that shards over dp x ep shards over ep."""
+    search = ClusterSearch(mixtral, EP * 2, hardware="h100_sxm", batch=(EP * 2, T), microbatch_sizes=(1,),
+                           memory_limit=1e30, expert_runtime=FUSED)
+    cand = search.evaluate(1, 1, 1, "1F1B", 1, "fsdp", "none", cuts="balanced", v=1, ep=2 * EP)
+    units, _ = search.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=2 * EP)
+    mem = memory_breakdown(cand.choice, units, search.ctx(1, 1, 1, "fsdp", "none", 1, 2 * EP))
+    assert search.ctx(1, 1, 1, "fsdp", "none", 1, 2 * EP).dp_mode == "replicate"
+    assert mem.params == pytest.approx(2 * (LAYERS * 3 * H * F + DENSE / (2 * EP)), rel=1e-6)
