@@ -287,6 +287,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     limit = user_limit
     if experts is not None:
         experts.decide(best.memory_total, limit)
+        # what ExpertParallel's forward saves beyond the captured expert forward (moe_memory)
+        best.memory["activations"] = best.memory.get("activations", 0.0) + experts.saved_delta(model)
     alternatives = []
     for name, (lay, prefer) in REFERENCE_PLANS.items():
         if lay not in search.layouts:

@@ -39,7 +39,7 @@ from autoplan.search.pipeline_search import (
     PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
     time_choice,
 )
-from autoplan.search.moe_memory import restate_activations
+from autoplan.search.moe_memory import restate_activations, restate_our_experts
 from autoplan.capture.views import module_summary
 from autoplan.search.mesh_candidates import (
     Candidate, dp_mode_of, mesh_factorizations, recompute_of,
@@ -338,6 +338,11 @@ class ClusterSearch:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.cons.get("expert_parallel"))
             add_ep(acc, names, options, all_targets, experts, self.expert_runtime, dp_mode=fsdp)
+            ep_groups = [g for g, o in zip(experts.choice.groups, experts.choice.chosen)
+                         if o.style is not None and o.style.tp_dim is None]
+            if ep_groups and not self.expert_runtime.fused_saves:
+                # what ExpertParallel's forward saves, which replaces the captured expert forward
+                restate_our_experts(acc, names, ep_groups, ctx, self.meta, tokens=b * self.seq)
         # what a runtime with fused kernels saves instead of the captured modules (memory only)
         if self.expert_runtime.fused_saves:
             restate_activations(acc, names, st, self.moe_groups_at(b, cp) if self.moe_groups else [], ctx,

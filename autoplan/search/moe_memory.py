@@ -3,16 +3,21 @@
 Why a module of its own: the per-unit memory of a plan (``pipeline_search.UnitCost.state_bytes`` /
 ``act_bytes``) is written by the TP search (captured saved tensors, ``CostContext.state_bytes``)
 and corrected for ep by ``cluster_dims.add_ep`` (expert state / ep, non-expert state over dp x ep
-where the runtime shards it); this module holds the two things that are only about memory:
+where the runtime shards it); this module holds what is only about memory:
 
+- **Saved activations of hyper_parallel's runtime under ep.** It runs the model's own transformers
+  modules, so what it saves is what capture measured -- except the experts: ExpertParallel replaces
+  the model's expert forward by its grouped path (``expert_parallel.layouts.stacked_experts`` with the
+  module's own gate, then the routing-weighted combine), which keeps one ``rows x hidden`` tensor
+  more (the routed outputs it weights). :func:`routed_row_bytes` measures that forward's saved
+  storages per routed copy on meta tensors of the layer's widths (GPT-OSS-120B: 57.6 KB per copy
+  against 51.9 KB captured, +11 %); the cluster search and the fixed-mesh planner count it.
 - **Saved activations of a runtime with fused kernels** (``ExpertRuntime.fused_saves``: Transformer
-  Engine / Megatron-Core / NeMo AutoModel's GroupedExperts). hyper_parallel runs the model's own
-  transformers modules, so what it saves is what capture measured: an HF RMSNorm keeps its fp32
-  upcast chain (about 8 bytes per element for a bf16 model), and under ExpertParallel the grouped
-  path (``expert_parallel.layouts.stacked_experts``) saves the same tensors as the captured expert
-  forward, by count (GPT-OSS-120B at 8,192 tokens: 1.58 GiB per layer; DeepSeek-V3 at 4,096:
-  1.38 GiB). A fused runtime saves less, counted here from the shapes (:func:`expert_saved_bytes`,
-  :func:`norm_saved_bytes`).
+  Engine / Megatron-Core / NeMo AutoModel's GroupedExperts), counted from the shapes: an RMSNorm
+  keeps its input and output and a fp32 1/rms (not HF's fp32 upcast chain, about 8 bytes per
+  element), attention q / k / v / output / log-sum-exp (no GQA expansion), the expert MLP its
+  dispatched rows, fc1's and the activation's outputs (:func:`norm_saved_bytes`,
+  :func:`attention_saved_bytes`, :func:`expert_saved_bytes`).
 - **Module recomputation a run states** (``ExpertRuntime.recompute_modules``, Megatron-Core's
   ``recompute_modules``): ``layernorm`` drops each norm's output (recomputed from its input),
   ``moe_act`` the expert activation's output (recomputed from fc1's), ``mla_up_proj`` MLA's q / k /
@@ -29,8 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from autoplan.search import schedule_store
 from autoplan.search.pipeline_search import stage_bounds
+from cost_models.saved_bytes import saved_storage_bytes
+from hyper_parallel.core.expert_parallel import ExpertParallel
 
 RSTD_BYTES = 4   # one fp32 1/rms per row (TE's RMSNorm saves it beside its input)
 
@@ -53,7 +62,7 @@ def expert_saved_bytes(tokens: int, top_k: int, hidden: int, ffn: int, dtype_byt
     The routing weight multiplies the activation, between fc1 and fc2 (Megatron-Core's
     ``weighted_bias_swiglu``; NeMo AutoModel's GroupedExpertsDeepEP: "routing weight applied
     BETWEEN up and down projections"), so the combine is an unweighted sum and fc2's output is not
-    kept. (hyper_parallel's ``stacked_experts`` weights the output, and keeps it: the captured count.)"""
+    kept. (hyper_parallel's ExpertParallel weights the output, and keeps it: :func:`routed_row_bytes`.)"""
     rows = tokens * top_k
     act = 0 if recompute_act else ffn
     kept = dtype_bytes if cached_bytes is None else cached_bytes
@@ -98,6 +107,65 @@ def attention_saved_bytes(rows: dict, rep: str, att, tokens: int, dtype_bytes: i
     kept = [i if recompute_up and i < o else o for i, o in zip(ins, outs)]
     o_bytes = dtype_bytes if out_bytes is None else out_bytes
     return float(sum(kept) * dtype_bytes + o_in * o_bytes + tokens * att.n_heads * 4)
+
+
+def routed_row_bytes(module, layout, top_k: int) -> float:
+    """Bytes hyper_parallel's ExpertParallel forward keeps for backward per routed copy (token x
+    top_k) of one MoE layer, measured: the style's own forward (``ExpertParallel._forward``, the
+    grouped path ``stacked_experts`` with the module's own gate, the routing-weighted combine) run
+    once on meta tensors of the layer's real widths, autograd's saved storages counted
+    (``cost_models.saved_bytes``; parameters and the inputs excluded), divided by the routed rows.
+    Every saved tensor has a row per routed copy or per token, so the count scales with the rows."""
+    p = next((p for p in module.parameters() if p.is_floating_point()), None)
+    dtype, device = (p.dtype, p.device) if p is not None else (torch.float32, torch.device("meta"))
+    # by class, not instance: the count depends on the module's code and widths, and a cache must
+    # not keep a model alive
+    key = (type(module), layout, top_k, dtype, str(device))
+    if key not in _ROW_BYTES:
+        _ROW_BYTES[key] = _routed_row_bytes(module, layout, top_k, dtype, device)
+    return _ROW_BYTES[key]
+
+
+_ROW_BYTES: dict[tuple, float] = {}
+
+
+def _routed_row_bytes(module, layout, top_k: int, dtype, device) -> float:
+    tokens = max(layout.num_experts, 8)   # on a real model's device: a few tokens through every expert
+    hidden = torch.zeros(tokens, layout.hidden, dtype=dtype, device=device, requires_grad=True)
+    weights = torch.zeros(tokens, top_k, dtype=dtype, device=device, requires_grad=True)
+    index = torch.zeros(tokens, top_k, dtype=torch.long, device=device)
+    style = ExpertParallel(ep_dim="", balanced=True)   # balanced: meta tensors carry no routing
+    nbytes, _ = saved_storage_bytes(
+        lambda: style._forward(module, layout, hidden, index, weights, 1, 0, 0, None, None),
+        exclude=[hidden, weights, *module.parameters()])
+    return nbytes / (tokens * top_k)
+
+
+def expert_saved_delta(group, model, tokens: int) -> float:
+    """Bytes one micro-batch of ``tokens`` tokens per rank saves in ``group``'s MoE layers (all of
+    them) under ExpertParallel beyond what capture counted for the model's own expert forward."""
+    prefix = f"{group.block_prefix}.{group.indices[0]}" if group.block_prefix else str(group.indices[0])
+    per_row = routed_row_bytes(model.get_submodule(f"{prefix}.{group.rel}"), group.layout, group.top_k)
+    return (per_row * tokens * group.top_k - group.work.saved) * group.count
+
+
+def restate_our_experts(acc: list[list[float]], names: Sequence[str], groups: Sequence, ctx, meta_model, *,
+                        tokens: int) -> None:
+    """hyper_parallel's runtime under ep (row 4 of ``acc``): each MoE layer's experts save what
+    :func:`routed_row_bytes` measures of the ExpertParallel forward, not what capture measured of the
+    model's own expert forward (which ExpertParallel replaces; it keeps one more ``rows x hidden``
+    tensor, the routed outputs it weights). Nothing under full recomputation."""
+    if ctx.checkpoint_blocks:
+        return
+    index = {n: i for i, n in enumerate(names)}
+    for g in groups:
+        owner = g.pattern[: -len(g.rel) - 1]
+        units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
+        if not units:
+            continue
+        delta = expert_saved_delta(g, meta_model, tokens) / len(units)
+        for i in units:
+            acc[i][4] = max(acc[i][4] + delta, 0.0)
 
 
 def restate_activations(acc: list[list[float]], names: Sequence[str], structure, groups: Sequence, ctx, runtime, *,
