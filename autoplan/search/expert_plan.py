@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 from autoplan.search.expert_search import ExpertChoice, choose_experts, expert_decision_rows, moe_groups
-from autoplan.search.moe_memory import expert_saved_delta
 from autoplan.search.sharding import ParamShard
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.fqn_pattern import fqn_matches
@@ -81,14 +80,6 @@ class ExpertPlanning:
         other = total_with_replicated - self.replicated_state
         if other + sum(o.state_bytes for o in self.choice.chosen) > limit:
             self.choice = self._choose(max(limit - other, 0.0))
-
-    def saved_delta(self, model) -> float:
-        """Activation bytes per micro-batch the chosen ExpertParallel styles (without expert TP) save
-        beyond the captured expert forwards the TP search counted (``moe_memory.expert_saved_delta``);
-        0 under full recomputation, where a block keeps only its input."""
-        if self.ctx.checkpoint_blocks:
-            return 0.0
-        return sum(expert_saved_delta(g, model, self.tokens) for g, o in self._ep_groups() if o.style.tp_dim is None)
 
     def _ep_groups(self):
         return [(g, o) for g, o in zip(self.choice.groups, self.choice.chosen) if o.style is not None]

@@ -338,11 +338,9 @@ class ClusterSearch:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.cons.get("expert_parallel"))
             add_ep(acc, names, options, all_targets, experts, self.expert_runtime, dp_mode=fsdp)
-            ep_groups = [g for g, o in zip(experts.choice.groups, experts.choice.chosen)
-                         if o.style is not None and o.style.tp_dim is None]
-            if ep_groups and not self.expert_runtime.fused_saves:
+            if not self.expert_runtime.fused_saves:
                 # what ExpertParallel's forward saves, which replaces the captured expert forward
-                restate_our_experts(acc, names, ep_groups, ctx, self.meta, tokens=b * self.seq)
+                restate_our_experts(acc, names, experts, ctx, self.meta, tokens=b * self.seq, dtype=self.dtype)
         # what a runtime with fused kernels saves instead of the captured modules (memory only)
         if self.expert_runtime.fused_saves:
             restate_activations(acc, names, st, self.moe_groups_at(b, cp) if self.moe_groups else [], ctx,

@@ -31,12 +31,15 @@ The per-term breakdown of a priced candidate (params, grads, optimizer, activati
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn as nn
 
 from autoplan.search import schedule_store
+from autoplan.search.cluster_dims import _units_of
 from autoplan.search.pipeline_search import stage_bounds
 from cost_models.saved_bytes import saved_storage_bytes
 from hyper_parallel.core.expert_parallel import ExpertParallel
@@ -109,31 +112,40 @@ def attention_saved_bytes(rows: dict, rep: str, att, tokens: int, dtype_bytes: i
     return float(sum(kept) * dtype_bytes + o_in * o_bytes + tokens * att.n_heads * 4)
 
 
-def routed_row_bytes(module, layout, top_k: int) -> float:
+def routed_row_bytes(module, layout, top_k: int, dtype: torch.dtype) -> float:
     """Bytes hyper_parallel's ExpertParallel forward keeps for backward per routed copy (token x
-    top_k) of one MoE layer, measured: the style's own forward (``ExpertParallel._forward``, the
-    grouped path ``stacked_experts`` with the module's own gate, the routing-weighted combine) run
-    once on meta tensors of the layer's real widths, autograd's saved storages counted
-    (``cost_models.saved_bytes``; parameters and the inputs excluded), divided by the routed rows.
-    Every saved tensor has a row per routed copy or per token, so the count scales with the rows."""
-    p = next((p for p in module.parameters() if p.is_floating_point()), None)
-    dtype, device = (p.dtype, p.device) if p is not None else (torch.float32, torch.device("meta"))
+    top_k) of one MoE layer in compute ``dtype``, measured: the style's own forward
+    (``ExpertParallel._forward``: the grouped path ``stacked_experts`` with the module's own gate,
+    the routing-weighted combine) run once on a meta copy of the module in ``dtype`` with meta
+    inputs of the layer's real widths, autograd's saved storages counted (``cost_models.saved_bytes``;
+    parameters and the inputs excluded), divided by the routed rows. Every saved tensor has a row
+    per routed copy or per token, so the count scales with the rows."""
     # by class, not instance: the count depends on the module's code and widths, and a cache must
     # not keep a model alive
-    key = (type(module), layout, top_k, dtype, str(device))
+    key = (type(module), layout, top_k, dtype)
     if key not in _ROW_BYTES:
-        _ROW_BYTES[key] = _routed_row_bytes(module, layout, top_k, dtype, device)
+        _ROW_BYTES[key] = _routed_row_bytes(_meta_copy(module, dtype), layout, top_k, dtype)
     return _ROW_BYTES[key]
 
 
 _ROW_BYTES: dict[tuple, float] = {}
 
 
-def _routed_row_bytes(module, layout, top_k: int, dtype, device) -> float:
-    tokens = max(layout.num_experts, 8)   # on a real model's device: a few tokens through every expert
-    hidden = torch.zeros(tokens, layout.hidden, dtype=dtype, device=device, requires_grad=True)
-    weights = torch.zeros(tokens, top_k, dtype=dtype, device=device, requires_grad=True)
-    index = torch.zeros(tokens, top_k, dtype=torch.long, device=device)
+def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` on meta, its floating tensors in ``dtype``, without copying any weight (deepcopy's
+    memo maps every parameter and buffer to a meta tensor of its shape)."""
+    def meta(t):
+        out = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+        return nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else out
+    memo = {id(t): meta(t) for t in (*module.parameters(), *module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+def _routed_row_bytes(module, layout, top_k: int, dtype) -> float:
+    tokens = max(layout.num_experts, 8)
+    hidden = torch.empty(tokens, layout.hidden, dtype=dtype, device="meta", requires_grad=True)
+    weights = torch.empty(tokens, top_k, dtype=dtype, device="meta", requires_grad=True)
+    index = torch.zeros(tokens, top_k, dtype=torch.long, device="meta")
     style = ExpertParallel(ep_dim="", balanced=True)   # balanced: meta tensors carry no routing
     nbytes, _ = saved_storage_bytes(
         lambda: style._forward(module, layout, hidden, index, weights, 1, 0, 0, None, None),
@@ -141,31 +153,49 @@ def _routed_row_bytes(module, layout, top_k: int, dtype, device) -> float:
     return nbytes / (tokens * top_k)
 
 
-def expert_saved_delta(group, model, tokens: int) -> float:
+def expert_saved_delta(group, model, tokens: int, dtype: torch.dtype) -> float:
     """Bytes one micro-batch of ``tokens`` tokens per rank saves in ``group``'s MoE layers (all of
     them) under ExpertParallel beyond what capture counted for the model's own expert forward."""
     prefix = f"{group.block_prefix}.{group.indices[0]}" if group.block_prefix else str(group.indices[0])
-    per_row = routed_row_bytes(model.get_submodule(f"{prefix}.{group.rel}"), group.layout, group.top_k)
+    per_row = routed_row_bytes(model.get_submodule(f"{prefix}.{group.rel}"), group.layout, group.top_k, dtype)
     return (per_row * tokens * group.top_k - group.work.saved) * group.count
 
 
-def restate_our_experts(acc: list[list[float]], names: Sequence[str], groups: Sequence, ctx, meta_model, *,
-                        tokens: int) -> None:
+def ep_groups(experts) -> list:
+    """The MoE groups an ``expert_plan.ExpertPlanning`` put under ExpertParallel without expert TP
+    (whose forward :func:`routed_row_bytes` measures)."""
+    return [g for g, o in zip(experts.choice.groups, experts.choice.chosen)
+            if o.style is not None and o.style.tp_dim is None]
+
+
+def planned_saved_delta(experts, model, dtype: torch.dtype, checkpoint_blocks: bool) -> float:
+    """Activation bytes per micro-batch the ExpertParallel styles of ``experts`` (an
+    ExpertPlanning) save beyond the captured expert forwards the TP search counted; 0 under full
+    recomputation of the blocks (the plan's, ``checkpoint_blocks``: a block then keeps only its
+    input). What the fixed-mesh planner adds."""
+    if checkpoint_blocks:
+        return 0.0
+    return sum(expert_saved_delta(g, model, experts.tokens, dtype) for g in ep_groups(experts))
+
+
+def restate_our_experts(acc: list[list[float]], names: Sequence[str], experts, ctx, meta_model, *, tokens: int,
+                        dtype: torch.dtype) -> None:
     """hyper_parallel's runtime under ep (row 4 of ``acc``): each MoE layer's experts save what
     :func:`routed_row_bytes` measures of the ExpertParallel forward, not what capture measured of the
     model's own expert forward (which ExpertParallel replaces; it keeps one more ``rows x hidden``
-    tensor, the routed outputs it weights). Nothing under full recomputation."""
+    tensor, the routed outputs it weights). Nothing under full recomputation (``ctx``'s)."""
     if ctx.checkpoint_blocks:
         return
     index = {n: i for i, n in enumerate(names)}
-    for g in groups:
-        owner = g.pattern[: -len(g.rel) - 1]
-        units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
-        if not units:
-            continue
-        delta = expert_saved_delta(g, meta_model, tokens) / len(units)
+    for g in ep_groups(experts):
+        units = _group_units(g, index)
         for i in units:
-            acc[i][4] = max(acc[i][4] + delta, 0.0)
+            acc[i][4] = max(acc[i][4] + expert_saved_delta(g, meta_model, tokens, dtype) / len(units), 0.0)
+
+
+def _group_units(g, index: dict) -> list[int]:
+    owner = g.pattern[: -len(g.rel) - 1]
+    return [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
 
 
 def restate_activations(acc: list[list[float]], names: Sequence[str], structure, groups: Sequence, ctx, runtime, *,
@@ -207,8 +237,7 @@ def restate_activations(acc: list[list[float]], names: Sequence[str], structure,
         for i in units:
             acc[i][4] = max(acc[i][4] + delta, 0.0)
     for g in groups:
-        owner = g.pattern[: -len(g.rel) - 1]
-        units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
+        units = _group_units(g, index)
         if not units:
             continue
         fused = expert_saved_bytes(tokens, g.top_k, g.layout.hidden, g.layout.ffn, dtype,
@@ -220,12 +249,6 @@ def restate_activations(acc: list[list[float]], names: Sequence[str], structure,
 
 def _units(index: dict, prefix: str, indices: Sequence[str]) -> list[int]:
     return [index[u] for u in (f"{prefix}.{i}" if prefix else str(i) for i in indices) if u in index]
-
-
-def _units_of(owner: str, prefix: str, indices: Sequence[str]) -> list[str]:
-    if owner.endswith(".*") or owner == "*":
-        return [f"{prefix}.{i}" if prefix else str(i) for i in indices]
-    return [owner]
 
 
 @dataclass

@@ -58,7 +58,7 @@ def test_moe_layout_breakdown_matches_a_hand_count(mixtral):
     block = st.blocks[0]
     experts = search.meta.get_submodule(f"{g.block_prefix}.{g.indices[0]}.{g.rel}")
     ours_layer = block.norm_work.saved + block.attention.work.saved + \
-        routed_row_bytes(experts, g.layout, TOP_K) * T * TOP_K
+        routed_row_bytes(experts, g.layout, TOP_K, search.dtype) * T * TOP_K
     _, _, ours = _priced(mixtral, OUR_EXPERT_RUNTIME, search.graphs)
     assert mem.activations == pytest.approx(ours.activations + LAYERS * (NORMS + ATTENTION + EXPERTS - ours_layer),
                                             rel=1e-6)
@@ -91,8 +91,8 @@ def test_dp1_fsdp_over_ep_still_shards_the_non_expert_state(mixtral):
 
 
 def test_expert_parallel_saved_bytes_measured_on_meta_equal_a_real_run():
-    """What ExpertParallel's forward keeps per routed copy, measured on meta (what the planner
-    uses, at the model's real widths), equals a real bf16 run of the same forward on a small
+    """What ExpertParallel's forward keeps per routed copy, measured on a meta copy in the plan's
+    dtype (what the planner uses, at the model's real widths), equals a real bf16 run of the same forward on a small
     Mixtral; by count it is the dispatched rows, fc1's output, the gate's and the product's
     outputs and the routed outputs it weights, (2 h + 4 f) x 2 bytes, plus per-row indices and
     weights -- one rows x h tensor more than transformers' own expert forward keeps."""
@@ -116,9 +116,9 @@ def test_expert_parallel_saved_bytes_measured_on_meta_equal_a_real_run():
     real, _ = saved_storage_bytes(lambda: style._forward(experts, layout, x, idx, w, 1, 0, 0, None, None), exclude=skip)
     hf, _ = saved_storage_bytes(lambda: experts(x, idx, w), exclude=skip)
     rows = tokens * k
-    with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    per_row = routed_row_bytes(meta.model.layers[0].mlp.experts, layout, k)
+    with torch.device("meta"):   # the planner's meta model keeps fp32 weights; the plan computes in bf16
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    per_row = routed_row_bytes(meta.model.layers[0].mlp.experts, layout, k, torch.bfloat16)
     assert per_row == pytest.approx(real / rows, rel=1e-3)   # balanced vs routed order: other index tensors
     assert (2 * h + 4 * f) * 2 < per_row < (2 * h + 4 * f) * 2 + 200
     assert real - hf == pytest.approx(rows * h * 2, abs=64)
