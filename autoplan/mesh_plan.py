@@ -289,7 +289,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     if experts is not None:
         experts.decide(best.memory_total, limit)
         # what ExpertParallel's forward saves beyond the captured expert forward (moe_memory)
-        best.memory["activations"] = best.memory.get("activations", 0.0) + planned_saved_delta(experts, model, dtype, ctx.checkpoint_blocks)
+        best.memory["activations"] = best.memory.get("activations", 0.0) + planned_saved_delta(
+            experts, model, dtype, ctx.checkpoint_blocks)
     alternatives = []
     for name, (lay, prefer) in REFERENCE_PLANS.items():
         if lay not in search.layouts:

@@ -187,8 +187,8 @@ _MEMORY = {
     "am-gptoss-20b-8": _automodel("gptoss_20b_te_deepep.yaml", False),
     "am-gptoss-120b-64": _automodel("gptoss_120b_te_deepep.yaml", False),
     "mb-gptoss-120b-h100-2602": _bridge("H100"),
-    "mb-gptoss-120b-h100-2511": _bridge("H100", "; caveat: that configuration runs MBS 1 on H100, the 25.11 row MBS 4 "
-                                                "-- the 25.11 release's own H100 settings are not in the stored sources"),
+    "mb-gptoss-120b-h100-2511": _bridge("H100", "; caveat: that configuration runs MBS 1 on H100, the 25.11 row "
+                                        "MBS 4 -- the 25.11 release's own H100 settings are not in the stored sources"),
     "mb-gptoss-120b-b200-2602": _bridge("B200"),
     "mb-gptoss-120b-b200-2511": _bridge("B200"),
     "dsv3-2048-h800": dict(recompute="none", recompute_modules=("layernorm", "mla_up_proj", "moe_act"),
