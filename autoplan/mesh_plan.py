@@ -34,6 +34,7 @@ from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
 from autoplan.search.costing import CostContext
 from autoplan.search.expert_plan import ExpertPlanning
+from autoplan.search.moe_memory import planned_saved_delta
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
 from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
@@ -287,6 +288,9 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     limit = user_limit
     if experts is not None:
         experts.decide(best.memory_total, limit)
+        # what ExpertParallel's forward saves beyond the captured expert forward (moe_memory)
+        best.memory["activations"] = best.memory.get("activations", 0.0) + planned_saved_delta(
+            experts, model, dtype, ctx.checkpoint_blocks)
     alternatives = []
     for name, (lay, prefer) in REFERENCE_PLANS.items():
         if lay not in search.layouts:

@@ -4,6 +4,8 @@ Every run below is bf16, with a stated layout (dp, ep, pp, tp, virtual stages, m
 measured step time or throughput, each with its source. Each is priced with ``ClusterSearch.evaluate``
 at the published layout, with what the source's recipe states (recomputation, pipeline cuts, the loss's
 precision; what it does not state is taken at its fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
+at the published layout (recomputation as the source's recipe states it, see the memory table; what
+it does not state -- cuts -- is taken at its fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
 data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
 pick for the same model, devices and batch is reported with its claimed speed-up. No constant is
 fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
@@ -40,6 +42,7 @@ from autoplan.search.expert_search import (
     DEEPEP_RUNTIME, DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options,
 )
 from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.moe_memory import memory_breakdown
 
 OUT = Path(__file__).parent / "results" / "moe_published_runs"
 AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.md (2025-10-02), Pre-Training, DGX-H100, BF16, "
@@ -83,6 +86,21 @@ class Run:
     # the loss's HBM bytes per logit in the source's runtime (None: as ours, torch's F.cross_entropy
     # on the logits' dtype -- AutoModel's MaskedCrossEntropy with fp32_upcast: false is that)
     loss_bytes_per_logit: float | None = None
+    # memory settings the source states (memory_cite): Megatron-Core recompute_modules, fused
+    # kernels' saved activations, non-expert state over dp x ep (see autoplan.search.moe_memory)
+    recompute_modules: tuple = ()
+    fused_saves: bool = False
+    fp8_cache: bool = False
+    dense_state_over_ep: bool | None = None
+    memory_cite: str = ""
+
+    def runtime(self) -> ExpertRuntime:
+        """The expert runtime with the memory facts this run's source states."""
+        over = dict(fused_saves=self.fused_saves, recompute_modules=tuple(self.recompute_modules),
+                    fp8_cache=self.fp8_cache)
+        if self.dense_state_over_ep is not None:
+            over["dense_state_over_ep"] = self.dense_state_over_ep
+        return dataclasses.replace(self.expert_runtime, **over)
 
 
 QWEN3_30B = ("qwen3-moe-30b-a3b", {})
@@ -190,6 +208,54 @@ STATED = {
     "mb-gptoss-120b-b200-2511": (MB_AC, ""),
 }
 
+# the recipe as committed when the performance-summary rows were written (8d9bfb90e, 2025-10-08;
+# the rows are unchanged since 89e3a9fdd): GPT-OSS-20B's checkpointing went off only on 2025-11-10
+AM_CFG = "NVIDIA-NeMo/Automodel@8d9bfb90e examples/benchmark/configs/{f}: {key} activation_checkpointing: {ac}"
+AM_FULL = ("; nemo_automodel/components/moe/parallelizer.py apply_ac wraps every decoder block in checkpoint_wrapper "
+           "(full recompute)")
+AM_RT = ("; TE RMSNorm / attention and grouped experts with the routing weight applied in the activation "
+         "(components/moe/experts.py), fused saves; FSDP2 over dp_shard x ep for every non-expert weight "
+         "(parallelizer.apply_fsdp)")
+MB_CFG = ("NVIDIA-NeMo/Megatron-Bridge scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py "
+          "GPT_OSS_120B_PRETRAIN_CONFIG_{gpu}_BF16_V1 (V2 inherits): recompute_modules=['layernorm', 'moe_act']; "
+          "Megatron-Core's distributed optimizer shards the non-expert optimizer state over the whole data-parallel "
+          "group (dp x ep); TE fused kernels")
+DSV3_MEM = ("DeepSeek-V3 tech report sec. 3.2.3: 'we recompute all RMSNorm operations and MLA up-projections during "
+            "back-propagation'; sec. 3.3.2 (low-precision storage): the inputs of the Linear after attention cached in "
+            "E5M6, the SwiGLU inputs in MoE cached in FP8 and its output recomputed, the MoE up-projection inputs "
+            "dispatched and kept in FP8; ZeRO-1 over the data-parallel group (sec. 3.2); DualPipe holds PP + 1 "
+            "micro-batches' activations (Table 2), priced as ZBV's in-flight count")
+
+
+def _automodel(config: str, ac: bool, key: str = "parallelizer") -> dict:
+    """AutoModel's recipe: activation checkpointing on (every block, full) or off; TE fused kernels."""
+    cite = AM_CFG.format(f=config, key=key, ac=str(ac).lower()) + (AM_FULL if ac else "") + AM_RT
+    return dict(recompute="full" if ac else "none", fused_saves=True, memory_cite=cite)
+
+
+def _bridge(gpu: str, caveat: str = "") -> dict:
+    """Megatron-Bridge's GPT-OSS-120B workload: layernorm and moe_act recomputed, distributed optimizer."""
+    return dict(recompute="none", recompute_modules=("layernorm", "moe_act"), fused_saves=True,
+                dense_state_over_ep=True, memory_cite=MB_CFG.format(gpu=gpu) + caveat)
+
+
+_MEMORY = {
+    "am-dsv3-1024": _automodel("deepseek_v3_te_deepep_1024.yaml", True),
+    "am-dsv3-256": _automodel("deepseek_v3_te_deepep.yaml", True),
+    "am-kimik2-256": _automodel("kimi_k2_te_deepep.yaml", True, key="distributed"),
+    "am-qwen3-30b-8": _automodel("qwen3_moe_30b_te_deepep.yaml", True),
+    "am-gptoss-20b-8": _automodel("gptoss_20b_te_deepep.yaml", True),
+    "am-gptoss-120b-64": _automodel("gptoss_120b_te_deepep.yaml", False),
+    "mb-gptoss-120b-h100-2602": _bridge("H100"),
+    "mb-gptoss-120b-h100-2511": _bridge("H100", "; caveat: that configuration runs MBS 1 on H100, the 25.11 row "
+                                        "MBS 4 -- the 25.11 release's own H100 settings are not in the stored sources"),
+    "mb-gptoss-120b-b200-2602": _bridge("B200"),
+    "mb-gptoss-120b-b200-2511": _bridge("B200"),
+    "dsv3-2048-h800": dict(recompute="none", recompute_modules=("layernorm", "mla_up_proj", "moe_act"),
+                           fused_saves=True, fp8_cache=True, memory_cite=DSV3_MEM),
+}
+RUNS = [dataclasses.replace(r, **_MEMORY.get(r.name, {})) for r in RUNS]
+
 
 def build(run: Run):
     """The run's model on meta, its attention captured as one fused kernel (SDPA): every source
@@ -233,10 +299,10 @@ def price(run: Run, free: bool) -> dict:
            "measured_s": run.measured_s, "their_runtime": "; ".join(run.their_runtime)}
     t0 = time.perf_counter()
     search = ClusterSearch(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
-                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.expert_runtime,
+                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.runtime(),
                            loss_bytes_per_logit=run.loss_bytes_per_logit)
     best = None
-    for ac in ([run.recompute] if run.recompute else ("none", "selective", "full")):
+    for ac in ((run.recompute,) if run.recompute else ("none", "selective", "full")):
         try:
             c = search.evaluate(run.dp, run.pp, run.tp, run.schedule, run.mbs, run.dp_mode, ac, cuts=run.cuts,
                                 v=run.v, ep=run.ep)
@@ -250,7 +316,13 @@ def price(run: Run, free: bool) -> dict:
                 "m": best.choice.m, "price_s": time.perf_counter() - t0, **terms(best),
                 "ep_term_s": ep_seconds(search, best) if run.ep > 1 else 0.0,
                 "experts_as": experts_as(search, best, run),
-                "predicted_mem_gib": max(best.choice.rank_memory) / 2**30})
+                "predicted_mem_gib": max(best.choice.rank_memory) / 2**30,
+                "recompute_modules": ",".join(run.recompute_modules), "memory_cite": run.memory_cite,
+                "device_gib": search.hw.usable_memory() / 2**30,
+                **memory_breakdown(best.choice, search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode,
+                                                                  best.recompute, best.b, ep=best.ep)[0],
+                                   search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute,
+                                              best.cp, best.ep)).gib()})
     if free:
         t1 = time.perf_counter()
         try:
@@ -331,12 +403,56 @@ def write(df: pd.DataFrame) -> None:
               "What each published run's framework does that hyper_parallel's runtime does not (so a ratio > 1 is "
               "partly the price of our runtime, not an error of the model):", ""]
     lines += [f"- {r.case}: {r.their_runtime}" for r in df.itertuples() if r.their_runtime]
+    if "mem_total_gib" in df:
+        lines += memory_lines(df)
     if "autoplan_pick" in df:
         fc = [c for c in ["case", "published", "predicted_s", "autoplan_pick", "autoplan_s", "claimed_speedup",
                           "plan_s", "mfu_note"] if c in df]
         lines += ["", "## autoplan's own choice (same cost model)", "", AUTO_NOTE, "",
                   df[fc].to_markdown(index=False, floatfmt=".4g"), ""]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+MEMORY_NOTE = (
+    "Each run at its published layout with the memory settings its source states (recompute, "
+    "Megatron-Core recompute_modules, fused kernels' saved activations, non-expert state over dp x ep; "
+    "citations below), on its busiest pipeline rank (autoplan.search.moe_memory.memory_breakdown): "
+    "parameters, gradients and optimizer state after TP, ep, FSDP / ZeRO-1 and the runtime's dp x ep "
+    "sharding; the saved activations of the micro-batches the schedule holds in flight (`inflight` chunks); "
+    "buffers = one FSDP unit gathered for compute (0 where dp = 1: FSDP over ep alone gathers the "
+    "non-expert weights only, not priced). `fits`: total <= the profile's usable memory (`device_gib`). "
+    "hyper_parallel's own runtime holds more than these runs' fused runtimes: it replicates the non-expert "
+    "state over ep (parallelisms.expert.ExpertGradSync all-reduces those gradients over ep) and saves "
+    "what the transformers modules save (HF RMSNorm's fp32 chain).")
+
+
+def memory_lines(df: pd.DataFrame) -> list[str]:
+    m = df.dropna(subset=["mem_total_gib"]).copy()
+    m["fits"] = m.mem_total_gib <= m.device_gib
+    cols = ["case", "hardware", "published", "recompute", "recompute_modules", "mem_inflight", "mem_params_gib",
+            "mem_grads_gib", "mem_optimizer_gib", "mem_activations_gib", "mem_buffers_gib", "mem_total_gib",
+            "device_gib", "fits"]
+    out = ["", "## Memory at the published layout", "", MEMORY_NOTE, "",
+           f"**{int(m.fits.sum())} of {len(m)}** published layouts fit their device's memory.", "",
+           m[cols].rename(columns=lambda c: c.replace("mem_", "")).to_markdown(index=False, floatfmt=".1f"), "",
+           "Memory settings, as each source states them:", ""]
+    out += [f"- {r.case}: {r.memory_cite}" for r in m.itertuples() if r.memory_cite]
+    return out
+
+
+def keep_picks(df: pd.DataFrame) -> pd.DataFrame:
+    """With --no-free: autoplan's picks from the committed CSV (the search is not rerun), their
+    claimed speed-up against this run's price of the published layout."""
+    old = OUT.with_suffix(".csv")
+    if not old.exists():
+        return df
+    cols = ["autoplan_pick", "autoplan_s", "plan_s", "mfu_note"]
+    prev = pd.read_csv(old)
+    prev = prev[["case"] + [c for c in cols if c in prev]]
+    out = df.merge(prev, on="case", how="left")
+    if "autoplan_s" in out and "predicted_s" in out:
+        out["claimed_speedup"] = out.predicted_s / out.autoplan_s
+    return out
 
 
 def main(argv=None) -> int:
@@ -355,7 +471,7 @@ def main(argv=None) -> int:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in ("their_runtime",)},
               flush=True)
         if not args.no_write and not args.only:
-            write(pd.DataFrame(rows))
+            write(keep_picks(pd.DataFrame(rows)) if args.no_free else pd.DataFrame(rows))
     return 0
 
 

@@ -157,14 +157,18 @@ def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, *, cp: int,
 
 
 def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: ExpertPlanning,
-           runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> None:
+           runtime: ExpertRuntime = OUR_EXPERT_RUNTIME, dp_mode: str | None = None) -> None:
     """Add expert parallelism's price to the units of ``acc`` (rows F, I, W, state, act, dp_comm,
     dp_gather, optimizer): per MoE layer the chosen option's compute beyond the replicated experts
     the TP search counted, its all-to-alls and expert-TP all-reduces (forward / backward), its
     expert state instead of the replicated one, the experts' data-parallel traffic and optimizer
     step at their sharded size; and per step the all-reduce over ep of every gradient outside the
     experts (serial, after backward: ``parallelisms.expert.ExpertGradSync``).
-    ``options``/``targets``: the TP solution's options and the unit indices each one covers."""
+    ``options``/``targets``: the TP solution's options and the unit indices each one covers.
+    ``dp_mode``: the data-parallel mode the plan asked for (default: the context's). With dp = 1 the
+    context prices "replicate" (nothing to shard over dp), but a runtime that shards the non-expert
+    state over dp x ep (``runtime.dense_state_over_ep``) still shards it ep ways: AutoModel's
+    "FSDP 64" at dp 1 x ep 64 is FSDP2 over the 64 ranks for every non-expert weight."""
     ctx = experts.ctx
     index = {n: i for i, n in enumerate(names)}
     expert_units: dict[int, float] = {}   # unit -> expert weight bytes it holds (whole)
@@ -221,7 +225,7 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
     for i, nbytes in expert_units.items():
         local[i] = max(local[i] - nbytes, 0.0)
     if runtime.dense_state_over_ep:   # their runtime shards the non-expert state over dp x ep (memory)
-        sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(ctx.dp_mode, ())
+        sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(dp_mode or ctx.dp_mode, ())
         for i, nbytes in enumerate(local):
             if nbytes > 0:
                 st = ctx.state_bytes(nbytes, 1)

@@ -80,6 +80,13 @@ class ExpertRuntime:
       starting at a multiple of k (NeMo AutoModel's ``FakeBalancedGate``, which its performance
       summary runs: token t -> experts (t * k + j) mod E, j < k; nemo_automodel/components/moe/
       layers.py), so a token's copies land on one or two ranks of one node.
+    - ``fused_saves``: its norms and expert MLPs are fused kernels (Transformer Engine, Megatron-Core's
+      / AutoModel's grouped experts) that save fewer activations than the transformers modules ours
+      runs (``moe_memory``). Memory only.
+    - ``recompute_modules``: the modules whose outputs the run recomputes instead of saving, as
+      Megatron-Core's ``recompute_modules`` names them (``layernorm``, ``moe_act``; ``mla_up_proj``:
+      DeepSeek-V3's MLA up-projections). Memory only.
+    - ``fp8_cache``: activations kept for backward in low precision (DeepSeek-V3 sec. 3.3.2). Memory only.
     """
 
     node_limit: int = 0
@@ -88,6 +95,9 @@ class ExpertRuntime:
     dense_state_over_ep: bool = False
     routing: str = "independent"
     source: str = "hyper_parallel's runtime: all-to-alls of every routed copy, exposed"
+    fused_saves: bool = False
+    recompute_modules: tuple = ()
+    fp8_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.node_limit < 0 or not 0.0 <= self.overlap <= 1.0:

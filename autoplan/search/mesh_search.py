@@ -39,6 +39,8 @@ from autoplan.search.pipeline_search import (
     PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
     time_choice,
 )
+from autoplan.search.moe_memory import restate_activations, restate_our_experts
+from autoplan.capture.views import module_summary
 from autoplan.search.mesh_candidates import (
     Candidate, dp_mode_of, mesh_factorizations, recompute_of,
 )
@@ -337,7 +339,15 @@ class ClusterSearch:
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.cons.get("expert_parallel"))
-            add_ep(acc, names, options, all_targets, experts, self.expert_runtime)
+            add_ep(acc, names, options, all_targets, experts, self.expert_runtime, dp_mode=fsdp)
+            if not self.expert_runtime.fused_saves:
+                # what ExpertParallel's forward saves, which replaces the captured expert forward
+                restate_our_experts(acc, names, experts, ctx, self.meta, tokens=b * self.seq, dtype=self.dtype)
+        # what a runtime with fused kernels saves instead of the captured modules (memory only)
+        if self.expert_runtime.fused_saves:
+            restate_activations(acc, names, st, self.moe_groups_at(b, cp) if self.moe_groups else [], ctx,
+                                self.expert_runtime, tokens=b * self.seq // cp,
+                                rows={r["fqn"]: r for r in module_summary(self.graph(b, cp)).to_dict("records")})
         units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
         p2p_bytes = hidden / (tp if layout == "S" else 1)
