@@ -106,6 +106,7 @@ class MoeUnit:
     work: Work = field(default_factory=Work)          # the router's and the experts'
     expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
     flat: bool = False          # experts as flat (E * F, H) weights (DBRX): FlatExpertsParallel splits them
+    paired: dict | None = None  # experts as an up and a down module of 3-D weights (JetMoE): PairedExpertsParallel's args
 
 
 @dataclass
@@ -253,6 +254,11 @@ def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
         experts = work(f"{rep}.{e['experts']}")
         return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
                        work(f"{rep}.{e['router']}") + experts, experts, flat=True)
+    if e.get("paired"):
+        where, pair = f"{rep}.{e['experts']}", e["paired"]   # the container is the experts module: its whole work
+        return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
+                       work(where), work(f"{where}.{pair['up']}") + work(f"{where}.{pair['down']}"),
+                       paired=dict(pair))
     if not e.get("expert_params") or not e.get("experts"):
         return "its experts are a list of modules, not 3-D weights (split them with expert parallelism on an ep " \
                "dimension)"

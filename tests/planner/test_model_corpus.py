@@ -33,6 +33,9 @@ SLICE = [
     ("dbrx", "dp2_tp2", "forced_S", ("attention:kv_replicated", "moe:experts_tp")),
     # issue 33: Jamba's Mamba-1 mixers split on their channels (MambaMixerParallel), its experts over tp
     ("jamba", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "mlp:hidden_sharded", "moe:experts_tp")),
+    # issue 33: JetMoE routes by token counts read from the data (capture gives each expert an even share of
+    # the rows); its MLP experts, an up and a down module of 3-D weights, split on F (PairedExpertsParallel)
+    ("jetmoe", "dp2_tp2", "forced_R", ("moe:experts_tp",)),
     # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
     ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place
