@@ -121,6 +121,9 @@ class MambaUnit:
     xproj_bytes: int
     work: Work = field(default_factory=Work)
     after_bytes: list[int] = field(default_factory=list)   # each ``after`` module's output bytes per call
+    # a Mamba-2 mixer (no x_proj): in_proj's and conv1d's weights stay whole (their packed parts differ in
+    # width), each rank computing its rows; these bytes of weight gradient are all-reduced in backward
+    whole_param_bytes: int = 0
 
 
 @dataclass
@@ -219,9 +222,9 @@ MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer directly in the block, or a sec
 
 
 def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
-    """The planner unit of a Mamba mixer (roles ``mamba`` entry). Whether its code is the Mamba-1
-    layout MambaMixerParallel splits is the style's check, run by the probe (a Mamba-2 mixer is
-    rejected there and stays replicated with that reason)."""
+    """The planner unit of a Mamba mixer (roles ``mamba`` entry). Whether its code is a layout
+    MambaMixerParallel splits (Mamba-1 on its channels, Mamba-2 on its heads) is the style's check,
+    run by the probe."""
     where = f"{rep}.{x['module']}"
     after = sorted(f[len(where) + 1:] for f, info in graph.modules.items()
                    if f.startswith(where + ".") and info.role == "mamba.part" and info.params
@@ -230,8 +233,14 @@ def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
         nodes = [n for n in graph.nodes if n.module == fqn and n.outputs]
         return nodes[-1].outputs[0].nbytes if nodes else 0
 
+    whole = 0
+    if f"{where}.x_proj" not in graph.modules:   # Mamba-2: in_proj and conv1d kept whole
+        own = work(where)
+        numel = sum(math.prod(shape) for f in (f"{where}.in_proj", f"{where}.conv1d") if f in graph.modules
+                    for shape in graph.modules[f].params.values())
+        whole = int(numel * own.param_bytes / max(own.params, 1))
     return MambaUnit(x["module"], int(x.get("channels") or 0), after, out_bytes(f"{where}.x_proj"), work(where),
-                     [out_bytes(f"{where}.{a}") for a in after])
+                     [out_bytes(f"{where}.{a}") for a in after], whole)
 
 
 def without_moe_units(st: "ModelStructure") -> "ModelStructure":

@@ -3,8 +3,8 @@ level -- the corpus slice (test_model_corpus.py) runs the sharded ones against o
 
 A state-space mixer (Falcon-H1's Mamba-2: in_proj -> depthwise conv -> scan -> gated out_proj)
 must not read as a gated MLP: sharding it as one would cut its packed z/x/B/C/dt columns blindly.
-It is recognised as its own unit (Jamba's Mamba-1 mixers are split on their channels: the corpus
-slice), and the block's real MLP is planned. A model
+It is recognised as its own unit (Jamba's Mamba-1 mixers are split on their channels, Falcon-H1's
+Mamba-2 on its heads: the corpus slice), and the block's real MLP is planned. A model
 capture cannot trace at all is planned data-parallel only -- and refused, naming the capture
 failure, when the user asks for tensor parallelism that cannot happen."""
 import pytest
@@ -39,11 +39,17 @@ def test_mamba_mixer_is_recognised_and_the_feed_forward_is_the_mlp():
     assert block.mlp.rel == "feed_forward" and block.attention.rel == "self_attn"
     assert block.mamba.rel == "mamba" and block.mamba.channels == 64 + 2 * 16   # conv over [x | B | C]
     assert not any(n.startswith("mamba") for n in block.norms), block.norms   # its gated norm is the mixer's
-    # a Mamba-2 mixer is no layout MambaMixerParallel splits: refused by its check, so the probe keeps it replicated
+    # a Mamba-2 mixer is split on its heads; one group is read whole by every rank -- unless a gated norm
+    # normalises over it (it would span ranks): refused, naming the groups
+    mixer = model.model.layers[0].mamba
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        with pytest.raises(UnsupportedModuleError, match="Mamba-1"):
-            MambaMixerParallel().check_module(model.model.layers[0].mamba, mesh, "model.layers.0.mamba")
+        MambaMixerParallel().check_module(mixer, mesh, "model.layers.0.mamba")
+        with torch.device("meta"):
+            normed = transformers.FalconH1ForCausalLM(cfg.__class__(**{**cfg.to_dict(), "mamba_rms_norm": True}))
+        mixer = normed.model.layers[0].mamba
+        with pytest.raises(DivisibilityError, match="1 groups .n_groups. do not divide tp=2"):
+            MambaMixerParallel().check_module(mixer, mesh, "model.layers.0.mamba")
 
 
 class _CountRouted(nn.Module):
