@@ -156,6 +156,9 @@ class EmbeddingInfo:
     work: Work
     shard_safe: bool            # may its output be sequence-sharded (no positions/masks derived outside blocks)
     shared_with: list[str] = field(default_factory=list)   # other modules using its weight (not the head)
+    # other embedding tables holding the same weight (T5's / BART's encoder and decoder embed_tokens and
+    # ``shared``): sharded with it, by the same style, so the one parameter keeps one layout; bytes each outputs
+    shared_tables: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -420,6 +423,12 @@ def _head_modules(graph: ModelGraph) -> list[str]:
     return [h["module"] for h in graph.roles.get("lm_head", [])[:1]]
 
 
+def _output_bytes(graph: ModelGraph, module: str) -> int:
+    """Bytes a module's calls output (0 for a module holding a shared table that nothing calls)."""
+    return sum(n.outputs[0].nbytes for n in graph.nodes if n.module == module and n.outputs
+               and not any(m.module == module for m in graph.nodes if m.name in n.input_nodes))
+
+
 def _param_sharers(graph: ModelGraph, module: str, exclude: list[str]) -> list[str]:
     """Modules other than ``module`` and ``exclude`` that hold one of ``module``'s parameters
     (T5's encoder and decoder token embeddings share ``shared.weight``; BERT's LM head shares its
@@ -538,7 +547,10 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
     for e in graph.roles.get("embedding", [])[:1]:
         emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
                             work(e["module"]), shard_safe=not outside_positions)
-        emb.shared_with = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
+        sharers = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
+        if emb.linear:   # tables of the same class share its vocabulary-sharded semantics
+            emb.shared_tables = {f: _output_bytes(graph, f) for f in sharers if _type(graph, f) == _EMBEDDING}
+        emb.shared_with = [f for f in sharers if f not in emb.shared_tables]
     head = None
     for h in graph.roles.get("lm_head", [])[:1]:
         row = rows.get(h["module"], {})
@@ -549,6 +561,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         head = HeadInfo(h["module"], int(h["vocab"]), _type(graph, h["module"]) == _LINEAR, bool(h.get("tied")),
                         work(h["module"]), tokens, tokens * int(h["vocab"]) * dtype_bytes)
         emb_mods = [e["module"] for e in graph.roles.get("embedding", [])[:1]]
+        if head.tied and emb is not None:   # sharded with the embedding or not at all: its tables go with it
+            emb_mods += list(emb.shared_tables)
         head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods)
     final_norms = list(graph.roles.get("norms", []))
     fn_work = Work()

@@ -19,8 +19,10 @@ SLICE = [
     ("gpt_neox", "dp2_tp2", "forced_S", ()),
     ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
+    # T5's one table shared by encoder.embed_tokens, decoder.embed_tokens and shared (and the head): sharded
+    # once, every table styled alike (issue 33)
     ("t5", "tp4", "default", ("attention:heads_sharded_local", "cross_attention:heads_sharded_local",
-                              "mlp:hidden_sharded")),
+                              "mlp:hidden_sharded", "embedding:vocab_sharded", "head:loss_parallel")),
     ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
     # a mesh without ep: each expert split on its ffn width over tp (ExpertParallel(ep_dim=""))
     ("mixtral", "tp4", "forced_R", ("moe:experts_tp",)),
