@@ -116,6 +116,7 @@ def paired_experts(flow, role, per_block, rep_of, claimed) -> None:
     graph = flow.graph
     calls = [n for n in graph.nodes if n.op.startswith("module:") and n.block is not None and n.module]
     known = {(b, e["module"]) for b, entries in per_block.items() for e in entries.get("moe", [])}
+    outer: list = []   # module-level calls holding stacked experts beside other weights
     for c in calls:
         base = rep_of.get(c.block, "")
         if (c.block, _rel(c.module, base)) in known or not c.inputs or not c.outputs or \
@@ -126,6 +127,8 @@ def paired_experts(flow, role, per_block, rep_of, claimed) -> None:
         experts = {n.module: n for n in calls if n.module in inside and len(inside[n.module].params) == 1
                    and len(next(iter(inside[n.module].params.values()))) == 3 and n.inputs and n.outputs}
         counts = {next(iter(inside[m].params.values()))[0] for m in experts}
+        if experts and c.block is not None:
+            outer.append(c)
         if len(experts) != 2 or len(counts) != 1:
             continue
         e = counts.pop()
@@ -158,6 +161,16 @@ def paired_experts(flow, role, per_block, rep_of, claimed) -> None:
             "num_experts": e, "top_k": top_k, "expert_params": [], "ffn": ffn,
             "paired": {"up": up.module[len(c.module) + 1:], "down": down.module[len(c.module) + 1:],
                        "up_dim": up_dim, "down_dim": down_dim, "packed": width // ffn, "weight": weight}})
+    for c in outer:   # no MoE container itself, nor inside one: JetMoE's attention with its mixture of query experts
+        if role.get(c.module) == "moe" or any(role.get(f) == "moe" and c.module.startswith(f + ".") for f in role) \
+                or any(o.module.startswith(c.module + ".") and role.get(o.module) != "moe" for o in outer):
+            continue   # the innermost such call only (the attention, not the block around it)
+        base = rep_of.get(c.block, "")
+        per_block[c.block]["routed_untraced"].append({
+            "module": _rel(c.module, base),
+            "why": "it runs stacked expert weights routed by token counts read from the data beside other weights "
+                   "(a mixture of attention heads: per-expert query projections); capture ran it at module level, so "
+                   "its heads and projections are not read and it stays replicated"})
 
 
 def _width_dim(shape, width: int, hidden: int) -> int | None:

@@ -481,6 +481,8 @@ def model_structure(graph: ModelGraph) -> ModelStructure:
         for u in roles.get("attention_untraced", []):
             where = f"{rep}.{u['module']}" if u["module"] else rep
             not_units.append((where, f"an attention whose projections were not recognised ({u['why']})"))
+        for u in roles.get("routed_untraced", []):
+            not_units.append((f"{rep}.{u['module']}" if u["module"] else rep, u["why"]))
         moe = None
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
