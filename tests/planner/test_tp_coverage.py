@@ -16,7 +16,7 @@ from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.structure import model_structure
-from hyper_parallel import FlatExpertsParallel, PrepareHeadsInput
+from hyper_parallel import FlatExpertsParallel, PairedExpertsParallel, PrepareHeadsInput, style_from_dict
 from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
 from hyper_parallel.errors import DivisibilityError, StyleSpecError, UnsupportedModuleError
 from hyper_parallel.local import fake_world
@@ -99,3 +99,25 @@ def test_flat_experts_and_divisor_styles_check_their_arguments():
             FlatExpertsParallel().check_module(Experts(4 * 6, 6), mesh, "ffn.experts")
     with pytest.raises(StyleSpecError, match="attribute_divisors"):
         PrepareHeadsInput(local_attributes=["num_heads"], attribute_divisors={"num_key_value_groups": 2})
+
+
+def test_paired_experts_style_checks_its_pair_and_round_trips():
+    """JetMoE-shaped experts: an up module (E, 2F, H) and a down module (E, H, F) in one container."""
+    class Pair(nn.Module):
+        def __init__(self, ffn):
+            super().__init__()
+            self.input_linear, self.output_linear = nn.Module(), nn.Module()
+            self.input_linear.weight = nn.Parameter(torch.zeros(3, 2 * ffn, 8))
+            self.output_linear.weight = nn.Parameter(torch.zeros(3, 8, ffn))
+
+    style = PairedExpertsParallel(up="input_linear", down="output_linear", packed=2)
+    assert style_from_dict(style.to_dict()) == style   # a plan file names it
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        style.check_module(Pair(8), mesh, "mlp")
+        with pytest.raises(DivisibilityError, match="expert ffn width F = 6"):
+            style.check_module(Pair(6), mesh, "mlp")
+        with pytest.raises(UnsupportedModuleError, match="not E experts"):
+            PairedExpertsParallel(up="input_linear", down="output_linear").check_module(Pair(8), mesh, "mlp")
+    with pytest.raises(StyleSpecError, match="two submodules"):
+        PairedExpertsParallel(up="x", down="x")
