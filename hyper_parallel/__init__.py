@@ -55,6 +55,7 @@ from hyper_parallel.core.tensor_parallel import (
 from hyper_parallel.core.expert_parallel import (
     DenseExpertsParallel,
     FlatExpertsParallel,
+    PairedExpertsParallel,
     ExpertParallel,
     balanced_routing,
     expert_parallel_collectives,
@@ -80,7 +81,7 @@ __all__ = [
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "DenseExpertsParallel", "FlatExpertsParallel",
-    "balanced_routing",
+    "PairedExpertsParallel", "balanced_routing",
     "expert_parallel_collectives", "split_model", "build_stages",
     "PipelineSchedule", "validate_schedule", "simulate", "StageCost", "SimResult", "build_schedule",
     "ContextParallel", "apply_context_parallel", "shard_batch", "unshard_sequence", "local_positions",

@@ -3,7 +3,8 @@
 The model runs eagerly on meta with a hook on every module. A dispatch mode answers the reads of
 tensor values that meta cannot answer (``.item()``, ``bool(t)``, ``nonzero``) with
 zero/False/empty, so data-dependent control flow takes one branch instead of failing, and records
-the module where that happened. Then, top-down, every module call that read no such value is
+the module where that happened; a split by sizes read that way (routing by token counts) gives
+each part an even share.  Then, top-down, every module call that read no such value is
 exported on its own with the inputs it was called with: those parts come out op by op, as from a
 whole-model export. What is left -- the modules that read values, minus their exportable
 children -- becomes one node per call, named in a warning. For those nodes FLOPs come from
@@ -61,6 +62,8 @@ class _MetaEager(TorchDispatchMode):
         if on_meta and func in (aten.nonzero.default,):
             self._note("nonzero")
             return torch.empty((0, args[0].dim()), dtype=torch.long, device=args[0].device)
+        if on_meta and func in _SPLITS and self.data_dependent:
+            args = _even_split(func, args, kwargs, self._note)
         if on_meta and func is getattr(aten._grouped_mm, "default", None):
             out = _grouped_mm_shape(*args, **kwargs)  # the meta kernel insists on bf16
         else:
@@ -73,6 +76,25 @@ class _MetaEager(TorchDispatchMode):
             except Exception as exc:  # a formula that cannot read these args: count nothing
                 log.debug("no FLOPs for %s: %s", func, exc)
         return out
+
+
+_SPLITS = (aten.split_with_sizes.default, aten.split_with_sizes_copy.default)
+
+
+def _even_split(func, args: tuple, kwargs: dict, note) -> tuple:
+    """The sizes of a split that cannot hold (they do not add up to the dimension split) once values
+    were answered with placeholders: routing by token counts read as zeros (JetMoE's
+    ``x.split(expert_size.tolist())``). Each part gets an even share of the dimension instead, as a
+    balanced router gives it, so the experts after it run on a count of rows that sums right."""
+    t, sizes = args[0], list(args[1])
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    total = t.shape[dim]
+    if sum(sizes) == total or not sizes:
+        return args
+    note("split by data-dependent sizes")
+    share, extra = divmod(total, len(sizes))
+    even = [share + (1 if i < extra else 0) for i in range(len(sizes))]
+    return (t, even, *args[2:])
 
 
 def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, *rest, **kw):

@@ -101,3 +101,80 @@ def routed_modules(graph: ModelGraph, role, per_block, rep_of) -> None:
             entry = _rel(n.module, rep_of.get(n.block, ""))
             if entry not in per_block[n.block]["routed"]:
                 per_block[n.block]["routed"].append(entry)
+
+
+def paired_experts(flow, role, per_block, rep_of, claimed) -> None:
+    """Experts held as two modules of stacked 3-D weights (E, ., .) that capture ran at module
+    level (JetMoE's ``input_linear`` / ``output_linear``: routing by data-dependent token counts)
+    inside a container call whose output is shaped like its input (an MLP: hidden in, hidden out)
+    and in which the only other weights are a router with E outputs (and the container's own
+    1-D bias). The up module takes the hidden width H in; the down module gives it back; the up
+    output is ``packed`` x the down input (2: [gate|up] chunked). Which weight dimension is that
+    width is read from the shapes. Recorded as a ``moe`` entry with ``paired`` (the arguments of
+    PairedExpertsParallel) and ``ffn`` F. A mixture of attention experts (JetMoE's MoA) is no
+    match: its container is never called itself, and the attention around it holds other weights."""
+    graph = flow.graph
+    calls = [n for n in graph.nodes if n.op.startswith("module:") and n.block is not None and n.module]
+    known = {(b, e["module"]) for b, entries in per_block.items() for e in entries.get("moe", [])}
+    outer: list = []   # module-level calls holding stacked experts beside other weights
+    for c in calls:
+        base = rep_of.get(c.block, "")
+        if (c.block, _rel(c.module, base)) in known or not c.inputs or not c.outputs or \
+                tuple(c.inputs[0].shape) != tuple(c.outputs[0].shape):
+            continue
+        hidden = c.inputs[0].shape[-1]
+        inside = {f: info for f, info in graph.modules.items() if f.startswith(c.module + ".") and info.params}
+        experts = {n.module: n for n in calls if n.module in inside and len(inside[n.module].params) == 1
+                   and len(next(iter(inside[n.module].params.values()))) == 3 and n.inputs and n.outputs}
+        counts = {next(iter(inside[m].params.values()))[0] for m in experts}
+        if experts and c.block is not None:
+            outer.append(c)
+        if len(experts) != 2 or len(counts) != 1:
+            continue
+        e = counts.pop()
+        routers = [r for r in graph.nodes if flow.weight(r) and r.module in inside and r.module not in experts
+                   and _out_features(r) == e]
+        own = graph.modules.get(c.module)
+        if len(routers) != 1 or set(inside) != set(experts) | {routers[0].module} or \
+                (own and any(len(s) != 1 for s in own.params.values())):
+            continue
+        ups = [n for n in experts.values() if n.inputs[0].shape[-1] == hidden]
+        downs = [n for n in experts.values() if n.outputs[0].shape[-1] == hidden and n not in ups]
+        if len(ups) != 1 or len(downs) != 1:
+            continue
+        up, down = ups[0], downs[0]
+        width, ffn = up.outputs[0].shape[-1], down.inputs[0].shape[-1]
+        if ffn < 2 or width % ffn or width // ffn not in (1, 2):
+            continue
+        up_dim = _width_dim(next(iter(inside[up.module].params.values())), width, hidden)
+        down_dim = _width_dim(next(iter(inside[down.module].params.values())), ffn, hidden)
+        if up_dim is None or down_dim is None:
+            continue
+        tokens = max(c.inputs[0].numel // hidden, 1)
+        top_k = up.inputs[0].shape[0] // tokens if up.inputs[0].shape[0] % tokens == 0 else None
+        weight = next(iter(inside[up.module].params))
+        role[routers[0].module], role[c.module] = "moe.router", "moe"
+        role[up.module] = role[down.module] = "moe.experts"
+        claimed.update([routers[0].module, up.module, down.module])
+        per_block[c.block]["moe"].append({
+            "module": _rel(c.module, base), "router": _rel(routers[0].module, base), "experts": _rel(c.module, base),
+            "num_experts": e, "top_k": top_k, "expert_params": [], "ffn": ffn,
+            "paired": {"up": up.module[len(c.module) + 1:], "down": down.module[len(c.module) + 1:],
+                       "up_dim": up_dim, "down_dim": down_dim, "packed": width // ffn, "weight": weight}})
+    for c in outer:   # no MoE container itself, nor inside one: JetMoE's attention with its mixture of query experts
+        if role.get(c.module) == "moe" or any(role.get(f) == "moe" and c.module.startswith(f + ".") for f in role) \
+                or any(o.module.startswith(c.module + ".") and role.get(o.module) != "moe" for o in outer):
+            continue   # the innermost such call only (the attention, not the block around it)
+        base = rep_of.get(c.block, "")
+        per_block[c.block]["routed_untraced"].append({
+            "module": _rel(c.module, base),
+            "why": "it runs stacked expert weights routed by token counts read from the data beside other weights "
+                   "(a mixture of attention heads: per-expert query projections); capture ran it at module level, so "
+                   "its heads and projections are not read and it stays replicated"})
+
+
+def _width_dim(shape, width: int, hidden: int) -> int | None:
+    """The dimension (1 or 2) of an (E, ., .) weight holding ``width``, the other holding ``hidden``;
+    None when that is not so or is ambiguous (width == hidden)."""
+    dims = [d for d in (1, 2) if shape[d] == width and shape[3 - d] == hidden]
+    return dims[0] if len(dims) == 1 else None

@@ -13,7 +13,8 @@ optionally with expert TP inside each ep group); the TP search then offers only 
 from __future__ import annotations
 
 from hyper_parallel import PrepareModuleInputOutput, Replicate, Shard
-from hyper_parallel.core.expert_parallel import DenseExpertsParallel, ExpertParallel, FlatExpertsParallel
+from hyper_parallel.core.expert_parallel import (DenseExpertsParallel, ExpertParallel, FlatExpertsParallel,
+                                                PairedExpertsParallel)
 from hyper_parallel.core.collective import Collective
 
 from autoplan.search.strategies import Strategy, _replicated_region_on_s
@@ -35,9 +36,18 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
     if m.ffn % t:
         out[0].extra["tp_excluded"] = f"expert ffn width {m.ffn} not divisible by tp={t}"
         return out
+    if layout == "S" and m.paired and m.rel == m.experts:
+        out[0].extra["tp_excluded"] = (f"the experts are held by the MoE container {m.rel} itself: the style that "
+                                       "gathers a sequence-sharded stream into it and the experts' split would both "
+                                       "be that one module's style")
+        return out
     rows = h * m.top_k
     comm = [Collective("all_reduce", "forward", rows), Collective("all_reduce", "backward", rows)]
-    styles = {m.experts: FlatExpertsParallel() if m.flat else ExpertParallel(ep_dim="")}
+    if m.paired:
+        style = PairedExpertsParallel(**m.paired)
+    else:
+        style = FlatExpertsParallel() if m.flat else ExpertParallel(ep_dim="")
+    styles = {m.experts: style}
     if layout == "S":
         styles.update(_container(m, S))
         comm += _replicated_region_on_s(h)
@@ -49,7 +59,7 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
           f"down row-wise; router replicated"
     shards = dict(compute_shard=flops / (flops - eflops + eflops / t), param_shard=param_shard, activation_shard=1.0)
     out.append(Strategy("experts_tp", layout, styles, comm, reason=why, **shards))
-    if m.flat:   # flat (E * F, H) weights: their own style, no dense form
+    if m.flat or m.paired:   # flat (E * F, H) weights or an up/down pair: their own style, no dense form
         return out
     # experts that run every expert on tokens the block pre-scaled (Llama-4): the probe picks the
     # form the module's forward takes; the dense one moves every expert's copy of every token

@@ -4,10 +4,12 @@
 in_proj column-wise, the depthwise convolution, dt_proj, A_log and D on their channels, out_proj
 row-wise -- and all-reduces x_proj's partial (dt, B, C) in forward and their partial gradient in
 backward. Per layer that is Megatron's f/g pair on the stream plus one all-reduce each way of
-x_proj's output. Offered on a replicated stream only: on a sequence-sharded one the mixer's scan
-and convolution need the whole sequence (the planner keeps that stream off it). Whether the
-mixer's code is the Mamba-1 layout the style splits is checked by the probe (Falcon-H1's Mamba-2
-is rejected there, with the style's reason, and stays replicated).
+x_proj's output. A Mamba-2 mixer (Falcon-H1's) is split on its heads by the same style: every
+per-head piece and out_proj sharded, in_proj's and conv1d's packed weights kept whole (each rank
+computes its rows) with their gradients all-reduced in backward. Offered on a replicated stream
+only: on a sequence-sharded one the mixer's scan and convolution need the whole sequence (the
+planner keeps that stream off it). Whether the mixer's code is a layout the style splits (heads
+and groups dividing tp for Mamba-2) is checked by the probe.
 """
 from __future__ import annotations
 
@@ -27,6 +29,16 @@ def mamba_strategies(m: MambaUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
         return out
     if not m.channels or m.channels % t:
         out[0].extra["tp_excluded"] = f"mixer channels {m.channels} not divisible by tp={t}"
+        return out
+    if m.whole_param_bytes:   # Mamba-2: in_proj's and conv1d's weight gradients all-reduced, the rest sharded
+        total = max(m.work.param_bytes, 1)
+        comm = _ar_pair(blk.hidden_bytes) + [Collective("all_reduce", "backward", m.whole_param_bytes)]
+        out.append(Strategy("channels_sharded", "R", {m.rel: MambaMixerParallel()}, comm, compute_shard=t,
+                            param_shard=total / (m.whole_param_bytes + (total - m.whole_param_bytes) / t),
+                            activation_shard=t,
+                            reason="Mamba-2 mixer split on its heads: z/x/B/C/dt rows of in_proj and the conv "
+                                   "channels computed per rank from whole weights (their gradients all-reduced), "
+                                   "A_log, D, dt_bias and the norm per head, out_proj row-wise"))
         return out
     # x_proj's output all-reduced in forward; the partial gradients in backward, one all-reduce per
     # module they are last whole after (Jamba's three norms), else one at x_proj's output

@@ -409,15 +409,21 @@ def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: i
         return out
     if t > 1 and e.linear:
         k, uneven = uneven_shard(e.vocab, t), _uneven("vocabulary", e.vocab, t)
-        out.append(Strategy("vocab_sharded", "R", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=R)},
-                            [Collective("all_reduce", "forward", hidden_bytes)], param_shard=k, extra=dict(uneven),
-                            reason="vocabulary-sharded table, output all-reduced"))
+        # tables sharing the weight (a decoder's embed_tokens): the same vocabulary split, output whole
+        shared = {f: RowwiseParallel(input_layouts=R, output_layouts=R) for f in e.shared_tables}
+        also = [Collective("all_reduce", "forward", b) for b in e.shared_tables.values() if b]
+        why = f"; shared with {', '.join(e.shared_tables)}, each output all-reduced" if shared else ""
+        out.append(Strategy("vocab_sharded", "R", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=R), **shared},
+                            [Collective("all_reduce", "forward", hidden_bytes)] + also, param_shard=k,
+                            extra=dict(uneven), reason="vocabulary-sharded table, output all-reduced" + why))
         if e.shard_safe and seq_len % t == 0:
-            out.append(Strategy("vocab_sharded", "S", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=S)},
+            out.append(Strategy("vocab_sharded", "S", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=S),
+                                                       **shared},
                                 [Collective("reduce_scatter", "forward", hidden_bytes),
-                                 Collective("all_gather", "backward", hidden_bytes)], param_shard=k,
+                                 Collective("all_gather", "backward", hidden_bytes)] + also, param_shard=k,
                                 extra=dict(uneven),
-                                reason="vocabulary-sharded table, output reduce-scattered into the sequence shard"))
+                                reason="vocabulary-sharded table, output reduce-scattered into the sequence shard"
+                                       + why))
     return out
 
 

@@ -106,6 +106,7 @@ class MoeUnit:
     work: Work = field(default_factory=Work)          # the router's and the experts'
     expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
     flat: bool = False          # experts as flat (E * F, H) weights (DBRX): FlatExpertsParallel splits them
+    paired: dict | None = None  # experts as an up and a down module of 3-D weights (JetMoE): PairedExpertsParallel's args
 
 
 @dataclass
@@ -120,6 +121,9 @@ class MambaUnit:
     xproj_bytes: int
     work: Work = field(default_factory=Work)
     after_bytes: list[int] = field(default_factory=list)   # each ``after`` module's output bytes per call
+    # a Mamba-2 mixer (no x_proj): in_proj's and conv1d's weights stay whole (their packed parts differ in
+    # width), each rank computing its rows; these bytes of weight gradient are all-reduced in backward
+    whole_param_bytes: int = 0
 
 
 @dataclass
@@ -152,6 +156,9 @@ class EmbeddingInfo:
     work: Work
     shard_safe: bool            # may its output be sequence-sharded (no positions/masks derived outside blocks)
     shared_with: list[str] = field(default_factory=list)   # other modules using its weight (not the head)
+    # other embedding tables holding the same weight (T5's / BART's encoder and decoder embed_tokens and
+    # ``shared``): sharded with it, by the same style, so the one parameter keeps one layout; bytes each outputs
+    shared_tables: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,9 +225,9 @@ MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer directly in the block, or a sec
 
 
 def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
-    """The planner unit of a Mamba mixer (roles ``mamba`` entry). Whether its code is the Mamba-1
-    layout MambaMixerParallel splits is the style's check, run by the probe (a Mamba-2 mixer is
-    rejected there and stays replicated with that reason)."""
+    """The planner unit of a Mamba mixer (roles ``mamba`` entry). Whether its code is a layout
+    MambaMixerParallel splits (Mamba-1 on its channels, Mamba-2 on its heads) is the style's check,
+    run by the probe."""
     where = f"{rep}.{x['module']}"
     after = sorted(f[len(where) + 1:] for f, info in graph.modules.items()
                    if f.startswith(where + ".") and info.role == "mamba.part" and info.params
@@ -229,8 +236,14 @@ def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
         nodes = [n for n in graph.nodes if n.module == fqn and n.outputs]
         return nodes[-1].outputs[0].nbytes if nodes else 0
 
+    whole = 0
+    if f"{where}.x_proj" not in graph.modules:   # Mamba-2: in_proj and conv1d kept whole
+        own = work(where)
+        numel = sum(math.prod(shape) for f in (f"{where}.in_proj", f"{where}.conv1d") if f in graph.modules
+                    for shape in graph.modules[f].params.values())
+        whole = int(numel * own.param_bytes / max(own.params, 1))
     return MambaUnit(x["module"], int(x.get("channels") or 0), after, out_bytes(f"{where}.x_proj"), work(where),
-                     [out_bytes(f"{where}.{a}") for a in after])
+                     [out_bytes(f"{where}.{a}") for a in after], whole)
 
 
 def without_moe_units(st: "ModelStructure") -> "ModelStructure":
@@ -253,6 +266,11 @@ def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
         experts = work(f"{rep}.{e['experts']}")
         return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
                        work(f"{rep}.{e['router']}") + experts, experts, flat=True)
+    if e.get("paired"):
+        where, pair = f"{rep}.{e['experts']}", e["paired"]   # the container is the experts module: its whole work
+        return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
+                       work(where), work(f"{where}.{pair['up']}") + work(f"{where}.{pair['down']}"),
+                       paired=dict(pair))
     if not e.get("expert_params") or not e.get("experts"):
         return "its experts are a list of modules, not 3-D weights (split them with expert parallelism on an ep " \
                "dimension)"
@@ -405,6 +423,12 @@ def _head_modules(graph: ModelGraph) -> list[str]:
     return [h["module"] for h in graph.roles.get("lm_head", [])[:1]]
 
 
+def _output_bytes(graph: ModelGraph, module: str) -> int:
+    """Bytes a module's calls output (0 for a module holding a shared table that nothing calls)."""
+    return sum(n.outputs[0].nbytes for n in graph.nodes if n.module == module and n.outputs
+               and not any(m.module == module for m in graph.nodes if m.name in n.input_nodes))
+
+
 def _param_sharers(graph: ModelGraph, module: str, exclude: list[str]) -> list[str]:
     """Modules other than ``module`` and ``exclude`` that hold one of ``module``'s parameters
     (T5's encoder and decoder token embeddings share ``shared.weight``; BERT's LM head shares its
@@ -459,6 +483,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         for u in roles.get("attention_untraced", []):
             where = f"{rep}.{u['module']}" if u["module"] else rep
             not_units.append((where, f"an attention whose projections were not recognised ({u['why']})"))
+        for u in roles.get("routed_untraced", []):
+            not_units.append((f"{rep}.{u['module']}" if u["module"] else rep, u["why"]))
         moe = None
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
@@ -525,7 +551,10 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
     for e in graph.roles.get("embedding", [])[:1]:
         emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
                             work(e["module"]), shard_safe=not outside_positions)
-        emb.shared_with = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
+        sharers = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
+        if emb.linear:   # tables of the same class share its vocabulary-sharded semantics
+            emb.shared_tables = {f: _output_bytes(graph, f) for f in sharers if _type(graph, f) == _EMBEDDING}
+        emb.shared_with = [f for f in sharers if f not in emb.shared_tables]
     head = None
     for h in graph.roles.get("lm_head", [])[:1]:
         row = rows.get(h["module"], {})
@@ -536,6 +565,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         head = HeadInfo(h["module"], int(h["vocab"]), _type(graph, h["module"]) == _LINEAR, bool(h.get("tied")),
                         work(h["module"]), tokens, tokens * int(h["vocab"]) * dtype_bytes)
         emb_mods = [e["module"] for e in graph.roles.get("embedding", [])[:1]]
+        if head.tied and emb is not None:   # sharded with the embedding or not at all: its tables go with it
+            emb_mods += list(emb.shared_tables)
         head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods)
     final_norms = list(graph.roles.get("norms", []))
     fn_work = Work()

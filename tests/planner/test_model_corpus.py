@@ -19,8 +19,10 @@ SLICE = [
     ("gpt_neox", "dp2_tp2", "forced_S", ()),
     ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
+    # T5's one table shared by encoder.embed_tokens, decoder.embed_tokens and shared (and the head): sharded
+    # once, every table styled alike (issue 33)
     ("t5", "tp4", "default", ("attention:heads_sharded_local", "cross_attention:heads_sharded_local",
-                              "mlp:hidden_sharded")),
+                              "mlp:hidden_sharded", "embedding:vocab_sharded", "head:loss_parallel")),
     ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
     # a mesh without ep: each expert split on its ffn width over tp (ExpertParallel(ep_dim=""))
     ("mixtral", "tp4", "forced_R", ("moe:experts_tp",)),
@@ -33,6 +35,11 @@ SLICE = [
     ("dbrx", "dp2_tp2", "forced_S", ("attention:kv_replicated", "moe:experts_tp")),
     # issue 33: Jamba's Mamba-1 mixers split on their channels (MambaMixerParallel), its experts over tp
     ("jamba", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "mlp:hidden_sharded", "moe:experts_tp")),
+    # issue 33: JetMoE routes by token counts read from the data (capture gives each expert an even share of
+    # the rows); its MLP experts, an up and a down module of 3-D weights, split on F (PairedExpertsParallel)
+    ("jetmoe", "dp2_tp2", "default", ("moe:experts_tp",)),
+    # issue 33: Falcon-H1's Mamba-2 mixer split on its heads (one group at tp=2: each rank reads it whole)
+    ("falcon_h1", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "attention:heads_sharded", "mlp:hidden_sharded")),
     # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
     ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place

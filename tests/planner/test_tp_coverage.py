@@ -3,8 +3,8 @@ level -- the corpus slice (test_model_corpus.py) runs the sharded ones against o
 
 A state-space mixer (Falcon-H1's Mamba-2: in_proj -> depthwise conv -> scan -> gated out_proj)
 must not read as a gated MLP: sharding it as one would cut its packed z/x/B/C/dt columns blindly.
-It is recognised as its own unit (Jamba's Mamba-1 mixers are split on their channels: the corpus
-slice), and the block's real MLP is planned. A model
+It is recognised as its own unit (Jamba's Mamba-1 mixers are split on their channels, Falcon-H1's
+Mamba-2 on its heads: the corpus slice), and the block's real MLP is planned. A model
 capture cannot trace at all is planned data-parallel only -- and refused, naming the capture
 failure, when the user asks for tensor parallelism that cannot happen."""
 import pytest
@@ -16,7 +16,7 @@ from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError
 from autoplan.search.structure import model_structure
-from hyper_parallel import FlatExpertsParallel, PrepareHeadsInput
+from hyper_parallel import FlatExpertsParallel, PairedExpertsParallel, PrepareHeadsInput, style_from_dict
 from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
 from hyper_parallel.errors import DivisibilityError, StyleSpecError, UnsupportedModuleError
 from hyper_parallel.local import fake_world
@@ -39,11 +39,17 @@ def test_mamba_mixer_is_recognised_and_the_feed_forward_is_the_mlp():
     assert block.mlp.rel == "feed_forward" and block.attention.rel == "self_attn"
     assert block.mamba.rel == "mamba" and block.mamba.channels == 64 + 2 * 16   # conv over [x | B | C]
     assert not any(n.startswith("mamba") for n in block.norms), block.norms   # its gated norm is the mixer's
-    # a Mamba-2 mixer is no layout MambaMixerParallel splits: refused by its check, so the probe keeps it replicated
+    # a Mamba-2 mixer is split on its heads; one group is read whole by every rank -- unless a gated norm
+    # normalises over it (it would span ranks): refused, naming the groups
+    mixer = model.model.layers[0].mamba
     with fake_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        with pytest.raises(UnsupportedModuleError, match="Mamba-1"):
-            MambaMixerParallel().check_module(model.model.layers[0].mamba, mesh, "model.layers.0.mamba")
+        MambaMixerParallel().check_module(mixer, mesh, "model.layers.0.mamba")
+        with torch.device("meta"):
+            normed = transformers.FalconH1ForCausalLM(cfg.__class__(**{**cfg.to_dict(), "mamba_rms_norm": True}))
+        mixer = normed.model.layers[0].mamba
+        with pytest.raises(DivisibilityError, match="1 groups .n_groups. do not divide tp=2"):
+            MambaMixerParallel().check_module(mixer, mesh, "model.layers.0.mamba")
 
 
 class _CountRouted(nn.Module):
@@ -93,3 +99,25 @@ def test_flat_experts_and_divisor_styles_check_their_arguments():
             FlatExpertsParallel().check_module(Experts(4 * 6, 6), mesh, "ffn.experts")
     with pytest.raises(StyleSpecError, match="attribute_divisors"):
         PrepareHeadsInput(local_attributes=["num_heads"], attribute_divisors={"num_key_value_groups": 2})
+
+
+def test_paired_experts_style_checks_its_pair_and_round_trips():
+    """JetMoE-shaped experts: an up module (E, 2F, H) and a down module (E, H, F) in one container."""
+    class Pair(nn.Module):
+        def __init__(self, ffn):
+            super().__init__()
+            self.input_linear, self.output_linear = nn.Module(), nn.Module()
+            self.input_linear.weight = nn.Parameter(torch.zeros(3, 2 * ffn, 8))
+            self.output_linear.weight = nn.Parameter(torch.zeros(3, 8, ffn))
+
+    style = PairedExpertsParallel(up="input_linear", down="output_linear", packed=2)
+    assert style_from_dict(style.to_dict()) == style   # a plan file names it
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        style.check_module(Pair(8), mesh, "mlp")
+        with pytest.raises(DivisibilityError, match="expert ffn width F = 6"):
+            style.check_module(Pair(6), mesh, "mlp")
+        with pytest.raises(UnsupportedModuleError, match="not E experts"):
+            PairedExpertsParallel(up="input_linear", down="output_linear").check_module(Pair(8), mesh, "mlp")
+    with pytest.raises(StyleSpecError, match="two submodules"):
+        PairedExpertsParallel(up="x", down="x")

@@ -1,4 +1,7 @@
-"""MambaMixerParallel: a Mamba-1 mixer split on its inner channels over tp (Megatron's form for SSMs).
+"""MambaMixerParallel: a Mamba mixer split on its inner channels over tp (Megatron's form for SSMs).
+
+A Mamba-2 mixer (no x_proj; one packed in_proj) is split on its heads by ``mamba2_split``; the rest
+of this docstring is the Mamba-1 form.
 
 A Mamba-1 mixer (Jamba's ``JambaMambaMixer``; the Mamba / Falcon-Mamba mixers share the layout)
 projects the stream to ``[x | z]`` (``in_proj``, 2 x I channels), runs a depthwise convolution and
@@ -28,6 +31,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP
 from hyper_parallel.core.expert_parallel.layouts import local
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides, shard_dims
+from hyper_parallel.core.tensor_parallel.mamba2_split import apply_mamba2, check_mamba2, is_mamba2, mamba2_placements
 from hyper_parallel.errors import StyleSpecError, UnsupportedModuleError
 
 # parameter (path in the mixer) -> its placement on the tp mesh
@@ -44,7 +48,7 @@ def _param(module: nn.Module, path: str):
 
 
 class MambaMixerParallel(ParallelStyle):
-    """A Mamba-1 mixer split on its inner channels; see the module docstring."""
+    """A Mamba-1 mixer split on its inner channels, a Mamba-2 mixer on its heads; see the module docstring."""
 
     _args = {"replicated_after": None}
 
@@ -57,6 +61,11 @@ class MambaMixerParallel(ParallelStyle):
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         where = f"MambaMixerParallel on {fqn or '<root>'}"
+        if is_mamba2(module):
+            if self.replicated_after:
+                raise StyleSpecError(f"{where}: replicated_after names Mamba-1 norms; a Mamba-2 mixer has none")
+            check_mamba2(module, mesh, where)
+            return
         inner = getattr(module, "intermediate_size", None)
         if type(inner) is not int:
             raise UnsupportedModuleError(f"{where}: expected the inner width as an int intermediate_size")
@@ -83,9 +92,13 @@ class MambaMixerParallel(ParallelStyle):
         check_divides(inner, mesh, where, "the inner width (intermediate_size)")
 
     def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
+        if "x_proj.weight" not in params:   # a Mamba-2 mixer (no x_proj / dt_proj): split on heads
+            return shard_dims(mamba2_placements(params))
         return shard_dims({path: p for path, p in _PLACEMENTS.items() if path in params})
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
+        if is_mamba2(module):
+            return apply_mamba2(module, mesh, record, fqn)
         sharded = []
         for path, placement in _PLACEMENTS.items():
             owner, name, p = _param(module, path)

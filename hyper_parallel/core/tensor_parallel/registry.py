@@ -9,6 +9,7 @@ from typing import Any
 
 from hyper_parallel.core.expert_parallel.dense import DenseExpertsParallel
 from hyper_parallel.core.expert_parallel.flat import FlatExpertsParallel
+from hyper_parallel.core.expert_parallel.paired import PairedExpertsParallel
 from hyper_parallel.core.expert_parallel.style import ExpertParallel
 from hyper_parallel.core.context_parallel.style import ContextParallel
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
@@ -30,7 +31,7 @@ STYLES: dict[str, type[ParallelStyle]] = {
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
                 ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel,
-                DenseExpertsParallel, FlatExpertsParallel, MambaMixerParallel)
+                DenseExpertsParallel, FlatExpertsParallel, PairedExpertsParallel, MambaMixerParallel)
 }
 
 
