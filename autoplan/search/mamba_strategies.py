@@ -31,10 +31,11 @@ def mamba_strategies(m: MambaUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
         out[0].extra["tp_excluded"] = f"mixer channels {m.channels} not divisible by tp={t}"
         return out
     if m.whole_param_bytes:   # Mamba-2: in_proj's and conv1d's weight gradients all-reduced, the rest sharded
-        total = max(m.work.param_bytes, 1)
-        comm = _ar_pair(blk.hidden_bytes) + [Collective("all_reduce", "backward", m.whole_param_bytes)]
+        total, whole = max(m.work.param_bytes, 1), sum(m.whole_param_bytes)
+        comm = _ar_pair(blk.hidden_bytes) + [Collective("all_reduce", "backward", b, weight_grad=True)
+                                             for b in m.whole_param_bytes]
         out.append(Strategy("channels_sharded", "R", {m.rel: MambaMixerParallel()}, comm, compute_shard=t,
-                            param_shard=total / (m.whole_param_bytes + (total - m.whole_param_bytes) / t),
+                            param_shard=total / (whole + (total - whole) / t),
                             activation_shard=t,
                             reason="Mamba-2 mixer split on its heads: z/x/B/C/dt rows of in_proj and the conv "
                                    "channels computed per rank from whole weights (their gradients all-reduced), "

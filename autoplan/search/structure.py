@@ -122,8 +122,9 @@ class MambaUnit:
     work: Work = field(default_factory=Work)
     after_bytes: list[int] = field(default_factory=list)   # each ``after`` module's output bytes per call
     # a Mamba-2 mixer (no x_proj): in_proj's and conv1d's weights stay whole (their packed parts differ in
-    # width), each rank computing its rows; these bytes of weight gradient are all-reduced in backward
-    whole_param_bytes: int = 0
+    # width), each rank computing its rows; each of these parameters' gradients (bytes) is all-reduced in
+    # backward, one all-reduce per parameter as DTensor issues them
+    whole_param_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -236,12 +237,12 @@ def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
         nodes = [n for n in graph.nodes if n.module == fqn and n.outputs]
         return nodes[-1].outputs[0].nbytes if nodes else 0
 
-    whole = 0
+    whole: list[int] = []
     if f"{where}.x_proj" not in graph.modules:   # Mamba-2: in_proj and conv1d kept whole
         own = work(where)
-        numel = sum(math.prod(shape) for f in (f"{where}.in_proj", f"{where}.conv1d") if f in graph.modules
-                    for shape in graph.modules[f].params.values())
-        whole = int(numel * own.param_bytes / max(own.params, 1))
+        per = own.param_bytes / max(own.params, 1)
+        whole = [int(math.prod(shape) * per) for f in (f"{where}.in_proj", f"{where}.conv1d") if f in graph.modules
+                 for shape in graph.modules[f].params.values()]
     return MambaUnit(x["module"], int(x.get("channels") or 0), after, out_bytes(f"{where}.x_proj"), work(where),
                      [out_bytes(f"{where}.{a}") for a in after], whole)
 
