@@ -247,14 +247,23 @@ def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
                      [out_bytes(f"{where}.{a}") for a in after], whole)
 
 
+# why a TP search without MoE units leaves the experts alone: autoplan() on a mesh with an ep
+# dimension plans them by expert parallelism; plan_cluster's TP solution is shared by every ep
+# degree it searches, so it prices experts by expert parallelism at ep > 1 and replicated over tp
+# at ep = 1 (tensor-parallel experts on a fixed mesh without ep: autoplan(), experts_tp)
+MOE_NOT_A_TP_UNIT = ("a mixture-of-experts layer: planned by expert parallelism over an ep dimension; plan_cluster "
+                     "keeps experts whole over tp at ep = 1 (autoplan() on a fixed mesh without ep splits them over "
+                     "tp)")
+
+
 def without_moe_units(st: "ModelStructure") -> "ModelStructure":
-    """``st`` with its MoE layers as no tensor-parallel unit: on a mesh with an ep dimension the
-    experts are planned by expert parallelism, and the TP search keeps its stream away from them."""
+    """``st`` with its MoE layers as no tensor-parallel unit (see ``MOE_NOT_A_TP_UNIT``), the TP
+    search keeping its stream away from them."""
     blocks, not_units = [], list(st.not_units)
     for b in st.blocks:
         if b.moe is not None:
             not_units.append((f"{b.representative}.{b.moe.rel}" if b.moe.rel else b.representative,
-                              "a mixture-of-experts layer: planned by expert parallelism on the mesh's ep dimension"))
+                              MOE_NOT_A_TP_UNIT))
             b = dataclasses.replace(b, moe=None, other_work=b.other_work + b.moe.work)
         blocks.append(b)
     return dataclasses.replace(st, blocks=blocks, not_units=not_units)
