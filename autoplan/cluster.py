@@ -100,11 +100,13 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: 
 
 
 def _param_bytes_under(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None,
-                       prefixes: list[str]) -> int:
-    """Parameter bytes one rank holds of the modules under ``prefixes`` after TP, EP and FSDP."""
+                       prefixes: list[str], params: list[str] = ()) -> int:
+    """Parameter bytes one rank holds of the modules under ``prefixes``, and of the parameters named
+    in ``params``, after TP, EP and FSDP."""
     d = best.dp * best.cp if best.fsdp else 1
+    named = set(params)
     return sum(sh.fsdp_local_numel(d) * sh.dtype_bytes for sh in _shards(search, best, styles, ep)
-               if any(sh.fqn.startswith(p + ".") for p in prefixes))
+               if sh.fqn in named or any(sh.fqn.startswith(p + ".") for p in prefixes))
 
 
 def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
@@ -383,8 +385,9 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # a VL model's vision tower: stage 0 or MPipe (issues 20, 31)
         add_tower(tp_plan, model, search, best, placement=constraints.get("tower_placement"))
         if (tp_plan.pipeline.get("preprocess") or {}).get("placement") == "stage0":   # stage 0 holds the tower
+            side = trace_forward(search.meta)   # the tower, and a container's own parameter beside it
             tp_plan.pipeline["rank_param_bytes"][s2r[0]] += _param_bytes_under(
-                search, best, tp_plan.styles, ep_section, trace_forward(search.meta).side)
+                search, best, tp_plan.styles, ep_section, side.side, side.side_params)
         collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
         tp_plan.predictions = {
             "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),

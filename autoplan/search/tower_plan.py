@@ -123,8 +123,8 @@ def _tower_run(model: nn.Module, module: str, b: int, seq: int, dtype, then=None
     """Run the tower of ``model`` (the search's meta copy) on one micro-batch of ``b`` sequences:
     (its output tensors, ``then(outputs)`` -- evaluated while they are live)."""
     tokens = torch.zeros(b, seq, dtype=torch.long, device="meta")
-    kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs(model)(tokens).items()
-              if k != "input_ids"}
+    kwargs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in image_inputs(model)(tokens).items() if k != "input_ids"}
     tower = tower_module(model, module)
     if module != METHOD:
         with torch.enable_grad():

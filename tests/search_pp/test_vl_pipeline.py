@@ -43,6 +43,17 @@ def test_pipelined_vl_plan_equals_one_device(pool4, family, placement):
     assert result.passed, result.summary()
 
 
+def test_verify_predicts_llava_next_tower_on_stage_0_exactly():
+    """LLaVA-NeXT: a container's own parameter beside the tower (``image_newline``) lives on stage 0
+    with it, and its tiled image inputs (``image_sizes`` as a list) still let the planner read off
+    autograd which tower blocks run backward (the last, after ``vision_feature_layer``, does not)."""
+    with torch.device("meta"):
+        wide = build("llava_next", 32, 8)
+    plan = autoplan(wide, 4, batch=(8, 512), constraints={"pp": 2, "tp": 2, "tower_placement": "stage0"})
+    result = verify(plan, wide)
+    assert result.passed, (result.param_bytes, result.mismatches())
+
+
 def test_verify_predicts_the_tower_on_stage_0_exactly():
     """verify's dry run, every pipeline rank on a fake process group, with the step's images: the
     tower's TP all-reduces on stage 0's rank (its last CLIP layer, after LLaVA's feature layer,
