@@ -82,8 +82,10 @@ class SharedParameters:
                 buf /= dist.get_world_size(self.dp_group)
             for p in params:
                 if p.grad is None:
-                    p.grad = DTensor.from_local(buf.clone(), p.device_mesh, p.placements, run_check=False,
+                    # on the parameter's own device (a dry run keeps parameters on meta beside fake buffers)
+                    grad = buf.clone().to(_local(p).device)
+                    p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False,
                                                 shape=p.shape, stride=p.stride()) \
-                        if isinstance(p, DTensor) else buf.clone()
+                        if isinstance(p, DTensor) else grad
                 else:
                     _local(p.grad).copy_(buf)
