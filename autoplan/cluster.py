@@ -30,7 +30,8 @@ from autoplan.search.mesh_candidates import MESH_NAMES, Candidate, ranked_altern
 from autoplan.search.mesh_search import ClusterSearch, search_dtype
 from autoplan.search.pipeline_experts import ep_layer_rows, ep_sync_row, expert_shards
 from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
-from autoplan.search.plan_modes import with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
+from autoplan.search.plan_modes import REDUCE_BYTES, with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
+from autoplan.search.stage_params import param_homes, tied_copy_state, tied_holders
 from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
@@ -53,6 +54,18 @@ def _shards(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | Non
     return expert_shards(shards, search.moe_groups, ep, best.ep, best.tp) if best.ep > 1 else shards
 
 
+def _stage_params(search: ClusterSearch, best: Candidate) -> tuple[dict[str, set[int]], dict[str, str]]:
+    """(tied parameter -> the stages holding a copy, parameter under no unit -> the unit it lives
+    with) for the candidate's cuts (``autoplan.search.stage_params``); a VL tower's parameters are
+    the tower's (``add_tower`` counts them), not homed with a unit."""
+    names, graph = search.unit_names, search.graph(best.b, best.cp)
+    tied = tied_holders(graph, names, stage_bounds(best.choice.starts, len(names)))
+    side = trace_forward(search.meta)
+    homes = {f: u for f, u in param_homes(graph, names).items()
+             if f not in side.side_params and not any(f.startswith(m + ".") for m in side.side)}
+    return tied, homes
+
+
 def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict, ep: dict | None = None) -> list[dict]:
     """FSDP2 traffic of pipeline rank ``rank``, exactly as the pipeline runner wraps it: every
     block of its stages is a unit, each stage root holds the rest (embedding, norm, head)."""
@@ -62,11 +75,14 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict, 
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     units: dict[tuple, int] = {}
     unit_stage: dict[str, int] = {}
+    tied, homes = _stage_params(search, best)
     for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))):
         if s2r[s] != rank:
             continue
         for sh in shards:
-            if any(sh.fqn.startswith(u + ".") for u in names[a:b]):
+            if sh.fqn in tied:   # left out of FSDP: the schedule reduces it (stage_params)
+                continue
+            if homes.get(sh.fqn) in names[a:b] or any(sh.fqn.startswith(u + ".") for u in names[a:b]):
                 unit_stage[sh.unit] = s
                 key = (1, sh.unit) if sh.unit else (0, f"stage{s}")
                 units[key] = units.get(key, 0) + sh.fsdp_padded_numel(best.dp * best.cp) * sh.dtype_bytes
@@ -91,9 +107,14 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: 
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
     rank_of = {u: s2r[s] for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) for u in names[a:b]}
     d = best.dp * best.cp if best.fsdp else 1
+    tied, homes = _stage_params(search, best)
     out = [0] * c.p
     for sh in shards:
-        owners = {r for u, r in rank_of.items() if sh.fqn.startswith(u + ".")}
+        if sh.fqn in tied:   # a copy on every holding stage's rank, whole over dp (left out of FSDP)
+            for r in {s2r[s] for s in tied[sh.fqn]}:
+                out[r] += sh.fsdp_local_numel(1) * sh.dtype_bytes
+            continue
+        owners = {r for u, r in rank_of.items() if sh.fqn.startswith(u + ".") or homes.get(sh.fqn) == u}
         for r in owners:
             out[r] += sh.fsdp_local_numel(d) * sh.dtype_bytes
     return out
@@ -115,9 +136,14 @@ def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dic
     c = best.choice
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
-    mine = [u for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) if s2r[s] == rank for u in names[a:b]]
+    bounds = stage_bounds(c.starts, len(names))
+    mine = [u for s, (a, b) in enumerate(bounds) if s2r[s] == rank for u in names[a:b]]
     st = search.structure(best.b, best.cp)
-    rows, n = zero1_rows(search.graph(best.b, best.cp), styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine)
+    graph = search.graph(best.b, best.cp)
+    tied, homes = _stage_params(search, best)
+    copies = [f for f, stages in tied.items() if any(s2r[s] == rank for s in stages)]
+    copies += [f for f, home in homes.items() if home in mine]   # params under no unit
+    rows, n = zero1_rows(graph, styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine, copies)
     if best.dp_mode == "zero1":
         return rows
     return [Collective("all_reduce", "backward", n * st.dtype_bytes, dim="dp").to_row()]
@@ -173,6 +199,11 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
             agg[(col.kind, dim, col.phase, int(col.nbytes))] += per * (c.m if dim == "tp" else 1)
         for key, v in o.memory(ctx).items():
             mem[key] += v * k / len(targets)
+    extra = tied_copy_state(options, st, ctx) if c.p > 1 else None
+    for unit, add in zip((emb_i, head_i), extra or ()):   # a tied head's copy on its stage (stage_params)
+        if unit in mine:
+            for key, v in add.items():
+                mem[key] += v
     if c.p > 1:
         units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b, best.cp, best.ep)
         hidden = st.hidden_bytes
@@ -199,6 +230,16 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         # the runtime agrees on the input signature and the schedule's shape once per step
         # (one small int64 all-reduce on pp)
         agg[("all_reduce", "pp", "forward", AGREEMENT_BYTES)] += 1
+        # each tied parameter's gradient summed over the pipeline group (every pp rank takes part),
+        # and under FSDP averaged over dp (it is left out of FSDP)
+        tied, _ = _stage_params(search, best)
+        # 16-bit FSDP keeps fp32 master weights (with_mixed_precision), a tied copy's gradient too
+        mixed = best.fsdp and best.dp * best.cp > 1 and st.dtype_bytes < REDUCE_BYTES
+        for sh in (sh for sh in _shards(search, best, styles, ep) if sh.fqn in tied):
+            nbytes = sh.fsdp_local_numel(1) * (REDUCE_BYTES if mixed else sh.dtype_bytes)
+            agg[("all_reduce", "pp", "backward", nbytes)] += 1
+            if best.fsdp and best.dp * best.cp > 1:
+                agg[("all_reduce", ctx.dp_dim, "backward", nbytes)] += 1
         if best.cp > 1:
             _add_cp_rows(agg, search, best, rank, mine, stage_of, twice)
         if best.dp * best.cp > 1:

@@ -35,6 +35,7 @@ from autoplan.search.expert_plan import ExpertPlanning
 from autoplan.search.expert_search import OUR_EXPERT_RUNTIME, ExpertRuntime
 from autoplan.parallelisms.data import flat_name
 from hyper_parallel.parallel_dims import ParallelDims
+from autoplan.search.stage_params import add_tied_copy
 from autoplan.search.pipeline_search import (
     PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
     time_choice,
@@ -348,6 +349,8 @@ class ClusterSearch:
             restate_activations(acc, names, st, self.moe_groups_at(b, cp) if self.moe_groups else [], ctx,
                                 self.expert_runtime, tokens=b * self.seq // cp,
                                 rows={r["fqn"]: r for r in module_summary(self.graph(b, cp)).to_dict("records")})
+        if pp > 1:
+            add_tied_copy(acc, options, st, ctx, emb_i, head_i)
         units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
         p2p_bytes = hidden / (tp if layout == "S" else 1)

@@ -26,6 +26,8 @@ hold the plan to it byte for byte:
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from autoplan.capture.ir import ModelGraph
 from autoplan.errors import PlanningError
 from autoplan.parallelisms.data import flat_name, grad_dims
@@ -53,12 +55,13 @@ def with_recompute(plan: Plan, structure: ModelStructure, mode: str) -> Plan:
 
 
 def zero1_rows(graph: ModelGraph, styles: dict, tp: int, block_prefixes: list[str], dp: int, dp_dim: str,
-               units: list[str] | None = None) -> tuple[list[dict], int]:
+               units: list[str] | None = None, also: Sequence[str] = ()) -> tuple[list[dict], int]:
     """(the two ZeRO-1 collectives of one step, parameter elements on this rank) for the
-    parameters of ``units`` (module FQN prefixes; None: all)."""
+    parameters of ``units`` (module FQN prefixes; None: all) and those named in ``also`` (a tied
+    parameter's copy a later stage holds, counted under its first name)."""
     shards = param_shards(graph, styles, tp, block_prefixes)
     if units is not None:
-        shards = [s for s in shards if any(s.fqn.startswith(u + ".") for u in units)]
+        shards = [s for s in shards if s.fqn in also or any(s.fqn.startswith(u + ".") for u in units)]
     n = sum(s.fsdp_local_numel(1) for s in shards)
     padded = -(-n // dp) * dp
     pbytes = shards[0].dtype_bytes if shards else 4

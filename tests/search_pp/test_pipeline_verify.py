@@ -6,8 +6,9 @@ micro-batch, the runtime's signature all-reduce -- and parameter bytes per rank.
 including those with two stages on a rank (Interleaved1F1B, ZBV)."""
 import pytest
 import torch
+import transformers
 
-from autoplan import plan_cluster
+from autoplan import autoplan, plan_cluster
 from autoplan.errors import AutoplanError
 from autoplan.verify.dry_run import verify
 from autoplan.verify.pipeline_dry_run import verify_pipeline
@@ -158,3 +159,25 @@ def test_split_backward_with_fsdp_predicts_repaired_norm_reductions_once():
     assert res.passed, res.mismatches()
     small = res.collectives[(res.collectives["kind"] == "all_reduce") & (res.collectives["bytes"] == 256)]
     assert len(small) and (small["issued"] > 0).all()
+
+
+@pytest.mark.parametrize("cons", [{"pp": 2, "tp": 2, "schedule": "1F1B"},
+                                  {"pp": 2, "dp": 2, "schedule": "1F1B", "dp_mode": "fsdp"},
+                                  {"pp": 2, "dp": 2, "schedule": "1F1B", "dp_mode": "zero1"}],
+                         ids=["tp2", "fsdp_dp2", "zero1_dp2"])
+def test_a_head_tied_across_stages_is_predicted_where_the_runtime_keeps_it(cons):
+    """GPT-2 cut in two: the last stage holds a copy of the tied embedding as its LM head, whose
+    gradient the schedule sums over pp (and, left out of FSDP, averages over dp), and the first
+    stage holds the position table no planner unit owns (it lives where it runs). Every rank's
+    parameter bytes and collectives, and the head's stage's memory counts the copy."""
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=512, n_head=8, n_layer=4,
+                                                                     vocab_size=32768, n_positions=512))
+    plan = autoplan(model, 4, batch=(8, 512), constraints=cons)
+    result = verify(plan, model)
+    assert result.passed, (result.param_bytes, result.mismatches())
+    per_rank = result.param_bytes["per_rank"]
+    table = 32768 * 512 * (4 if cons.get("dp_mode") == "fsdp" else 2) // (2 if "tp" in cons else 1)
+    assert per_rank[1]["issued"] > table    # the copy is on the last stage
+    stages = plan.pipeline["per_stage"]
+    assert stages[-1]["memory_bytes"] > 2 * table   # and in its memory: parameters and gradients at least

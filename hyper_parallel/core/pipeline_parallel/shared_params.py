@@ -49,6 +49,11 @@ class SharedParameters:
             self.entries.append((gi, owner, params))
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, described, group=group)
+        if all(d is None for d in gathered):
+            # nothing came back, not even this rank's own list: a fake process group (a dry run).
+            # Pipeline peers shard a parameter alike, so this rank's copies describe the group; a
+            # group it holds no copy of stays unknown and fails below, naming it
+            gathered = [described]
         self.shapes = []
         for gi in range(len(groups)):
             seen = {d[gi] for d in gathered if d[gi] is not None}
