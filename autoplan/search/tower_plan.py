@@ -70,11 +70,16 @@ def tower_module(model: nn.Module, module: str) -> nn.Module:
 
 
 def _side_bytes(model: nn.Module, styles: dict, tp: int) -> dict[torch.dtype, int]:
-    """Bytes per dtype of the local shards of a forward-split model's tower (its side modules)."""
+    """Bytes per dtype of the local shards of a forward-split model's tower (its side modules, and a
+    container's own parameter beside them: LLaVA-NeXT's ``image_newline``, whole on every rank)."""
     out: Counter = Counter()
-    for fqn in trace_forward(model).side:
+    trace = trace_forward(model)
+    for fqn in trace.side:
         for dtype, n in local_tower_bytes(model.get_submodule(fqn), fqn, styles, tp).items():
             out[dtype] += n
+    for fqn in trace.side_params:
+        p = model.get_parameter(fqn)
+        out[p.dtype] += p.numel() * p.element_size()
     return dict(out)
 
 

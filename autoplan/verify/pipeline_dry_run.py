@@ -128,7 +128,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
                     module = plan.pipeline["preprocess"]["module"]
                     tower = ImageFeatures(shapes_model) if module == METHOD else shapes_model.get_submodule(module)
                     out = tower(**tower_kw)
-                    mb0[pre.into] = pre.unpack(flatten(out, "tower")) if pre.unpack else out
+                    # unpacked by the tower that just ran: it knows how its output is laid out
+                    mb0[pre.into] = tower.unpack(flatten(out, "tower")) if pre.unpack else out
                 boundaries["metas"] = local_boundaries(shapes_model, list(plan.pipeline["cuts"]), tp_mesh,
                                                        mb_args[0], mb_kwargs[0], device="cpu")
             runner.schedule.boundary_metas = boundaries["metas"]

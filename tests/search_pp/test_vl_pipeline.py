@@ -43,13 +43,17 @@ def test_pipelined_vl_plan_equals_one_device(pool4, family, placement):
     assert result.passed, result.summary()
 
 
-def test_verify_predicts_llava_next_tower_on_stage_0_exactly():
-    """LLaVA-NeXT: a container's own parameter beside the tower (``image_newline``) lives on stage 0
-    with it, and its tiled image inputs (``image_sizes`` as a list) still let the planner read off
-    autograd which tower blocks run backward (the last, after ``vision_feature_layer``, does not)."""
+@pytest.mark.parametrize("family,placement", [("llava_next", "stage0"), ("llava_next", "mpipe"),
+                                              ("paligemma", "stage0")])
+def test_verify_predicts_vl_pipelines_exactly(family, placement):
+    """LLaVA-NeXT: a container's own parameter beside the tower (``image_newline``) lives with the
+    tower (stage 0, or every rank's MPipe copy whose gradients are all-reduced over pp), and its
+    tiled image inputs (``image_sizes`` as a list) still let the planner read off autograd which
+    tower blocks run backward. MPipe's header is read on fake tensors as the tower laid it out.
+    PaliGemma: the head tied to the embedding has a copy on the last stage (stage_params)."""
     with torch.device("meta"):
-        wide = build("llava_next", 32, 8)
-    plan = autoplan(wide, 4, batch=(8, 512), constraints={"pp": 2, "tp": 2, "tower_placement": "stage0"})
+        wide = build(family, 32, 8)
+    plan = autoplan(wide, 4, batch=(8, 512), constraints={"pp": 2, "tp": 2, "tower_placement": placement})
     result = verify(plan, wide)
     assert result.passed, (result.param_bytes, result.mismatches())
 

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.nn as nn
 
 from hyper_parallel.core.pipeline_parallel.forward_split import IMAGE_FEATURES, TOWER_INPUT_PREFIX, attach, trace_forward
@@ -85,12 +86,21 @@ class ImageFeatures(nn.Module):
             raise PipelineError(f"ImageFeatures: {type(self._model).__name__}.{METHOD} returned no pooler_output "
                                 f"or *_features tensors ({type(out).__name__})")
         header = torch.tensor(list(json.dumps(layout).encode()), dtype=torch.uint8, device=tensors[0].device)
+        object.__setattr__(self, "layout", layout)   # the last call's, for a caller holding no values (a dry run)
         return (header, *tensors)
 
-    @staticmethod
-    def unpack(tensors: Sequence[torch.Tensor]) -> SimpleNamespace:
-        """The tower output stage 0 hands the forward (attribute access, as a ModelOutput)."""
-        layout = json.loads(bytes(tensors[0].to("cpu").tolist()).decode())
+    def unpack(self, tensors: Sequence[torch.Tensor], layout: dict | None = None) -> SimpleNamespace:
+        """The tower output stage 0 hands the forward (attribute access, as a ModelOutput), its layout
+        read from the header. A header that holds no values (a dry run on fake or meta tensors) is
+        read as this tower's last call laid its output out (every micro-batch's is the same)."""
+        header = tensors[0]
+        if layout is None and (header.is_meta or is_fake(header)):
+            layout = getattr(self, "layout", None)
+            if layout is None:
+                raise PipelineError("ImageFeatures.unpack: the header holds no values (fake or meta tensors) and "
+                                    "this tower has not run yet to say how its output is laid out")
+        if layout is None:
+            layout = json.loads(bytes(header.to("cpu").tolist()).decode())
         fields, i = {}, 1
         for key, n in layout.items():
             if n < 0:
