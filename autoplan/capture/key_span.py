@@ -29,11 +29,12 @@ CHUNK = "chunk"     # each query sees the earlier keys of its own ``span``-long 
 
 def key_span(module: nn.Module) -> tuple[str, int] | tuple[()]:
     """(WINDOW or CHUNK, length) of ``module``'s attention, or () for full (causal) attention."""
-    w = getattr(module, "sliding_window", None)
+    own = vars(module)   # plain attributes only: nn.Module's __getattr__ fallback is slow on a miss
+    w = own.get("sliding_window")
     if _length(w):
         return (WINDOW, int(w))
-    idx = getattr(module, "layer_idx", None)
-    config = getattr(module, "config", None)
+    idx = own.get("layer_idx")
+    config = own.get("config")
     types = getattr(config, "layer_types", None) if config is not None else None
     if types is None and isinstance(idx, int) and _length(getattr(config, "sliding_window", None)) \
             and getattr(config, "use_sliding_window", True) is not False:
