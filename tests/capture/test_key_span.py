@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from autoplan.capture import capture
+from autoplan.capture.key_span import key_span
 from autoplan.search.unit_work import module_work
 from cost_models.compute import ATTENTION_CAUSAL, attention_time, causal_density
 from cost_models.hardware import load_hardware
@@ -66,3 +67,41 @@ def test_density_hand_counts():
     assert causal_density(S, S, ("chunk", W)) == pytest.approx(4 * W * W / 2 / S ** 2)   # Llama-4's chunks
     assert causal_density(S, S, ("window", 2 * S)) == 0.5                              # a window past S: causal
     assert causal_density(S, 2 * S, ("window", W)) == 1.0                              # cross-attention: whole
+
+
+def _mask_of(span: tuple, s: int) -> torch.Tensor:
+    q, k = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    keep = k <= q
+    if span and span[0] == "window":
+        keep &= k > q - span[1]
+    elif span and span[0] == "chunk":
+        keep &= k // span[1] == q // span[1]
+    return keep
+
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=100)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: transformers.MistralConfig(**SMALL, num_hidden_layers=1, sliding_window=16),
+    lambda: transformers.Gemma3TextConfig(**SMALL, num_hidden_layers=6, sliding_window=16),
+    lambda: transformers.Llama4TextConfig(**SMALL, intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=2,
+                                          attention_chunk_size=16),
+    lambda: transformers.GptOssConfig(**SMALL, num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1,
+                                      sliding_window=16),
+], ids=["mistral", "gemma3", "llama4", "gpt_oss"])
+def test_key_span_is_the_mask_the_model_applies(make):
+    """The span capture records for each layer is the mask the model really applies (eager, on CPU:
+    the keys with nonzero attention weight), layer by layer."""
+    torch.manual_seed(0)
+    cfg = make()
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    s = 64
+    with torch.no_grad():
+        out = model(torch.randint(0, 100, (1, s)), output_attentions=True)
+    spans = [key_span(layer.self_attn) for layer in model.model.layers]
+    assert any(spans)
+    for span, probs in zip(spans, out.attentions):
+        assert torch.equal(probs[0, 0] > 0, _mask_of(span, s)), span
