@@ -216,15 +216,16 @@ def attention_time(hardware: HardwareProfile, peak: float, flops: float, s_q: fl
     one it is a GEMM of shape (s_q, s_k, head_dim) over the whole matrix (K = head_dim runs at
     half efficiency on the curve -- what the profile would say of two batched GEMMs).
     ``density`` (:func:`causal_density`), where given, is the fraction of the matrix the kernel
-    computes under its mask -- a sliding window's or a chunk's band -- in place of the causal half:
+    computes under its mask -- a sliding window's or a chunk's band -- in place of the causal half
+    (self-attention as captured, s_q == s_k; a query shard of it is priced whole, as without one):
     a flash-class kernel skips the tiles outside the band (FlashAttention's ``window_size``), at
     the same measured efficiency (the profile holds no windowed-kernel measurement; see
     docs/attention_window.md); the unfused path computes the whole matrix whatever the mask."""
     eff = hardware.efficiency
     if eff.attention <= 0:
         return flops / (peak * gemm_efficiency(hardware, s_q, s_k, head_dim))
-    if density is None:
-        density = 0.5 if causal and s_q == s_k else 1.0
+    if density is None or s_q != s_k:   # queries split over ranks (split_tokens): the busiest rank's
+        density = 0.5 if causal and s_q == s_k else 1.0   # rows see every key, as before
     work = flops * density
     shape = (s_q / (s_q + eff.dim_half)) * (s_k / (s_k + eff.dim_half))
     # ``attention`` is measured at head dim 128; a narrower head does less work per tile load
