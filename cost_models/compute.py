@@ -187,19 +187,46 @@ ATTENTION = "attention"            # gemm_split tag of a fused-attention op (ful
 ATTENTION_CAUSAL = "attention_causal"   # ... of one under a causal mask (half the scores computed)
 
 
+def causal_density(s_q: float, s_k: float, span: tuple = ()) -> float:
+    """Fraction of the (s_q x s_k) score matrix a causal self-attention kernel computes when each
+    query sees ``span`` (autoplan.capture.key_span): () every earlier key, S^2/2 of S^2;
+    ("window", w) the last w keys, S*w - w^2/2 (the band: the first w rows a triangle, the rest w
+    each); ("chunk", c) the earlier keys of its chunk, c^2/2 per full chunk. As for the plain
+    causal half, the diagonal's S/2 is not counted. A span at least S long is the causal half;
+    cross-attention (s_q != s_k) computes the whole matrix."""
+    if s_q != s_k or s_q <= 0:
+        return 1.0
+    s = float(s_q)
+    kind, n = (span[0], float(span[1])) if len(span) == 2 else ("", s)
+    if n >= s or kind not in ("window", "chunk"):
+        return 0.5
+    if kind == "window":
+        return (s * n - n * n / 2.0) / (s * s)
+    full, rest = divmod(s, n)
+    return (full * n * n / 2.0 + rest * rest / 2.0) / (s * s)
+
+
 def attention_time(hardware: HardwareProfile, peak: float, flops: float, s_q: float, s_k: float,
-                   head_dim: float, causal: bool) -> float:
+                   head_dim: float, causal: bool, density: float | None = None) -> float:
     """Seconds of a fused attention kernel whose full-score-matrix FLOPs are ``flops`` (torch's
     SDPA formula, which does not discount a causal mask). With a measured kernel efficiency
     (``efficiency.attention``, a flash-class kernel benchmark) the kernel does the causal half of
     the work under a causal mask (FlashAttention skips the masked tiles) at that efficiency,
     times the GEMM shape curve of the two sequence axes (short sequences leave SMs idle); without
     one it is a GEMM of shape (s_q, s_k, head_dim) over the whole matrix (K = head_dim runs at
-    half efficiency on the curve -- what the profile would say of two batched GEMMs)."""
+    half efficiency on the curve -- what the profile would say of two batched GEMMs).
+    ``density`` (:func:`causal_density`), where given, is the fraction of the matrix the kernel
+    computes under its mask -- a sliding window's or a chunk's band -- in place of the causal half
+    (self-attention as captured, s_q == s_k; a query shard of it is priced whole, as without one):
+    a flash-class kernel skips the tiles outside the band (FlashAttention's ``window_size``), at
+    the same measured efficiency (the profile holds no windowed-kernel measurement; see
+    docs/attention_window.md); the unfused path computes the whole matrix whatever the mask."""
     eff = hardware.efficiency
     if eff.attention <= 0:
         return flops / (peak * gemm_efficiency(hardware, s_q, s_k, head_dim))
-    work = flops * (0.5 if causal and s_q == s_k else 1.0)
+    if density is None or s_q != s_k:   # queries split over ranks (split_tokens): the busiest rank's
+        density = 0.5 if causal and s_q == s_k else 1.0   # rows see every key, as before
+    work = flops * density
     shape = (s_q / (s_q + eff.dim_half)) * (s_k / (s_k + eff.dim_half))
     # ``attention`` is measured at head dim 128; a narrower head does less work per tile load
     # (FlashAttention-3 Fig. 5: causal forward at head dim 64 ~77 % of head dim 128's speed; the

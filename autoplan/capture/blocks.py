@@ -17,6 +17,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from autoplan.capture.ir import BlockGroup, ModuleInfo
+from autoplan.capture.key_span import key_span
 from hyper_parallel.core.short_stack import short_stacks
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D, is_conv1d
 
@@ -86,6 +87,7 @@ def module_tree(model: nn.Module) -> tuple[dict[str, ModuleInfo], list[list[str]
             children=[f"{fqn}.{c}" if fqn else c for c, _ in mod.named_children()],
             nn_base=nn_base(mod),
             size_attrs=size_attributes(mod, configs),
+            key_span=key_span(mod),
         )
     owners: dict[int, list[str]] = defaultdict(list)
     numels: dict[int, int] = {}

@@ -107,6 +107,9 @@ class ModuleInfo:
     # integer attributes named like head counts or widths, the module's own and its config's
     # ("config.num_attention_heads"): what its code may cut tensors by (blocks.size_attributes)
     size_attrs: dict[str, int] = field(default_factory=dict)
+    # the keys its attention core lets each query see (autoplan.capture.key_span): ("window", w),
+    # ("chunk", c), or () for every earlier key -- what the cost model prices the core's band by
+    key_span: tuple = ()
 
 
 @dataclass
@@ -233,7 +236,8 @@ class ModelGraph:
             nodes=nodes,
             edges=[Edge(**{**e, "shape": tuple(e["shape"])}) for e in data["edges"]],
             modules={
-                k: ModuleInfo(**{**v, "params": {p: tuple(s) for p, s in v["params"].items()}})
+                k: ModuleInfo(**{**v, "params": {p: tuple(s) for p, s in v["params"].items()},
+                                 "key_span": tuple(v.get("key_span", ()))})
                 for k, v in data["modules"].items()
             },
             blocks=[BlockGroup(**b) for b in data["blocks"]],

@@ -121,7 +121,8 @@ class CostContext:
             gflops += f
             if split and split[0] in (ATTENTION, ATTENTION_CAUSAL):   # heads are its batch: a shard divides f
                 sq = m / shard if split_tokens else m
-                t += attention_time(hw, peak, f, sq, n, k, split[0] == ATTENTION_CAUSAL)
+                t += attention_time(hw, peak, f, sq, n, k, split[0] == ATTENTION_CAUSAL,
+                                    split[1] if len(split) > 1 else None)
                 continue
             dims = (m / shard, n, k) if split_tokens else sharded_gemm_dims(m, n, k, split[0] if split else "", shard)
             t += f / (peak * gemm_efficiency(hw, *dims))

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary
-from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, gemm_shape_dims, gemm_split, is_attention_op
+from cost_models.compute import (
+    ATTENTION, ATTENTION_CAUSAL, causal_density, gemm_shape_dims, gemm_split, is_attention_op,
+)
 
 
 @dataclass
@@ -72,11 +74,11 @@ def work_of(graph: ModelGraph, fqn: str, rows: dict) -> Work:
                 pbytes += n * 4  # refined by the caller with the model dtype
     fwd_bytes = float(row["bytes_read"] + row["bytes_written"])
     causal = causal_lm(graph)
-    gemms, other = _op_classes(nodes, causal)
+    gemms, other = _op_classes(nodes, causal, graph.modules)
     core_nodes = [n for n in nodes if n.module == fqn]
     core = None
     if core_nodes and any(_op_classes([n])[0] for n in core_nodes):  # a module that runs its own matmuls
-        cg, co = _op_classes(core_nodes, causal)
+        cg, co = _op_classes(core_nodes, causal, graph.modules)
         saved = sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs) if n.saved_for_backward else 0)
                     for n in core_nodes)
         core = Work(flops=float(sum(n.flops_fwd + n.flops_bwd for n in core_nodes)), bytes=0.0,
@@ -120,26 +122,36 @@ def causal_lm(graph: ModelGraph) -> bool:
     return graph.model_type.endswith(_CAUSAL_ROOTS)
 
 
-def _attention_tag(n, dims, causal_model: bool) -> str:
-    """ATTENTION_CAUSAL for a fused attention op computing a causal mask's half of the scores
-    (``is_causal=True``, or self-attention of a causal LM: s_q == s_k), else ATTENTION."""
+def _attention_tag(n, dims, causal_model: bool, span: tuple = ()) -> tuple[str, float]:
+    """(tag, density) of a fused attention op: ATTENTION_CAUSAL for one computing a causal mask's
+    band of the scores (``is_causal=True``, or self-attention of a causal LM: s_q == s_k), the
+    band narrowed by its module's key span (a sliding window or chunk, ``ModuleInfo.key_span``);
+    else ATTENTION, the whole matrix. The density is the fraction of the (s_q x s_k) matrix it
+    computes (cost_models.compute.causal_density)."""
     causal = isinstance(n.kwargs, dict) and bool(n.kwargs.get("is_causal"))
     causal = causal or (causal_model and dims[0] == dims[1])
-    return ATTENTION_CAUSAL if causal else ATTENTION
+    if not causal:
+        return ATTENTION, 1.0
+    return ATTENTION_CAUSAL, causal_density(dims[0], dims[1], span)
 
 
-def _op_classes(nodes, causal_model: bool = False) -> tuple[tuple, float]:
+def _op_classes(nodes, causal_model: bool = False, modules: dict | None = None) -> tuple[tuple, float]:
     """(GEMM entries (flops, M, N, K, split), bytes of the other non-view ops, backward counted as
     twice the forward as for ``Work.bytes``). A fused attention op's split is its attention tag
-    (``cost_models.compute.ATTENTION`` / ``ATTENTION_CAUSAL``), priced by ``attention_time``."""
+    (``cost_models.compute.ATTENTION`` / ``ATTENTION_CAUSAL``) followed by the fraction of its
+    score matrix it computes (by its module's key span, from ``modules``: FQN -> ModuleInfo),
+    priced by ``attention_time``."""
     gemms, other = [], 0.0
     for n in nodes:
         short = n.op.split(".")[1] if n.op.count(".") >= 1 else n.op
         dims = gemm_shape_dims(short, [tuple(t.shape) for t in n.inputs])
         if dims is not None and n.flops_fwd > 0:
-            split = _attention_tag(n, dims, causal_model) if is_attention_op(short) else \
-                gemm_split(*dims, bool(n.params))
-            gemms.append((float(n.flops_fwd + n.flops_bwd), *dims, split))
+            f = float(n.flops_fwd + n.flops_bwd)
+            if is_attention_op(short):
+                info = modules.get(n.module) if modules else None
+                gemms.append((f, *dims, *_attention_tag(n, dims, causal_model, info.key_span if info else ())))
+            else:
+                gemms.append((f, *dims, gemm_split(*dims, bool(n.params))))
         elif not _is_view(n.op):
             other += 3.0 * float(n.bytes_read + n.bytes_written)
     return tuple(gemms), other
