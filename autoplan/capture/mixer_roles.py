@@ -162,7 +162,7 @@ def paired_experts(flow, role, per_block, rep_of, claimed) -> None:
             "paired": {"up": up.module[len(c.module) + 1:], "down": down.module[len(c.module) + 1:],
                        "up_dim": up_dim, "down_dim": down_dim, "packed": width // ffn, "weight": weight}})
     for c in outer:   # no MoE container itself, nor inside one: JetMoE's attention with its mixture of query experts
-        if role.get(c.module) == "moe" or any(role.get(f) == "moe" and c.module.startswith(f + ".") for f in role) \
+        if role.get(c.module) in ("moe", "attention") or any(role.get(f) == "moe" and c.module.startswith(f + ".") for f in role) \
                 or any(o.module.startswith(c.module + ".") and role.get(o.module) != "moe" for o in outer):
             continue   # the innermost such call only (the attention, not the block around it)
         base = rep_of.get(c.block, "")
