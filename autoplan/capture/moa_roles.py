@@ -118,10 +118,11 @@ def _read(flow, c, calls):
 
 
 def _head_width(graph, c, width: int) -> int:
-    """The width of one head: the last dimension of a table the call receives besides its hidden
-    input (the rotary cos/sin applied per head) that divides ``width``; a width attribute of the
+    """The width of one head: the last dimension of a floating table (batch, seq, width) the call
+    receives besides its hidden input (the rotary cos/sin applied per head) that divides ``width``; a width attribute of the
     module (``head_dim``) must agree when it holds one."""
-    tables = {m.shape[-1] for m in c.inputs[1:] if len(m.shape) >= 2 and m.shape[-1] < width and width % m.shape[-1] == 0}
+    tables = {m.shape[-1] for m in c.inputs[1:]
+              if len(m.shape) >= 3 and "float" in m.dtype and m.shape[-1] < width and width % m.shape[-1] == 0}
     attrs = graph.modules[c.module].size_attrs if c.module in graph.modules else {}
     named = {v for k, v in attrs.items() if "." not in k and "head" in k.lower() and "dim" in k.lower()}
     if len(tables) == 1 and (not named or named == tables):
