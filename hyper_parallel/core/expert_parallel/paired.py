@@ -102,6 +102,12 @@ class PairedExpertsParallel(ParallelStyle):
                                              f"attribute of {type(module).__name__}")
             check_divides(value, mesh, where, name)
 
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
+        """The up weight on ``up_dim`` (strided when ``packed``), the down weight on ``down_dim``."""
+        out = {f"{self.up}.{self.weight}": (self.up_dim, self.packed > 1),
+               f"{self.down}.{self.weight}": (self.down_dim, False)}
+        return {k: v for k, v in out.items() if k in params}
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         up, down, _, _ = self._weights(module, fqn)
         up_place = _StridedShard(self.up_dim, split_factor=self.packed) if self.packed > 1 else Shard(self.up_dim)
