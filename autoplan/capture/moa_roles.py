@@ -119,8 +119,8 @@ def _read(flow, c, calls):
 
 def _head_width(graph, c, width: int) -> int:
     """The width of one head: the last dimension of a floating table (batch, seq, width) the call
-    receives besides its hidden input (the rotary cos/sin applied per head) that divides ``width``; a width attribute of the
-    module (``head_dim``) must agree when it holds one."""
+    receives besides its hidden input (the rotary cos/sin applied per head) that divides
+    ``width``; a width attribute of the module (``head_dim``) must agree when it holds one."""
     tables = {m.shape[-1] for m in c.inputs[1:]
               if len(m.shape) >= 3 and "float" in m.dtype and m.shape[-1] < width and width % m.shape[-1] == 0}
     attrs = graph.modules[c.module].size_attrs if c.module in graph.modules else {}
