@@ -63,7 +63,7 @@ class _MetaEager(TorchDispatchMode):
             self._note("nonzero")
             return torch.empty((0, args[0].dim()), dtype=torch.long, device=args[0].device)
         if on_meta and func in _SPLITS and self.data_dependent:
-            args = _even_split(func, args, kwargs, self._note)
+            args = even_split(func, args, kwargs, self._note)
         if on_meta and func is getattr(aten._grouped_mm, "default", None):
             out = _grouped_mm_shape(*args, **kwargs)  # the meta kernel insists on bf16
         else:
@@ -81,7 +81,7 @@ class _MetaEager(TorchDispatchMode):
 _SPLITS = (aten.split_with_sizes.default, aten.split_with_sizes_copy.default)
 
 
-def _even_split(func, args: tuple, kwargs: dict, note) -> tuple:
+def even_split(func, args: tuple, kwargs: dict, note) -> tuple:
     """The sizes of a split that cannot hold (they do not add up to the dimension split) once values
     were answered with placeholders: routing by token counts read as zeros (JetMoE's
     ``x.split(expert_size.tolist())``). Each part gets an even share of the dimension instead, as a

@@ -161,8 +161,11 @@ def paired_experts(flow, role, per_block, rep_of, claimed) -> None:
             "num_experts": e, "top_k": top_k, "expert_params": [], "ffn": ffn,
             "paired": {"up": up.module[len(c.module) + 1:], "down": down.module[len(c.module) + 1:],
                        "up_dim": up_dim, "down_dim": down_dim, "packed": width // ffn, "weight": weight}})
-    for c in outer:   # no MoE container itself, nor inside one: JetMoE's attention with its mixture of query experts
-        if role.get(c.module) == "moe" or any(role.get(f) == "moe" and c.module.startswith(f + ".") for f in role) \
+    # no MoE container itself, nor inside one, nor a mixture of attention heads moa_roles read: such an
+    # attention whose heads could not be read (no position table giving the head width)
+    for c in outer:
+        if role.get(c.module) in ("moe", "attention") or \
+                any(role.get(f) == "moe" and c.module.startswith(f + ".") for f in role) \
                 or any(o.module.startswith(c.module + ".") and role.get(o.module) != "moe" for o in outer):
             continue   # the innermost such call only (the attention, not the block around it)
         base = rep_of.get(c.block, "")

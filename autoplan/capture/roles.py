@@ -17,6 +17,7 @@ from autoplan.capture.aliases import aliases, is_inplace, op_base
 from autoplan.capture.ir import ModelGraph, Node
 from autoplan.capture.latent import latent_projections
 from autoplan.capture.mixer_roles import flat_experts, mamba_mixers, paired_experts, routed_modules
+from autoplan.capture.moa_roles import mixture_of_heads
 from autoplan.capture.role_paths import lca as _lca, out_features as _out_features, param_shape as _param_shape
 from autoplan.capture.role_paths import rel as _rel
 
@@ -380,6 +381,7 @@ def recognise_roles(graph: ModelGraph) -> None:
         claimed.update(m.module for m in after if flow.weight(m) and m.module.startswith(experts_mod + "."))
 
     flat_experts(flow, role, per_block, rep_of, claimed)
+    mixture_of_heads(flow, role, per_block, rep_of, claimed)
     paired_experts(flow, role, per_block, rep_of, claimed)
 
     for n in graph.nodes:

@@ -74,6 +74,9 @@ class AttentionUnit:
     head_dim: int = 0
     group_attrs: dict[str, int] = field(default_factory=dict)
     kv_params: list[int] = field(default_factory=list)
+    # a mixture of attention heads (capture.moa_roles: JetMoE's per-expert query/output projections
+    # around the core, a shared K/V projection): its recognised fields; planned by moa_strategies
+    moa: dict | None = None
 
     @property
     def projections(self) -> list[str]:
@@ -322,6 +325,7 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
     unit = AttentionUnit(a["module"], p["q"], p["k"], p["v"], p["o"], int(a["n_heads"]), int(a["n_kv_heads"]), lin,
                          own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs,
                          folded_heads=folded, **kv)
+    unit.moa = dict(a["moa"]) if a.get("moa") else None
     if broadcast:
         unit.broadcast = [(m, start, stop, _column_bytes(graph, f"{rep}.{m}", stop - start))
                           for m, start, stop in broadcast]

@@ -32,6 +32,7 @@ from autoplan.search.strategies import (
 )
 from autoplan.search.mamba_strategies import mamba_strategies
 from autoplan.search.expert_strategies import experts_strategies
+from autoplan.search.moa_strategies import moa_strategies
 from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
 from autoplan.search.soundness import SoundnessReport, check_search, settle
@@ -228,7 +229,7 @@ class TPSearch:
             for layout in self.layouts:
                 for name, unit in (("attention", b.attention), ("cross_attention", b.cross_attention)):
                     if unit is not None:
-                        for s in attention_strategies(unit, b, t, layout):
+                        for s in (moa_strategies if unit.moa else attention_strategies)(unit, b, t, layout):
                             self._add(f"{b.id}/{name}", s, owner, b.count, unit.work, unit.work.param_bytes)
                 if b.mlp is not None:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)

@@ -22,6 +22,7 @@ from autoplan.errors import AutoplanError
 from autoplan.parallelisms.context import cp_share
 from autoplan.parallelisms.expert import batch_shards
 from autoplan.plan.plan import Plan
+from autoplan.verify.even_counts import EvenCounts
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.pipeline_dry_run import verify_pipeline
@@ -60,7 +61,8 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
             inputs, targets = dry_batch(plan, dp, inputs)
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # this rank's chunks, as Runner.local_batch
             # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
-            with CollectiveRecorder() as rec, balanced_routing():
+            # (modules routing by counts they read: the balanced router's counts, EvenCounts)
+            with CollectiveRecorder() as rec, balanced_routing(), EvenCounts():
                 # Runner.step's passes (one per micro-batch of gradient accumulation), each
                 # collective attributed to the phase it ran in
                 runner.forward_backward(inputs, targets, on_phase=lambda name: setattr(rec, "phase", name))

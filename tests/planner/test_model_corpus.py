@@ -36,8 +36,10 @@ SLICE = [
     # issue 33: Jamba's Mamba-1 mixers split on their channels (MambaMixerParallel), its experts over tp
     ("jamba", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "mlp:hidden_sharded", "moe:experts_tp")),
     # issue 33: JetMoE routes by token counts read from the data (capture gives each expert an even share of
-    # the rows); its MLP experts, an up and a down module of 3-D weights, split on F (PairedExpertsParallel)
-    ("jetmoe", "dp2_tp2", "default", ("moe:experts_tp",)),
+    # the rows); its MLP experts, an up and a down module of 3-D weights, split on F (PairedExpertsParallel);
+    # its mixture of attention heads sharded by heads (every expert's query/output columns of the rank's
+    # KV heads and the shared kv_proj's, search/moa_strategies.py)
+    ("jetmoe", "dp2_tp2", "default", ("attention:heads_sharded", "moe:experts_tp")),
     # issue 33: Falcon-H1's Mamba-2 mixer split on its heads (one group at tp=2: each rank reads it whole)
     ("falcon_h1", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "attention:heads_sharded", "mlp:hidden_sharded")),
     # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream

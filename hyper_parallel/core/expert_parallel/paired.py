@@ -17,6 +17,13 @@ backward) and the down module's partial output all-reduced in forward (g), so wh
 does after it (gate weights, scatter back, bias) runs on whole values. Which weight dimension is
 the width is read from the captured shapes by the planner and passed in (``up_dim``,
 ``down_dim``), so a module storing ``(E, in, out)`` is split as well.
+
+The same split shards the heads of a mixture of attention heads (JetMoE's MoA: per-expert query
+projections ``input_linear`` (E, D, H) and output projections ``output_linear`` (E, H, D) around an
+attention core): the width D is the routed token's query heads, ``head_dim`` wide each, and each
+rank keeps whole heads of every expert (``head_dim``: the split must fall between heads). The
+container's code may size its buffers by the width it stores (``hidden_size`` = D):
+``local_attributes`` names those integer attributes, divided by the mesh size on apply.
 """
 from __future__ import annotations
 
@@ -37,10 +44,11 @@ class PairedExpertsParallel(ParallelStyle):
     """The experts of a container with an up and a down module of stacked 3-D weights, each expert
     split on its ffn width over the mesh; see the module docstring."""
 
-    _args = {"up": "", "down": "", "up_dim": 1, "down_dim": 2, "packed": 1, "weight": "weight"}
+    _args = {"up": "", "down": "", "up_dim": 1, "down_dim": 2, "packed": 1, "weight": "weight", "head_dim": None,
+             "local_attributes": None}
 
     def __init__(self, *, up: str, down: str, up_dim: int = 1, down_dim: int = 2, packed: int = 1,
-                 weight: str = "weight"):
+                 weight: str = "weight", head_dim: int | None = None, local_attributes: list[str] | None = None):
         if not (isinstance(up, str) and up and isinstance(down, str) and down and up != down):
             raise StyleSpecError(f"PairedExpertsParallel: up and down must name two submodules, got {up!r}, {down!r}")
         if up_dim not in (1, 2) or down_dim not in (1, 2):
@@ -48,8 +56,15 @@ class PairedExpertsParallel(ParallelStyle):
                                  f"dim 1 or 2 of an (E, ., .) weight")
         if type(packed) is not int or packed < 1:
             raise StyleSpecError(f"PairedExpertsParallel: packed={packed!r} must be a positive int (2 for [gate|up])")
+        if head_dim is not None and (type(head_dim) is not int or head_dim < 1):
+            raise StyleSpecError(f"PairedExpertsParallel: head_dim={head_dim!r} must be a positive int or None")
+        attrs = list(local_attributes or [])
+        if not all(isinstance(a, str) and a.isidentifier() for a in attrs):
+            raise StyleSpecError(f"PairedExpertsParallel: local_attributes={local_attributes!r} must name attributes "
+                                 f"of the container")
         self.up, self.down, self.up_dim, self.down_dim = up, down, up_dim, down_dim
-        self.packed, self.weight = packed, weight
+        self.packed, self.weight, self.head_dim = packed, weight, head_dim
+        self.local_attributes = sorted(set(attrs)) or None
 
     def _weights(self, module: nn.Module, where: str) -> tuple[nn.Module, nn.Module, nn.Parameter, nn.Parameter]:
         mods = []
@@ -74,7 +89,24 @@ class PairedExpertsParallel(ParallelStyle):
             raise UnsupportedModuleError(
                 f"{where}: {self.up}.{self.weight} {tuple(wu.shape)} and {self.down}.{self.weight} {tuple(wd.shape)} "
                 f"are not E experts of width {self.packed} x F (up dim {self.up_dim}) and F (down dim {self.down_dim})")
-        check_divides(ffn, mesh, where, "the expert ffn width F")
+        if self.head_dim is None:
+            check_divides(ffn, mesh, where, "the expert ffn width F")
+        elif ffn % self.head_dim:
+            raise UnsupportedModuleError(f"{where}: the width {ffn} is no whole number of heads of {self.head_dim}")
+        else:
+            check_divides(ffn // self.head_dim, mesh, where, f"the heads ({ffn} wide, {self.head_dim} each)")
+        for name in self.local_attributes or ():
+            value = getattr(module, name, None)
+            if type(value) is not int:
+                raise UnsupportedModuleError(f"{where}: local_attributes entry {name!r} is {value!r}, not an int "
+                                             f"attribute of {type(module).__name__}")
+            check_divides(value, mesh, where, name)
+
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
+        """The up weight on ``up_dim`` (strided when ``packed``), the down weight on ``down_dim``."""
+        out = {f"{self.up}.{self.weight}": (self.up_dim, self.packed > 1),
+               f"{self.down}.{self.weight}": (self.down_dim, False)}
+        return {k: v for k, v in out.items() if k in params}
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         up, down, _, _ = self._weights(module, fqn)
@@ -82,6 +114,8 @@ class PairedExpertsParallel(ParallelStyle):
         for sub, path, placement in ((up, self.up, up_place), (down, self.down, Shard(self.down_dim))):
             new = record.sharded(sub._parameters[self.weight], (placement,), mesh, where=f"{fqn}.{path}.{self.weight}")
             record.replace_param(sub, self.weight, new)
+        for attr in self.local_attributes or ():   # restored by the record's rollback
+            record.set_attr(module, attr, getattr(module, attr) // mesh.size())
         group, name = mesh.get_group(), self.weight
 
         def split(sub: nn.Module, first: bool):
