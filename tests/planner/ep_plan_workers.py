@@ -43,8 +43,12 @@ def run_plan(plan_json: str, model_name: str, batch: int = 4, seq: int = 8, lr: 
     bad_params = [n for n, p in ref.named_parameters() if not torch.allclose(p_par[n], p.detach(), rtol=1e-4, atol=1e-6)]
     sharded = sorted(n for n, p in par.named_parameters() if ".experts." in n and hasattr(p, "device_mesh")
                      and "ep" in (p.device_mesh.mesh_dim_names or ()))
+    # FSDP's shards of the parameters outside the experts: (mesh dims, local rows, global rows)
+    dense = {n: (p.device_mesh.mesh_dim_names, p.to_local().shape[0], p.shape[0]) for n, p in par.named_parameters()
+             if ".experts." not in n and hasattr(p, "device_mesh")}
     return {"ref": float(ref_loss.detach()), "par": float(loss), "bad_grads": bad[:5], "bad_params": bad_params[:5],
-            "n_grads": len(g_ref), "ep_sharded": len(sharded), "local_rows": int(local[0].shape[0])}
+            "n_grads": len(g_ref), "ep_sharded": len(sharded), "local_rows": int(local[0].shape[0]),
+            "dense_shards": dense}
 
 
 def run_all(cases: list[tuple[str, str, str]]) -> dict:

@@ -13,7 +13,7 @@ from autoplan.plan import Plan
 from autoplan.verify.dry_run import verify
 from hyper_parallel import ExpertParallel, ParallelDims
 from tests.planner import ep_plan_workers
-from tests.runtime.ep_workers import build
+from tests.runtime.ep_workers import VOCAB, build
 
 BATCH = (4, 8)
 
@@ -131,6 +131,11 @@ def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
             assert not r["bad_grads"] and not r["bad_params"], (rank, label, r)
             assert r["local_rows"] == (1 if label.startswith("dp") else 2), (rank, label, r)
             assert (r["ep_sharded"] > 0) == (not label.endswith("replicated")), (rank, label, r)
+            if label.startswith("dp"):   # FSDP over the flattened dp x ep mesh: 1/4 of every non-expert weight
+                dense = r["dense_shards"]
+                assert dense and all(dims == ("dp_ep",) and rows == -(-full // 4) for dims, rows, full in
+                                     dense.values()), (rank, label, dense)
+                assert dense["tok_embeddings.weight" if "repo" in label else "model.embed_tokens.weight"][1] == VOCAB // 4
 
 
 def test_repo_moe_layer_is_captured_with_routed_flops():
