@@ -48,7 +48,10 @@ def test_plan_records_the_expert_decision(mixtral, dp_ep_plan):
     assert sum(r["count"] for r in a2a) == 10 and {r["mesh_dim"] for r in a2a} == {"ep"}
     tokens = BATCH[0] // 4 * BATCH[1]
     assert {r["bytes"] for r in a2a} == {8 * 8, tokens * 2 * 32 * 4}
-    assert any(r["kind"] == "all_reduce" and r["mesh_dim"] == "ep" for r in rows)   # non-expert grads over ep
+    # FSDP: the non-expert parameters over the flattened dp x ep mesh (no all-reduce over ep), the experts over dp
+    assert not any(r["kind"] == "all_reduce" and r["mesh_dim"] == "ep" for r in rows)
+    assert {r["kind"] for r in rows if r["mesh_dim"] == "dp_ep"} == {"all_gather", "reduce_scatter"}
+    assert {r["kind"] for r in rows if r["mesh_dim"] == "dp"} == {"all_gather", "reduce_scatter"}
     assert any("routing imbalance factor 1" in n for n in plan.notes)
     expert_rows = [d for d in plan.decisions if d["unit"].endswith("/experts")]
     assert [d["strategy"] for d in expert_rows] == ["expert_parallel"]
