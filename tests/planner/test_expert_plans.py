@@ -113,6 +113,26 @@ def test_dry_run_matches_at_world_64(name, ac, mixtral, qwen3):
     assert (result.collectives["kind"] == "all_to_all").any()
 
 
+@pytest.mark.parametrize("name,shape", [("mixtral", (2, 2)), ("qwen3", (2, 4))])
+def test_fsdp_over_dp_x_ep_dry_runs_as_predicted(name, shape, mixtral, qwen3):
+    """FSDP on a (dp, ep) mesh: every non-expert parameter sharded over the dp x ep ranks (one
+    all-gather / reduce-scatter per unit on the flattened ``dp_ep`` mesh), the experts over dp,
+    no all-reduce over ep; issued exactly as predicted, parameter bytes included."""
+    model = {"mixtral": mixtral, "qwen3": qwen3}[name]
+    plan = _plan(model, shape, ("dp", "ep"), batch=(16, 8), expert_parallel=True)
+    assert plan.fsdp["enabled"] and plan.parallel["ep"]["styles"]
+    result = verify(plan, model)
+    assert result.passed, (result.error, result.mismatches())
+    df = result.collectives
+    assert set(df[df["mesh_dim"] == "dp_ep"]["kind"]) == {"all_gather", "reduce_scatter"}, df.to_string()
+    assert set(df[df["mesh_dim"] == "ep"]["kind"]) == {"all_to_all"}, df.to_string()
+    # every tensor of these models divides evenly: the non-expert ones 1 / (dp x ep) each, the experts
+    # 1 / ep (ExpertParallel) then 1 / dp (FSDP); so each rank holds 1 / (dp x ep) of the fp32 model
+    total = sum(p.numel() for p in model.parameters())
+    assert result.param_bytes["issued"] == plan.predictions["memory_bytes"]["params"] == 4 * total // (
+        shape[0] * shape[1]), result.param_bytes
+
+
 def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
     """HF Mixtral and the repo MoE model (dense first layer, shared expert, 3-D experts)."""
     repo = build("repo")[0]
