@@ -8,10 +8,12 @@ Plan section ``parallel.ep``: null (no ep dimension, or one of size 1), or
 
 Tokens: the ep dimension shards the batch, as data parallel does (ep borrows from dp, the
 runtime's default mode: every rank of an ep group holds different tokens, the all-to-alls bring
-each expert its tokens from the whole group). So after backward every gradient of a parameter
-outside the experts is averaged over ep (one all-reduce of their flattened local gradients, as
-replicated data parallel does over dp), and expert gradients -- which already hold the ep
-group's tokens, each rank's loss being its shard's mean -- are divided by ep. With ``styles``
+each expert its tokens from the whole group). So every gradient of a parameter outside the
+experts is averaged over ep -- under FSDP by FSDP itself, which shards those parameters over the
+flattened dp x ep mesh (``parallelisms.data.state_mesh``); otherwise after backward in one
+all-reduce of their flattened local gradients, as replicated data parallel does over dp -- and
+expert gradients -- which already hold the ep group's tokens, each rank's loss being its shard's
+mean -- are divided by ep. With ``styles``
 empty the ep dimension is pure data parallel (experts replicated: the planner's alternative when
 expert parallelism does not pay); then every gradient is averaged over ep. Data parallel (FSDP,
 ZeRO-1 or replicated over ``dp``) runs as usual on top: each dp rank then holds an ep group's

@@ -161,6 +161,16 @@ def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
                 assert dense["tok_embeddings.weight" if "repo" in label else "model.embed_tokens.weight"][1] == VOCAB // 4
 
 
+def test_dcp_checkpoint_of_an_fsdp_dp_x_ep_plan_resumes_exactly(pool4, dp_ep_plan, tmp_path):
+    """Parameters and AdamW state sharded over dp x ep (and the experts over ep x dp) save with
+    DCP and load into a fresh runner of the same plan: the resumed step equals the uninterrupted one."""
+    assert dp_ep_plan.fsdp["enabled"]
+    for rank, r in enumerate(pool4.run(ep_plan_workers.save_and_resume, dp_ep_plan.to_json(), "mixtral",
+                                       str(tmp_path / "ckpt"))):
+        assert r["step"] == 1 and r["n"] > 10 and not r["differ"], (rank, r)
+        assert r["loss"] == r["resumed_loss"], (rank, r)
+
+
 def test_repo_moe_layer_is_captured_with_routed_flops():
     """The repo model's experts (autoplan::expert_mm) are traced: an MoE layer with top-k routed
     GEMM FLOPs (2 x rows x in x out per projection, rows = tokens x top_k), forward and backward."""
