@@ -94,22 +94,21 @@ def state_dims(plan) -> tuple[str, ...]:
     dims = grad_dims(plan)
     ep = (plan.parallel.get("ep") or {}).get("dim")
     names = tuple(plan.mesh["names"])
-    if not dims or ep is None or ep not in names or ep in dims:
-        return dims
+    if not dims or ep is None or ep not in names or ep in dims or plan.parallel.get("hsdp"):
+        return dims   # (HSDP keeps its 2-D mesh: ep replicates the non-expert state there)
     return tuple(sorted(dims + (ep,), key=names.index))
 
 
 def state_mesh(plan, mesh):
-    """The mesh FSDP shards non-expert parameters over (:func:`state_dims`): the gradient mesh
-    without an ep dimension (or one of size 1), else the flattened (dp[, cp], ep) mesh. HSDP
-    keeps its 2-D mesh (ep then replicates the non-expert state, as before)."""
+    """The flattened (dp[, cp], ep) mesh FSDP shards the non-expert parameters over
+    (:func:`state_dims`), or None where that is FSDP's own mesh: no ep dimension, one of size 1,
+    or HSDP (which keeps its 2-D mesh; ep then replicates the non-expert state, as before)."""
     dims = state_dims(plan)
-    base = grad_mesh(plan, mesh)
-    if base is None or dims == grad_dims(plan) or plan.parallel.get("hsdp"):
-        return base
     names = tuple(mesh.mesh_dim_names or ())
-    if any(d not in names for d in dims) or math.prod(mesh[d].size() for d in dims) == base.size():
-        return base
+    if dims == grad_dims(plan) or any(d not in names for d in dims):
+        return None
+    if math.prod(mesh[d].size() for d in dims) == math.prod(mesh[d].size() for d in grad_dims(plan)):
+        return None
     return mesh[dims]._flatten(flat_name(dims))
 
 
@@ -340,8 +339,9 @@ class DataParallel(Parallelism):
         unshardable = [p for root in target.roots for p in fsdp_unshardable(root)]
         target.state["fsdp_replicated"] = unshardable
         ignored = set(target.ignored_params) | set(unshardable)
-        dense = state_mesh(plan, target.mesh)
-        if dense is not mesh:
+        over_ep = state_mesh(plan, target.mesh)
+        dense = over_ep if over_ep is not None else mesh
+        if over_ep is not None:
             # with an ep dimension: each experts container its own unit over dp (first, so the
             # blocks around it leave its parameters alone), everything else over dp x ep; the
             # parameters FSDP shards over dp x ep need no all-reduce over ep after backward
@@ -353,7 +353,7 @@ class DataParallel(Parallelism):
             fully_shard(block, mesh=dense, ignored_params=ignored or None, **kw)
         for root in target.roots:
             fully_shard(root, mesh=dense, ignored_params=ignored or None, **kw)
-        if dense is not mesh:   # after FSDP replaced them: the parameters its dense units hold
+        if over_ep is not None:   # after FSDP replaced them: the parameters its dense units hold
             experts = {id(p) for root in target.roots for m in expert_containers(root, plan) for p in m.parameters()}
             target.state["dense_over_ep"] = {id(p) for root in target.roots for p in root.parameters()
                                              if id(p) not in experts and p not in ignored}
