@@ -23,6 +23,7 @@ from autoplan.arguments import (
     check_model, check_pipeline_depth, check_sequence, optional_bool, positive_int, strict_bool,
 )
 from autoplan.errors import InvalidArgumentError
+from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import LOSS_BYTES
 from autoplan.capture.inputs import meta_view
@@ -66,13 +67,27 @@ def _stage_params(search: ClusterSearch, best: Candidate) -> tuple[dict[str, set
     return tied, homes
 
 
+def _fsdp_state(search: ClusterSearch, best: Candidate) -> tuple[str, str, int]:
+    """(FSDP's gradient dimension: dp, or dp_cp under cp; the dimension of its non-expert units;
+    the ep degree those are sharded over too). With an ep dimension under FSDP the runners shard
+    every non-expert parameter over the flattened dp (x cp) x ep mesh, the experts over dp
+    (``parallelisms.data.state_mesh``)."""
+    dim = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep).dp_dim
+    if best.ep == 1 or not best.fsdp:
+        return dim, dim, 1
+    names = list(search.spec(best.dp, best.pp, best.tp, best.cp, best.ep).names)
+    return dim, flat_name(tuple(n for n in names if n in ("dp", "cp", "ep"))), best.ep
+
+
 def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict, ep: dict | None = None) -> list[dict]:
     """FSDP2 traffic of pipeline rank ``rank``, exactly as the pipeline runner wraps it: every
-    block of its stages is a unit, each stage root holds the rest (embedding, norm, head)."""
+    block of its stages is a unit, each stage root holds the rest (embedding, norm, head); with
+    an ep dimension each experts container is a unit of its own over dp, the rest over dp x ep."""
     c = best.choice
     shards = _shards(search, best, styles, ep)
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
+    dim, state_dim, ep_deg = _fsdp_state(search, best)
     units: dict[tuple, int] = {}
     unit_stage: dict[str, int] = {}
     tied, homes = _stage_params(search, best)
@@ -83,19 +98,20 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict, 
             if sh.fqn in tied:   # left out of FSDP: the schedule reduces it (stage_params)
                 continue
             if homes.get(sh.fqn) in names[a:b] or any(sh.fqn.startswith(u + ".") for u in names[a:b]):
-                unit_stage[sh.unit] = s
-                key = (1, sh.unit) if sh.unit else (0, f"stage{s}")
-                units[key] = units.get(key, 0) + sh.fsdp_padded_numel(best.dp * best.cp) * sh.dtype_bytes
+                unit_stage[sh.experts or sh.unit] = s
+                key = (1, sh.experts or sh.unit, dim if sh.experts else state_dim) if sh.unit else \
+                    (0, f"stage{s}", state_dim)
+                units[key] = units.get(key, 0) + sh.fsdp_padded_numel(sh.fsdp_degree(best.dp * best.cp, ep_deg)) \
+                    * sh.dtype_bytes
     gathers = fsdp_gathers(c.schedule, c.p, c.m, c.v)
     rows = []
-    for (is_block, unit), nbytes in sorted(units.items()):
+    for (is_block, unit, d), nbytes in sorted(units.items()):
         stage = unit_stage[unit] if is_block else int(unit[5:])
-        # a block is resharded after each forward (gathered again when next needed); the stage
-        # root stays unsharded for the whole step
-        rows += [("all_gather", "forward", nbytes, gathers[stage] if is_block else 1),
-                 ("reduce_scatter", "backward", nbytes, 1)]
-    dim = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep).dp_dim  # dp_cp under cp
-    return [Collective(k, p, b, n, dim).to_row() for k, p, b, n in rows]
+        # a block (and an experts container in it) is resharded after each forward (gathered
+        # again when next needed); the stage root stays unsharded for the whole step
+        rows += [("all_gather", "forward", nbytes, gathers[stage] if is_block else 1, d),
+                 ("reduce_scatter", "backward", nbytes, 1, d)]
+    return [Collective(k, p, b, n, d).to_row() for k, p, b, n, d in rows]
 
 
 def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None = None) -> list[int]:
@@ -108,6 +124,7 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: 
     rank_of = {u: s2r[s] for s, (a, b) in enumerate(stage_bounds(c.starts, len(names))) for u in names[a:b]}
     d = best.dp * best.cp if best.fsdp else 1
     tied, homes = _stage_params(search, best)
+    ep_deg = _fsdp_state(search, best)[2]
     out = [0] * c.p
     for sh in shards:
         if sh.fqn in tied:   # a copy on every holding stage's rank, whole over dp (left out of FSDP)
@@ -116,7 +133,7 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: 
             continue
         owners = {r for u, r in rank_of.items() if sh.fqn.startswith(u + ".") or homes.get(sh.fqn) == u}
         for r in owners:
-            out[r] += sh.fsdp_local_numel(d) * sh.dtype_bytes
+            out[r] += sh.fsdp_local_numel(sh.fsdp_degree(d, ep_deg)) * sh.dtype_bytes
     return out
 
 
@@ -126,7 +143,8 @@ def _param_bytes_under(search: ClusterSearch, best: Candidate, styles: dict, ep:
     in ``params``, after TP, EP and FSDP."""
     d = best.dp * best.cp if best.fsdp else 1
     named = set(params)
-    return sum(sh.fsdp_local_numel(d) * sh.dtype_bytes for sh in _shards(search, best, styles, ep)
+    ep_deg = _fsdp_state(search, best)[2]
+    return sum(sh.fsdp_local_numel(sh.fsdp_degree(d, ep_deg)) * sh.dtype_bytes for sh in _shards(search, best, styles, ep)
                if sh.fqn in named or any(sh.fqn.startswith(p + ".") for p in prefixes))
 
 
@@ -272,7 +290,7 @@ def _add_ep_rows(agg: dict, search: ClusterSearch, best: Candidate, mine: list[s
             w = 2 if twice and col.phase == "backward" and stage_of[index[u]] > 0 else 1
             agg[(col.kind, col.dim, col.phase, int(col.nbytes))] += col.count * w * c.m
     sync = ep_sync_row(_shards(search, best, styles, ep), search.moe_groups, ep, mine,
-                       best.dp * best.cp if best.fsdp else 1, "ep")
+                       best.dp * best.cp if best.fsdp else 1, "ep", fsdp=best.fsdp)
     if sync is not None:
         agg[(sync.kind, sync.dim, sync.phase, int(sync.nbytes))] += 1
 

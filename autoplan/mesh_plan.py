@@ -334,14 +334,19 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     if experts is not None:
         shards = experts.shard(shards)
     use_fsdp = bool(fsdp and red > 1)   # under cp FSDP shards over dp x cp (or cp alone)
-    fsdp_rows = fsdp_collectives(shards, red, red_dim) if use_fsdp else []
+    # with an ep dimension FSDP shards the non-expert parameters over dp (x cp) x ep too
+    # (parallelisms.data.state_mesh); the experts over dp (x cp)
+    fsdp_ep = ep if use_fsdp and ep > 1 else 1
+    state_dim = red_dim if fsdp_ep == 1 else flat_name(tuple(sorted(
+        [d for d in (dp_dim, cp_dim if cp > 1 else None) if d] + [ep_dim], key=list(spec.names).index)))
+    fsdp_rows = fsdp_collectives(shards, red, red_dim, fsdp_ep, state_dim) if use_fsdp else []
     if red > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
         fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, red, False)),
                                 dim=red_dim).to_row()]
     if cp_choice is not None:
         fsdp_rows += [c.to_row() for c in cp_choice.collectives]
     memory = dict(best.memory)
-    param_bytes = int(rank_param_bytes(shards, red, use_fsdp))
+    param_bytes = int(rank_param_bytes(shards, red, use_fsdp, fsdp_ep))
     memory = {k: _bytes(v) for k, v in memory.items()}  # byte figures are exact integers in a plan
     memory.update(params=param_bytes, grads=param_bytes,
                   optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))

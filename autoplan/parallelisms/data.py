@@ -23,6 +23,7 @@ from autoplan.errors import PlanSchemaError
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
 from hyper_parallel import fully_shard
 from hyper_parallel.core.dtensor import fsdp_shard_placement, fsdp_unshardable
+from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.errors import MeshError
 
 
@@ -72,6 +73,43 @@ def grad_mesh(plan, mesh):
     if any(d not in tuple(mesh.mesh_dim_names or ()) for d in dims):
         return None
     return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten(flat_name(dims))
+
+
+def expert_containers(model: torch.nn.Module, plan) -> list[torch.nn.Module]:
+    """The experts containers the plan's ExpertParallel styles name (``parallel.ep.styles``), once each."""
+    out: list[torch.nn.Module] = []
+    for pattern in (plan.parallel.get("ep") or {}).get("styles") or {}:
+        out += [m for _, m in match_modules(model, pattern) if not any(m is o for o in out)]
+    return out
+
+
+def state_dims(plan) -> tuple[str, ...]:
+    """The mesh dimensions FSDP shards the parameters outside the experts over: the gradient
+    dimensions (``grad_dims``) and, with an ep dimension, ep too, in the mesh's order. The ep
+    dimension shards the batch (ep borrows from dp), so its ranks hold the same non-expert
+    parameters and see different tokens -- as cp does; FSDP2 over the flattened dp x ep mesh
+    (torchtitan's ``dp_shard_mod_ep`` / NeMo AutoModel's ``dp_shard x ep``) averages their gradients
+    over every batch shard in its reduce-scatter and holds 1/(dp x ep) of their state. The
+    experts stay on ``grad_dims`` (their ep shards differ)."""
+    dims = grad_dims(plan)
+    ep = (plan.parallel.get("ep") or {}).get("dim")
+    names = tuple(plan.mesh["names"])
+    if not dims or ep is None or ep not in names or ep in dims or plan.parallel.get("hsdp"):
+        return dims   # (HSDP keeps its 2-D mesh: ep replicates the non-expert state there)
+    return tuple(sorted(dims + (ep,), key=names.index))
+
+
+def state_mesh(plan, mesh):
+    """The flattened (dp[, cp], ep) mesh FSDP shards the non-expert parameters over
+    (:func:`state_dims`), or None where that is FSDP's own mesh: no ep dimension, one of size 1,
+    or HSDP (which keeps its 2-D mesh; ep then replicates the non-expert state, as before)."""
+    dims = state_dims(plan)
+    names = tuple(mesh.mesh_dim_names or ())
+    if dims == grad_dims(plan) or any(d not in names for d in dims):
+        return None
+    if math.prod(mesh[d].size() for d in dims) == math.prod(mesh[d].size() for d in grad_dims(plan)):
+        return None
+    return mesh[dims]._flatten(flat_name(dims))
 
 
 def dp_group(dp_mesh):
@@ -279,10 +317,13 @@ class DataParallel(Parallelism):
         return plan.dp_dim is not None
 
     def traffic_dims(self, plan) -> tuple[str, ...]:
-        """The dp dimension and, under context parallelism, the flattened dp x cp one FSDP runs on."""
+        """The dp dimension and, under context parallelism, the flattened dp x cp one FSDP runs on;
+        with an ep dimension under FSDP, the flattened dp x ep one its non-expert units run on."""
         dims = super().traffic_dims(plan)
         if dims and plan.parallel.get("cp"):
             dims += (flat_name(grad_dims(plan)),)
+        if dims and plan_dp_mode(plan) == "fsdp" and state_dims(plan) != grad_dims(plan):
+            dims += (flat_name(state_dims(plan)),)   # FSDP of the non-expert parameters over dp x ep
         return dims
 
     def apply_to_roots(self, plan, target: ApplyTarget) -> None:
@@ -297,11 +338,25 @@ class DataParallel(Parallelism):
         # runner averages their gradients in one all-reduce after backward
         unshardable = [p for root in target.roots for p in fsdp_unshardable(root)]
         target.state["fsdp_replicated"] = unshardable
-        ignored = (set(target.ignored_params) | set(unshardable)) or None
+        ignored = set(target.ignored_params) | set(unshardable)
+        over_ep = state_mesh(plan, target.mesh)
+        dense = over_ep if over_ep is not None else mesh
+        if over_ep is not None:
+            # with an ep dimension: each experts container its own unit over dp (first, so the
+            # blocks around it leave its parameters alone), everything else over dp x ep; the
+            # parameters FSDP shards over dp x ep need no all-reduce over ep after backward
+            # (ExpertGradSync skips them)
+            for experts in (m for root in target.roots for m in expert_containers(root, plan)):
+                if any(p not in ignored for p in experts.parameters()):
+                    fully_shard(experts, mesh=mesh, ignored_params=ignored or None, **kw)
         for block in target.blocks:
-            fully_shard(block, mesh=mesh, ignored_params=ignored, **kw)
+            fully_shard(block, mesh=dense, ignored_params=ignored or None, **kw)
         for root in target.roots:
-            fully_shard(root, mesh=mesh, ignored_params=ignored, **kw)
+            fully_shard(root, mesh=dense, ignored_params=ignored or None, **kw)
+        if over_ep is not None:   # after FSDP replaced them: the parameters its dense units hold
+            experts = {id(p) for root in target.roots for m in expert_containers(root, plan) for p in m.parameters()}
+            target.state["dense_over_ep"] = {id(p) for root in target.roots for p in root.parameters()
+                                             if id(p) not in experts and p not in ignored}
 
 
 class HybridShardedDataParallel(Parallelism):

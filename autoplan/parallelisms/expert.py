@@ -8,10 +8,12 @@ Plan section ``parallel.ep``: null (no ep dimension, or one of size 1), or
 
 Tokens: the ep dimension shards the batch, as data parallel does (ep borrows from dp, the
 runtime's default mode: every rank of an ep group holds different tokens, the all-to-alls bring
-each expert its tokens from the whole group). So after backward every gradient of a parameter
-outside the experts is averaged over ep (one all-reduce of their flattened local gradients, as
-replicated data parallel does over dp), and expert gradients -- which already hold the ep
-group's tokens, each rank's loss being its shard's mean -- are divided by ep. With ``styles``
+each expert its tokens from the whole group). So every gradient of a parameter outside the
+experts is averaged over ep -- under FSDP by FSDP itself, which shards those parameters over the
+flattened dp x ep mesh (``parallelisms.data.state_mesh``); otherwise after backward in one
+all-reduce of their flattened local gradients, as replicated data parallel does over dp -- and
+expert gradients -- which already hold the ep group's tokens, each rank's loss being its shard's
+mean -- are divided by ep. With ``styles``
 empty the ep dimension is pure data parallel (experts replicated: the planner's alternative when
 expert parallelism does not pay); then every gradient is averaged over ep. Data parallel (FSDP,
 ZeRO-1 or replicated over ``dp``) runs as usual on top: each dp rank then holds an ep group's
@@ -29,9 +31,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
-from autoplan.parallelisms.data import allreduce_gradients, dp_degree, unique_params
+from autoplan.parallelisms.data import allreduce_gradients, dp_degree, expert_containers, unique_params
 from hyper_parallel import parallelize_module, style_from_dict
-from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.errors import PipelineError
 
 _STYLE = {"type": "object", "required": ["style", "args"], "additionalProperties": False,
@@ -64,12 +65,11 @@ def batch_shards(plan) -> int:
 def expert_parameters(model: nn.Module, plan) -> list[nn.Parameter]:
     """Parameters inside the experts containers the plan's ep styles name."""
     out, seen = [], set()
-    for pattern in (ep_section(plan) or {}).get("styles", {}):
-        for _, module in match_modules(model, pattern):
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
+    for module in expert_containers(model, plan):
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
     return out
 
 
@@ -79,7 +79,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class ExpertGradSync:
     """What follows backward on the ep dimension (see the module docstring): one all-reduce over
-    ep of every non-expert gradient (averaged), expert gradients divided by ep.
+    ep of every non-expert gradient (averaged) that FSDP over dp x ep has not already averaged
+    (under FSDP only those it leaves out: tied across pipeline stages, unshardable), expert
+    gradients divided by ep.
 
     ``target``: the ApplyTarget the plan was applied to; its ``roots`` (the model, or this rank's
     pipeline stages -- they keep the model's module paths, so the plan's patterns match them
@@ -93,9 +95,11 @@ class ExpertGradSync:
     def __call__(self) -> None:
         roots = self.target.roots or [self.target.model]
         experts = {id(p) for root in roots for p in expert_parameters(root, self.plan)}
+        # FSDP over dp x ep (parallelisms.data.state_mesh) has averaged these over ep already
+        done = self.target.state.get("dense_over_ep", set())
         seen: set[int] = set()
         params = [p for root in roots for p in unique_params(root) if not (id(p) in seen or seen.add(id(p)))]
-        allreduce_gradients([p for p in params if id(p) not in experts], self.group, self.ep)
+        allreduce_gradients([p for p in params if id(p) not in experts and id(p) not in done], self.group, self.ep)
         with torch.no_grad():
             for p in params:
                 if id(p) in experts and p.grad is not None:

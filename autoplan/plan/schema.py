@@ -10,6 +10,7 @@ it was written from, and applying it fails only for reasons of the model or mesh
 """
 from __future__ import annotations
 
+import itertools
 import json
 from functools import lru_cache
 from importlib import resources
@@ -81,12 +82,13 @@ def _check_consistency(data: dict) -> None:
     degree = dict(zip(names, shape))
     for entry in PARALLELISMS:  # each parallelism checks its own section against the rest
         entry.check(data["parallel"][entry.name], data, roles, degree)
-    # a mesh dimension, or adjacent ones flattened ("dp_cp": FSDP over dp x cp under context parallel)
-    dims = {"_".join(names[i:j]) for i in range(len(names)) for j in range(i + 1, len(names) + 1)}
+    # a mesh dimension, or several flattened in mesh order ("dp_cp": FSDP over dp x cp under context
+    # parallel; "dp_ep": FSDP of the non-expert parameters over dp x ep, with pp between them in a pipeline)
+    dims = {"_".join(c) for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)}
     for i, c in enumerate(data["predictions"]["collectives"]):
         if c["mesh_dim"] not in dims:
             raise PlanSchemaError(f"plan field predictions/collectives/{i}/mesh_dim: {c['mesh_dim']!r} is not a "
-                                  f"mesh dimension {names} (or adjacent ones flattened, joined by '_')")
+                                  f"mesh dimension {names} (or several flattened in mesh order, joined by '_')")
 
 
 def upgrade_plan_data(data: Any) -> Any:

@@ -163,7 +163,8 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
     the TP search counted, its all-to-alls and expert-TP all-reduces (forward / backward), its
     expert state instead of the replicated one, the experts' data-parallel traffic and optimizer
     step at their sharded size; and per step the all-reduce over ep of every gradient outside the
-    experts (serial, after backward: ``parallelisms.expert.ExpertGradSync``).
+    experts (serial, after backward: ``parallelisms.expert.ExpertGradSync``) -- under FSDP instead
+    their FSDP traffic and state over dp x ep (``parallelisms.data.state_mesh``).
     ``options``/``targets``: the TP solution's options and the unit indices each one covers.
     ``dp_mode``: the data-parallel mode the plan asked for (default: the context's). With dp = 1 the
     context prices "replicate" (nothing to shard over dp), but a runtime that shards the non-expert
@@ -224,12 +225,33 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
             local[t] += o.count * o.param_bytes / o.strategy.param_shard / len(tg)
     for i, nbytes in expert_units.items():
         local[i] = max(local[i] - nbytes, 0.0)
-    if runtime.dense_state_over_ep:   # their runtime shards the non-expert state over dp x ep (memory)
-        sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(dp_mode or ctx.dp_mode, ())
+    # FSDP (dp > 1) shards the non-expert state over dp x ep in every runtime priced, ours included
+    # (parallelisms.data.state_mesh); a runtime stated with ``dense_state_over_ep`` does so in
+    # every mode (ZeRO-1: the distributed optimizer over the whole data-parallel group) and at dp 1
+    over_ep = runtime.dense_state_over_ep or ctx.fsdp
+    if over_ep:
+        sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(
+            "fsdp" if ctx.fsdp else dp_mode or ctx.dp_mode, ())
         for i, nbytes in enumerate(local):
             if nbytes > 0:
                 st = ctx.state_bytes(nbytes, 1)
                 acc[i][3] -= sum(st[k] for k in sharded) * (1.0 - 1.0 / experts.ep)
+    if ctx.fsdp:
+        # FSDP over dp x ep instead of dp and an all-reduce over ep: each unit's all-gathers and
+        # reduce-scatter span ep too (priced as the ep stage of a hierarchical collective, on the
+        # unit's 1/dp shard), one all-gather of the re-gather a pipeline does; the optimizer steps
+        # 1/ep of the elements it stepped
+        for i, nbytes in enumerate(local):
+            if nbytes <= 0:
+                continue
+            b = int(nbytes / fsdp)
+            ep_part = [Collective("all_gather", "forward", b, 1, experts.ep_dim),
+                       Collective("all_gather", "backward", b, 1, experts.ep_dim),
+                       Collective("reduce_scatter", "backward", int(b * ctx.reduce_scale), 1, experts.ep_dim)]
+            acc[i][5] += ctx.comm_time(ep_part, latency=False)
+            acc[i][6] += ctx.comm_time(ep_part[:1], latency=False)
+            acc[i][7] -= ctx.optimizer_time(0, ctx.optimizer_elements(nbytes, 1), True) * (1.0 - 1.0 / experts.ep)
+        return
     for i, nbytes in enumerate(local):
         if nbytes > 0:
             acc[i][7] += ctx.collective_time(Collective("all_reduce", "backward", int(nbytes / fsdp), 1,

@@ -44,7 +44,7 @@ def shard_experts(shards: list[ParamShard], styled: list, ep: int, tp: int) -> l
             d = {"gate_up_proj": out_dim, "down_proj": in_dim, "gate_up_proj_bias": 1}.get(name)
             if d is not None:
                 shape[d] = -(-shape[d] // tp)
-        out.append(dataclasses.replace(s, local_shape=tuple(shape)))
+        out.append(dataclasses.replace(s, local_shape=tuple(shape), experts=s.fqn.rsplit(".", 1)[0]))
     return out
 
 
@@ -94,22 +94,30 @@ class ExpertPlanning:
         checkpointing reruns every block's forward in backward, all-to-alls included."""
         ep_patterns = [g.pattern for g, _ in self._ep_groups()]
         d = dp if use_fsdp else 1
+        # under FSDP only what it leaves out (unshardable) is all-reduced over ep: it shards the
+        # rest over dp x ep, whose reduce-scatter averages it there (parallelisms.data.state_mesh)
         sync_bytes = sum(s.fsdp_local_numel(d) * s.dtype_bytes for s in shards
-                         if not any(_under(p, s.fqn) for p in ep_patterns))
-        sync = Collective("all_reduce", "backward", int(sync_bytes), dim=self.ep_dim)
+                         if not any(_under(p, s.fqn) for p in ep_patterns)
+                         and not (use_fsdp and s.fsdp_dim is not None))
+        sync = Collective("all_reduce", "backward", int(sync_bytes), dim=self.ep_dim) if sync_bytes else None
         colls = [c for _, o in self._ep_groups() for c in o.collectives]
         if recompute_blocks:
             colls += [dataclasses.replace(c, phase="backward") for c in colls if c.phase == "forward"]
         ep_comm = sum(self.ctx.collective_time(c) for c in colls)
-        colls.append(sync)
+        colls += [sync] if sync is not None else []
         compute = sum(o.compute_s for o in self.choice.chosen) - self.choice.base_compute_s
-        comm = ep_comm + self.ctx.collective_time(sync)
+        comm = ep_comm + (self.ctx.collective_time(sync) if sync is not None else 0.0)
         notes = list(self.choice.notes)
         if not self.groups:
             notes.append(f"{self.ep_dim}={self.ep}: no MoE layer recognised; the {self.ep_dim} dimension is data "
                          f"parallel (batch sharded, gradients all-reduced over it)")
-        notes.append(f"{self.ep_dim} shards the batch (ep borrows from dp): {self.tokens} tokens per rank; every "
-                     f"gradient outside the experts is all-reduced over {self.ep_dim} after backward")
+        if use_fsdp:
+            notes.append(f"{self.ep_dim} shards the batch (ep borrows from dp): {self.tokens} tokens per rank; FSDP "
+                         f"shards every parameter outside the experts over dp x {self.ep_dim} (its reduce-scatter "
+                         f"averages their gradients there), the experts over dp")
+        else:
+            notes.append(f"{self.ep_dim} shards the batch (ep borrows from dp): {self.tokens} tokens per rank; every "
+                         f"gradient outside the experts is all-reduced over {self.ep_dim} after backward")
         return {"collectives": colls, "step_s": compute + comm, "comm_s": comm, "compute_s": compute,
                 "decisions": expert_decision_rows(self.choice), "notes": notes}
 

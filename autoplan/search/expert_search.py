@@ -68,8 +68,11 @@ class ExpertRuntime:
       kernels: each token crosses InfiniBand once per node holding one of its experts, NVLink forwards
       it; deepseek-ai/DeepEP README, "normal kernels ... NVLink to RDMA asymmetric-domain forwarding").
     - ``dense_state_over_ep``: the optimizer (ZeRO-1) or all state (FSDP) of the parameters outside
-      the experts is sharded over dp x ep, not dp (Megatron-Core's distributed optimizer over the whole
-      data-parallel group, FSDP2 over dp_shard x ep); ours replicates it over ep. Memory only.
+      the experts is sharded over dp x ep in every data-parallel mode and at dp = 1 too (Megatron-Core's
+      distributed optimizer over the whole data-parallel group, AutoModel's FSDP2 over dp_shard x ep
+      at dp_shard 1). Ours does so under FSDP with dp > 1 only (FSDP2 over the flattened dp x ep mesh,
+      ``parallelisms.data.state_mesh``), which every runtime is priced with; with ZeRO-1, replicated
+      dp or dp = 1 ours replicates the non-expert state over ep and all-reduces its gradients there.
     - ``overlap``: the fraction of the all-to-alls hidden behind the other micro-batch's compute
       (DualPipe's forward/backward chunk pairs, tech report sec. 3.2.1; Megatron-Core's EP A2A
       overlap of two micro-batches): at most the layer's own compute can hide them. 0: none.

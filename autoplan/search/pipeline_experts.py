@@ -5,7 +5,8 @@
 With an ep dimension a rank's stages run their MoE layers under ``ExpertParallel`` -- the
 all-to-alls of every MoE layer it holds, once per micro-batch, on the ep dimension -- its expert
 weights are split over ep (and expert TP), and after the schedule the runtime averages every
-non-expert gradient over ep in one all-reduce (``autoplan.parallelisms.expert.ExpertGradSync``).
+non-expert gradient over ep in one all-reduce (``autoplan.parallelisms.expert.ExpertGradSync``)
+-- under FSDP only those FSDP leaves out: it shards the others over dp x ep.
 The rows come from the style the plan names (``ExpertParallel.predicted_collectives``) and the
 shapes from ``expert_plan.shard_experts``, the objects the one-stage plan uses.
 """
@@ -54,10 +55,12 @@ def ep_layer_rows(groups: list, ep_section: dict | None, *, tokens: int, dtype_b
 
 
 def ep_sync_row(shards: list[ParamShard], groups: list, ep_section: dict | None, units: list[str], fsdp_dp: int,
-                ep_dim: str) -> Collective | None:
+                ep_dim: str, fsdp: bool = False) -> Collective | None:
     """The one all-reduce over ep of the non-expert gradients of the parameters in ``units`` (this
-    rank's, FSDP-local over ``fsdp_dp``), or None when they hold none."""
+    rank's, FSDP-local over ``fsdp_dp``), or None when they hold none. Under FSDP (``fsdp``) only
+    those it cannot shard: it shards the rest over dp x ep and its reduce-scatter averages them."""
     patterns = [g.pattern for g, _ in styled_groups(groups, ep_section)]
     nbytes = sum(s.fsdp_local_numel(fsdp_dp) * s.dtype_bytes for s in shards
-                 if any(s.fqn.startswith(u + ".") for u in units) and not any(_under(p, s.fqn) for p in patterns))
+                 if any(s.fqn.startswith(u + ".") for u in units) and not any(_under(p, s.fqn) for p in patterns)
+                 and not (fsdp and s.fsdp_dim is not None))
     return Collective("all_reduce", "backward", int(nbytes), dim=ep_dim) if nbytes else None

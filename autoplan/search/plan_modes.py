@@ -30,7 +30,7 @@ from typing import Sequence
 
 from autoplan.capture.ir import ModelGraph
 from autoplan.errors import PlanningError
-from autoplan.parallelisms.data import flat_name, grad_dims
+from autoplan.parallelisms.data import flat_name, grad_dims, state_dims
 from autoplan.plan.plan import Plan
 from autoplan.search.sharding import param_shards
 from autoplan.search.structure import ModelStructure
@@ -137,9 +137,12 @@ def with_mixed_precision(plan: Plan) -> Plan:
     dp_dim = flat_name(grad_dims(plan)) if plan.parallel.get("cp") else plan.fsdp.get("dim") or plan.dp_dim
     # expert parallel: the all-reduces over ep after backward carry the (fp32) gradients too
     ep_dim = (plan.parallel.get("ep") or {}).get("dim")
+    # ... and FSDP's reduce-scatters of the non-expert units over the flattened dp x ep mesh
+    state_dim = flat_name(state_dims(plan))
 
     def fp32_reductions(rows: list[dict]) -> list[dict]:
-        return [dict(r, bytes=int(r["bytes"] * scale)) if (r["mesh_dim"] == dp_dim and r["kind"] == "reduce_scatter")
+        return [dict(r, bytes=int(r["bytes"] * scale)) if (r["mesh_dim"] in (dp_dim, state_dim)
+                                                          and r["kind"] == "reduce_scatter")
                 or (r["mesh_dim"] == ep_dim and r["kind"] == "all_reduce" and r["phase"] == "backward") else r
                 for r in rows]
 

@@ -55,6 +55,14 @@ class ParamShard:
     # for a packed projection's bias, which FSDP leaves replicated (fsdp_unshardable): its
     # gradient is all-reduced over dp after backward
     fsdp_dim: int | None = 0
+    # the experts container ExpertParallel splits this parameter with ("" otherwise): FSDP wraps
+    # it as its own unit over dp, while every other parameter is sharded over dp x ep
+    # (autoplan.parallelisms.data.state_mesh)
+    experts: str = ""
+
+    def fsdp_degree(self, dp: int, ep: int) -> int:
+        """Ranks FSDP shards this parameter over: dp for an expert weight, dp x ep otherwise."""
+        return dp if self.experts else dp * ep
 
     def fsdp_local_numel(self, dp: int) -> int:
         if not self.local_shape:
@@ -143,30 +151,41 @@ def _param_dtype_bytes(graph: ModelGraph) -> int:
     return 4
 
 
-def rank_param_bytes(shards: list[ParamShard], dp: int, fsdp: bool) -> int:
-    """Parameter bytes on rank 0."""
-    d = dp if fsdp else 1
-    return sum(s.fsdp_local_numel(d) * s.dtype_bytes for s in shards)
+def rank_param_bytes(shards: list[ParamShard], dp: int, fsdp: bool, ep: int = 1) -> int:
+    """Parameter bytes on rank 0 (``ep``: the ep degree FSDP shards non-expert parameters over too)."""
+    return sum(s.fsdp_local_numel(s.fsdp_degree(dp, ep) if fsdp else 1) * s.dtype_bytes for s in shards)
 
 
-def fsdp_collectives(shards: list[ParamShard], dp: int, dp_dim: str) -> list[dict]:
-    """The collectives FSDP2 issues over ``dp_dim`` in one forward+backward: per block unit an
-    all-gather in forward, another in backward (resharded after forward) and a reduce-scatter
-    in backward; the root unit all-gathers once (it stays unsharded for backward) and
-    reduce-scatters at the end of backward; parameters FSDP cannot shard (``fsdp_dim`` None) are
-    averaged in one all-reduce."""
-    units: dict[str, int] = {}
-    replicated = 0    # parameters FSDP leaves alone: one all-reduce of their gradients after backward
+def fsdp_units(shards: list[ParamShard], dp: int, dp_dim: str, ep: int = 1, state_dim: str | None = None
+               ) -> tuple[dict[tuple[str, str], int], int]:
+    """FSDP2's units as the runners wrap them: {(mesh dim, unit): padded bytes} -- every block and
+    the root (unit "") over ``state_dim`` (the flattened dp x ep mesh; ``dp_dim`` without ep), each
+    experts container over ``dp_dim`` -- and the bytes of the parameters FSDP cannot shard."""
+    units: dict[tuple[str, str], int] = {}
+    replicated = 0
     for s in shards:
         if s.fsdp_dim is None:
             replicated += s.fsdp_local_numel(dp) * s.dtype_bytes
             continue
-        units[s.unit] = units.get(s.unit, 0) + s.fsdp_padded_numel(dp) * s.dtype_bytes
-    rows = [("all_reduce", "backward", replicated)] if replicated else []
-    for unit, nbytes in sorted(units.items()):
+        key = (dp_dim, s.experts) if s.experts else (state_dim or dp_dim, s.unit)
+        units[key] = units.get(key, 0) + s.fsdp_padded_numel(s.fsdp_degree(dp, ep)) * s.dtype_bytes
+    return units, replicated
+
+
+def fsdp_collectives(shards: list[ParamShard], dp: int, dp_dim: str, ep: int = 1, state_dim: str | None = None
+                     ) -> list[dict]:
+    """The collectives FSDP2 issues in one forward+backward: per block unit (and per experts
+    container) an all-gather in forward, another in backward (resharded after forward) and a
+    reduce-scatter in backward; the root unit all-gathers once (it stays unsharded for backward)
+    and reduce-scatters at the end of backward; parameters FSDP cannot shard (``fsdp_dim`` None)
+    are averaged over dp in one all-reduce. With an ep dimension (``ep`` > 1) the non-expert
+    units run on ``state_dim`` (:func:`fsdp_units`)."""
+    units, replicated = fsdp_units(shards, dp, dp_dim, ep, state_dim)
+    rows = [("all_reduce", "backward", replicated, dp_dim)] if replicated else []
+    for (dim, unit), nbytes in sorted(units.items()):
         if unit:
-            rows += [("all_gather", "forward", nbytes), ("all_gather", "backward", nbytes),
-                     ("reduce_scatter", "backward", nbytes)]
+            rows += [("all_gather", "forward", nbytes, dim), ("all_gather", "backward", nbytes, dim),
+                     ("reduce_scatter", "backward", nbytes, dim)]
         else:
-            rows += [("all_gather", "forward", nbytes), ("reduce_scatter", "backward", nbytes)]
-    return [Collective(k, p, b, dim=dp_dim).to_row() for k, p, b in rows]
+            rows += [("all_gather", "forward", nbytes, dim), ("reduce_scatter", "backward", nbytes, dim)]
+    return [Collective(k, p, b, dim=d).to_row() for k, p, b, d in rows]

@@ -69,13 +69,18 @@ def test_moe_layout_breakdown_matches_a_hand_count(mixtral):
     assert expert_saved_bytes(T, TOP_K, H, F, 2, recompute_act=True) == EXPERTS
 
 
-def test_our_runtime_replicates_the_non_expert_state_over_ep(mixtral):
-    """hyper_parallel's runtime shards the experts over ep but keeps every other weight's state
-    FSDP-sharded over dp only (ExpertGradSync all-reduces those gradients over ep): the planner
-    counts that, not the dp x ep sharding it prices for runtimes that do it."""
-    _, _, ours = _priced(mixtral, OUR_EXPERT_RUNTIME)
-    assert ours.params == pytest.approx(2 * (EXPERT + DENSE / DP), rel=1e-6)
-    assert ours.optimizer == pytest.approx(12 * (EXPERT + DENSE / DP), rel=1e-6)
+def test_our_runtime_shards_the_non_expert_state_over_dp_x_ep_under_fsdp(mixtral):
+    """hyper_parallel's runtime under FSDP shards the experts over ep x dp and every other weight's
+    state over the flattened dp x ep mesh (parallelisms.data.state_mesh), as FSDP2 over dp_shard x ep
+    does; with replicated dp (no FSDP) the non-expert state stays whole on every rank, its gradients
+    all-reduced over ep (ExpertGradSync)."""
+    search, _, ours = _priced(mixtral, OUR_EXPERT_RUNTIME)
+    assert ours.params == pytest.approx(2 * (EXPERT + DENSE / (DP * EP)), rel=1e-6)
+    assert ours.optimizer == pytest.approx(12 * (EXPERT + DENSE / (DP * EP)), rel=1e-6)
+    cand = search.evaluate(DP, 1, 1, "1F1B", 1, "replicate", "none", cuts="balanced", v=1, ep=EP)
+    units, _ = search.unit_costs(DP, 1, 1, "replicate", "none", 1, ep=EP)
+    rep = memory_breakdown(cand.choice, units, search.ctx(DP, 1, 1, "replicate", "none", 1, EP))
+    assert rep.params == pytest.approx(2 * (EXPERT * DP + DENSE), rel=1e-6)
 
 
 def test_dp1_fsdp_over_ep_still_shards_the_non_expert_state(mixtral):

@@ -13,7 +13,7 @@ from autoplan.plan import Plan
 from autoplan.verify.dry_run import verify
 from hyper_parallel import ExpertParallel, ParallelDims
 from tests.planner import ep_plan_workers
-from tests.runtime.ep_workers import build
+from tests.runtime.ep_workers import VOCAB, build
 
 BATCH = (4, 8)
 
@@ -48,7 +48,10 @@ def test_plan_records_the_expert_decision(mixtral, dp_ep_plan):
     assert sum(r["count"] for r in a2a) == 10 and {r["mesh_dim"] for r in a2a} == {"ep"}
     tokens = BATCH[0] // 4 * BATCH[1]
     assert {r["bytes"] for r in a2a} == {8 * 8, tokens * 2 * 32 * 4}
-    assert any(r["kind"] == "all_reduce" and r["mesh_dim"] == "ep" for r in rows)   # non-expert grads over ep
+    # FSDP: the non-expert parameters over the flattened dp x ep mesh (no all-reduce over ep), the experts over dp
+    assert not any(r["kind"] == "all_reduce" and r["mesh_dim"] == "ep" for r in rows)
+    assert {r["kind"] for r in rows if r["mesh_dim"] == "dp_ep"} == {"all_gather", "reduce_scatter"}
+    assert {r["kind"] for r in rows if r["mesh_dim"] == "dp"} == {"all_gather", "reduce_scatter"}
     assert any("routing imbalance factor 1" in n for n in plan.notes)
     expert_rows = [d for d in plan.decisions if d["unit"].endswith("/experts")]
     assert [d["strategy"] for d in expert_rows] == ["expert_parallel"]
@@ -110,6 +113,26 @@ def test_dry_run_matches_at_world_64(name, ac, mixtral, qwen3):
     assert (result.collectives["kind"] == "all_to_all").any()
 
 
+@pytest.mark.parametrize("name,shape", [("mixtral", (2, 2)), ("qwen3", (2, 4))])
+def test_fsdp_over_dp_x_ep_dry_runs_as_predicted(name, shape, mixtral, qwen3):
+    """FSDP on a (dp, ep) mesh: every non-expert parameter sharded over the dp x ep ranks (one
+    all-gather / reduce-scatter per unit on the flattened ``dp_ep`` mesh), the experts over dp,
+    no all-reduce over ep; issued exactly as predicted, parameter bytes included."""
+    model = {"mixtral": mixtral, "qwen3": qwen3}[name]
+    plan = _plan(model, shape, ("dp", "ep"), batch=(16, 8), expert_parallel=True)
+    assert plan.fsdp["enabled"] and plan.parallel["ep"]["styles"]
+    result = verify(plan, model)
+    assert result.passed, (result.error, result.mismatches())
+    df = result.collectives
+    assert set(df[df["mesh_dim"] == "dp_ep"]["kind"]) == {"all_gather", "reduce_scatter"}, df.to_string()
+    assert set(df[df["mesh_dim"] == "ep"]["kind"]) == {"all_to_all"}, df.to_string()
+    # every tensor of these models divides evenly: the non-expert ones 1 / (dp x ep) each, the experts
+    # 1 / ep (ExpertParallel) then 1 / dp (FSDP); so each rank holds 1 / (dp x ep) of the fp32 model
+    total = sum(p.numel() for p in model.parameters())
+    assert result.param_bytes["issued"] == plan.predictions["memory_bytes"]["params"] == 4 * total // (
+        shape[0] * shape[1]), result.param_bytes
+
+
 def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
     """HF Mixtral and the repo MoE model (dense first layer, shared expert, 3-D experts)."""
     repo = build("repo")[0]
@@ -131,6 +154,21 @@ def test_plans_equal_one_device_on_4_ranks(pool4, mixtral, dp_ep_plan):
             assert not r["bad_grads"] and not r["bad_params"], (rank, label, r)
             assert r["local_rows"] == (1 if label.startswith("dp") else 2), (rank, label, r)
             assert (r["ep_sharded"] > 0) == (not label.endswith("replicated")), (rank, label, r)
+            if label.startswith("dp"):   # FSDP over the flattened dp x ep mesh: 1/4 of every non-expert weight
+                dense = r["dense_shards"]
+                assert dense and all(dims == ("dp_ep",) and rows == -(-full // 4) for dims, rows, full in
+                                     dense.values()), (rank, label, dense)
+                assert dense["tok_embeddings.weight" if "repo" in label else "model.embed_tokens.weight"][1] == VOCAB // 4
+
+
+def test_dcp_checkpoint_of_an_fsdp_dp_x_ep_plan_resumes_exactly(pool4, dp_ep_plan, tmp_path):
+    """Parameters and AdamW state sharded over dp x ep (and the experts over ep x dp) save with
+    DCP and load into a fresh runner of the same plan: the resumed step equals the uninterrupted one."""
+    assert dp_ep_plan.fsdp["enabled"]
+    for rank, r in enumerate(pool4.run(ep_plan_workers.save_and_resume, dp_ep_plan.to_json(), "mixtral",
+                                       str(tmp_path / "ckpt"))):
+        assert r["step"] == 1 and r["n"] > 10 and not r["differ"], (rank, r)
+        assert r["loss"] == r["resumed_loss"], (rank, r)
 
 
 def test_repo_moe_layer_is_captured_with_routed_flops():
