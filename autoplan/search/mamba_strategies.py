@@ -17,13 +17,10 @@ from __future__ import annotations
 
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
-
-from hyper_parallel import PrepareModuleInputOutput, Replicate, Shard
+from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 
 from autoplan.search.strategies import Strategy, _ag_rs_pair, _ar_pair, _replicated_region_on_s
 from autoplan.search.structure import BlockGroupInfo, MambaUnit
-
-R, S = Replicate(), Shard(1)
 
 
 def mamba_strategies(m: MambaUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
@@ -69,5 +66,4 @@ def mamba_strategies(m: MambaUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
 
 def _gathered(rel: str) -> dict:
     """The mixer taking the sequence-sharded stream in whole and giving its shard back."""
-    return {rel: PrepareModuleInputOutput(input_layouts=(S,), desired_input_layouts=(R,), use_local_input=True,
-                                          output_layouts=(R,), desired_output_layouts=(S,), use_local_output=True)}
+    return {rel: GatheredRegion(sequence_dim=1)}

@@ -31,7 +31,7 @@ from autoplan.search.strategies import (
     norm_strategies,
 )
 from autoplan.search.mamba_strategies import mamba_strategies
-from autoplan.search.expert_strategies import experts_strategies
+from autoplan.search.expert_strategies import experts_strategies, within_container
 from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
 from autoplan.search.soundness import SoundnessReport, check_search, settle
@@ -232,7 +232,7 @@ class TPSearch:
                             self._add(f"{b.id}/{name}", s, owner, b.count, unit.work, unit.work.param_bytes)
                 if b.mlp is not None:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)
-                    for s in mlp_strategies(b.mlp, b, t, layout, pt):
+                    for s in within_container(mlp_strategies, b.mlp, b, t, layout, pt):
                         self._add(f"{b.id}/mlp", s, owner, b.count, b.mlp.work, b.mlp.work.param_bytes)
                 if b.moe is not None:
                     for s in experts_strategies(b.moe, b, t, layout):
