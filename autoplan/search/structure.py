@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
-from autoplan.search.outside_units import outside_units
+from autoplan.search.outside_units import norms_after_blocks, outside_units
 from autoplan.search.unit_work import CROSS_ENTROPY_PASSES, Work, loss_work, work_of
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
@@ -569,7 +569,12 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         if head.tied and emb is not None:   # sharded with the embedding or not at all: its tables go with it
             emb_mods += list(emb.shared_tables)
         head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods)
-    final_norms = list(graph.roles.get("norms", []))
+    final_norms, before = norms_after_blocks(graph, list(graph.roles.get("norms", [])))
+    if before and emb is not None:
+        # a norm between the embedding and the first block (Bloom's word_embeddings_layernorm)
+        # reads the whole sequence as the embedding gives it: the stream is sharded at the first
+        # block, and the norm stays replicated with the rest of the model outside the units
+        emb.shard_safe = False
     fn_work = Work()
     for n in final_norms:
         fn_work = fn_work + work(n)
@@ -592,3 +597,4 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
                           graph.num_parameters, not_units, head_links(graph, blocks),
                           outside_units(graph, covered))
+
