@@ -16,6 +16,7 @@ from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
 from autoplan.search.outside_units import norms_after_blocks, outside_units
+from autoplan.search.token_dims import token_dim
 from autoplan.search.unit_work import CROSS_ENTROPY_PASSES, Work, loss_work, work_of
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
@@ -91,6 +92,7 @@ class MlpUnit:
     work: Work = field(default_factory=Work)
     packed: int = 1             # projections fused in each ``up`` Linear ([gate|up]: 2)
     up_bias: bool = False       # an ``up`` projection has a bias
+    token_dim: int = 1          # the sequence's dimension in its input (0: tokens flattened, token_dims)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class BlockGroupInfo:
     cross_attention: AttentionUnit | None = None   # a decoder's second attention (keys from the encoder)
     moe: MoeUnit | None = None  # a mixture-of-experts layer with stacked expert weights
     mamba: MambaUnit | None = None   # a state-space mixer (split on its channels by MambaMixerParallel)
+    norm_token_dims: dict[str, int] = field(default_factory=dict)   # norms whose tokens are not on dim 1
 
 
 @dataclass
@@ -515,7 +518,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
                 for x in ups + [m["down"]]:
                     mw = mw + work(f"{rep}.{x}")
             mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw, packed=packed,
-                          up_bias=any(_has_bias(graph, f"{rep}.{u}") for u in ups))
+                          up_bias=any(_has_bias(graph, f"{rep}.{u}") for u in ups),
+                          token_dim=token_dim(rows, f"{rep}.{ups[0]}") if ups else 1)
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
         inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel] + \
@@ -543,7 +547,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         blocks.append(BlockGroupInfo(
             b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
             norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1],
-            cross_attention=cross, moe=moe, mamba=mamba))
+            cross_attention=cross, moe=moe, mamba=mamba,
+            norm_token_dims={n: d for n in norms if (d := token_dim(rows, f"{rep}.{n}")) != 1}))
         claimed.add(rep)
 
     outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(

@@ -241,7 +241,7 @@ class TPSearch:
                     for s in mamba_strategies(b.mamba, b, t, layout):
                         self._add(f"{b.id}/mamba", s, owner, b.count, b.mamba.work, b.mamba.work.param_bytes)
                 pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
-                for s in norm_strategies(b.norms, t, layout, pt):
+                for s in norm_strategies(b.norms, t, layout, pt, b.norm_token_dims):
                     self._add(f"{b.id}/norms", s, owner, b.count, b.norm_work, b.norm_param_bytes)
                 self._add(f"{b.id}/other", Strategy("replicate", layout, {}, [],
                                                     extra={"block_input_bytes": b.hidden_bytes}),
