@@ -12,10 +12,13 @@ optionally with expert TP inside each ep group); the TP search then offers only 
 """
 from __future__ import annotations
 
-from hyper_parallel import PrepareModuleInputOutput, Replicate, Shard
+import dataclasses
+
+from hyper_parallel import Replicate, Shard
 from hyper_parallel.core.expert_parallel import (DenseExpertsParallel, ExpertParallel, FlatExpertsParallel,
                                                 PairedExpertsParallel)
 from hyper_parallel.core.collective import Collective
+from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 
 from autoplan.search.strategies import Strategy, _replicated_region_on_s
 from autoplan.search.structure import BlockGroupInfo, MoeUnit
@@ -72,8 +75,20 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
     return out
 
 
+def within_container(strategies, unit, blk: BlockGroupInfo, t: int, layout: str, *args) -> list[Strategy]:
+    """``strategies(unit, blk, t, layout, *args)``, for a unit that may sit inside the block's MoE
+    container (DeepSeek-V3's and Llama-4's shared experts): on a sequence-sharded stream every
+    form of the container gathers the sequence at its input and slices it out of its output, so
+    such a unit sees a replicated stream -- its replicated-stream forms, labelled with the block's
+    stream."""
+    moe = blk.moe
+    if layout != "S" or moe is None or not moe.rel or not unit.rel.startswith(moe.rel + "."):
+        return strategies(unit, blk, t, layout, *args)
+    return [dataclasses.replace(s, stream=layout, reason=f"{s.reason} (inside {moe.rel}, on its gathered sequence)")
+            for s in strategies(unit, blk, t, "R", *args)]
+
+
 def _container(m: MoeUnit, layout) -> dict:
-    """The MoE container taking the stream's layout in and giving it back (gathered inside)."""
-    return {m.rel: PrepareModuleInputOutput(input_layouts=(layout,), desired_input_layouts=(R,), use_local_input=True,
-                                            output_layouts=(R,), desired_output_layouts=(layout,),
-                                            use_local_output=True)}
+    """The MoE container taking the sequence-sharded stream in whole and giving its shard back
+    (its first output: an MoE layer may also return its router logits, or flatten the tokens)."""
+    return {m.rel: GatheredRegion(sequence_dim=layout.dim)}

@@ -46,3 +46,19 @@ def outside_units(graph: ModelGraph, covered: list[str]) -> list[tuple[str, int]
         sizes[key] = sizes.get(key, 0) + n
     floor = _OUTSIDE_SHARE * max(graph.num_parameters, 1)
     return sorted(((k, n) for k, n in sizes.items() if n >= floor), key=lambda kv: -kv[1])
+
+
+def norms_after_blocks(graph, norms: list[str]) -> tuple[list[str], list[str]]:
+    """The stream norms outside every block split by where they run: after the blocks (the final
+    norm, planned with the head's stream) and before the first block (an embedding norm, which
+    sees the stream before any unit may shard it)."""
+    first_block = next((i for i, n in enumerate(graph.nodes) if n.block is not None), None)
+    if first_block is None:
+        return norms, []
+    before = []
+    for norm in norms:
+        at = next((i for i, n in enumerate(graph.nodes) if n.module == norm or n.module.startswith(norm + ".")),
+                  None)
+        if at is not None and at < first_block:
+            before.append(norm)
+    return [n for n in norms if n not in before], before

@@ -328,15 +328,16 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
         # the linears sit directly in the block (OPT's and XGLM's fc1/fc2): no container to change
         # layouts at. On R the first linear takes the stream as is and the last all-reduces its
         # partial sums back. On S each up linear gathers the sequence at its own input and the
-        # down linear reduce-scatters back to the shard -- which reads the sequence on dim 1, so
-        # a block that flattens tokens before them (OPT) fails its probe run (a width mismatch)
-        # and keeps R; a replicated MLP on S would need a region no module bounds: none.
+        # down linear reduce-scatters back to the shard, on the dimension the tokens sit on there
+        # (0 where the block flattened them: OPT); a replicated MLP on S would need a region no
+        # module bounds: none.
         sharded = t > 1 and m.linear and m.hidden and m.packed == 1
         if layout != "R":
             if not sharded:
                 return []
-            styles = {u: ColwiseParallel(input_layouts=S) for u in m.up}
-            styles[m.down] = RowwiseParallel(output_layouts=S)
+            tokens = Shard(m.token_dim)   # a block that flattened its tokens (OPT) has them on dim 0
+            styles = {u: ColwiseParallel(input_layouts=tokens) for u in m.up}
+            styles[m.down] = RowwiseParallel(output_layouts=tokens)
             k = uneven_shard(m.hidden, t)
             # every up linear gathers the sequence itself (and reduce-scatters its input gradient)
             extra_ups = [c for _ in m.up[1:] for c in (Collective("all_gather", "forward", h),
@@ -388,13 +389,17 @@ def mlp_strategies(m: MlpUnit, blk: BlockGroupInfo, t: int, layout: str, param_b
     return out
 
 
-def norm_strategies(norms: list[str], t: int, layout: str, param_bytes: list[int]) -> list[Strategy]:
+def norm_strategies(norms: list[str], t: int, layout: str, param_bytes: list[int],
+                    token_dims: dict[str, int] | None = None) -> list[Strategy]:
     """Stream norms: replicated on R; on S sequence parallel with a DTensor output (what a
     pre-norm block's sharded attention/MLP input takes, torchtitan's form) or a local one (a
-    post-norm block adds the norm's output to the local residual: OLMo-2)."""
+    post-norm block adds the norm's output to the local residual: OLMo-2). ``token_dims``: norms
+    whose input has its tokens on another dimension than 1 (OPT's final norm: flattened, 0)."""
     if layout == "R" or t == 1:
         return [Strategy("replicate", layout, {}, [], reason="replicated")]
-    return [Strategy(name, "S", {n: SequenceParallel(use_local_output=local, reduce_grads=True) for n in norms},
+    dims = token_dims or {}
+    return [Strategy(name, "S", {n: SequenceParallel(sequence_dim=dims.get(n, 1), use_local_output=local,
+                                                     reduce_grads=True) for n in norms},
                      _grad_all_reduces(param_bytes), compute_shard=t, activation_shard=t, reason=why, extra=extra)
             for name, local, why, extra in (("sequence", False, "sequence parallel", {}),
                                             ("sequence_local", True, "sequence parallel, local output",

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
-from autoplan.search.outside_units import outside_units
+from autoplan.search.outside_units import norms_after_blocks, outside_units
+from autoplan.search.token_dims import token_dim
 from autoplan.search.unit_work import CROSS_ENTROPY_PASSES, Work, loss_work, work_of
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
@@ -94,6 +95,7 @@ class MlpUnit:
     work: Work = field(default_factory=Work)
     packed: int = 1             # projections fused in each ``up`` Linear ([gate|up]: 2)
     up_bias: bool = False       # an ``up`` projection has a bias
+    token_dim: int = 1          # the sequence's dimension in its input (0: tokens flattened, token_dims)
 
 
 @dataclass
@@ -149,6 +151,7 @@ class BlockGroupInfo:
     cross_attention: AttentionUnit | None = None   # a decoder's second attention (keys from the encoder)
     moe: MoeUnit | None = None  # a mixture-of-experts layer with stacked expert weights
     mamba: MambaUnit | None = None   # a state-space mixer (split on its channels by MambaMixerParallel)
+    norm_token_dims: dict[str, int] = field(default_factory=dict)   # norms whose tokens are not on dim 1
 
 
 @dataclass
@@ -528,7 +531,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
                 for x in ups + [m["down"]]:
                     mw = mw + work(f"{rep}.{x}")
             mlp = MlpUnit(m["module"], ups, m["down"], int(m.get("hidden", 0)), lin, mw, packed=packed,
-                          up_bias=any(_has_bias(graph, f"{rep}.{u}") for u in ups))
+                          up_bias=any(_has_bias(graph, f"{rep}.{u}") for u in ups),
+                          token_dim=token_dim(rows, f"{rep}.{ups[0]}") if ups else 1)
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
         inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel] + \
@@ -556,7 +560,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         blocks.append(BlockGroupInfo(
             b.id, b.prefix, list(b.indices), b.count, rep, att, mlp, norms, norm_work,
             norm_work.param_bytes, other, hidden * dtype_bytes, shape[1] if len(shape) > 2 else 1, shape[-1],
-            cross_attention=cross, moe=moe, mamba=mamba))
+            cross_attention=cross, moe=moe, mamba=mamba,
+            norm_token_dims={n: d for n in norms if (d := token_dim(rows, f"{rep}.{n}")) != 1}))
         claimed.add(rep)
 
     outside_positions = any(n.block is None and "arange" in n.op for n in graph.nodes) or any(
@@ -582,7 +587,12 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         if head.tied and emb is not None:   # sharded with the embedding or not at all: its tables go with it
             emb_mods += list(emb.shared_tables)
         head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods)
-    final_norms = list(graph.roles.get("norms", []))
+    final_norms, before = norms_after_blocks(graph, list(graph.roles.get("norms", [])))
+    if before and emb is not None:
+        # a norm between the embedding and the first block (Bloom's word_embeddings_layernorm)
+        # reads the whole sequence as the embedding gives it: the stream is sharded at the first
+        # block, and the norm stays replicated with the rest of the model outside the units
+        emb.shard_safe = False
     fn_work = Work()
     for n in final_norms:
         fn_work = fn_work + work(n)
@@ -605,3 +615,4 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
                           graph.num_parameters, not_units, head_links(graph, blocks),
                           outside_units(graph, covered))
+

@@ -31,7 +31,7 @@ from autoplan.search.strategies import (
     norm_strategies,
 )
 from autoplan.search.mamba_strategies import mamba_strategies
-from autoplan.search.expert_strategies import experts_strategies
+from autoplan.search.expert_strategies import experts_strategies, within_container
 from autoplan.search.moa_strategies import moa_strategies
 from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
@@ -233,7 +233,7 @@ class TPSearch:
                             self._add(f"{b.id}/{name}", s, owner, b.count, unit.work, unit.work.param_bytes)
                 if b.mlp is not None:
                     pt = _param_tensor_bytes(self.graph, f"{rep}.{b.mlp.rel}", db)
-                    for s in mlp_strategies(b.mlp, b, t, layout, pt):
+                    for s in within_container(mlp_strategies, b.mlp, b, t, layout, pt):
                         self._add(f"{b.id}/mlp", s, owner, b.count, b.mlp.work, b.mlp.work.param_bytes)
                 if b.moe is not None:
                     for s in experts_strategies(b.moe, b, t, layout):
@@ -242,7 +242,7 @@ class TPSearch:
                     for s in mamba_strategies(b.mamba, b, t, layout):
                         self._add(f"{b.id}/mamba", s, owner, b.count, b.mamba.work, b.mamba.work.param_bytes)
                 pt = [x for n in b.norms for x in _param_tensor_bytes(self.graph, f"{rep}.{n}", db)]
-                for s in norm_strategies(b.norms, t, layout, pt):
+                for s in norm_strategies(b.norms, t, layout, pt, b.norm_token_dims):
                     self._add(f"{b.id}/norms", s, owner, b.count, b.norm_work, b.norm_param_bytes)
                 self._add(f"{b.id}/other", Strategy("replicate", layout, {}, [],
                                                     extra={"block_input_bytes": b.hidden_bytes}),

@@ -96,6 +96,9 @@ _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_kv_heads", "enc
               "decoder_attention_heads", "num_heads", "n_head", "n_heads", "attention_heads")
 _WIDTH_KEYS = ("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim",
                "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size")
+# widths a model compares with its hidden size (OPT adds project_in / project_out only when
+# word_embed_proj_dim differs): equal to the small hidden size where equal in the real config
+_HIDDEN_TWINS = ("word_embed_proj_dim",)
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
                "decoder_layers", "n_layers")
 
@@ -193,6 +196,9 @@ def shrink_hf_config(config: Any, degrees: list[int], extents: bool = True) -> d
     for k in _WIDTH_KEYS:
         if isinstance(d.get(k), int) and d[k] > 0:
             out[k] = _keep_residue(d[k], degrees)
+    for k in _HIDDEN_TWINS:
+        if isinstance(d.get(k), int):
+            out[k] = out[hidden_key] if d[k] == old_hidden else _keep_residue(d[k], degrees)
     for k in _LAYER_KEYS:
         if isinstance(d.get(k), int):
             out[k] = min(d[k], LAYERS)

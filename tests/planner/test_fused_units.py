@@ -7,7 +7,7 @@ import transformers
 
 from autoplan.capture import capture
 from autoplan.search.sharding import _shard_dim
-from autoplan.search.strategies import PACKED_BIAS, attention_strategies, mlp_strategies
+from autoplan.search.strategies import PACKED_BIAS, attention_strategies, mlp_strategies, norm_strategies
 from autoplan.search.structure import model_structure
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 from torch.distributed.tensor import Shard
@@ -101,8 +101,8 @@ def test_conv1d_layers_are_shardable_linears(structures):
 def test_mlp_without_container_is_sharded_on_either_stream(structures):
     """fc1/fc2 directly in the block: on R, Megatron's f/g; on S the up linear gathers the
     sequence at its input and the down linear scatters it back (no replicated form on S: no
-    module bounds the region). Whether the block's code keeps the sequence on dim 1 (OPT
-    flattens tokens first) is the probe's to find, on the model."""
+    module bounds the region) -- on dim 0, where OPT's block has flattened its tokens (read from
+    the captured input shapes), as its final norm takes them; its attention's norm keeps dim 1."""
     blk = structures["opt"].blocks[0]
     m = blk.mlp
     assert m.rel == "" and m.up == ["fc1"] and m.down == "fc2"
@@ -112,7 +112,10 @@ def test_mlp_without_container_is_sharded_on_either_stream(structures):
     assert [c.kind for c in sharded[0].collectives] == ["all_reduce", "all_reduce"]
     on_s = mlp_strategies(m, blk, 4, "S", [])
     assert [s.name for s in on_s] == ["hidden_sharded"]
-    assert on_s[0].styles["fc1"].input_layouts == Shard(1) and on_s[0].styles["fc2"].output_layouts == Shard(1)
+    assert m.token_dim == 0 and blk.norm_token_dims == {"final_layer_norm": 0}, (m, blk.norm_token_dims)
+    assert on_s[0].styles["fc1"].input_layouts == Shard(0) and on_s[0].styles["fc2"].output_layouts == Shard(0)
+    norms = norm_strategies(blk.norms, 4, "S", [], blk.norm_token_dims)[0].styles
+    assert norms["final_layer_norm"].sequence_dim == 0 and norms["self_attn_layer_norm"].sequence_dim == 1
     assert sorted((c.kind, c.phase) for c in on_s[0].collectives) == [
         ("all_gather", "backward"), ("all_gather", "forward"), ("reduce_scatter", "backward"),
         ("reduce_scatter", "forward")]

@@ -41,7 +41,11 @@ SLICE = [
     # KV heads and the shared kv_proj's, search/moa_strategies.py)
     ("jetmoe", "dp2_tp2", "default", ("attention:heads_sharded", "moe:experts_tp")),
     # issue 33: Falcon-H1's Mamba-2 mixer split on its heads (one group at tp=2: each rank reads it whole)
-    ("falcon_h1", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "attention:heads_sharded", "mlp:hidden_sharded")),
+    # on a sequence-sharded stream: the mixer gathers the sequence and reduce-scatters its partial output
+    ("falcon_h1", "dp2_tp2", "forced_S", ("mamba:channels_sharded", "attention:heads_sharded", "mlp:hidden_sharded")),
+    # DeepSeek-V3's shared experts sit inside the MoE container, which gathers a sequence-sharded stream:
+    # they take their replicated-stream forms there
+    ("deepseek_v3", "tp4", "forced_S", ("moe:experts_tp", "mlp:hidden_sharded")),
     # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
     ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place

@@ -30,9 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP
+from hyper_parallel.core.expert_parallel.dispatch import CopyToTP
 from hyper_parallel.core.expert_parallel.layouts import local
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, check_divides
+from hyper_parallel.core.tensor_parallel.sequence_region import region_in, region_out
 from hyper_parallel.errors import DivisibilityError, UnsupportedModuleError
 
 _SIZES = ("intermediate_size", "num_heads", "n_groups", "ssm_state_size", "head_dim", "conv_dim")
@@ -107,7 +108,8 @@ def mamba2_placements(params) -> dict:
     return {p: v for p, v in placements.items() if p in params}
 
 
-def apply_mamba2(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str) -> nn.Module:
+def apply_mamba2(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str,
+                 sequence_dim: int | None = None) -> nn.Module:
     s, t, r = _sizes(module, fqn), mesh.size(), mesh.get_local_rank()
     proj, conv, _ = _rows(s, t, r)
     local_groups = max(s["n_groups"] // t, 1)
@@ -133,7 +135,7 @@ def apply_mamba2(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: 
     inner = module.forward
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        x = CopyToTP.apply(hidden_states, group)
+        x = region_in(hidden_states, group, sequence_dim)
         tensors = {p: local(_get(module, p)) for p in sharded}
         for path, rows in selected.items():   # whole weights, this rank's rows; their gradient all-reduced
             w = _get(module, path)
@@ -143,7 +145,7 @@ def apply_mamba2(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: 
             tensors["mup_vector"] = mup[..., torch.tensor(proj, device=mup.device)]
         with _reparametrize_module(module, tensors):
             out = inner(x, *args, **kwargs)
-        return ReduceFromTP.apply(out, group)
+        return region_out(out, group, sequence_dim)
 
     record.set_attr(module, "forward", forward)
     return module

@@ -18,6 +18,11 @@ input is copied into the split (its gradient all-reduced in backward) and ``out_
 output all-reduced in forward. The module's ``intermediate_size`` is made local, so its own code
 runs on the local channels. The parameters become DTensors sharded on those dims; the norms stay
 plain tensors, replicated.
+
+On a sequence-sharded stream (``sequence_dim``) the scan and the convolution still need the whole
+sequence: the mixer gathers it at its input (the partial input gradient reduce-scattered in
+backward) and reduce-scatters its partial output back onto the sequence (``sequence_region``) --
+the same bytes as the two all-reduces, and the stream stays sharded outside the mixer.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP
 from hyper_parallel.core.expert_parallel.layouts import local
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides, shard_dims
+from hyper_parallel.core.tensor_parallel.sequence_region import region_in, region_out
 from hyper_parallel.core.tensor_parallel.mamba2_split import apply_mamba2, check_mamba2, is_mamba2, mamba2_placements
 from hyper_parallel.errors import StyleSpecError, UnsupportedModuleError
 
@@ -50,14 +56,21 @@ def _param(module: nn.Module, path: str):
 class MambaMixerParallel(ParallelStyle):
     """A Mamba-1 mixer split on its inner channels, a Mamba-2 mixer on its heads; see the module docstring."""
 
-    _args = {"replicated_after": None}
+    _args = {"replicated_after": None, "sequence_dim": None}
 
-    def __init__(self, *, replicated_after: list[str] | None = None):
+    def __init__(self, *, replicated_after: list[str] | None = None, sequence_dim: int | None = None):
         if replicated_after is not None and (not isinstance(replicated_after, (list, tuple)) or
                                              not all(isinstance(p, str) and p for p in replicated_after)):
             raise StyleSpecError(f"MambaMixerParallel: replicated_after must be a list of submodule paths, "
                                  f"got {replicated_after!r}")
         self.replicated_after = sorted(replicated_after) if replicated_after else None
+        if sequence_dim is not None and (type(sequence_dim) is not int or sequence_dim < 0):
+            raise StyleSpecError(f"MambaMixerParallel: sequence_dim must be a non-negative int (the input's "
+                                 f"sequence dimension on a sequence-sharded stream) or None, got {sequence_dim!r}")
+        # None: the mixer takes and gives a replicated stream (f/g all-reduces); an int: a stream
+        # sharded on that dimension, gathered at the input and reduce-scattered at the output (the
+        # scan and the convolution need the whole sequence)
+        self.sequence_dim = sequence_dim
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         where = f"MambaMixerParallel on {fqn or '<root>'}"
@@ -98,7 +111,7 @@ class MambaMixerParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         if is_mamba2(module):
-            return apply_mamba2(module, mesh, record, fqn)
+            return apply_mamba2(module, mesh, record, fqn, self.sequence_dim)
         sharded = []
         for path, placement in _PLACEMENTS.items():
             owner, name, p = _param(module, path)
@@ -120,14 +133,14 @@ class MambaMixerParallel(ParallelStyle):
         record.add_hook(module.x_proj.register_forward_hook(reduce_out))
         for path in after:
             record.add_hook(module.get_submodule(path).register_forward_hook(copy_out))
-        inner = module.forward
+        inner, seq = module.forward, self.sequence_dim
 
         def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            x = CopyToTP.apply(hidden_states, group)
+            x = region_in(hidden_states, group, seq)
             params = {path: local(_param(module, path)[2]) for path in sharded}
             with _reparametrize_module(module, params):
                 out = inner(x, *args, **kwargs)
-            return ReduceFromTP.apply(out, group)
+            return region_out(out, group, seq)
 
         record.set_attr(module, "forward", forward)
         return module

@@ -24,6 +24,7 @@ from hyper_parallel.core.tensor_parallel.prepare_styles import (
     PrepareModuleOutput,
 )
 from hyper_parallel.core.tensor_parallel.replicate_styles import NoParallel, SequenceParallel
+from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 from hyper_parallel.errors import StyleSpecError
 
 STYLES: dict[str, type[ParallelStyle]] = {
@@ -31,7 +32,8 @@ STYLES: dict[str, type[ParallelStyle]] = {
     for cls in (ColwiseParallel, RowwiseParallel, SequenceParallel, NoParallel,
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
                 ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel,
-                DenseExpertsParallel, FlatExpertsParallel, PairedExpertsParallel, MambaMixerParallel)
+                DenseExpertsParallel, FlatExpertsParallel, PairedExpertsParallel, MambaMixerParallel,
+                GatheredRegion)
 }
 
 

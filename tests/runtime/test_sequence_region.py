@@ -1,0 +1,20 @@
+"""A sequence-sharded stream around a unit that needs the whole sequence (GatheredRegion) and
+per-token linears on flattened tokens (the sequence on dim 0): equal to one device."""
+import pytest
+
+from hyper_parallel.core.tensor_parallel.registry import style_from_dict
+from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
+from hyper_parallel.errors import StyleSpecError
+from tests.runtime import sequence_region_workers
+
+
+def test_gathered_region_and_flattened_tokens_match_one_device(pool4):
+    for rank, (ok, ref, par, bad, missing) in enumerate(pool4.run(sequence_region_workers.check_gathered_region)):
+        assert ok, (rank, ref, par, bad, missing)
+
+
+def test_gathered_region_round_trips_and_checks_its_argument():
+    style = GatheredRegion(sequence_dim=0)
+    assert style_from_dict(style.to_dict()) == style
+    with pytest.raises(StyleSpecError, match="sequence_dim"):
+        GatheredRegion(sequence_dim=-1)
