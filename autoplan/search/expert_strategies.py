@@ -21,7 +21,8 @@ from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 
 from autoplan.search.strategies import Strategy, _replicated_region_on_s
-from autoplan.search.structure import BlockGroupInfo, MoeUnit
+from autoplan.search.mixer_units import MoeUnit
+from autoplan.search.structure import BlockGroupInfo
 
 R, S = Replicate(), Shard(1)
 

@@ -20,7 +20,8 @@ from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
 from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 
 from autoplan.search.strategies import Strategy, _ag_rs_pair, _ar_pair, _replicated_region_on_s
-from autoplan.search.structure import BlockGroupInfo, MambaUnit
+from autoplan.search.mixer_units import MambaUnit
+from autoplan.search.structure import BlockGroupInfo
 
 
 def mamba_strategies(m: MambaUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:

@@ -7,7 +7,6 @@ sizes, plus the FQNs the emitted plan will name.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
+from autoplan.search.mixer_units import MAMBA_NOT_A_UNIT, MambaUnit, MoeUnit, mamba_unit, moe_unit
 from autoplan.search.outside_units import norms_after_blocks, outside_units
 from autoplan.search.token_dims import token_dim
 from autoplan.search.unit_work import CROSS_ENTROPY_PASSES, Work, loss_work, work_of
@@ -96,40 +96,6 @@ class MlpUnit:
     packed: int = 1             # projections fused in each ``up`` Linear ([gate|up]: 2)
     up_bias: bool = False       # an ``up`` projection has a bias
     token_dim: int = 1          # the sequence's dimension in its input (0: tokens flattened, token_dims)
-
-
-@dataclass
-class MoeUnit:
-    """A mixture-of-experts layer recognised from its dataflow (router -> top-k -> expert weights,
-    roles.py): its container, the experts module holding 3-D (stacked) expert weights, and the
-    expert ffn width F their tensor-parallel split cuts."""
-    rel: str                    # the MoE container, relative to the block
-    experts: str                # the experts module, relative to the block
-    num_experts: int
-    top_k: int
-    ffn: int
-    work: Work = field(default_factory=Work)          # the router's and the experts'
-    expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
-    flat: bool = False          # experts as flat (E * F, H) weights (DBRX): FlatExpertsParallel splits them
-    paired: dict | None = None  # experts as an up and a down module of 3-D weights (JetMoE): PairedExpertsParallel's args
-
-
-@dataclass
-class MambaUnit:
-    """A state-space (Mamba) mixer (roles ``mamba``): its module relative to the block, its inner
-    channel count, the modules inside it whose outputs are last whole before the per-channel scan
-    (Jamba's dt/B/C norms: MambaMixerParallel's ``replicated_after``) and the bytes of its x_proj
-    output per call (all-reduced in forward and backward when its channels are split)."""
-    rel: str
-    channels: int
-    after: list[str]
-    xproj_bytes: int
-    work: Work = field(default_factory=Work)
-    after_bytes: list[int] = field(default_factory=list)   # each ``after`` module's output bytes per call
-    # a Mamba-2 mixer (no x_proj): in_proj's and conv1d's weights stay whole (their packed parts differ in
-    # width), each rank computing its rows; each of these parameters' gradients (bytes) is all-reduced in
-    # backward, one all-reduce per parameter as DTensor issues them
-    whole_param_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -225,83 +191,6 @@ def _type(graph: ModelGraph, fqn: str) -> str:
 def _has_bias(graph: ModelGraph, fqn: str) -> bool:
     m = graph.modules.get(fqn)
     return bool(m and "bias" in m.params)
-
-
-MAMBA_NOT_A_UNIT = ("a state-space (Mamba) mixer directly in the block, or a second one in it: only one mixer per "
-                    "block, in a module of its own, is planned; it stays replicated")
-
-
-def _mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
-    """The planner unit of a Mamba mixer (roles ``mamba`` entry). Whether its code is a layout
-    MambaMixerParallel splits (Mamba-1 on its channels, Mamba-2 on its heads) is the style's check,
-    run by the probe."""
-    where = f"{rep}.{x['module']}"
-    after = sorted(f[len(where) + 1:] for f, info in graph.modules.items()
-                   if f.startswith(where + ".") and info.role == "mamba.part" and info.params
-                   and all(len(s) == 1 for s in info.params.values()))
-    def out_bytes(fqn: str) -> int:   # the last op of the module: its output
-        nodes = [n for n in graph.nodes if n.module == fqn and n.outputs]
-        return nodes[-1].outputs[0].nbytes if nodes else 0
-
-    whole: list[int] = []
-    if f"{where}.x_proj" not in graph.modules:   # Mamba-2: in_proj and conv1d kept whole
-        own = work(where)
-        per = own.param_bytes / max(own.params, 1)
-        whole = [int(math.prod(shape) * per) for f in (f"{where}.in_proj", f"{where}.conv1d") if f in graph.modules
-                 for shape in graph.modules[f].params.values()]
-    return MambaUnit(x["module"], int(x.get("channels") or 0), after, out_bytes(f"{where}.x_proj"), work(where),
-                     [out_bytes(f"{where}.{a}") for a in after], whole)
-
-
-# why a TP search without MoE units leaves the experts alone: autoplan() on a mesh with an ep
-# dimension plans them by expert parallelism; plan_cluster's TP solution is shared by every ep
-# degree it searches, so it prices experts by expert parallelism at ep > 1 and replicated over tp
-# at ep = 1 (tensor-parallel experts on a fixed mesh without ep: autoplan(), experts_tp)
-MOE_NOT_A_TP_UNIT = ("a mixture-of-experts layer: planned by expert parallelism over an ep dimension; plan_cluster "
-                     "keeps experts whole over tp at ep = 1 (autoplan() on a fixed mesh without ep splits them over "
-                     "tp)")
-
-
-def without_moe_units(st: "ModelStructure") -> "ModelStructure":
-    """``st`` with its MoE layers as no tensor-parallel unit (see ``MOE_NOT_A_TP_UNIT``), the TP
-    search keeping its stream away from them."""
-    blocks, not_units = [], list(st.not_units)
-    for b in st.blocks:
-        if b.moe is not None:
-            not_units.append((f"{b.representative}.{b.moe.rel}" if b.moe.rel else b.representative,
-                              MOE_NOT_A_TP_UNIT))
-            b = dataclasses.replace(b, moe=None, other_work=b.other_work + b.moe.work)
-        blocks.append(b)
-    return dataclasses.replace(st, blocks=blocks, not_units=not_units)
-
-
-def _moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
-    """The planner unit of a MoE layer (roles "moe" entry), or why it is none: tensor parallelism
-    splits each expert on its ffn width, which needs the experts as 3-D weights."""
-    if e.get("flat_params") and e.get("experts"):
-        experts = work(f"{rep}.{e['experts']}")
-        return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
-                       work(f"{rep}.{e['router']}") + experts, experts, flat=True)
-    if e.get("paired"):
-        where, pair = f"{rep}.{e['experts']}", e["paired"]   # the container is the experts module: its whole work
-        return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
-                       work(where), work(f"{where}.{pair['up']}") + work(f"{where}.{pair['down']}"),
-                       paired=dict(pair))
-    if not e.get("expert_params") or not e.get("experts"):
-        return "its experts are a list of modules, not 3-D weights (split them with expert parallelism on an ep " \
-               "dimension)"
-    info = graph.modules.get(f"{rep}.{e['experts']}")
-    down = info.params.get("down_proj") if info else None
-    if down is None or len(down) != 3 or "gate_up_proj" not in info.params:
-        return "its expert weights are not the stacked gate_up_proj / down_proj the expert styles split"
-    gate_up = info.params["gate_up_proj"]
-    ffn = next((d for d in down[1:] if 2 * d in gate_up[1:]), 0)
-    if not ffn:
-        return f"its expert ffn width could not be read from gate_up_proj {gate_up} / down_proj {down}"
-    experts = work(f"{rep}.{e['experts']}")
-    # the router and the experts (a shared expert in the same container is the block's MLP unit)
-    return MoeUnit(e["module"], e["experts"], int(e.get("num_experts") or down[0]), int(e.get("top_k") or 1), ffn,
-                   work(f"{rep}.{e['router']}") + experts, experts)
 
 
 def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit | str:
@@ -505,14 +394,14 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         moe = None
         for e in roles.get("moe", []):
             where = f"{rep}.{e['module']}" if e.get("module") else rep
-            unit = _moe_unit(graph, rep, e, work) if moe is None else "a second mixture-of-experts layer in the block"
+            unit = moe_unit(graph, rep, e, work) if moe is None else "a second mixture-of-experts layer in the block"
             if isinstance(unit, str):
                 not_units.append((where, f"a mixture-of-experts layer: {unit}"))
             else:
                 moe = unit
         mamba = None
         for x in roles.get("mamba", []):
-            unit = _mamba_unit(graph, rep, x, work) if mamba is None and x["module"] else None
+            unit = mamba_unit(graph, rep, x, work) if mamba is None and x["module"] else None
             if unit is None:
                 not_units.append((f"{rep}.{x['module']}" if x["module"] else rep, MAMBA_NOT_A_UNIT))
             else:

@@ -36,7 +36,9 @@ from autoplan.search.moa_strategies import moa_strategies
 from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
 from autoplan.search.soundness import SoundnessReport, check_search, settle
-from autoplan.search.structure import ModelStructure, without_moe_units
+from autoplan.search.ilp_solver import ilp_solver
+from autoplan.search.mixer_units import without_moe_units
+from autoplan.search.structure import ModelStructure
 from autoplan.search.unit_work import Work
 from cost_models.overlap import dp_overlap
 
@@ -514,7 +516,7 @@ class TPSearch:
             cost.extend((ov.exposed_min * o.dp_comm_s(self.ctx) + o.optimizer_s(self.ctx)) * x[slot, o.rank]
                         for slot, opts in self.slots.items() for o in opts)
         prob += pulp.lpSum(mem if objective == "memory" else cost)
-        solver, name = _solver()
+        solver, name = ilp_solver()
         prob.name = "tp_styles"
         t0 = time.perf_counter()
         prob.solve(solver)
@@ -562,44 +564,3 @@ def _optional(canonical: str) -> bool:
 
 def _safe(s: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in s)
-
-
-_HIGHS_WARM = False
-
-
-def _silence_highs_banner() -> None:
-    """highspy prints a banner from C++ the first time a solver is built in a process; build
-    that first one with stdout pointed at /dev/null so library users see a quiet planner."""
-    global _HIGHS_WARM
-    if _HIGHS_WARM:
-        return
-    import os
-    import sys
-
-    import highspy
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    _HIGHS_WARM = True
-
-
-def _solver():
-    """HiGHS through highspy when installed, CBC (bundled with PuLP) otherwise."""
-    try:
-        import highspy  # noqa: F401
-
-        _silence_highs_banner()
-
-        solver = pulp.HiGHS(msg=False)
-        if solver.available():
-            return solver, "HiGHS"
-    except (ImportError, AttributeError, pulp.PulpSolverError):
-        pass
-    return pulp.PULP_CBC_CMD(msg=False), "CBC"
