@@ -37,7 +37,7 @@ from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
-from autoplan.search.tower_plan import add_tower
+from autoplan.search.tower_plan import add_tower, tower_params
 from hyper_parallel.core.collective import Collective, merged_rows
 from cost_models.hardware import load_hardware
 from cost_models.published_mfu import StepTerms, mfu_note, predicted_mfu
@@ -61,9 +61,9 @@ def _stage_params(search: ClusterSearch, best: Candidate) -> tuple[dict[str, set
     the tower's (``add_tower`` counts them), not homed with a unit."""
     names, graph = search.unit_names, search.graph(best.b, best.cp)
     tied = tied_holders(graph, names, stage_bounds(best.choice.starts, len(names)))
-    side = trace_forward(search.meta)
+    modules, params = tower_params(search.meta, graph, names)
     homes = {f: u for f, u in param_homes(graph, names).items()
-             if f not in side.side_params and not any(f.startswith(m + ".") for m in side.side)}
+             if f not in params and not any(f.startswith(m + ".") for m in modules)}
     return tied, homes
 
 

@@ -83,6 +83,19 @@ def _side_bytes(model: nn.Module, styles: dict, tp: int) -> dict[torch.dtype, in
     return dict(out)
 
 
+def tower_params(model: nn.Module, graph, unit_names) -> tuple[list[str], list[str]]:
+    """(module FQNs, parameter FQNs) a VL model's tower holds, counted with the tower (stage 0 or
+    MPipe), not with a decoder unit: the spine's tower module, or the modules the model's forward
+    never calls on token ids alone and a container's own parameter beside them."""
+    found = find_tower(model, graph, unit_names)
+    if found is None:
+        return [], []
+    if found[0] != METHOD:
+        return [found[0]], []
+    trace = trace_forward(model)
+    return list(trace.side), list(trace.side_params)
+
+
 def tower_units(search, best, group: str) -> list[UnitCost]:
     """One UnitCost per tower block, from the search's TP options of the block group ``group``."""
     options, _ = search.tp_solution(best.tp, best.b, best.recompute)
