@@ -8,6 +8,7 @@ import torch.nn as nn
 from autoplan import MeshSpec, autoplan
 from autoplan.capture.blocks import nn_base
 from autoplan.errors import InfeasiblePlanError
+from autoplan.search.probe import Prober, ProbeRun
 from autoplan.verify import verify
 from autoplan.verify.corpus import plan_case, real_model, small_recipe
 from autoplan.verify.numerics import check_numerics
@@ -237,9 +238,16 @@ def test_gpt3_packed_qkv_bias_under_fsdp_stays_replicated_and_verifies_exactly()
 
 
 def test_a_norm_annotated_as_a_shard_it_is_not_is_refused():
-    """Bloom's embedding norm sits before the first block, on the replicated stream: sequence
+    """Bloom's embedding norm sits before the first block and sees the whole sequence: sequence
     parallel there would annotate the whole sequence as a shard (its weight gradients summed tp
-    times). The probe sees the DTensor's global shape differ from the replicated run's and
-    refuses the sequence-sharded stream rather than emitting that plan."""
-    with pytest.raises(InfeasiblePlanError, match=r"word_embeddings_layernorm receives a DTensor of global shape"):
-        plan_case("bloom", "tp4", "forced_S")
+    times). The planner keeps it off the stream norms (the stream is sharded at the first
+    block), so a sequence-sharded plan never styles it; and the probe still refuses what would:
+    a module given a DTensor whose global shape differs from the replicated run's."""
+    _, plan = plan_case("bloom", "tp4", "forced_S")
+    assert plan.stream_layout == "S"
+    assert not any("word_embeddings_layernorm" in k for k in plan.styles), plan.styles
+    prober = object.__new__(Prober)
+    prober.reference = ProbeRun(inputs={"transformer.word_embeddings_layernorm": [(1, 2048, 4096)]})
+    found = prober._global_shape_findings(ProbeRun(inputs={"transformer.word_embeddings_layernorm":
+                                                           [("dtensor", 1, 8192, 4096)]}))
+    assert found and "receives a DTensor of global shape (1, 8192, 4096)" in found[0].detail
