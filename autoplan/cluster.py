@@ -35,7 +35,6 @@ from autoplan.search.plan_modes import REDUCE_BYTES, with_accumulation, with_dp_
 from autoplan.search.stage_params import param_homes, tied_copy_state, tied_holders
 from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
-from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 from autoplan.search.tower_plan import add_tower, tower_params
 from hyper_parallel.core.collective import Collective, merged_rows
@@ -444,9 +443,9 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # a VL model's vision tower: stage 0 or MPipe (issues 20, 31)
         add_tower(tp_plan, model, search, best, placement=constraints.get("tower_placement"))
         if (tp_plan.pipeline.get("preprocess") or {}).get("placement") == "stage0":   # stage 0 holds the tower
-            side = trace_forward(search.meta)   # the tower, and a container's own parameter beside it
+            modules, params = tower_params(search.meta, search.graph(best.b, best.cp), search.unit_names)
             tp_plan.pipeline["rank_param_bytes"][s2r[0]] += _param_bytes_under(
-                search, best, tp_plan.styles, ep_section, side.side, side.side_params)
+                search, best, tp_plan.styles, ep_section, modules, params)
         collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
         tp_plan.predictions = {
             "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
