@@ -125,6 +125,7 @@ class ClusterSearch:
         self.cp_choices: dict[tuple, Any] = {}    # unit-cost key -> the priced CPChoice
         self.simulations = 0
         self.tp_skipped: dict[int, str] = {}     # tensor-parallel degree -> why its TP search refused
+        self.mode_skipped: set[str] = set()      # why a constrained dp mode left a mesh unsearched
         self.pipeline_refusal, self._pipeline_units = pipeline_layout(self.model)
         if self.pipeline_refusal and int(self.cons.get("pp", 1)) > 1:
             raise InfeasiblePlanError(f"plan_cluster: constraints pp={self.cons['pp']}: {self.pipeline_refusal}")
@@ -410,7 +411,12 @@ class ClusterSearch:
         else:
             fs = list(self.dp_modes) if dp > 1 else ["fsdp"]
         if fsdp_only:
-            fs = [f for f in fs if f == "fsdp"]
+            kept = [f for f in fs if f == "fsdp"] if dp > 1 else ["fsdp"]   # one dp rank: no mode to pick
+            if not kept:
+                self.mode_skipped.add(f"dp_mode={fs[0]!r} with ep or cp: those meshes run FSDP over their "
+                                      f"data-parallel ranks (the mode the runtime applies them with); ask "
+                                      f"dp_mode='fsdp' or leave the mode to the planner")
+            fs = kept
         if "recompute" in self.cons:
             acs = [recompute_of(self.cons["recompute"])]
         elif "activation_checkpointing" in self.cons:
@@ -533,8 +539,10 @@ class ClusterSearch:
                         self.simulations, time.perf_counter() - t0)
         if not done:
             why = (f"no plan simulated within the budget ({self.simulations} simulations, "
-                   f"{time.perf_counter() - t0:.0f} s) fits" if cut else "nothing fits")
+                   f"{time.perf_counter() - t0:.0f} s) fits" if cut else
+                   "no mesh left to search within" if self.mode_skipped and not self.simulations else "nothing fits")
             skipped = "".join(f"; tp={t} refused: {reason}" for t, reason in sorted(self.tp_skipped.items()))
+            skipped += "".join(f"; {reason}" for reason in sorted(self.mode_skipped))
             raise InfeasiblePlanError(
                 f"plan_cluster: {why} {self.limit / 2**30:.1f} GiB per device on {self.devices} devices "
                 f"(global batch {self.gb}, seq {self.seq}, constraints {self.cons}){skipped}")

@@ -153,6 +153,9 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         why = "projections are not nn.Linear or Conv1D"
     elif a.n_heads % t or a.n_kv_heads % t:
         why = f"heads {a.n_heads} / KV heads {a.n_kv_heads} not divisible by tp={t} (KV heads kept whole)"
+        if a.n_heads % t:   # query heads too: no even split of them exists
+            why += (f"; DTensor's Shard cuts a dimension into {t} equal torch.chunk pieces, which would split "
+                    f"heads, and a head-aligned uneven split has no DTensor placement")
     if a.broadcast:   # a latent attention (MLA): its own form, with plain inputs
         if why is None and len(a.broadcast) != 1:
             why = f"{len(a.broadcast)} projections broadcast to every head (one is planned)"
