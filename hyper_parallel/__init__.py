@@ -36,6 +36,8 @@ from hyper_parallel.core.pipeline_parallel import (
 )
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
+    HeadColsParallel,
+    HeadRowsParallel,
     NoParallel,
     ParallelStyle,
     KVReplicatedParallel,
@@ -77,7 +79,7 @@ __all__ = [
     "distribute_tensor", "distribute_module", "fully_shard", "custom_shard",
     "parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareHeadsInput", "KVReplicatedParallel", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
-    "PrepareLatentInput",
+    "PrepareLatentInput", "HeadRowsParallel", "HeadColsParallel",
     "loss_parallel", "vocab_parallel_cross_entropy", "style_from_dict",
     "PipelineStage", "BatchDimSpec", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ScheduleZeroBubble", "ScheduleZBV", "ExpertParallel", "DenseExpertsParallel", "FlatExpertsParallel",

@@ -83,8 +83,8 @@ def folded_attr(graph: ModelGraph, rep: str, a: dict, where: str, attrs: dict[st
 
 
 def kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
-    """head_dim, group_attrs and kv_params of an attention (AttentionUnit): what a kv-replicated
-    plan needs to know of it."""
+    """head_dim, group_attrs, kv_params and proj_params of an attention (AttentionUnit): what a
+    kv-replicated or uneven-heads plan, which keep projections whole, needs to know of it."""
     n, kv, hd = int(a["n_heads"]), int(a["n_kv_heads"]), int(a.get("head_dim") or 0)
     m = graph.modules.get(where) if a["module"] else None
     groups = {path: v for path, v in (m.size_attrs if m else {}).items()
@@ -93,7 +93,10 @@ def kv_fields(graph: ModelGraph, rep: str, where: str, a: dict) -> dict:
     whole = [p["qkv"]] if "qkv" in p else [p[x] for x in "kv" if x in p]   # the modules kept whole
     kv_params = [math.prod(shape) for m in whole for shape in
                  (graph.modules[f"{rep}.{m}"].params.values() if f"{rep}.{m}" in graph.modules else ())]
-    return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params}
+    proj_params = {f"{m}.{name}": math.prod(shape) for m in {p[x] for x in p}
+                   for name, shape in (graph.modules[f"{rep}.{m}"].params.items()
+                                       if f"{rep}.{m}" in graph.modules else ())}
+    return {"head_dim": hd, "group_attrs": groups, "kv_params": kv_params, "proj_params": proj_params}
 
 
 # why a state-space mixer is no unit (capture.mixer_roles.mamba_mixers recognises it): one mixer per

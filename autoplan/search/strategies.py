@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from hyper_parallel.core.collective import Collective
 from hyper_parallel import (
     ColwiseParallel,
+    HeadColsParallel,
+    HeadRowsParallel,
     KVReplicatedParallel,
     ParallelStyle,
     PrepareHeadsInput,
@@ -164,6 +166,12 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         else:
             out[0].extra["tp_excluded"] = why
         return out
+    if why is not None and t > 1 and a.linear and a.n_heads % t and a.n_heads == a.n_kv_heads:
+        uneven = _uneven_heads(a, blk, t, layout)
+        if isinstance(uneven, Strategy):
+            out.append(uneven)
+        else:
+            why = f"{why}; {uneven}"
     if why is not None and t > 1 and a.linear and a.n_heads % t == 0 and a.n_kv_heads % t:
         kv = _kv_replicated(a, blk, t, layout)
         if isinstance(kv, Strategy):
@@ -290,6 +298,48 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
                     reason=f"query heads ({n}) sharded, the {kv} KV head{'s' if kv > 1 else ''} replicated with "
                            f"their gradients all-reduced ({form})" + (f"; the module's {', '.join(local)} made local"
                                                                       if local else ""))
+
+
+def _uneven_heads(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -> Strategy | str:
+    """Heads the tp degree does not divide (GPT-2 XL: 25 at tp=4), split whole and unevenly (6, 6, 6,
+    7): every projection kept whole and replicated, each rank computing its heads' rows of q, k and
+    v and their columns of the output projection (hyper_parallel's HeadRowsParallel /
+    HeadColsParallel), the module's head counts and widths made this rank's share (PrepareHeadsInput
+    ``head_count``). Compute and activations split by heads -- the fullest rank holds ceil(H / tp) --
+    parameters not: every projection weight's gradient (partial: its rank's heads' rows) is
+    all-reduced over tp, as is the output bias's on a sequence-sharded stream."""
+    n, hd = a.n_heads, a.head_dim
+    if n < t:
+        return f"{n} heads are fewer than tp={t} ranks (each needs a whole head)"
+    local = sorted(k for k, v in a.head_attrs.items() if v in (n, n * hd)) if hd else []
+    if not local:
+        return "the module holds no head count or width to make each rank's share (uneven heads)"
+    if a.qkv:
+        if a.qkv_layout != "concat":
+            return "uneven heads need q/k/v as separate projections or one fused [q|k|v]"
+        cols = {a.qkv: HeadRowsParallel(sections=[n, n, n])}
+    else:
+        cols = {a.q: HeadRowsParallel(sections=[n]), a.k: HeadRowsParallel(sections=[n]),
+                a.v: HeadRowsParallel(sections=[n])}
+    inp, h = (_PLACEMENT[layout],), blk.hidden_bytes
+    per_param = a.work.param_bytes / a.work.params if a.work.params else 4
+    grads = [Collective("all_reduce", "backward", int(c * per_param), weight_grad=True)
+             for name, c in sorted(a.proj_params.items())
+             if name.rsplit(".", 1)[0] in cols or (name.rsplit(".", 1)[0] == a.o and
+                                                   (name.endswith(".weight") or layout == "S"))]
+    comm = (_ag_rs_pair(h) if layout == "S" else _ar_pair(h)) * len(cols) if not a.qkv else         (_ag_rs_pair(h) if layout == "S" else _ar_pair(h))
+    if not a.qkv:   # three projections: one output reduction, each projection its input gradient's
+        comm = [c for c in comm if c.phase == "backward" and c.kind != "all_gather"] +             (_ag_rs_pair(h) if layout == "S" else _ar_pair(h))[:1 if layout == "R" else 2]
+    shard = n / math.ceil(n / t)
+    return Strategy("heads_uneven", layout,
+                    {a.rel: PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,), local_attributes=local,
+                                              head_count=n),
+                     **cols, a.o: HeadColsParallel(heads=n, output_layouts=_PLACEMENT[layout])},
+                    comm + grads, compute_shard=shard, param_shard=1, activation_shard=shard,
+                    reason=f"{n} heads split whole over tp={t} ({math.ceil(n / t)} on the fullest rank), every "
+                           f"projection kept whole with its gradient all-reduced; the module's "
+                           f"{', '.join(local)} made each rank's share",
+                    extra=_uneven("heads", n, t))
 
 
 def _latent_heads(a: AttentionUnit, h: int, t: int, layout: str) -> Strategy:

@@ -75,6 +75,9 @@ class AttentionUnit:
     head_dim: int = 0
     group_attrs: dict[str, int] = field(default_factory=dict)
     kv_params: list[int] = field(default_factory=list)
+    # every projection parameter's element count ("c_attn.weight": ...): what an uneven-heads plan
+    # (heads the tp degree does not divide, projections kept whole) all-reduces the gradients of
+    proj_params: dict[str, int] = field(default_factory=dict)
     # a mixture of attention heads (capture.moa_roles: JetMoE's per-expert query/output projections
     # around the core, a shared K/V projection): its recognised fields; planned by moa_strategies
     moa: dict | None = None

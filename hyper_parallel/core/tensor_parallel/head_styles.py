@@ -16,6 +16,12 @@ attention whose KV heads are fewer than the ranks (KVReplicatedParallel's ``kv_h
 keeps one KV head and its query heads, so the query heads per KV head (``num_key_value_groups``)
 shrink by ``size / kv_heads`` and a KV head count by ``kv_heads``.
 
+``head_count`` is for heads the mesh size does not divide (HeadRowsParallel / HeadColsParallel,
+hyper_parallel/core/tensor_parallel/uneven_heads.py): rank r keeps the whole heads
+``[r*H//size, (r+1)*H//size)`` of ``H = head_count``, so each named attribute (a count or a width
+that is a multiple of H) becomes its share of those heads -- 25 heads, split size 1600 at tp=4:
+6 heads and 384 on ranks 0-2, 7 and 448 on rank 3.
+
 ``folded_heads`` names the attribute holding the global head count when the module also receives
 per-head tensors with the heads folded into the batch dimension (Bloom's ALiBi bias, built once
 by the model as ``(batch * heads, 1, seq)`` and passed to every layer): any tensor input after
@@ -35,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, check_divides
 from hyper_parallel.core.tensor_parallel.prepare_styles import PrepareModuleInput
+from hyper_parallel.core.tensor_parallel.uneven_heads import head_bounds
 from hyper_parallel.errors import LayoutError, StyleSpecError
 
 
@@ -55,12 +62,20 @@ class PrepareHeadsInput(PrepareModuleInput):
     ``object.name`` through one non-module object (``config.num_attention_heads``), which is
     then copied for this module."""
 
-    _args = {**PrepareModuleInput._args, "local_attributes": None, "folded_heads": None, "attribute_divisors": None}
+    _args = {**PrepareModuleInput._args, "local_attributes": None, "folded_heads": None, "attribute_divisors": None,
+             "head_count": None}
 
     def __init__(self, *, local_attributes: list[str] | None = None, folded_heads: str | None = None,
-                 attribute_divisors: dict[str, int] | None = None, **kwargs):
+                 attribute_divisors: dict[str, int] | None = None, head_count: int | None = None, **kwargs):
         super().__init__(**kwargs)
         where = type(self).__name__
+        if head_count is not None and (type(head_count) is not int or head_count < 1):
+            raise StyleSpecError(f"{where}: head_count must be an int >= 1 (the heads split unevenly), got "
+                                 f"{head_count!r}")
+        if head_count is not None and (attribute_divisors or folded_heads):
+            raise StyleSpecError(f"{where}: head_count (uneven whole heads) does not combine with "
+                                 f"attribute_divisors or folded_heads")
+        self.head_count = head_count
         divisors = dict(attribute_divisors or {})
         for path, d in divisors.items():
             if path not in (local_attributes or []) or type(d) is not int or d < 1:
@@ -94,7 +109,11 @@ class PrepareHeadsInput(PrepareModuleInput):
             if type(value) is not int:
                 raise LayoutError(f"{where}: {path} is {value!r}, not an int")
             d = self._divisor(path)
-            if d is None:
+            if self.head_count is not None:
+                if value % self.head_count or self.head_count < mesh.size():
+                    raise LayoutError(f"{where}: {path} = {value} is not a multiple of head_count={self.head_count}, "
+                                      f"or the heads are fewer than the mesh size {mesh.size()}")
+            elif d is None:
                 check_divides(value, mesh, where, path)
             elif value % d:
                 raise LayoutError(f"{where}: {path} = {value} is not divisible by its divisor {d}")
@@ -111,7 +130,12 @@ class PrepareHeadsInput(PrepareModuleInput):
                 record.set_attr(module, hop, copy.copy(getattr(module, hop)))
                 copied.add(hop)
             obj, name = _owner(module, path)
-            record.set_attr(obj, name, getattr(obj, name) // (self._divisor(path) or size))
+            value = getattr(obj, name)
+            if self.head_count is not None:   # this rank's share of whole heads (uneven_heads.head_bounds)
+                lo, hi = head_bounds(self.head_count, size, mesh.get_local_rank())
+                record.set_attr(obj, name, value // self.head_count * (hi - lo))
+            else:
+                record.set_attr(obj, name, value // (self._divisor(path) or size))
         out = super().apply(module, mesh, record, fqn)
         if self.folded_heads is not None:   # runs after the layouts' hook: the first input is settled
             record.add_hook(module.register_forward_pre_hook(self._unfold(module, mesh), with_kwargs=True))

@@ -25,6 +25,7 @@ from hyper_parallel.core.tensor_parallel.prepare_styles import (
 )
 from hyper_parallel.core.tensor_parallel.replicate_styles import NoParallel, SequenceParallel
 from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
+from hyper_parallel.core.tensor_parallel.uneven_heads import HeadColsParallel, HeadRowsParallel
 from hyper_parallel.errors import StyleSpecError
 
 STYLES: dict[str, type[ParallelStyle]] = {
@@ -33,7 +34,7 @@ STYLES: dict[str, type[ParallelStyle]] = {
                 PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, PrepareHeadsInput,
                 ExpertParallel, ContextParallel, PrepareLatentInput, KVReplicatedParallel,
                 DenseExpertsParallel, FlatExpertsParallel, PairedExpertsParallel, MambaMixerParallel,
-                GatheredRegion)
+                GatheredRegion, HeadRowsParallel, HeadColsParallel)
 }
 
 
