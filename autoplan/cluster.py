@@ -175,7 +175,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     from collections import defaultdict
 
     c = best.choice
-    options, layout = search.tp_solution(best.tp, best.b, best.recompute, best.cp)
+    options, layout = search.tp_solution(best.tp, best.b, best.recompute, best.cp, best.ep)
     ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
     names = search.unit_names
     index = {n: i for i, n in enumerate(names)}
@@ -397,7 +397,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # again on the whole mesh can pick another head or stream, and the rows would then not match.
         # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
         # by the same objects the search priced them with (autoplan/search/cluster_dims.py)
-        searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp)
+        searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp, best.ep)
         tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp),
                             memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
                             activation_checkpointing=best.recompute == "full",

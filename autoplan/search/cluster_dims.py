@@ -261,19 +261,22 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
 
 
 def add_expert_compute(acc: list[list[float]], names: list[str], groups: Sequence, ctx, *, tokens: int,
-                       dtype_bytes: int) -> None:
-    """Replicated experts (no ep dimension): reprice each MoE layer's experts, which the TP search
-    counted as the captured ops of its block, as :func:`expert_search.grouped_expert_time` prices
-    them (grouped GEMMs at their per-expert shape, the routing glue by its traffic). ``tokens``:
-    one micro-batch's tokens on this rank. (With ep > 1 :func:`add_ep` does this for its options.)"""
+                       dtype_bytes: int, etp: dict[str, int] | None = None) -> None:
+    """Experts on a mesh without ep: reprice each MoE layer's experts, which the TP search counted
+    as the captured ops of its block (whole, or split over tp where ``etp`` names the group's
+    pattern with its degree: the experts_tp option), as :func:`expert_search.grouped_expert_time`
+    prices them (grouped GEMMs at their per-expert shape, the routing glue by its traffic).
+    ``tokens``: one micro-batch's tokens on this rank. (With ep > 1 :func:`add_ep` does this for
+    its options.)"""
     index = {n: i for i, n in enumerate(names)}
     for g in groups:
         owner = g.pattern[: -len(g.rel) - 1]
         units = [index[u] for u in _units_of(owner, g.block_prefix, g.indices) if u in index]
         if not units:
             continue
-        new = expert_time(ctx, g, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=1)
-        per_unit = (new - ctx.compute_time(g.work, 1)) * g.count / len(units)
+        t = (etp or {}).get(g.pattern, 1)
+        new = expert_time(ctx, g, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=t)
+        per_unit = (new - ctx.compute_time(g.work, t)) * g.count / len(units)
         extra = per_unit / 3 if ctx.checkpoint_blocks else 0.0   # the recomputed forward
         for i in units:
             acc[i][0] += per_unit / 3

@@ -67,6 +67,19 @@ def _tp_key(tp: int, b: int, ac) -> tuple[int, int, str]:
     return tp, b, "none" if mode == "selective" else mode
 
 
+def experts_tp(tp: int, cp: int, ep: int) -> bool:
+    """Whether a TP solution plans MoE experts as tensor-parallel units: on a mesh without ep (at
+    tp > 1 each expert split on its ffn width, as autoplan() on a fixed mesh does; at tp = 1 whole);
+    with ep the expert plan does (expert_plan), and with cp they stay whole."""
+    return cp == 1 and ep == 1
+
+
+def _sol_key(tp: int, b: int, ac, cp: int = 1, ep: int = 1) -> tuple:
+    """Cache key of the TP solution of (tp, b, ac) at cp and ep: one per cp degree, and one for
+    every ep > 1 (the experts then no TP unit: experts_tp)."""
+    return _tp_key(tp, b, ac) + ((cp,) if cp > 1 else ()) + (("ep",) if ep > 1 else ())
+
+
 def search_dtype(hw, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype a search plans in: the one asked, else fp32 on CPU profiles, bf16 elsewhere."""
     return dtype or (torch.float32 if hw.device_type == "cpu" else torch.bfloat16)
@@ -212,17 +225,17 @@ class ClusterSearch:
                 if graph.blocks else None
         return self._probers[tp]
 
-    def tp_solution(self, tp: int, b: int, ac, cp: int = 1):
+    def tp_solution(self, tp: int, b: int, ac, cp: int = 1, ep: int = 1):
         """The TP ILP's options for tensor-parallel degree ``tp`` at micro-batch ``b`` of seq/cp
-        tokens (cached)."""
-        key = _tp_key(tp, b, ac) + ((cp,) if cp > 1 else ())
+        tokens, with ep's degree deciding whether experts are TP units (experts_tp; cached)."""
+        key = _sol_key(tp, b, ac, cp, ep)
         ac = key[2]
         if key not in self._tp:
             ctx = self.ctx(1, 1, tp, False, ac)
             try:
                 search = TPSearch(self.structure(b, cp), self.graph(b, cp), ctx, tp,
                                   allow_replicated=self.allow_replicated, sequence_parallel=self.sp,
-                                  prober=self.prober(tp, b, cp), experts_tp=False)
+                                  prober=self.prober(tp, b, cp), experts_tp=experts_tp(tp, cp, ep))
             except InfeasiblePlanError as e:  # e.g. allow_replicated_units=False at a degree that cannot shard
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self.tp_skipped[tp] = str(e)
@@ -245,14 +258,14 @@ class ClusterSearch:
                 self._tp[key] = (ev.options, layout)
         return self._tp[key]
 
-    def settle(self, tp: int, b: int, ac, cp: int = 1) -> bool:
+    def settle(self, tp: int, b: int, ac, cp: int = 1, ep: int = 1) -> bool:
         """Run the TP pick of (tp, b, ac, cp) on the model (soundness.settle) if no run has yet;
         True when the run changed it. Picks are priced before they run: comparing degrees needs
         prices of all of them, keeping one needs only its run. When a run rejects or repairs an
         option, every price at this degree is dropped (the verdicts, shared per degree, change
         the other picks' options too) and the caller searches again."""
-        key = _tp_key(tp, b, ac) + ((cp,) if cp > 1 else ())
-        if key in self._settled or self.tp_solution(tp, b, ac, cp) is None:
+        key = _sol_key(tp, b, ac, cp, ep)
+        if key in self._settled or self.tp_solution(tp, b, ac, cp, ep) is None:
             return False
         if not self._searches[key].run_pick(self._chosen[key], self._tp[key][1]):
             self._settled.add(key)
@@ -266,14 +279,14 @@ class ClusterSearch:
             del self._units[k]
         return True
 
-    def tp_styles(self, tp: int, b: int, ac, cp: int = 1) -> tuple[dict, object]:
+    def tp_styles(self, tp: int, b: int, ac, cp: int = 1, ep: int = 1) -> tuple[dict, object]:
         """(pattern -> style, solver info) of the TP solution ``tp_solution`` priced: what the
         plan must apply, so its predicted rows and its styles are the same options."""
-        options, _ = self.tp_solution(tp, b, ac, cp)
+        options, _ = self.tp_solution(tp, b, ac, cp, ep)
         styles = {}
         for o in sorted(options, key=lambda o: o.slot):
             styles.update(o.styles())
-        return styles, self.tp_solver[_tp_key(tp, b, ac) + ((cp,) if cp > 1 else ())]
+        return styles, self.tp_solver[_sol_key(tp, b, ac, cp, ep)]
 
     def unit_costs(self, dp: int, pp: int, tp: int, fsdp, ac, b: int, cp: int = 1, ep: int = 1):
         """(per-unit costs, P2P seconds per micro-batch hop) of the TP solution on this mesh.
@@ -286,7 +299,7 @@ class ClusterSearch:
         key = (dp, pp, tp, fsdp, ac, b, cp, ep)
         if key in self._units:
             return self._units[key]
-        sol = self.tp_solution(tp, b, ac, cp)
+        sol = self.tp_solution(tp, b, ac, cp, ep)
         if sol is None:
             self._units[key] = None
             return None
@@ -330,14 +343,21 @@ class ClusterSearch:
                 acc[i][6] += gather_lat
             acc[emb_i][5] += unit_lat   # the root unit (embedding, norm, head)
         if cp > 1:
-            tp_key = _tp_key(tp, b, ac) + (cp,)
+            tp_key = _sol_key(tp, b, ac, cp, ep)
             used = (sum(a[3] for a in acc) + sum(a[4] for a in acc)) / pp
             self.cp_choices[key] = add_cp(acc, names, st, self.graph(b, cp), ctx, self._chosen[tp_key], cp=cp, b=b,
                                           seq=self.seq, tp=tp, dtype_bytes=st.dtype_bytes,
                                           memory_left=self.limit - used)
         if ep == 1 and self.moe_groups:
-            add_expert_compute(acc, names, self.moe_groups_at(b, cp), ctx, tokens=b * self.seq // cp,
-                               dtype_bytes=st.dtype_bytes)
+            # experts the TP solution split over tp (experts_tp) are repriced split, the rest whole
+            split = {o.slot.rsplit("/", 1)[0] for o in options
+                     if o.slot.endswith("/moe") and o.strategy.compute_shard != 1}
+            spans = [(blk.prefix, set(blk.indices)) for blk in st.blocks if blk.id in split]
+            groups = self.moe_groups_at(b, cp)
+            etp = {g.pattern: tp for g in groups
+                   if any(g.block_prefix == p and set(g.indices) <= ix for p, ix in spans)}
+            add_expert_compute(acc, names, groups, ctx, tokens=b * self.seq // cp, dtype_bytes=st.dtype_bytes,
+                               etp=etp)
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.cons.get("expert_parallel"))
@@ -366,7 +386,7 @@ class ClusterSearch:
         self.unit_costs(*key)
         ctx = self.ctx(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.cp, cand.ep)
         st = self.structure(cand.b, cand.cp)
-        chosen = self._chosen[_tp_key(cand.tp, cand.b, cand.recompute) + (cand.cp,)]
+        chosen = self._chosen[_sol_key(cand.tp, cand.b, cand.recompute, cand.cp, cand.ep)]
         rows = cp_layer_rows(st, self.graph(cand.b, cand.cp), ctx, chosen, self.cp_choices[key].variant, cp=cand.cp,
                              b=cand.b, seq=self.seq, tp=cand.tp, dtype_bytes=st.dtype_bytes)
         return rows, ctx.dp_dim
@@ -468,7 +488,7 @@ class ClusterSearch:
         while True:
             done = self._search_once(max_simulations, time_budget_s)
             best = done[0]
-            if not self.settle(best.tp, best.b, best.recompute, best.cp):
+            if not self.settle(best.tp, best.b, best.recompute, best.cp, best.ep):
                 return done
 
     def _search_once(self, max_simulations: int, time_budget_s: float | None) -> list[Candidate]:
@@ -561,7 +581,7 @@ class ClusterSearch:
         m = self.gb // (dp * ep * b)
         best = None
         for a in ([False, True] if ac is None else [ac]):
-            self.settle(tp, b, a, cp)   # priced as it would run
+            self.settle(tp, b, a, cp, ep)   # priced as it would run
             uc = self.unit_costs(dp, pp, tp, fsdp, a, b, cp, ep)
             if uc is None:
                 continue

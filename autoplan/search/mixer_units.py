@@ -71,13 +71,11 @@ def mamba_unit(graph: ModelGraph, rep: str, x: dict, work) -> MambaUnit:
                      [out_bytes(f"{where}.{a}") for a in after], whole)
 
 
-# why a TP search without MoE units leaves the experts alone: autoplan() on a mesh with an ep
-# dimension plans them by expert parallelism; plan_cluster's TP solution is shared by every ep
-# degree it searches, so it prices experts by expert parallelism at ep > 1 and replicated over tp
-# at ep = 1 (tensor-parallel experts on a fixed mesh without ep: autoplan(), experts_tp)
-MOE_NOT_A_TP_UNIT = ("a mixture-of-experts layer: planned by expert parallelism over an ep dimension; plan_cluster "
-                     "keeps experts whole over tp at ep = 1 (autoplan() on a fixed mesh without ep splits them over "
-                     "tp)")
+# why a TP search without MoE units leaves the experts alone: on a mesh with an ep dimension the
+# expert plan (expert_plan) splits them by expert parallelism; with context parallelism they stay
+# whole (mesh_search.experts_tp). On a mesh with tp and neither, they are TP units (experts_tp).
+MOE_NOT_A_TP_UNIT = ("a mixture-of-experts layer: planned by expert parallelism over the ep dimension, or kept whole "
+                     "with context parallelism")
 
 
 def without_moe_units(st):

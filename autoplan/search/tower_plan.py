@@ -98,7 +98,7 @@ def tower_params(model: nn.Module, graph, unit_names) -> tuple[list[str], list[s
 
 def tower_units(search, best, group: str) -> list[UnitCost]:
     """One UnitCost per tower block, from the search's TP options of the block group ``group``."""
-    options, _ = search.tp_solution(best.tp, best.b, best.recompute)
+    options, _ = search.tp_solution(best.tp, best.b, best.recompute, best.cp, best.ep)
     ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
     n, acc = 0, [0.0] * 8
     for o in options:
@@ -115,7 +115,7 @@ def tower_tp_rows(search, best, module: str, group: str) -> list[Collective]:
     backward ones only for the blocks the features read (:func:`live_tower_blocks`)."""
     if best.tp <= 1:
         return []
-    options, _ = search.tp_solution(best.tp, best.b, best.recompute)
+    options, _ = search.tp_solution(best.tp, best.b, best.recompute, best.cp, best.ep)
     ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute)
     rows = [col for o in options if o.in_block and o.owner == group + ".*"
             for col in o.collectives(ctx) if col.dim == "tp" and col.nbytes > 0]

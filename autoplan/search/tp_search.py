@@ -310,8 +310,9 @@ class TPSearch:
 
     def _must_shard(self, slot: str) -> bool:
         """With ``allow_replicated=False`` the ILP may not pick a replicated attention, MLP,
-        embedding or head (the options stay: the probe's base assignment runs them)."""
-        return not self.allow_replicated and (slot.endswith(("/attention", "/cross_attention", "/mlp", "/mamba"))
+        experts, mixer, embedding or head (the options stay: the probe's base assignment runs them)."""
+        return not self.allow_replicated and (slot.endswith(("/attention", "/cross_attention", "/mlp", "/mamba",
+                                                             "/moe"))
                                               or slot in ("embedding", "head"))
 
     def _require_sharded(self) -> None:

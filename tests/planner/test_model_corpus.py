@@ -60,6 +60,10 @@ SLICE = [
     ("mistral", "pp2_tp2", "forced_S", ("attention:heads_sharded", "mlp:hidden_sharded")),
     ("gpt_neox", "pp2_dp2", "default", ()),
     ("gpt2", "pp2_tp2", "default", ()),
+    # plan_cluster on a mesh without ep splits the experts over tp in every stage (experts_tp)
+    ("qwen3_moe", "pp2_tp2", "forced_R", ("moe:experts_tp",)),
+    # GPT-2 XL's 25 heads split whole and unevenly (6/6/6/7 at tp=4; tests/planner/test_uneven_heads.py)
+    ("gpt2", "tp4", "forced_S", ("attention:heads_uneven",)),
     # issue 29: per-layer-kind masks and RoPE, sliding windows shrunk below the checked 16 tokens
     # (Gemma-3) pipelined as the forward runs them; Gemma-2's forward scales and soft-caps outside
     # its units. EXAONE-4 and Nemotron (its weight pass crashed on ranks 2-3) run in

@@ -60,3 +60,19 @@ def test_every_pipeline_rank_matches_predictions_at_world_64(name, cons):
     assert set(ep_rows["kind"]) == {"all_to_all"}, df.to_string()
     assert set(df[df["mesh_dim"] == "dp_ep"]["kind"]) == {"all_gather", "reduce_scatter"}, df.to_string()
     assert sorted(df["pp_rank"].unique()) == [0, 1]
+
+
+def test_without_ep_the_experts_are_split_over_tp_in_every_stage_and_verify_exactly():
+    """A mesh with tp and no ep: plan_cluster's TP solution has the experts as units (each expert
+    split on its ffn width), replicated units forbidden; the pipeline dry run at world 64 issues
+    exactly the predicted collectives (the experts' all-reduces over tp among them)."""
+    model = build("qwen3_moe")[0].to("meta")
+    model.config.use_cache = False
+    plan = plan_cluster(model, 64, hardware="h100_sxm", batch=(32, SEQ), devices_per_node=64,
+                        constraints=dict(dp=16, pp=2, tp=2, ep=1, schedule="ZBV", fsdp=True, microbatch_size=1),
+                        allow_replicated_units=False)
+    picked = {d["unit"]: d["strategy"] for d in plan.decisions}
+    assert picked["model.layers/moe"] == "experts_tp", picked
+    assert plan.styles["model.layers.*.mlp.experts"]["style"] == "ExpertParallel"
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
