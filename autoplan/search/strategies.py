@@ -475,15 +475,74 @@ def _loss_parallel_reductions(hd: HeadInfo) -> list[Collective]:
     return [fp32, Collective("all_reduce", "forward", hd.tokens * dtype_bytes)]
 
 
-def first_block_entry(blk: BlockGroupInfo, emb_layout: str, layout: str) -> Strategy | None:
-    """Layout change at the first block's input when the embedding output differs from the stream;
-    None if impossible (S -> R is never needed: the embedding can always produce R)."""
-    if emb_layout == layout:
+def stacks(blocks: list[BlockGroupInfo]) -> list[list[BlockGroupInfo]]:
+    """The block groups of each block stack (one prefix: ``encoder.block``, ``decoder.block``), in
+    the order the stacks first appear."""
+    out: dict[str, list[BlockGroupInfo]] = {}
+    for b in blocks:
+        out.setdefault(b.prefix, []).append(b)
+    return list(out.values())
+
+
+def stream_entry(blocks: list[BlockGroupInfo], emb_layout: str, layout: str) -> Strategy | None:
+    """Layout changes where the stream enters each block stack, when the stack's input differs
+    from the stream; None if impossible (S -> R is never needed: the embedding can always produce R).
+
+    The first stack reads the embedding's output (``emb_layout``). A later stack (an
+    encoder-decoder's decoder) starts again from its own embedding on the whole sequence -- a
+    table sharing the embedding's weight outputs R -- so on S it is scattered at its first
+    block too, as Megatron scatters each stack's embedding output. A stack whose cross attention
+    reads the first stack's output gets those states gathered back to the whole sequence at its
+    own input (the stack module's ``encoder_hidden_states``): its keys and values then read the
+    same replicated tensor they read on R, and the gather's backward keeps the rank's shard of
+    the states' gradient (every projection has already all-reduced its part of it)."""
+    if emb_layout == "S" and layout == "R":
+        return None
+    styles: dict[str, ParallelStyle] = {}
+    colls: list[Collective] = []
+    why: list[str] = []
+    for i, stack in enumerate(stacks(blocks) if layout == "S" else []):
+        first = stack[0]
+        if i == 0 and emb_layout == layout:
+            continue
+        fqn = f"{first.prefix}.{first.indices[0]}" if first.prefix else first.indices[0]
+        styles[fqn] = PrepareModuleInput(input_layouts=(R,), desired_input_layouts=(S,), use_local_output=True)
+        colls.append(Collective("all_gather", "backward", first.hidden_bytes))
+        why.append(f"sequence sharded at {fqn}")
+        cross = next((b.cross_attention for b in stack if b.cross_attention is not None), None)
+        if i > 0 and cross is not None:
+            module = first.prefix.rpartition(".")[0]
+            styles[module] = PrepareModuleInput(input_kwarg_layouts={ENCODER_STATES: S},
+                                                desired_input_kwarg_layouts={ENCODER_STATES: R},
+                                                use_local_output=True)
+            colls.append(Collective("all_gather", "forward", cross.kv_input_bytes))
+            why.append(f"the first stack's output gathered at {module}'s {ENCODER_STATES} for its cross attention")
+    if not styles:
         return Strategy("none", layout, {}, [])
-    if emb_layout == "R" and layout == "S":
-        fqn = f"{blk.prefix}.{blk.indices[0]}" if blk.prefix else blk.indices[0]
-        return Strategy("shard_sequence", "S", {fqn: PrepareModuleInput(input_layouts=(R,), desired_input_layouts=(S,),
-                                                                      use_local_output=True)},
-                        [Collective("all_gather", "backward", blk.hidden_bytes)],
-                        reason="sequence sharded at the first block (positions/masks computed on the full sequence)")
+    return Strategy("shard_sequence", "S", styles, colls,
+                    reason="; ".join(why) + " (positions/masks computed on the full sequence)")
+
+
+# the keyword a second block stack (transformers' encoder-decoder decoders) takes the first
+# stack's output by; multi_stack_refusal checks the structure it applies to
+ENCODER_STATES = "encoder_hidden_states"
+
+
+def multi_stack_refusal(blocks: list[BlockGroupInfo]) -> str | None:
+    """Why a sequence-sharded stream cannot enter the block stacks (:func:`stream_entry`), or None.
+    It handles one stack, or an encoder-decoder: later stacks held by a module of their own (the
+    decoder, taking the first stack's output as ``encoder_hidden_states``), a cross attention
+    only in those."""
+    groups = stacks(blocks)
+    if len(groups) < 2:
+        return None
+    for stack in groups[1:]:
+        first = stack[0]
+        if "." not in first.prefix:
+            return (f"{first.prefix} starts a second block stack directly under the model: no stack module takes "
+                    f"the first stack's output where it could be gathered")
+    cross = next((b for b in groups[0] if b.cross_attention is not None), None)
+    if cross is not None:
+        return (f"{cross.prefix}.{cross.indices[0]}.{cross.cross_attention.rel} is a cross attention in the first "
+                f"block stack: its keys and values come from outside the stacks")
     return None
