@@ -351,13 +351,6 @@ def check_search(search, prober: Prober | None) -> SoundnessReport:
     if "S" in search.layouts and search.structure.not_units and "S" not in report.dropped_layouts:
         where, why = search.structure.not_units[0]
         report.dropped_layouts["S"] = f"{where} is not planned as a unit ({why}) and would see a sequence shard"
-    # a unit with no form on a sequence-sharded stream (a mixture of attention heads: moa_strategies)
-    bare = [b for b in search.structure.blocks if b.attention is not None and b.attention.moa and
-            not any(o.stream in ("S", None) for o in search.slots.get(f"{b.id}/attention", []))]
-    if "S" in search.layouts and bare and "S" not in report.dropped_layouts:
-        report.dropped_layouts["S"] = (f"{search.unit_module(bare[0].id + '/attention')} (a mixture of attention "
-                                       "heads) has no form on a sequence-sharded stream: it would need its input "
-                                       "gathered and its tuple output sliced")
     stacked = multi_stack_refusal(search.structure.blocks)
     if "S" in search.layouts and stacked and "S" not in report.dropped_layouts:
         report.dropped_layouts["S"] = stacked
