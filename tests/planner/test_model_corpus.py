@@ -20,13 +20,16 @@ SLICE = [
     ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
     # T5's one table shared by encoder.embed_tokens, decoder.embed_tokens and shared (and the head): sharded
-    # once, every table styled alike (issue 33)
+    # once, every table styled alike (issue 33). Its default plan is on S since each stack can enter it;
+    # the MLP is then split on its hidden width or on the tokens (the cheaper, "mlp:" either way)
     ("t5", "tp4", "default", ("attention:heads_sharded_local", "cross_attention:heads_sharded_local",
-                              "mlp:hidden_sharded", "embedding:vocab_sharded", "head:loss_parallel")),
+                              "mlp:", "embedding:vocab_sharded", "head:loss_parallel")),
     # two block stacks on a sequence-sharded stream: each stack scattered at its first block, the
     # encoder's states gathered at the decoder's input for the cross attention
     ("t5", "tp4", "forced_S", ("cross_attention:heads_sharded_local", "entry:shard_sequence")),
     ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
+    # ... on S under FSDP: the decoder's embedding norm (layernorm_embedding) runs before its stack's entry
+    ("bart", "dp2_tp2", "forced_S", ("cross_attention:heads_sharded", "entry:shard_sequence")),
     # a mesh without ep: each expert split on its ffn width over tp (ExpertParallel(ep_dim=""))
     ("mixtral", "tp4", "forced_R", ("moe:experts_tp",)),
     # BERT adds the attention input to its output inside the module (post-norm residual): sharded by
