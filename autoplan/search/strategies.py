@@ -475,6 +475,11 @@ def _loss_parallel_reductions(hd: HeadInfo) -> list[Collective]:
     return [fp32, Collective("all_reduce", "forward", hd.tokens * dtype_bytes)]
 
 
+# the keyword a second block stack (transformers' encoder-decoder decoders) takes the first
+# stack's output by; multi_stack_refusal checks the structure it applies to
+ENCODER_STATES = "encoder_hidden_states"
+
+
 def stacks(blocks: list[BlockGroupInfo]) -> list[list[BlockGroupInfo]]:
     """The block groups of each block stack (one prefix: ``encoder.block``, ``decoder.block``), in
     the order the stacks first appear."""
@@ -535,11 +540,6 @@ def stream_entry(blocks: list[BlockGroupInfo], emb_layout: str, layout: str) -> 
         return Strategy("none", layout, {}, [])
     return Strategy("shard_sequence", "S", styles, colls,
                     reason="; ".join(why) + " (positions/masks computed on the full sequence)")
-
-
-# the keyword a second block stack (transformers' encoder-decoder decoders) takes the first
-# stack's output by; multi_stack_refusal checks the structure it applies to
-ENCODER_STATES = "encoder_hidden_states"
 
 
 def multi_stack_refusal(blocks: list[BlockGroupInfo]) -> str | None:
