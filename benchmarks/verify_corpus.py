@@ -6,8 +6,11 @@ predictions. ``model_corpus.py`` checks that the plans train right; this checks 
 priced for what runs (a collective the cost model never saw is time it never counted).
 
     PYTHONPATH=. .venv/bin/python benchmarks/verify_corpus.py [family ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/verify_corpus.py --variant forced_S t5 bart jetmoe
 
-Writes benchmarks/results/verify_corpus.{csv,md} (named families replace their rows).
+Writes benchmarks/results/verify_corpus.{csv,md} (named families replace their rows): the default
+plans. ``--variant forced_R|forced_S`` dry-runs the corpus's forced variants instead and only
+prints (a forced sequence-sharded stream's entries and regions are priced too).
 """
 from __future__ import annotations
 
@@ -20,17 +23,17 @@ import pandas as pd
 
 from autoplan.errors import AutoplanError
 from autoplan.verify import verify
-from autoplan.verify.corpus import FAMILIES, plan_case
+from autoplan.verify.corpus import FAMILIES, VARIANTS, plan_case
 
 OUT = Path(__file__).parent / "results"
 MESHES = ("tp4", "dp2_tp2")
 
 
-def one(family: str, mesh: str) -> dict:
+def one(family: str, mesh: str, variant: str = "default") -> dict:
     t0 = time.perf_counter()
     row = {"family": family, "mesh": mesh}
     try:
-        model, plan = plan_case(family, mesh, "default")
+        model, plan = plan_case(family, mesh, variant)
     except AutoplanError as exc:
         return dict(row, outcome="REFUSED", detail=f"{type(exc).__name__}: {exc}"[:200],
                     seconds=time.perf_counter() - t0)
@@ -49,14 +52,21 @@ def one(family: str, mesh: str) -> dict:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.ERROR)
+    variant = "default"
+    if argv[:1] == ["--variant"]:
+        variant, argv = argv[1], argv[2:]
+        if variant not in VARIANTS:
+            raise SystemExit(f"--variant: one of {sorted(VARIANTS)}, got {variant!r}")
     families = tuple(argv) or FAMILIES
     t0 = time.perf_counter()
     rows = []
     for family in families:
         for mesh in MESHES:
-            r = one(family, mesh)
+            r = one(family, mesh, variant)
             rows.append(r)
-            print(f"{family:16s} {mesh:8s} {r['outcome']:13s} {r['detail'][:150]}", flush=True)
+            print(f"{family:16s} {mesh:8s} {variant:9s} {r['outcome']:13s} {r['detail'][:150]}", flush=True)
+    if variant != "default":   # the committed table holds the default plans
+        return 1 if any(r["outcome"] == "DIFFERS" for r in rows) else 0
     frame = pd.DataFrame(rows)
     csv = OUT / "verify_corpus.csv"
     if families != FAMILIES and csv.exists():

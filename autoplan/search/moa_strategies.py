@@ -18,27 +18,35 @@ container's own width by the experts' style). With square expert weights (D == H
 cannot tell which dimension is the heads' width: the ``F.linear`` orientation comes first and
 the other is its fallback, the probe rejecting the one the module's code does not run with.
 
-Only a replicated stream (R): a sequence-sharded stream would need the module to gather its
-input and slice its tuple output, which no style here does -- that layout is left out.
+On a sequence-sharded stream (S) the module is a gathered region (``GatheredRegion``, as an MoE
+container is): its input gathered to the whole sequence, the stream's shard sliced out of the
+first of its tuple outputs. Inside, every form runs as on R; the sharded one's head counts are
+made local by the region itself (the module's one style), not by ``PrepareHeadsInput``.
 """
 from __future__ import annotations
 
 from hyper_parallel import ColwiseParallel, PrepareHeadsInput, Replicate
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.expert_parallel import PairedExpertsParallel
+from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 
-from autoplan.search.strategies import Strategy
+from autoplan.search.strategies import Strategy, _replicated_region_on_s
 from autoplan.search.structure import AttentionUnit, BlockGroupInfo
 
 R = Replicate()
 
 
 def moa_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -> list[Strategy]:
-    """Replicated, or the heads sharded over tp (when tp divides the KV heads)."""
-    if layout != "R":
-        return []
+    """Replicated, or the heads sharded over tp (when tp divides the KV heads); on S inside a
+    gathered region."""
     m = a.moa
-    out = [Strategy("replicate", "R", {}, [], reason="mixture of attention heads replicated")]
+    h = blk.hidden_bytes
+    region = _replicated_region_on_s(h) if layout == "S" else []
+    if layout == "S":
+        out = [Strategy("replicate", "S", {a.rel: GatheredRegion(sequence_dim=1)}, list(region),
+                        reason="mixture of attention heads replicated on the gathered sequence")]
+    else:
+        out = [Strategy("replicate", "R", {}, [], reason="mixture of attention heads replicated")]
     if t == 1:
         return out
     kv, n = a.n_kv_heads, a.n_heads
@@ -47,8 +55,8 @@ def moa_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
                                        f"token: {kv}, {n} in the core) not divisible by tp={t} (whole heads per "
                                        f"rank)")
         return out
-    h = blk.hidden_bytes
-    comm = [Collective("all_reduce", "forward", h * m["top_k"]), Collective("all_reduce", "backward", h * m["top_k"])] \
+    rows = h * m["top_k"]
+    comm = region + [Collective("all_reduce", "forward", rows), Collective("all_reduce", "backward", rows)] \
         + [Collective("all_reduce", "backward", h) for _ in m["kv"]]
     # the router and the bias stay whole; the rest is t ways
     whole = m["num_experts"] * m["hidden"] + m["hidden"]
@@ -59,8 +67,11 @@ def moa_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
     k, width, hid = m["top_k"], m["width"], m["hidden"]
     split, kept = (2 * k + 2) * width, (1 + 2 * k) * hid
     activation_shard = (split + kept) / (split / t + kept)
-    prep = {a.rel: PrepareHeadsInput(input_layouts=(R,), desired_input_layouts=(R,), use_local_output=True,
-                                     local_attributes=sorted(a.head_attrs))} if a.head_attrs else {}
+    if layout == "S":
+        prep = {a.rel: GatheredRegion(sequence_dim=1, local_attributes=sorted(a.head_attrs) or None)}
+    else:
+        prep = {a.rel: PrepareHeadsInput(input_layouts=(R,), desired_input_layouts=(R,), use_local_output=True,
+                                         local_attributes=sorted(a.head_attrs))} if a.head_attrs else {}
     kv_cols = {p: ColwiseParallel(packed=m["kv_packed"]) for p in m["kv"]}
     dims = list(zip(m["up_dims"], m["down_dims"]))
     local = f"; the module's {', '.join(sorted(a.head_attrs))} made local" if a.head_attrs else ""
@@ -71,9 +82,10 @@ def moa_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
                                         local_attributes=m["local_attributes"] or None)
         name = "heads_sharded" if i == 0 else f"heads_sharded_dims{up_dim}{down_dim}"
         out.append(Strategy(
-            name, "R", {**prep, m["experts"]: experts, **kv_cols}, list(comm), compute_shard=t,
+            name, layout, {**prep, m["experts"]: experts, **kv_cols}, list(comm), compute_shard=t,
             param_shard=param_shard, activation_shard=activation_shard,
-            reason=f"mixture of attention heads: the {kv} KV heads ({n} in the core) sharded over tp -- every "
+            reason=f"mixture of attention heads{' on the gathered sequence' if region else ''}: the {kv} KV heads "
+                   f"({n} in the core) sharded over tp -- every "
                    f"expert's query columns (dim {up_dim}) and output rows (dim {down_dim}) and the K/V "
                    f"projection's columns of each rank's heads; router replicated{local}",
             extra={"fallback_for": previous} if previous else {}))

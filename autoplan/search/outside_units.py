@@ -51,14 +51,25 @@ def outside_units(graph: ModelGraph, covered: list[str]) -> list[tuple[str, int]
 def norms_after_blocks(graph, norms: list[str]) -> tuple[list[str], list[str]]:
     """The stream norms outside every block split by where they run: after the blocks (the final
     norm, planned with the head's stream) and before the first block (an embedding norm, which
-    sees the stream before any unit may shard it)."""
+    sees the stream before any unit may shard it). A later block stack's embedding norm (BART's
+    ``model.decoder.layernorm_embedding``, inside the decoder and run before its first block)
+    is one too: that stack enters the stream at its first block, as the first stack does."""
     first_block = next((i for i, n in enumerate(graph.nodes) if n.block is not None), None)
     if first_block is None:
         return norms, []
+    # each later stack's module (the parent of its blocks' prefix) and where its blocks start
+    starts: dict[str, int] = {}
+    for g in graph.blocks:
+        holder = g.prefix.rpartition(".")[0]
+        at = next((i for i, n in enumerate(graph.nodes) if n.block == g.id), None)
+        if holder and at is not None:
+            starts[holder] = min(starts.get(holder, at), at)
     before = []
     for norm in norms:
         at = next((i for i, n in enumerate(graph.nodes) if n.module == norm or n.module.startswith(norm + ".")),
                   None)
-        if at is not None and at < first_block:
+        if at is None:
+            continue
+        if at < first_block or any(norm.startswith(holder + ".") and at < start for holder, start in starts.items()):
             before.append(norm)
     return [n for n in norms if n not in before], before

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import InfeasiblePlanError, StrategyCheckError
 from autoplan.search.probe import Finding, Prober, repaired
+from autoplan.search.strategies import multi_stack_refusal
 from hyper_parallel.errors import WorldIsolationError
 from hyper_parallel.local import fake_world
 
@@ -350,16 +351,9 @@ def check_search(search, prober: Prober | None) -> SoundnessReport:
     if "S" in search.layouts and search.structure.not_units and "S" not in report.dropped_layouts:
         where, why = search.structure.not_units[0]
         report.dropped_layouts["S"] = f"{where} is not planned as a unit ({why}) and would see a sequence shard"
-    # a unit with no form on a sequence-sharded stream (a mixture of attention heads: moa_strategies)
-    bare = [b for b in search.structure.blocks if b.attention is not None and b.attention.moa and
-            not any(o.stream in ("S", None) for o in search.slots.get(f"{b.id}/attention", []))]
-    if "S" in search.layouts and bare and "S" not in report.dropped_layouts:
-        report.dropped_layouts["S"] = (f"{search.unit_module(bare[0].id + '/attention')} (a mixture of attention "
-                                       "heads) has no form on a sequence-sharded stream: it would need its input "
-                                       "gathered and its tuple output sliced")
-    second = _second_stack(search.structure)
-    if "S" in search.layouts and second and "S" not in report.dropped_layouts:
-        report.dropped_layouts["S"] = second
+    stacked = multi_stack_refusal(search.structure.blocks)
+    if "S" in search.layouts and stacked and "S" not in report.dropped_layouts:
+        report.dropped_layouts["S"] = stacked
     batch = _batch(search)
     for slot, opts in search.slots.items():
         kept = []
@@ -421,24 +415,6 @@ def settle(search, chosen: dict, layout: str) -> bool:
                 if fix:
                     o.strategy = checker.apply_repair(slot, _unrepaired(o.strategy), fix, batch)
     return before != after or bool(checker.repairs)
-
-
-def _second_stack(structure) -> str | None:
-    """Why a sequence-sharded stream cannot be planned for an encoder-decoder (T5, BART), or None:
-    the stream is sharded once, at the first block of the first stack, and the second stack
-    starts again from its own embedding with the whole sequence, while its cross attention reads
-    the first stack's output as keys and values -- both would need their own layout changes."""
-    blocks = structure.blocks
-    cross = next((b for b in blocks if b.cross_attention is not None), None)
-    if cross is None or not blocks or cross.prefix == blocks[0].prefix:
-        return None
-    where = f"{cross.prefix}.{cross.indices[0]}" if cross.prefix else cross.indices[0]
-    att = f"{where}.{cross.cross_attention.rel}"
-    return (f"{where} starts a second block stack ({cross.prefix}) from its own embedding on the whole sequence, "
-            f"and its cross attention {att} reads the first stack's ({blocks[0].prefix}) output as keys and values: "
-            f"the stream is sharded once, at the first stack's first block, so the second stack would need its own "
-            f"entry and the encoder's states gathered for the cross attention (not supported: an encoder-decoder "
-            f"is planned on a replicated stream)")
 
 
 def _unrepaired(strategy):

@@ -25,10 +25,10 @@ from autoplan.search.strategies import (
     Strategy,
     attention_strategies,
     embedding_strategies,
-    first_block_entry,
     head_strategies,
     mlp_strategies,
     norm_strategies,
+    stream_entry,
 )
 from autoplan.search.mamba_strategies import mamba_strategies
 from autoplan.search.expert_strategies import experts_strategies, within_container
@@ -349,9 +349,9 @@ class TPSearch:
 
     # ------------------------------------------------------------------ entry edge
     def entry(self, emb: Option | None, layout: str) -> Strategy | None:
-        if emb is None or not self.structure.blocks:
+        if not self.structure.blocks:
             return Strategy("none", layout, {}, []) if emb is None or emb.stream == layout else None
-        return first_block_entry(self.structure.blocks[0], emb.stream, layout)
+        return stream_entry(self.structure.blocks, layout if emb is None else emb.stream, layout)
 
     # ------------------------------------------------------------------ evaluation
     def option_cost(self, o: Option) -> float:

@@ -6,7 +6,7 @@ The slice covers one family per hazard: a norm over the full projection width on
 (OLMo-2, repaired), a fused q/k/v attention sharded in whole heads on a sequence-sharded stream
 (GPT-NeoX), a fused [q|k|v] cut by the global head count its config stores (Phi-3: sharded with
 the count made local), Conv1D layers (GPT-2), relative position bias and two stacks
-(T5), a decoder's cross-attention sharded by heads beside its self-attention under FSDP (BART), a mixture of experts forced to shard (Mixtral: experts tensor-parallel), an encoder-only model (BERT) and GQA with
+(T5, also on a sequence-sharded stream), a decoder's cross-attention sharded by heads beside its self-attention under FSDP (BART), a mixture of experts forced to shard (Mixtral: experts tensor-parallel), an encoder-only model (BERT) and GQA with
 biases on the sequence-sharded stream (Starcoder2), Falcon's grouped fused q/k/v and in-place MLP output, Bloom's
 ALiBi bias (per-head rows folded into the batch), and pipelined cases."""
 import pytest
@@ -20,10 +20,16 @@ SLICE = [
     ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
     # T5's one table shared by encoder.embed_tokens, decoder.embed_tokens and shared (and the head): sharded
-    # once, every table styled alike (issue 33)
+    # once, every table styled alike (issue 33). Its default plan is on S since each stack can enter it;
+    # the MLP is then split on its hidden width or on the tokens (the cheaper, "mlp:" either way)
     ("t5", "tp4", "default", ("attention:heads_sharded_local", "cross_attention:heads_sharded_local",
-                              "mlp:hidden_sharded", "embedding:vocab_sharded", "head:loss_parallel")),
+                              "mlp:", "embedding:vocab_sharded", "head:loss_parallel")),
+    # two block stacks on a sequence-sharded stream: each stack scattered at its first block, the
+    # encoder's states gathered at the decoder's input for the cross attention
+    ("t5", "tp4", "forced_S", ("cross_attention:heads_sharded_local", "entry:shard_sequence")),
     ("bart", "dp2_tp2", "default", ("attention:heads_sharded", "cross_attention:heads_sharded", "mlp:hidden_sharded")),
+    # ... on S under FSDP: the decoder's embedding norm (layernorm_embedding) runs before its stack's entry
+    ("bart", "dp2_tp2", "forced_S", ("cross_attention:heads_sharded", "entry:shard_sequence")),
     # a mesh without ep: each expert split on its ffn width over tp (ExpertParallel(ep_dim=""))
     ("mixtral", "tp4", "forced_R", ("moe:experts_tp",)),
     # BERT adds the attention input to its output inside the module (post-norm residual): sharded by
@@ -40,6 +46,8 @@ SLICE = [
     # its mixture of attention heads sharded by heads (every expert's query/output columns of the rank's
     # KV heads and the shared kv_proj's, search/moa_strategies.py)
     ("jetmoe", "dp2_tp2", "default", ("attention:heads_sharded", "moe:experts_tp")),
+    # ... and on a sequence-sharded stream inside a GatheredRegion that also makes its head counts local
+    ("jetmoe", "dp2_tp2", "forced_S", ("attention:heads_sharded", "entry:shard_sequence")),
     # issue 33: Falcon-H1's Mamba-2 mixer split on its heads (one group at tp=2: each rank reads it whole)
     # on a sequence-sharded stream: the mixer gathers the sequence and reduce-scatters its partial output
     ("falcon_h1", "dp2_tp2", "forced_S", ("mamba:channels_sharded", "attention:heads_sharded", "mlp:hidden_sharded")),

@@ -18,3 +18,16 @@ def test_gathered_region_round_trips_and_checks_its_argument():
     assert style_from_dict(style.to_dict()) == style
     with pytest.raises(StyleSpecError, match="sequence_dim"):
         GatheredRegion(sequence_dim=-1)
+
+
+def test_gathered_region_with_local_attributes_round_trips_and_checks_them():
+    """A region that also makes a module's head counts local (JetMoE's mixture of attention heads
+    on a sequence-sharded stream) names attribute paths, validated as PrepareHeadsInput's are."""
+    style = GatheredRegion(sequence_dim=1, local_attributes=["num_heads", "config.num_attention_heads"])
+    assert style.local_attributes == ["config.num_attention_heads", "num_heads"]
+    assert style_from_dict(style.to_dict()) == style
+    assert "local_attributes" not in GatheredRegion().to_dict().get("args", {})
+    with pytest.raises(StyleSpecError, match="attribute path"):
+        GatheredRegion(local_attributes=["a.b.c"])
+    with pytest.raises(StyleSpecError, match="non-empty list"):
+        GatheredRegion(local_attributes=[])

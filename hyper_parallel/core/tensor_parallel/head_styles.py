@@ -56,6 +56,64 @@ def _owner(module: nn.Module, path: str):
     return obj, name
 
 
+def check_local_attributes(module: nn.Module, paths: list[str], divisors: dict[str, int] | None, mesh: DeviceMesh,
+                           where: str, head_count: int | None = None) -> None:
+    """Each path names an int attribute of ``module`` (or of an object it holds, not a submodule)
+    that its divisor -- the mesh size unless ``divisors`` names another -- divides; with
+    ``head_count`` (whole heads split unevenly) a multiple of it, with at least one head per rank."""
+    for path in paths:
+        obj, name = _owner(module, path)
+        if obj is None or not hasattr(obj, name):
+            raise LayoutError(f"{where}: {type(module).__name__} has no attribute {path!r}")
+        if isinstance(obj, nn.Module) and obj is not module:
+            raise LayoutError(f"{where}: {path!r} goes through a submodule; name it on that module")
+        value = getattr(obj, name)
+        if type(value) is not int:
+            raise LayoutError(f"{where}: {path} is {value!r}, not an int")
+        d = (divisors or {}).get(path)
+        if head_count is not None:
+            if value % head_count or head_count < mesh.size():
+                raise LayoutError(f"{where}: {path} = {value} is not a multiple of head_count={head_count}, "
+                                  f"or the heads are fewer than the mesh size {mesh.size()}")
+        elif d is None:
+            check_divides(value, mesh, where, path)
+        elif value % d:
+            raise LayoutError(f"{where}: {path} = {value} is not divisible by its divisor {d}")
+
+
+def set_local_attributes(module: nn.Module, paths: list[str], divisors: dict[str, int] | None, mesh: DeviceMesh,
+                         record: ApplyRecord, head_count: int | None = None) -> None:
+    """Divide each attribute ``paths`` names (checked by :func:`check_local_attributes`) by its
+    divisor -- or, with ``head_count``, make it this rank's share of whole heads
+    (uneven_heads.head_bounds) -- recording the old values; an object the path goes through
+    (``config``) is copied for this module first, since the model's other modules share it."""
+    size = mesh.size()
+    copied: set[str] = set()
+    for path in paths:
+        hop = path.split(".")[0] if "." in path else ""
+        if hop and hop not in copied:   # a private copy: the original is shared with other modules
+            record.set_attr(module, hop, copy.copy(getattr(module, hop)))
+            copied.add(hop)
+        obj, name = _owner(module, path)
+        value = getattr(obj, name)
+        if head_count is not None:
+            lo, hi = head_bounds(head_count, size, mesh.get_local_rank())
+            record.set_attr(obj, name, value // head_count * (hi - lo))
+        else:
+            record.set_attr(obj, name, value // ((divisors or {}).get(path) or size))
+
+
+def check_attribute_paths(paths, where: str) -> list[str]:
+    """``paths`` as a sorted list of attribute paths ('name' or 'object.name'), or a StyleSpecError."""
+    if not isinstance(paths, (list, tuple)) or not paths:
+        raise StyleSpecError(f"{where}: local_attributes must be a non-empty list of attribute paths, got {paths!r}")
+    for path in paths:
+        if not isinstance(path, str) or path.count(".") > 1 or not all(part.isidentifier() for part in path.split(".")):
+            raise StyleSpecError(f"{where}: local_attributes entry {path!r} is not an attribute path "
+                                 f"('name' or 'object.name')")
+    return sorted(set(paths))
+
+
 class PrepareHeadsInput(PrepareModuleInput):
     """PrepareModuleInput, plus ``local_attributes``: attribute paths whose integer values are
     divided by the mesh size on apply (restored by a rollback). A path is ``name`` or
@@ -86,56 +144,15 @@ class PrepareHeadsInput(PrepareModuleInput):
             raise StyleSpecError(f"{where}: folded_heads={folded_heads!r} must be one of local_attributes "
                                  f"{local_attributes!r} (the head count the folded inputs are cut by)")
         self.folded_heads = folded_heads
-        if not isinstance(local_attributes, (list, tuple)) or not local_attributes:
-            raise StyleSpecError(f"{where}: local_attributes must be a non-empty list of attribute paths, "
-                                 f"got {local_attributes!r}")
-        for path in local_attributes:
-            if not isinstance(path, str) or path.count(".") > 1 or \
-                    not all(part.isidentifier() for part in path.split(".")):
-                raise StyleSpecError(f"{where}: local_attributes entry {path!r} is not an attribute path "
-                                     f"('name' or 'object.name')")
-        self.local_attributes = sorted(set(local_attributes))
+        self.local_attributes = check_attribute_paths(local_attributes, where)
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         super().check_module(module, mesh, fqn)
-        where = f"{type(self).__name__} on {fqn or '<root>'}"
-        for path in self.local_attributes:
-            obj, name = _owner(module, path)
-            if obj is None or not hasattr(obj, name):
-                raise LayoutError(f"{where}: {type(module).__name__} has no attribute {path!r}")
-            if isinstance(obj, nn.Module) and obj is not module:
-                raise LayoutError(f"{where}: {path!r} goes through a submodule; name it on that module")
-            value = getattr(obj, name)
-            if type(value) is not int:
-                raise LayoutError(f"{where}: {path} is {value!r}, not an int")
-            d = self._divisor(path)
-            if self.head_count is not None:
-                if value % self.head_count or self.head_count < mesh.size():
-                    raise LayoutError(f"{where}: {path} = {value} is not a multiple of head_count={self.head_count}, "
-                                      f"or the heads are fewer than the mesh size {mesh.size()}")
-            elif d is None:
-                check_divides(value, mesh, where, path)
-            elif value % d:
-                raise LayoutError(f"{where}: {path} = {value} is not divisible by its divisor {d}")
-
-    def _divisor(self, path: str) -> int | None:
-        return (self.attribute_divisors or {}).get(path)
+        check_local_attributes(module, self.local_attributes, self.attribute_divisors, mesh,
+                               f"{type(self).__name__} on {fqn or '<root>'}", self.head_count)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
-        size = mesh.size()
-        copied: set[str] = set()
-        for path in self.local_attributes:
-            hop = path.split(".")[0] if "." in path else ""
-            if hop and hop not in copied:   # a private copy: the original is shared with other modules
-                record.set_attr(module, hop, copy.copy(getattr(module, hop)))
-                copied.add(hop)
-            obj, name = _owner(module, path)
-            value = getattr(obj, name)
-            if self.head_count is not None:   # this rank's share of whole heads (uneven_heads.head_bounds)
-                lo, hi = head_bounds(self.head_count, size, mesh.get_local_rank())
-                record.set_attr(obj, name, value // self.head_count * (hi - lo))
-            else:
-                record.set_attr(obj, name, value // (self._divisor(path) or size))
+        set_local_attributes(module, self.local_attributes, self.attribute_divisors, mesh, record, self.head_count)
         out = super().apply(module, mesh, record, fqn)
         if self.folded_heads is not None:   # runs after the layouts' hook: the first input is settled
             record.add_hook(module.register_forward_pre_hook(self._unfold(module, mesh), with_kwargs=True))

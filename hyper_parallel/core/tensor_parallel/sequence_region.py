@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle
+from hyper_parallel.core.tensor_parallel.head_styles import (check_attribute_paths, check_local_attributes,
+                                                             set_local_attributes)
 from hyper_parallel.errors import LayoutError, StyleSpecError
 
 
@@ -86,21 +88,32 @@ class GatheredRegion(ParallelStyle):
     sequence: Llama-4's MoE returns ``(tokens, hidden)``) is sliced as that many tokens and
     returned flattened again. Inside, the module runs replicated or splits itself over tp (an
     MoE layer's experts); either way every rank holds the same output and input gradient, so the
-    slice's backward gathers the output gradient and the gather's backward takes its own slice."""
+    slice's backward gathers the output gradient and the gather's backward takes its own slice.
 
-    _args = {"sequence_dim": 1}
+    ``local_attributes``: for a module whose heads are split inside the region (JetMoE's mixture
+    of attention heads: its experts and K/V projection split by heads, with their own styles), the
+    head counts and widths it stores, made local as ``PrepareHeadsInput`` makes them -- the region
+    is then this module's one style, doing both."""
 
-    def __init__(self, *, sequence_dim: int = 1):
+    _args = {"sequence_dim": 1, "local_attributes": None}
+
+    def __init__(self, *, sequence_dim: int = 1, local_attributes: list[str] | None = None):
         if type(sequence_dim) is not int or sequence_dim < 0:
             raise StyleSpecError(f"GatheredRegion: sequence_dim must be a non-negative int, got {sequence_dim!r}")
         self.sequence_dim = sequence_dim
+        self.local_attributes = None if local_attributes is None else \
+            check_attribute_paths(local_attributes, "GatheredRegion")
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         if mesh.ndim != 1:
             raise LayoutError(f"GatheredRegion on {fqn or '<root>'}: needs a one-dimensional tp mesh, got {mesh.ndim}-D")
+        if self.local_attributes:
+            check_local_attributes(module, self.local_attributes, None, mesh, f"GatheredRegion on {fqn or '<root>'}")
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"GatheredRegion on {fqn or '<root>'}"
+        if self.local_attributes:
+            set_local_attributes(module, self.local_attributes, None, mesh, record)
         names = [p.name for p in inspect.signature(module.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         seen: dict[str, tuple] = {}
