@@ -40,20 +40,18 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
     if m.ffn % t:
         out[0].extra["tp_excluded"] = f"expert ffn width {m.ffn} not divisible by tp={t}"
         return out
-    if layout == "S" and m.paired and m.rel == m.experts:
-        out[0].extra["tp_excluded"] = (f"the experts are held by the MoE container {m.rel} itself: the style that "
-                                       "gathers a sequence-sharded stream into it and the experts' split would both "
-                                       "be that one module's style")
-        return out
+    # the experts held by the MoE container itself (JetMoE): the split style also gathers the stream
+    own_region = layout == "S" and bool(m.paired) and m.rel == m.experts
     rows = h * m.top_k
     comm = [Collective("all_reduce", "forward", rows), Collective("all_reduce", "backward", rows)]
     if m.paired:
-        style = PairedExpertsParallel(**m.paired)
+        style = PairedExpertsParallel(**m.paired, **({"sequence_dim": 1} if own_region else {}))
     else:
         style = FlatExpertsParallel() if m.flat else ExpertParallel(ep_dim="")
     styles = {m.experts: style}
     if layout == "S":
-        styles.update(_container(m, S))
+        if not own_region:
+            styles.update(_container(m, S))
         comm += _replicated_region_on_s(h)
     # the experts' share of the unit is split t ways, the router's stays whole
     total, part = max(m.work.params, 1), m.expert_work.params

@@ -46,8 +46,9 @@ SLICE = [
     # its mixture of attention heads sharded by heads (every expert's query/output columns of the rank's
     # KV heads and the shared kv_proj's, search/moa_strategies.py)
     ("jetmoe", "dp2_tp2", "default", ("attention:heads_sharded", "moe:experts_tp")),
-    # ... and on a sequence-sharded stream inside a GatheredRegion that also makes its head counts local
-    ("jetmoe", "dp2_tp2", "forced_S", ("attention:heads_sharded", "entry:shard_sequence")),
+    # ... and on a sequence-sharded stream inside a GatheredRegion that also makes its head counts local;
+    # there its MLP experts' container gathers the stream itself (PairedExpertsParallel(sequence_dim=1))
+    ("jetmoe", "dp2_tp2", "forced_S", ("attention:heads_sharded", "entry:shard_sequence", "moe:experts_tp")),
     # issue 33: Falcon-H1's Mamba-2 mixer split on its heads (one group at tp=2: each rank reads it whole)
     # on a sequence-sharded stream: the mixer gathers the sequence and reduce-scatters its partial output
     ("falcon_h1", "dp2_tp2", "forced_S", ("mamba:channels_sharded", "attention:heads_sharded", "mlp:hidden_sharded")),

@@ -24,6 +24,11 @@ attention core): the width D is the routed token's query heads, ``head_dim`` wid
 rank keeps whole heads of every expert (``head_dim``: the split must fall between heads). The
 container's code may size its buffers by the width it stores (``hidden_size`` = D):
 ``local_attributes`` names those integer attributes, divided by the mesh size on apply.
+
+On a sequence-sharded stream the container that holds the experts is itself the module to gather
+the sequence into (JetMoE's MoE MLP routes inside the module the style is on), and a module takes
+one style: ``sequence_dim`` makes this style also what ``GatheredRegion`` is -- the stream gathered
+on that dimension at the container's input and its (first) output sliced back to the rank's shard.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from hyper_parallel.core.expert_parallel.dispatch import CopyToTP, ReduceFromTP
 from hyper_parallel.core.expert_parallel.layouts import local
 from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, check_divides
+from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 from hyper_parallel.errors import StyleSpecError, UnsupportedModuleError
 
 
@@ -45,10 +51,11 @@ class PairedExpertsParallel(ParallelStyle):
     split on its ffn width over the mesh; see the module docstring."""
 
     _args = {"up": "", "down": "", "up_dim": 1, "down_dim": 2, "packed": 1, "weight": "weight", "head_dim": None,
-             "local_attributes": None}
+             "local_attributes": None, "sequence_dim": None}
 
     def __init__(self, *, up: str, down: str, up_dim: int = 1, down_dim: int = 2, packed: int = 1,
-                 weight: str = "weight", head_dim: int | None = None, local_attributes: list[str] | None = None):
+                 weight: str = "weight", head_dim: int | None = None, local_attributes: list[str] | None = None,
+                 sequence_dim: int | None = None):
         if not (isinstance(up, str) and up and isinstance(down, str) and down and up != down):
             raise StyleSpecError(f"PairedExpertsParallel: up and down must name two submodules, got {up!r}, {down!r}")
         if up_dim not in (1, 2) or down_dim not in (1, 2):
@@ -65,6 +72,8 @@ class PairedExpertsParallel(ParallelStyle):
         self.up, self.down, self.up_dim, self.down_dim = up, down, up_dim, down_dim
         self.packed, self.weight, self.head_dim = packed, weight, head_dim
         self.local_attributes = sorted(set(attrs)) or None
+        self.region = None if sequence_dim is None else GatheredRegion(sequence_dim=sequence_dim)
+        self.sequence_dim = sequence_dim
 
     def _weights(self, module: nn.Module, where: str) -> tuple[nn.Module, nn.Module, nn.Parameter, nn.Parameter]:
         mods = []
@@ -101,6 +110,8 @@ class PairedExpertsParallel(ParallelStyle):
                 raise UnsupportedModuleError(f"{where}: local_attributes entry {name!r} is {value!r}, not an int "
                                              f"attribute of {type(module).__name__}")
             check_divides(value, mesh, where, name)
+        if self.region is not None:
+            self.region.check_module(module, mesh, fqn)
 
     def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
         """The up weight on ``up_dim`` (strided when ``packed``), the down weight on ``down_dim``."""
@@ -131,4 +142,6 @@ class PairedExpertsParallel(ParallelStyle):
 
         record.set_attr(up, "forward", split(up, True))
         record.set_attr(down, "forward", split(down, False))
+        if self.region is not None:   # the container also gathers the sequence-sharded stream
+            self.region.apply(module, mesh, record, fqn)
         return module
