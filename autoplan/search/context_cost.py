@@ -106,10 +106,15 @@ class CPChoice:
 
 
 def _head_dim(graph, block, attention) -> int:
+    """One head's width: what capture read (``AttentionUnit.head_dim``), else the key projection's
+    output over the KV heads -- halved when k and v are one fused [k|v] projection."""
+    if attention.head_dim:
+        return int(attention.head_dim)
     m = graph.modules.get(f"{block.representative}.{attention.k}") if attention.k else None
     w = (m.params.get("weight") if m else None)
-    if w and attention.n_kv_heads and w[0] % attention.n_kv_heads == 0:
-        return int(w[0] // attention.n_kv_heads)
+    parts = 2 if attention.k and attention.k == attention.v else 1
+    if w and attention.n_kv_heads and w[0] % (parts * attention.n_kv_heads) == 0:
+        return int(w[0] // (parts * attention.n_kv_heads))
     return int(attention.head_attrs.get("head_dim") or block.dim // attention.n_heads)
 
 
