@@ -384,9 +384,10 @@ def recognise_roles(graph: ModelGraph) -> None:
     mixture_of_heads(flow, role, per_block, rep_of, claimed)
     paired_experts(flow, role, per_block, rep_of, claimed)
 
+    token = _token_table(graph, flow)
     for n in graph.nodes:
-        if not flow.weight(n) or n.module in claimed:
-            continue
+        if not flow.weight(n) or n.module in claimed or _is_head(flow, n, token):
+            continue   # an LM head after a transform (BERT's decoder after dense + norm) is no MLP's down
         act_in = next((s for s in n.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
         if act_in is None:
             continue
@@ -449,15 +450,61 @@ def _feeds_activation(flow: _Flow, node: Node, limit: int = 4) -> bool:
     return False
 
 
+def _is_token_lookup(flow: _Flow, n: Node) -> bool:
+    """An embedding op reading a parameter table at indices from the model's inputs (token ids),
+    not from positions (arange/cumsum)."""
+    inputs = {f"input:{i['name']}" for i in flow.graph.inputs}
+    return bool(n.input_nodes[1:]) and not _from_arange(flow, n.input_nodes[1]) and (
+        any(s in inputs for s in n.input_nodes[1:]) or _from_inputs(flow, n.input_nodes[1], inputs))
+
+
+def _is_table_lookup(n: Node) -> bool:
+    return _base(n.op) == "embedding" and bool(n.input_nodes) and n.input_nodes[0].startswith("param:")
+
+
+def _token_table(graph: ModelGraph, flow: _Flow) -> tuple[str, int] | None:
+    """(weight FQN, vocabulary) of the first token embedding table, or None."""
+    n = next((n for n in graph.nodes if _is_table_lookup(n) and _is_token_lookup(flow, n)), None)
+    return (n.input_nodes[0][6:], n.inputs[0].shape[0]) if n is not None else None
+
+
+def _is_head(flow: _Flow, n: Node, token: tuple[str, int] | None) -> bool:
+    """A weighted matmul outside every block whose output (a vocabulary's width) reaches the
+    model's outputs: the LM head."""
+    if token is None or n.block is not None or not flow.weight(n):
+        return False
+    out_names = {o["name"] for o in flow.graph.outputs}
+    reaches = n.name in out_names or any(_derived_down(flow, n.name, out_names))
+    return reaches and _out_features(n) == token[1]
+
+
+def _head_transform(flow: _Flow, head: Node, claimed: set[str]) -> tuple[list[str], str] | None:
+    """(modules, entry) of a transform between the residual stream and the LM head, or None:
+    weighted matmuls outside every block and every unit feeding the head through elementwise ops
+    and norms (BERT's dense + GELU + LayerNorm, RoBERTa's). It runs replicated on the whole
+    sequence as part of the head unit; ``entry`` is where the stream enters it (a sequence-sharded
+    stream is gathered there): the modules' common parent unless that holds the head too, then
+    the first matmul's module."""
+    act_in = next((s for s in head.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
+    if act_in is None:
+        return None
+    ups, _ = flow.up_matmuls(act_in)
+    if not ups or any(u.block is not None or u.module in claimed or u.module == head.module for u in ups):
+        return None
+    mods = sorted({x.module for x in flow.walk_up(act_in) if x.module and x.block is None})
+    parent = _lca(mods)
+    holds_head = not parent or head.module == parent or head.module.startswith(parent + ".")
+    entry = ups[0].module if holds_head else parent
+    return mods, entry
+
+
 def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> None:
     vocab_emb = None
-    input_names = {f"input:{i['name']}" for i in graph.inputs}
     for n in graph.nodes:
-        if _base(n.op) == "embedding" and n.input_nodes and n.input_nodes[0].startswith("param:"):
+        if _is_table_lookup(n):
             w = n.input_nodes[0][6:]
             shape = n.inputs[0].shape
-            token = bool(n.input_nodes[1:]) and not _from_arange(flow, n.input_nodes[1]) and (
-                any(s in input_names for s in n.input_nodes[1:]) or _from_inputs(flow, n.input_nodes[1], input_names))
+            token = _is_token_lookup(flow, n)
             kind = "embedding" if token else "position_embedding"
             role[n.module] = kind
             base = rep_of.get(n.block, "")
@@ -473,19 +520,25 @@ def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> Non
                 per_block[n.block]["norms"].append(_rel(n.module, base))
         elif _base(n.op) in ("convolution", "conv2d", "conv1d", "conv3d", "_convolution"):
             role.setdefault(n.module, "conv")
-    out_names = {o["name"] for o in graph.outputs}
+    token = (vocab_emb["weight"], vocab_emb["vocab"]) if vocab_emb is not None else None
     for n in graph.nodes:
         w = flow.weight(n)
         if not w or n.block is not None or n.module in claimed:
             continue
-        reaches = n.name in out_names or any(_derived_down(flow, n.name, out_names))
-        if vocab_emb is None or not reaches or _out_features(n) != vocab_emb["vocab"]:
+        if not _is_head(flow, n, token):
             role.setdefault(n.module, "linear")
             continue
         tied_group = next((g for g in graph.tied_parameters if vocab_emb["weight"] in g), [])
         tied = w == vocab_emb["weight"] or w in tied_group
         role[n.module] = "lm_head"
-        per_block[None]["lm_head"].append({"module": n.module, "weight": w, "tied": tied, "vocab": _out_features(n)})
+        entry = {"module": n.module, "weight": w, "tied": tied, "vocab": _out_features(n)}
+        transform = _head_transform(flow, n, claimed) if not per_block[None]["lm_head"] else None
+        if transform is not None:
+            entry["transform"], entry["entry"] = transform
+            role.update({m: "lm_head.transform" for m in transform[0] if role.get(m) in (None, "norm", "linear")})
+            # a norm inside the transform normalises the head's input, not the residual stream
+            per_block[None]["norms"] = [x for x in per_block[None]["norms"] if x not in transform[0]]
+        per_block[None]["lm_head"].append(entry)
     for n in graph.nodes:
         w = flow.weight(n)
         if w and n.module not in role:

@@ -162,8 +162,22 @@ class SlotChecker:
                 for slot, opts in self.search.slots.items()}
 
     def _trial(self, sharded: dict, k: int) -> dict:
-        """The k-th option of every slot that has one (fallbacks of live primaries left out)."""
-        return {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k and not self._primary_alive(slot, opts[k])}
+        """The k-th option of every slot that has one (fallbacks of live primaries left out); a
+        tied partner without a k-th option takes its last live sharded one (see :meth:`_tied`)."""
+        trial = {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k and not self._primary_alive(slot, opts[k])}
+        for slot in self._tied():
+            if slot not in trial and any(x in trial for x in self._tied()):
+                live = [o for o in sharded.get(slot, []) if o in self.search.slots.get(slot, [])]
+                if live:
+                    trial[slot] = live[-1]
+        return trial
+
+    def _tied(self) -> tuple[str, ...]:
+        """Slots that share a parameter and so are sharded together or not at all: a tied
+        embedding and head (``parallelize_module`` gives every holder of a replaced parameter the
+        replacement, so a sharded table beside a replicated head would mix DTensor and Tensor)."""
+        st = self.search.structure
+        return ("embedding", "head") if st.head is not None and st.head.tied and st.embedding is not None else ()
 
     def _base(self, layout: str, mesh) -> bool:
         """Find a sound base assignment for ``layout`` (the stream layout with every unit in its
@@ -241,8 +255,12 @@ class SlotChecker:
             for slot, o in trial.items():
                 self._reject(slot, o, layout, why)
             return
+        tied = {slot: o for slot, o in trial.items() if slot in self._tied()}
         for slot, o in trial.items():
-            self._check_set(base, {slot: o}, layout, mesh, alone=True)
+            if slot not in tied:
+                self._check_set(base, {slot: o}, layout, mesh, alone=True)
+        if tied:   # checked together: one alone beside its replicated partner cannot run
+            self._check_set(base, tied, layout, mesh, alone=True)
 
     def apply_repair(self, slot: str, strategy, fix: tuple, batch: int):
         mods, param_bytes, forward, lone = fix

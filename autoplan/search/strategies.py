@@ -435,31 +435,42 @@ def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: i
 def head_strategies(hd: HeadInfo, t: int, layout: str, hidden_bytes: int) -> list[Strategy]:
     """Strategies for the LM head fed by a stream of ``layout``."""
     inp = _PLACEMENT[layout]
+    # a head after a transform (BERT) takes a sequence-sharded stream gathered at the transform's
+    # entry: the transform runs replicated on the whole sequence, the head is fed a replicated input
+    gather = {hd.entry: PrepareModuleInput(input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)} \
+        if layout == "S" and hd.entry else {}
+    if gather:
+        inp = R
     if layout == "R":
         out = [Strategy("replicate", "R", {}, [], reason="replicated")]
     else:
-        out = [Strategy("replicate", "S", {hd.fqn: PrepareModuleInput(
+        out = [Strategy("replicate", "S", gather or {hd.fqn: PrepareModuleInput(
             input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)},
             [Collective("all_gather", "forward", hidden_bytes)], reason="replicated on the gathered sequence")]
     if hd.shared_with:
         out[0].extra["tp_excluded"] = f"its weight is also used by {', '.join(hd.shared_with)}"
         return out
     if t > 1 and hd.linear:
-        enter = [Collective("all_gather", "forward", hidden_bytes),
-                 Collective("reduce_scatter", "backward", hidden_bytes)] if layout == "S" else \
-            [Collective("all_reduce", "backward", hidden_bytes)]
+        if gather:   # gathered before the transform; the head's input gradient all-reduced
+            enter = [Collective("all_gather", "forward", hidden_bytes), Collective("all_reduce", "backward",
+                                                                                hd.input_bytes or hidden_bytes)]
+        elif layout == "S":
+            enter = [Collective("all_gather", "forward", hidden_bytes),
+                     Collective("reduce_scatter", "backward", hidden_bytes)]
+        else:
+            enter = [Collective("all_reduce", "backward", hd.input_bytes or hidden_bytes)]
         k, uneven = uneven_shard(hd.vocab, t), _uneven("vocabulary", hd.vocab, t)
         # DTensor gathers uneven shards padded to ceil(vocab / t) each
         gathered = hd.logits_bytes if hd.vocab % t == 0 else \
             hd.logits_bytes // hd.vocab * math.ceil(hd.vocab / t) * t
         out.append(Strategy("vocab_sharded_gather", layout,
-                            {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=R)},
+                            {**gather, hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=R)},
                             enter + [Collective("all_gather", "forward", gathered)],
                             compute_shard=k, param_shard=k, activation_shard=k, extra=dict(uneven),
                             reason="vocabulary-sharded head, logits gathered"))
         out.append(Strategy("loss_parallel", layout,
-                            {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=Shard(-1),
-                                                     use_local_output=False)},
+                            {**gather, hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=Shard(-1),
+                                                               use_local_output=False)},
                             enter + _loss_parallel_reductions(hd),
                             compute_shard=k, param_shard=k, activation_shard=k,
                             reason="vocabulary-sharded head and cross entropy (loss parallel)",

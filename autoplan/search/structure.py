@@ -144,6 +144,11 @@ class HeadInfo:
     tokens: int                 # b * s
     logits_bytes: int
     shared_with: list[str] = field(default_factory=list)   # other modules using its weight (not the embedding)
+    # a transform between the stream and the head (BERT's dense + GELU + LayerNorm): replicated, run
+    # on the whole sequence; ``entry`` is the module where a sequence-sharded stream is gathered
+    transform: list[str] = field(default_factory=list)
+    entry: str | None = None
+    input_bytes: int = 0        # the head's input after a transform (0: none, the stream's bytes)
 
 
 @dataclass
@@ -335,17 +340,23 @@ def _output_bytes(graph: ModelGraph, module: str) -> int:
                and not any(m.module == module for m in graph.nodes if m.name in n.input_nodes))
 
 
-def _param_sharers(graph: ModelGraph, module: str, exclude: list[str]) -> list[str]:
+def _param_sharers(graph: ModelGraph, module: str, exclude: list[str], computing: bool = False) -> list[str]:
     """Modules other than ``module`` and ``exclude`` that hold one of ``module``'s parameters
-    (T5's encoder and decoder token embeddings share ``shared.weight``; BERT's LM head shares its
-    decoder bias with ``cls.predictions``): sharding the parameter through one module's style
-    would leave the others computing with it unsharded."""
+    (T5's encoder and decoder token embeddings share ``shared.weight``): sharding the parameter
+    through one module's style would leave the others computing with it unsharded.
+    ``computing``: only holders whose own ops use it -- one that merely holds it (BERT's
+    ``cls.predictions.bias``, the decoder's bias) follows the replacement in
+    ``parallelize_module``, which re-points every holder of a replaced parameter."""
     info = graph.modules.get(module)
     names = {f"{module}.{p}" if module else p for p in (info.params if info else {})}
+    used = {(n.module, p) for n in graph.nodes for p in n.params} if computing else set()
     out: set[str] = set()
     for group in graph.tied_parameters:
         if names & set(group):
-            out |= {name.rsplit(".", 1)[0] if "." in name else "" for name in group}
+            for name in group:
+                owner = name.rsplit(".", 1)[0] if "." in name else ""
+                if not computing or (owner, name) in used:
+                    out.add(owner)
     return sorted(out - {module} - set(exclude))
 
 
@@ -475,7 +486,10 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         emb_mods = [e["module"] for e in graph.roles.get("embedding", [])[:1]]
         if head.tied and emb is not None:   # sharded with the embedding or not at all: its tables go with it
             emb_mods += list(emb.shared_tables)
-        head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods)
+        head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods, computing=True)
+        head.transform, head.entry = list(h.get("transform", [])), h.get("entry")
+        if head.transform and row.get("input_shapes"):
+            head.input_bytes = math.prod(row["input_shapes"][0]) * dtype_bytes
     final_norms, before = norms_after_blocks(graph, list(graph.roles.get("norms", [])))
     if before and emb is not None:
         # a norm between the embedding and the first block (Bloom's word_embeddings_layernorm)
@@ -500,7 +514,7 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         per_logit = CROSS_ENTROPY_PASSES * dtype_bytes if loss_bytes_per_logit is None else loss_bytes_per_logit
         head.work = head.work + loss_work(head.tokens, head.vocab, per_logit)
     covered = [emb.fqn] if emb else []
-    covered += ([head.fqn] if head else []) + final_norms
+    covered += ([head.fqn] + head.transform if head else []) + final_norms
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
                           graph.num_parameters, not_units, head_links(graph, blocks),
                           outside_units(graph, covered))
