@@ -483,8 +483,8 @@ def _head_transform(flow: _Flow, head: Node, claimed: set[str]) -> tuple[list[st
     weighted matmuls outside every block and every unit feeding the head through elementwise ops
     and norms (BERT's dense + GELU + LayerNorm, RoBERTa's). It runs replicated on the whole
     sequence as part of the head unit; ``entry`` is where the stream enters it (a sequence-sharded
-    stream is gathered there): the modules' common parent unless that holds the head too, then
-    the first matmul's module."""
+    stream is gathered there): the common parent of the transform and the head (BERT's
+    ``cls.predictions``, which also holds the decoder's bias), else the first matmul's module."""
     act_in = next((s for s in head.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
     if act_in is None:
         return None
@@ -492,10 +492,7 @@ def _head_transform(flow: _Flow, head: Node, claimed: set[str]) -> tuple[list[st
     if not ups or any(u.block is not None or u.module in claimed or u.module == head.module for u in ups):
         return None
     mods = sorted({x.module for x in flow.walk_up(act_in) if x.module and x.block is None})
-    parent = _lca(mods)
-    holds_head = not parent or head.module == parent or head.module.startswith(parent + ".")
-    entry = ups[0].module if holds_head else parent
-    return mods, entry
+    return mods, _lca(mods + [head.module]) or ups[0].module
 
 
 def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> None:

@@ -144,7 +144,7 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             if layout == "R" else []
     out = [Strategy("replicate", layout, {}, [], reason="replicated heads")]
     if layout == "S":
-        out[0] = Strategy("replicate", "S", _gathered_region(a.rel, a.o), _replicated_region_on_s(h),
+        out[0] = Strategy("replicate", "S", _gathered_region(a.entry or a.rel, a.o), _replicated_region_on_s(h),
                           reason="replicated heads on the gathered sequence")
     why = None
     if t == 1:
@@ -198,7 +198,8 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             rows[a.bias_table] = ColwiseParallel()
         if plain_why is None:
             out.append(Strategy("heads_sharded", layout,
-                                {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)), **rows},
+                                {a.entry or a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)),
+                                 **rows},
                                 comm, compute_shard=t, param_shard=t, activation_shard=t, reason=reason,
                                 extra=dict(extra)))
         if a.head_attrs:

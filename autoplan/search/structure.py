@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
+from autoplan.capture.role_paths import lca
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
 from autoplan.search.mixer_units import MAMBA_NOT_A_UNIT, MambaUnit, MoeUnit, mamba_unit, moe_unit
@@ -55,6 +56,11 @@ class AttentionUnit:
     # the head-count attribute by which per-head tensors it receives with heads folded into the
     # batch dimension are cut (Bloom's ALiBi bias, (batch * heads, 1, seq)); "" when none
     folded_heads: str = ""
+    # where the stream enters the heads when that is a module inside ``rel`` holding q, k and v but
+    # not o (BERT's ``attention.self``; ``attention`` also adds its input to o's output and
+    # normalises, a post-norm residual inside the unit): layouts change there, so that residual
+    # and norm see the stream as it is ("": at ``rel``)
+    entry: str = ""
     # a latent attention (DeepSeek's MLA, roles/latent.py): replicated projections inside it whose
     # output columns [start, stop) reach the core broadcast to every head -- (module, start, stop,
     # bytes of those columns per call) -- and each column projection's input bytes (the latents,
@@ -223,6 +229,10 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
                          own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs,
                          folded_heads=folded, **kv)
     unit.moa = dict(a["moa"]) if a.get("moa") else None
+    inner = lca(p[k] for k in "qkv")
+    if a["module"] and inner.startswith(a["module"] + ".") and inner not in (p["q"], p["k"], p["v"]) and \
+            not (p["o"] + ".").startswith(inner + ".") and not broadcast and not unit.moa:
+        unit.entry = inner
     if broadcast:
         unit.broadcast = [(m, start, stop, _column_bytes(graph, f"{rep}.{m}", stop - start))
                           for m, start, stop in broadcast]
@@ -435,7 +445,10 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
                           token_dim=token_dim(rows, f"{rep}.{ups[0]}") if ups else 1)
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
-        inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel] + \
+        # (an attention's norm outside the module its stream enters, BERT's post-norm in
+        # ``attention.output``, normalises the residual stream)
+        inner = [u.entry or u.rel for u in (att, cross) if u is not None and u.rel] + \
+            [mlp.rel for mlp in (mlp,) if mlp is not None and mlp.rel] + \
             [u["module"] for u in roles.get("attention_untraced", []) + roles.get("mamba", []) if u["module"]]
         norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
