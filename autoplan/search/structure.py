@@ -448,14 +448,17 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         # (an attention's norm outside the module its stream enters, BERT's post-norm in
         # ``attention.output``, normalises the residual stream)
         inner = [u.entry or u.rel for u in (att, cross) if u is not None and u.rel] + \
-            [mlp.rel for mlp in (mlp,) if mlp is not None and mlp.rel] + \
+            ([mlp.rel] if mlp is not None and mlp.rel else []) + \
             [u["module"] for u in roles.get("attention_untraced", []) + roles.get("mamba", []) if u["module"]]
         norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")
         whole = work(rep)
-        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe, mamba) if u is not None), Work())
+        inner = sum((u.work for u in (att, cross, mlp, moe, mamba) if u is not None), Work())
+        for n in norms:   # a stream norm inside an attention module (BERT's) is in that unit's work already
+            if not any(n.startswith(u.rel + ".") for u in (att, cross) if u is not None and u.rel):
+                inner = inner + work(f"{rep}.{n}")
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
