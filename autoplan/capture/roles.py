@@ -100,10 +100,11 @@ class _Flow:
     def weight(self, node: Node) -> str | None:
         return weight_of(node, self.graph, self.param_views)
 
-    def walk_up(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> Iterator[Node]:
+    def walk_up(self, name: str, limit: int = 40, extra: tuple[str, ...] = (), outside: bool = False) -> Iterator[Node]:
         """Every node upstream of tensor ``name`` reached through pass-through ops (views,
         elementwise, ``getitem``; ``extra`` adds kinds), each once; a weighted matmul is yielded
-        but not walked past."""
+        but not walked past. ``outside``: nodes inside a block are neither yielded nor walked
+        past (a path outside every block does not run through the residual stream of one)."""
         stack, seen = [(name, float("inf"))], set()
         while stack and len(seen) < limit:
             cur, reader = stack.pop()
@@ -111,6 +112,8 @@ class _Flow:
                 continue
             seen.add(cur)
             n = self.by_name[cur]
+            if outside and n.block is not None:
+                continue
             yield n
             if self.weight(n):
                 continue
@@ -120,10 +123,12 @@ class _Flow:
             # what was written in place into the buffer read here, before this read
             stack.extend((w, here) for w in self.aliases.writes_before(cur, reader))
 
-    def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
-        """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
+    def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = (),
+                   outside: bool = False) -> tuple[list[Node], set[str]]:
+        """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way
+        (``outside``: see :meth:`walk_up`)."""
         found, ops = [], set()
-        for n in self.walk_up(name, limit, extra):
+        for n in self.walk_up(name, limit, extra, outside):
             if self.weight(n):
                 found.append(n)
             elif _passes(n, extra):
@@ -391,7 +396,9 @@ def recognise_roles(graph: ModelGraph) -> None:
         act_in = next((s for s in n.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
         if act_in is None:
             continue
-        ups, ops = flow.up_matmuls(act_in)
+        # outside every block, an up projection reached through the blocks' residual stream (ELECTRA's
+        # embeddings_project before them, its head's dense after them) is no MLP's
+        ups, ops = flow.up_matmuls(act_in, outside=n.block is None)
         ups = [u for u in ups if u.module not in claimed and u.module != n.module and u.block == n.block]
         if not ups or any((x + ".").startswith(c + ".") for c in core_modules for x in [n.module] + [u.module for u in ups]):
             continue   # linears inside an attention module are its projections, not an MLP
@@ -484,7 +491,8 @@ def _head_transform(flow: _Flow, head: Node, claimed: set[str]) -> tuple[list[st
     and norms (BERT's dense + GELU + LayerNorm, RoBERTa's). It runs replicated on the whole
     sequence as part of the head unit; ``entry`` is where the stream enters it (a sequence-sharded
     stream is gathered there): the common parent of the transform and the head (BERT's
-    ``cls.predictions``, which also holds the decoder's bias), else the first matmul's module."""
+    ``cls.predictions``, which also holds the decoder's bias), else the transform's own parent
+    (ELECTRA's ``generator_predictions``), else the first matmul's module."""
     act_in = next((s for s in head.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
     if act_in is None:
         return None
@@ -492,7 +500,7 @@ def _head_transform(flow: _Flow, head: Node, claimed: set[str]) -> tuple[list[st
     if not ups or any(u.block is not None or u.module in claimed or u.module == head.module for u in ups):
         return None
     mods = sorted({x.module for x in flow.walk_up(act_in) if x.module and x.block is None})
-    return mods, _lca(mods + [head.module]) or ups[0].module
+    return mods, _lca(mods + [head.module]) or _lca(mods) or ups[0].module
 
 
 def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> None:

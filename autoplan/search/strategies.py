@@ -420,7 +420,7 @@ def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: i
         also = [Collective("all_reduce", "forward", b) for b in e.shared_tables.values() if b]
         why = f"; shared with {', '.join(e.shared_tables)}, each output all-reduced" if shared else ""
         out.append(Strategy("vocab_sharded", "R", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=R), **shared},
-                            [Collective("all_reduce", "forward", hidden_bytes)] + also, param_shard=k,
+                            [Collective("all_reduce", "forward", e.output_bytes or hidden_bytes)] + also, param_shard=k,
                             extra=dict(uneven), reason="vocabulary-sharded table, output all-reduced" + why))
         if e.shard_safe and seq_len % t == 0:
             out.append(Strategy("vocab_sharded", "S", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=S),

@@ -138,6 +138,8 @@ class EmbeddingInfo:
     # other embedding tables holding the same weight (T5's / BART's encoder and decoder embed_tokens and
     # ``shared``): sharded with it, by the same style, so the one parameter keeps one layout; bytes each outputs
     shared_tables: dict[str, int] = field(default_factory=dict)
+    output_bytes: int = 0       # what its calls output (0: unknown, the stream's bytes); narrower than the
+                                # stream when a projection follows it (ELECTRA's embedding_size)
 
 
 @dataclass
@@ -486,6 +488,7 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
     for e in graph.roles.get("embedding", [])[:1]:
         emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
                             work(e["module"]), shard_safe=not outside_positions)
+        emb.output_bytes = _output_bytes(graph, e["module"])
         sharers = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
         if emb.linear:   # tables of the same class share its vocabulary-sharded semantics
             emb.shared_tables = {f: _output_bytes(graph, f) for f in sharers if _type(graph, f) == _EMBEDDING}
