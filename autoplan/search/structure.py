@@ -488,7 +488,9 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
     for e in graph.roles.get("embedding", [])[:1]:
         emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
                             work(e["module"]), shard_safe=not outside_positions)
-        emb.output_bytes = _output_bytes(graph, e["module"])
+        # the lookups' output (Gemma's module also scales it, a 0-d constant beside it)
+        emb.output_bytes = sum(n.outputs[0].nbytes for n in graph.nodes
+                               if n.module == e["module"] and n.outputs and n.op.startswith("aten.embedding"))
         sharers = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
         if emb.linear:   # tables of the same class share its vocabulary-sharded semantics
             emb.shared_tables = {f: _output_bytes(graph, f) for f in sharers if _type(graph, f) == _EMBEDDING}
