@@ -100,10 +100,11 @@ class _Flow:
     def weight(self, node: Node) -> str | None:
         return weight_of(node, self.graph, self.param_views)
 
-    def walk_up(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> Iterator[Node]:
+    def walk_up(self, name: str, limit: int = 40, extra: tuple[str, ...] = (), outside: bool = False) -> Iterator[Node]:
         """Every node upstream of tensor ``name`` reached through pass-through ops (views,
         elementwise, ``getitem``; ``extra`` adds kinds), each once; a weighted matmul is yielded
-        but not walked past."""
+        but not walked past. ``outside``: nodes inside a block are neither yielded nor walked
+        past (a path outside every block does not run through the residual stream of one)."""
         stack, seen = [(name, float("inf"))], set()
         while stack and len(seen) < limit:
             cur, reader = stack.pop()
@@ -111,6 +112,8 @@ class _Flow:
                 continue
             seen.add(cur)
             n = self.by_name[cur]
+            if outside and n.block is not None:
+                continue
             yield n
             if self.weight(n):
                 continue
@@ -120,10 +123,12 @@ class _Flow:
             # what was written in place into the buffer read here, before this read
             stack.extend((w, here) for w in self.aliases.writes_before(cur, reader))
 
-    def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = ()) -> tuple[list[Node], set[str]]:
-        """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way."""
+    def up_matmuls(self, name: str, limit: int = 40, extra: tuple[str, ...] = (),
+                   outside: bool = False) -> tuple[list[Node], set[str]]:
+        """Nearest weighted matmuls upstream of tensor ``name`` and the op kinds passed on the way
+        (``outside``: see :meth:`walk_up`)."""
         found, ops = [], set()
-        for n in self.walk_up(name, limit, extra):
+        for n in self.walk_up(name, limit, extra, outside):
             if self.weight(n):
                 found.append(n)
             elif _passes(n, extra):
@@ -384,13 +389,16 @@ def recognise_roles(graph: ModelGraph) -> None:
     mixture_of_heads(flow, role, per_block, rep_of, claimed)
     paired_experts(flow, role, per_block, rep_of, claimed)
 
+    token = _token_table(graph, flow)
     for n in graph.nodes:
-        if not flow.weight(n) or n.module in claimed:
-            continue
+        if not flow.weight(n) or n.module in claimed or _is_head(flow, n, token):
+            continue   # an LM head after a transform (BERT's decoder after dense + norm) is no MLP's down
         act_in = next((s for s in n.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
         if act_in is None:
             continue
-        ups, ops = flow.up_matmuls(act_in)
+        # outside every block, an up projection reached through the blocks' residual stream (ELECTRA's
+        # embeddings_project before them, its head's dense after them) is no MLP's
+        ups, ops = flow.up_matmuls(act_in, outside=n.block is None)
         ups = [u for u in ups if u.module not in claimed and u.module != n.module and u.block == n.block]
         if not ups or any((x + ".").startswith(c + ".") for c in core_modules for x in [n.module] + [u.module for u in ups]):
             continue   # linears inside an attention module are its projections, not an MLP
@@ -449,15 +457,59 @@ def _feeds_activation(flow: _Flow, node: Node, limit: int = 4) -> bool:
     return False
 
 
+def _is_token_lookup(flow: _Flow, n: Node) -> bool:
+    """An embedding op reading a parameter table at indices from the model's inputs (token ids),
+    not from positions (arange/cumsum)."""
+    inputs = {f"input:{i['name']}" for i in flow.graph.inputs}
+    return bool(n.input_nodes[1:]) and not _from_arange(flow, n.input_nodes[1]) and (
+        any(s in inputs for s in n.input_nodes[1:]) or _from_inputs(flow, n.input_nodes[1], inputs))
+
+
+def _is_table_lookup(n: Node) -> bool:
+    return _base(n.op) == "embedding" and bool(n.input_nodes) and n.input_nodes[0].startswith("param:")
+
+
+def _token_table(graph: ModelGraph, flow: _Flow) -> tuple[str, int] | None:
+    """(weight FQN, vocabulary) of the first token embedding table, or None."""
+    n = next((n for n in graph.nodes if _is_table_lookup(n) and _is_token_lookup(flow, n)), None)
+    return (n.input_nodes[0][6:], n.inputs[0].shape[0]) if n is not None else None
+
+
+def _is_head(flow: _Flow, n: Node, token: tuple[str, int] | None) -> bool:
+    """A weighted matmul outside every block whose output (a vocabulary's width) reaches the
+    model's outputs: the LM head."""
+    if token is None or n.block is not None or not flow.weight(n):
+        return False
+    out_names = {o["name"] for o in flow.graph.outputs}
+    reaches = n.name in out_names or any(_derived_down(flow, n.name, out_names))
+    return reaches and _out_features(n) == token[1]
+
+
+def _head_transform(flow: _Flow, head: Node, claimed: set[str]) -> tuple[list[str], str] | None:
+    """(modules, entry) of a transform between the residual stream and the LM head, or None:
+    weighted matmuls outside every block and every unit feeding the head through elementwise ops
+    and norms (BERT's dense + GELU + LayerNorm, RoBERTa's). It runs replicated on the whole
+    sequence as part of the head unit; ``entry`` is where the stream enters it (a sequence-sharded
+    stream is gathered there): the common parent of the transform and the head (BERT's
+    ``cls.predictions``, which also holds the decoder's bias), else the transform's own parent
+    (ELECTRA's ``generator_predictions``), else the first matmul's module."""
+    act_in = next((s for s in head.input_nodes if not s.startswith("param:") and s not in flow.param_views), None)
+    if act_in is None:
+        return None
+    ups, _ = flow.up_matmuls(act_in)
+    if not ups or any(u.block is not None or u.module in claimed or u.module == head.module for u in ups):
+        return None
+    mods = sorted({x.module for x in flow.walk_up(act_in) if x.module and x.block is None})
+    return mods, _lca(mods + [head.module]) or _lca(mods) or ups[0].module
+
+
 def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> None:
     vocab_emb = None
-    input_names = {f"input:{i['name']}" for i in graph.inputs}
     for n in graph.nodes:
-        if _base(n.op) == "embedding" and n.input_nodes and n.input_nodes[0].startswith("param:"):
+        if _is_table_lookup(n):
             w = n.input_nodes[0][6:]
             shape = n.inputs[0].shape
-            token = bool(n.input_nodes[1:]) and not _from_arange(flow, n.input_nodes[1]) and (
-                any(s in input_names for s in n.input_nodes[1:]) or _from_inputs(flow, n.input_nodes[1], input_names))
+            token = _is_token_lookup(flow, n)
             kind = "embedding" if token else "position_embedding"
             role[n.module] = kind
             base = rep_of.get(n.block, "")
@@ -473,19 +525,25 @@ def _embeddings_head_norms(graph, flow, role, per_block, rep_of, claimed) -> Non
                 per_block[n.block]["norms"].append(_rel(n.module, base))
         elif _base(n.op) in ("convolution", "conv2d", "conv1d", "conv3d", "_convolution"):
             role.setdefault(n.module, "conv")
-    out_names = {o["name"] for o in graph.outputs}
+    token = (vocab_emb["weight"], vocab_emb["vocab"]) if vocab_emb is not None else None
     for n in graph.nodes:
         w = flow.weight(n)
         if not w or n.block is not None or n.module in claimed:
             continue
-        reaches = n.name in out_names or any(_derived_down(flow, n.name, out_names))
-        if vocab_emb is None or not reaches or _out_features(n) != vocab_emb["vocab"]:
+        if not _is_head(flow, n, token):
             role.setdefault(n.module, "linear")
             continue
         tied_group = next((g for g in graph.tied_parameters if vocab_emb["weight"] in g), [])
         tied = w == vocab_emb["weight"] or w in tied_group
         role[n.module] = "lm_head"
-        per_block[None]["lm_head"].append({"module": n.module, "weight": w, "tied": tied, "vocab": _out_features(n)})
+        entry = {"module": n.module, "weight": w, "tied": tied, "vocab": _out_features(n)}
+        transform = _head_transform(flow, n, claimed) if not per_block[None]["lm_head"] else None
+        if transform is not None:
+            entry["transform"], entry["entry"] = transform
+            role.update({m: "lm_head.transform" for m in transform[0] if role.get(m) in (None, "norm", "linear")})
+            # a norm inside the transform normalises the head's input, not the residual stream
+            per_block[None]["norms"] = [x for x in per_block[None]["norms"] if x not in transform[0]]
+        per_block[None]["lm_head"].append(entry)
     for n in graph.nodes:
         w = flow.weight(n)
         if w and n.module not in role:

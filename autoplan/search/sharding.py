@@ -78,8 +78,9 @@ class ParamShard:
 
 def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_prefixes: list[str]) -> list[ParamShard]:
     """Every parameter (ties counted once, at its first FQN) with its rank-0 TP-local shape."""
-    canonical = {}
+    canonical, members = {}, {}
     for group in graph.tied_parameters:
+        members[group[0]] = list(group)
         for name in group:
             canonical[name] = group[0]
     owner_style: dict[str, str] = {}
@@ -104,9 +105,16 @@ def param_shards(graph: ModelGraph, styles: dict[str, dict], tp: int, block_pref
             if full in seen:
                 continue
             seen.add(full)
-            owner = full.rsplit(".", 1)[0] if "." in full else ""
-            mtype = _layer(graph.modules[owner]) if owner in graph.modules else _layer(info)
-            dim = _shard_dim(owner_style.get(owner, ""), mtype, full.rsplit(".", 1)[-1])
+            # a tied parameter is laid out by whichever of its holders a style shards it through
+            # (BERT's decoder bias, first named after cls.predictions, which only holds it)
+            owner, dim = full.rsplit(".", 1)[0] if "." in full else "", None
+            for name in members.get(full, [full]):
+                o = name.rsplit(".", 1)[0] if "." in name else ""
+                mtype = _layer(graph.modules[o]) if o in graph.modules else _layer(info)
+                d = _shard_dim(owner_style.get(o, ""), mtype, name.rsplit(".", 1)[-1])
+                if d is not None:
+                    owner, dim = o, d
+                    break
             packed = owner_packed.get(owner, 1) > 1
             if full in own_dims:   # a style that shards its parameters its own way says how
                 dim, packed = own_dims[full]

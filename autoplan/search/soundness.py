@@ -163,8 +163,22 @@ class SlotChecker:
                 for slot, opts in self.search.slots.items()}
 
     def _trial(self, sharded: dict, k: int) -> dict:
-        """The k-th option of every slot that has one (fallbacks of live primaries left out)."""
-        return {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k and not self._primary_alive(slot, opts[k])}
+        """The k-th option of every slot that has one (fallbacks of live primaries left out); a
+        tied partner without a k-th option takes its last live sharded one (see :meth:`_tied`)."""
+        trial = {slot: opts[k] for slot, opts in sharded.items() if len(opts) > k and not self._primary_alive(slot, opts[k])}
+        for slot in self._tied():
+            if slot not in trial and any(x in trial for x in self._tied()):
+                live = [o for o in sharded.get(slot, []) if o in self.search.slots.get(slot, [])]
+                if live:
+                    trial[slot] = live[-1]
+        return trial
+
+    def _tied(self) -> tuple[str, ...]:
+        """Slots that share a parameter and so are sharded together or not at all: a tied
+        embedding and head (``parallelize_module`` gives every holder of a replaced parameter the
+        replacement, so a sharded table beside a replicated head would mix DTensor and Tensor)."""
+        st = self.search.structure
+        return ("embedding", "head") if st.head is not None and st.head.tied and st.embedding is not None else ()
 
     def _base(self, layout: str, mesh) -> bool:
         """Find a sound base assignment for ``layout`` (the stream layout with every unit in its
@@ -196,12 +210,14 @@ class SlotChecker:
         return primary is not None and any(o.strategy.name == primary and o.stream == option.stream
                                            for o in self.search.slots.get(slot, []))
 
-    def _check_set(self, base: dict, trial: dict, layout: str, mesh, alone: bool = False) -> None:
+    def _check_set(self, base: dict, trial: dict, layout: str, mesh, alone: bool = False,
+                   keep: frozenset = frozenset()) -> str:
         """Run ``trial`` (slot -> option) over ``base``; repair what can be repaired (a run that
         fails may fail *because* of a module to repair: OLMo-2's q norm), split a failing set
-        into its options, reject a failing option."""
+        into its options, reject a failing option (not those of the slots in ``keep``). Returns
+        why the set failed ("" when it passed)."""
         if not trial:
-            return
+            return ""
         p = self.prober
         original = {slot: o.strategy for slot, o in trial.items()}
         fixes: dict[str, dict[str, int]] = {}
@@ -234,16 +250,40 @@ class SlotChecker:
                 self.repairs[_key(slot, trial[slot])] = fix
                 trial[slot].strategy = self.apply_repair(slot, original[slot], fix, 1)
         if not why:
-            return
+            return ""
         for slot, strategy in original.items():
             trial[slot].strategy = strategy
             self.repairs.pop(_key(slot, trial[slot]), None)
         if alone or len(trial) == 1:
             for slot, o in trial.items():
-                self._reject(slot, o, layout, why)
-            return
+                if slot not in keep:
+                    self._reject(slot, o, layout, why)
+            return why
+        tied = {slot: o for slot, o in trial.items() if slot in self._tied()}
         for slot, o in trial.items():
-            self._check_set(base, {slot: o}, layout, mesh, alone=True)
+            if slot not in tied:
+                self._check_set(base, {slot: o}, layout, mesh, alone=True)
+        if tied:   # checked together: one alone beside its replicated partner cannot run
+            self._check_tied(base, tied, layout, mesh)
+        return why
+
+    def _check_tied(self, base: dict, tied: dict, layout: str, mesh) -> None:
+        """Check a tied embedding option with the head's: a head option that fails beside it is
+        rejected; the embedding option only when it fails beside every live head option (BART's
+        loss-parallel head fails on its logits bias, its vocabulary-sharded table does not)."""
+        emb, head = tied.get("embedding"), tied.get("head")
+        if emb is None or head is None:
+            self._check_set(base, tied, layout, mesh, alone=True)
+            return
+        others = [o for o in self.search.slots.get("head", []) if o is not head and o.strategy.name != "replicate"
+                  and o.stream in (None, layout) and not self._primary_alive("head", o)]
+        why = ""
+        for h in [head] + others:
+            why = self._check_set(base, {"embedding": emb, "head": h}, layout, mesh, alone=True,
+                                  keep=frozenset({"embedding"}))
+            if not why:
+                return
+        self._reject("embedding", emb, layout, why)
 
     def apply_repair(self, slot: str, strategy, fix: tuple, batch: int):
         mods, param_bytes, forward, lone = fix

@@ -146,7 +146,7 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             if layout == "R" else []
     out = [Strategy("replicate", layout, {}, [], reason="replicated heads")]
     if layout == "S":
-        out[0] = Strategy("replicate", "S", _gathered_region(a.rel, a.o), _replicated_region_on_s(h),
+        out[0] = Strategy("replicate", "S", _gathered_region(a.entry or a.rel, a.o), _replicated_region_on_s(h),
                           reason="replicated heads on the gathered sequence")
     why = None
     if t == 1:
@@ -209,7 +209,8 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             rows[a.bias_table] = ColwiseParallel()
         if plain_why is None:
             out.append(Strategy("heads_sharded", layout,
-                                {a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)), **rows},
+                                {a.entry or a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)),
+                                 **rows},
                                 comm, compute_shard=t, param_shard=t, activation_shard=t, reason=reason,
                                 extra=dict(extra)))
         if a.head_attrs:
@@ -472,7 +473,7 @@ def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: i
         also = [Collective("all_reduce", "forward", b) for b in e.shared_tables.values() if b]
         why = f"; shared with {', '.join(e.shared_tables)}, each output all-reduced" if shared else ""
         out.append(Strategy("vocab_sharded", "R", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=R), **shared},
-                            [Collective("all_reduce", "forward", hidden_bytes)] + also, param_shard=k,
+                            [Collective("all_reduce", "forward", e.output_bytes or hidden_bytes)] + also, param_shard=k,
                             extra=dict(uneven), reason="vocabulary-sharded table, output all-reduced" + why))
         if e.shard_safe and seq_len % t == 0:
             out.append(Strategy("vocab_sharded", "S", {e.fqn: RowwiseParallel(input_layouts=R, output_layouts=S),
@@ -488,31 +489,42 @@ def embedding_strategies(e: EmbeddingInfo, t: int, seq_len: int, hidden_bytes: i
 def head_strategies(hd: HeadInfo, t: int, layout: str, hidden_bytes: int) -> list[Strategy]:
     """Strategies for the LM head fed by a stream of ``layout``."""
     inp = _PLACEMENT[layout]
+    # a head after a transform (BERT) takes a sequence-sharded stream gathered at the transform's
+    # entry: the transform runs replicated on the whole sequence, the head is fed a replicated input
+    gather = {hd.entry: PrepareModuleInput(input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)} \
+        if layout == "S" and hd.entry else {}
+    if gather:
+        inp = R
     if layout == "R":
         out = [Strategy("replicate", "R", {}, [], reason="replicated")]
     else:
-        out = [Strategy("replicate", "S", {hd.fqn: PrepareModuleInput(
+        out = [Strategy("replicate", "S", gather or {hd.fqn: PrepareModuleInput(
             input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True)},
             [Collective("all_gather", "forward", hidden_bytes)], reason="replicated on the gathered sequence")]
     if hd.shared_with:
         out[0].extra["tp_excluded"] = f"its weight is also used by {', '.join(hd.shared_with)}"
         return out
     if t > 1 and hd.linear:
-        enter = [Collective("all_gather", "forward", hidden_bytes),
-                 Collective("reduce_scatter", "backward", hidden_bytes)] if layout == "S" else \
-            [Collective("all_reduce", "backward", hidden_bytes)]
+        if gather:   # gathered before the transform; the head's input gradient all-reduced
+            enter = [Collective("all_gather", "forward", hidden_bytes), Collective("all_reduce", "backward",
+                                                                                hd.input_bytes or hidden_bytes)]
+        elif layout == "S":
+            enter = [Collective("all_gather", "forward", hidden_bytes),
+                     Collective("reduce_scatter", "backward", hidden_bytes)]
+        else:
+            enter = [Collective("all_reduce", "backward", hd.input_bytes or hidden_bytes)]
         k, uneven = uneven_shard(hd.vocab, t), _uneven("vocabulary", hd.vocab, t)
         # DTensor gathers uneven shards padded to ceil(vocab / t) each
         gathered = hd.logits_bytes if hd.vocab % t == 0 else \
             hd.logits_bytes // hd.vocab * math.ceil(hd.vocab / t) * t
         out.append(Strategy("vocab_sharded_gather", layout,
-                            {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=R)},
+                            {**gather, hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=R)},
                             enter + [Collective("all_gather", "forward", gathered)],
                             compute_shard=k, param_shard=k, activation_shard=k, extra=dict(uneven),
                             reason="vocabulary-sharded head, logits gathered"))
         out.append(Strategy("loss_parallel", layout,
-                            {hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=Shard(-1),
-                                                     use_local_output=False)},
+                            {**gather, hd.fqn: ColwiseParallel(input_layouts=inp, output_layouts=Shard(-1),
+                                                               use_local_output=False)},
                             enter + _loss_parallel_reductions(hd),
                             compute_shard=k, param_shard=k, activation_shard=k,
                             reason="vocabulary-sharded head and cross entropy (loss parallel)",

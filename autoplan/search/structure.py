@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from autoplan.capture.ir import ModelGraph, dtype_size
+from autoplan.capture.role_paths import lca
 from autoplan.capture.views import module_summary, saved_items
 from autoplan.search.head_fields import folded_attr, head_attributes, kv_fields
 from autoplan.search.mixer_units import MAMBA_NOT_A_UNIT, MambaUnit, MoeUnit, mamba_unit, moe_unit
@@ -55,6 +56,11 @@ class AttentionUnit:
     # the head-count attribute by which per-head tensors it receives with heads folded into the
     # batch dimension are cut (Bloom's ALiBi bias, (batch * heads, 1, seq)); "" when none
     folded_heads: str = ""
+    # where the stream enters the heads when that is a module inside ``rel`` holding q, k and v but
+    # not o (BERT's ``attention.self``; ``attention`` also adds its input to o's output and
+    # normalises, a post-norm residual inside the unit): layouts change there, so that residual
+    # and norm see the stream as it is ("": at ``rel``)
+    entry: str = ""
     # a latent attention (DeepSeek's MLA, roles/latent.py): replicated projections inside it whose
     # output columns [start, stop) reach the core broadcast to every head -- (module, start, stop,
     # bytes of those columns per call) -- and each column projection's input bytes (the latents,
@@ -135,6 +141,8 @@ class EmbeddingInfo:
     # other embedding tables holding the same weight (T5's / BART's encoder and decoder embed_tokens and
     # ``shared``): sharded with it, by the same style, so the one parameter keeps one layout; bytes each outputs
     shared_tables: dict[str, int] = field(default_factory=dict)
+    output_bytes: int = 0       # what its calls output (0: unknown, the stream's bytes); narrower than the
+                                # stream when a projection follows it (ELECTRA's embedding_size)
 
 
 @dataclass
@@ -147,6 +155,11 @@ class HeadInfo:
     tokens: int                 # b * s
     logits_bytes: int
     shared_with: list[str] = field(default_factory=list)   # other modules using its weight (not the embedding)
+    # a transform between the stream and the head (BERT's dense + GELU + LayerNorm): replicated, run
+    # on the whole sequence; ``entry`` is the module where a sequence-sharded stream is gathered
+    transform: list[str] = field(default_factory=list)
+    entry: str | None = None
+    input_bytes: int = 0        # the head's input after a transform (0: none, the stream's bytes)
 
 
 @dataclass
@@ -221,6 +234,10 @@ def _attention_unit(graph: ModelGraph, rep: str, a: dict, work) -> AttentionUnit
                          own, fixed_head_count=bool(a.get("fixed_head_count")), head_attrs=attrs,
                          folded_heads=folded, **kv)
     unit.moa = dict(a["moa"]) if a.get("moa") else None
+    inner = lca(p[k] for k in "qkv")
+    if a["module"] and inner.startswith(a["module"] + ".") and inner not in (p["q"], p["k"], p["v"]) and \
+            not (p["o"] + ".").startswith(inner + ".") and not broadcast and not unit.moa:
+        unit.entry = inner
     if broadcast:
         unit.broadcast = [(m, start, stop, _column_bytes(graph, f"{rep}.{m}", stop - start))
                           for m, start, stop in broadcast]
@@ -338,17 +355,23 @@ def _output_bytes(graph: ModelGraph, module: str) -> int:
                and not any(m.module == module for m in graph.nodes if m.name in n.input_nodes))
 
 
-def _param_sharers(graph: ModelGraph, module: str, exclude: list[str]) -> list[str]:
+def _param_sharers(graph: ModelGraph, module: str, exclude: list[str], computing: bool = False) -> list[str]:
     """Modules other than ``module`` and ``exclude`` that hold one of ``module``'s parameters
-    (T5's encoder and decoder token embeddings share ``shared.weight``; BERT's LM head shares its
-    decoder bias with ``cls.predictions``): sharding the parameter through one module's style
-    would leave the others computing with it unsharded."""
+    (T5's encoder and decoder token embeddings share ``shared.weight``): sharding the parameter
+    through one module's style would leave the others computing with it unsharded.
+    ``computing``: only holders whose own ops use it -- one that merely holds it (BERT's
+    ``cls.predictions.bias``, the decoder's bias) follows the replacement in
+    ``parallelize_module``, which re-points every holder of a replaced parameter."""
     info = graph.modules.get(module)
     names = {f"{module}.{p}" if module else p for p in (info.params if info else {})}
+    used = {(n.module, p) for n in graph.nodes for p in n.params} if computing else set()
     out: set[str] = set()
     for group in graph.tied_parameters:
         if names & set(group):
-            out |= {name.rsplit(".", 1)[0] if "." in name else "" for name in group}
+            for name in group:
+                owner = name.rsplit(".", 1)[0] if "." in name else ""
+                if not computing or (owner, name) in used:
+                    out.add(owner)
     return sorted(out - {module} - set(exclude))
 
 
@@ -427,14 +450,20 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
                           token_dim=token_dim(rows, f"{rep}.{ups[0]}") if ups else 1)
         # residual-stream norms only: a norm inside the attention or MLP (Qwen3's q/k norms)
         # sees that unit's activations, not the stream, and belongs to the unit
-        inner = [u.rel for u in (att, cross, mlp) if u is not None and u.rel] + \
+        # (an attention's norm outside the module its stream enters, BERT's post-norm in
+        # ``attention.output``, normalises the residual stream)
+        inner = [u.entry or u.rel for u in (att, cross) if u is not None and u.rel] + \
+            ([mlp.rel] if mlp is not None and mlp.rel else []) + \
             [u["module"] for u in roles.get("attention_untraced", []) + roles.get("mamba", []) if u["module"]]
         norms = [n for n in roles.get("norms", []) if not any(n == r or n.startswith(r + ".") for r in inner)]
         norm_work = Work()
         for n in norms:
             norm_work = norm_work + work(f"{rep}.{n}")
         whole = work(rep)
-        inner = norm_work + sum((u.work for u in (att, cross, mlp, moe, mamba) if u is not None), Work())
+        inner = sum((u.work for u in (att, cross, mlp, moe, mamba) if u is not None), Work())
+        for n in norms:   # a stream norm inside an attention module (BERT's) is in that unit's work already
+            if not any(n.startswith(u.rel + ".") for u in (att, cross) if u is not None and u.rel):
+                inner = inner + work(f"{rep}.{n}")
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
@@ -462,6 +491,9 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
     for e in graph.roles.get("embedding", [])[:1]:
         emb = EmbeddingInfo(e["module"], int(e["vocab"]), int(e["dim"]), _type(graph, e["module"]) == _EMBEDDING,
                             work(e["module"]), shard_safe=not outside_positions)
+        # the lookups' output (Gemma's module also scales it, a 0-d constant beside it)
+        emb.output_bytes = sum(n.outputs[0].nbytes for n in graph.nodes
+                               if n.module == e["module"] and n.outputs and n.op.startswith("aten.embedding"))
         sharers = _param_sharers(graph, e["module"], exclude=_head_modules(graph))
         if emb.linear:   # tables of the same class share its vocabulary-sharded semantics
             emb.shared_tables = {f: _output_bytes(graph, f) for f in sharers if _type(graph, f) == _EMBEDDING}
@@ -478,7 +510,10 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         emb_mods = [e["module"] for e in graph.roles.get("embedding", [])[:1]]
         if head.tied and emb is not None:   # sharded with the embedding or not at all: its tables go with it
             emb_mods += list(emb.shared_tables)
-        head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods)
+        head.shared_with = _param_sharers(graph, h["module"], exclude=emb_mods, computing=True)
+        head.transform, head.entry = list(h.get("transform", [])), h.get("entry")
+        if head.transform and row.get("input_shapes"):
+            head.input_bytes = math.prod(row["input_shapes"][0]) * dtype_bytes
     final_norms, before = norms_after_blocks(graph, list(graph.roles.get("norms", [])))
     if before and emb is not None:
         # a norm between the embedding and the first block (Bloom's word_embeddings_layernorm)
@@ -503,7 +538,7 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         per_logit = CROSS_ENTROPY_PASSES * dtype_bytes if loss_bytes_per_logit is None else loss_bytes_per_logit
         head.work = head.work + loss_work(head.tokens, head.vocab, per_logit)
     covered = [emb.fqn] if emb else []
-    covered += ([head.fqn] if head else []) + final_norms
+    covered += ([head.fqn] + head.transform if head else []) + final_norms
     return ModelStructure(blocks, emb, head, final_norms, fn_work, fn_work.param_bytes, rest, dtype_bytes,
                           graph.num_parameters, not_units, head_links(graph, blocks),
                           outside_units(graph, covered))

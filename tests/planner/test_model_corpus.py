@@ -32,9 +32,12 @@ SLICE = [
     ("bart", "dp2_tp2", "forced_S", ("cross_attention:heads_sharded", "entry:shard_sequence")),
     # a mesh without ep: each expert split on its ffn width over tp (ExpertParallel(ep_dim=""))
     ("mixtral", "tp4", "forced_R", ("moe:experts_tp",)),
-    # BERT adds the attention input to its output inside the module (post-norm residual): sharded by
-    # heads with plain-tensor inputs
-    ("bert", "dp2_tp2", "default", ("attention:heads_sharded_plain_input", "mlp:hidden_sharded")),
+    # BERT adds the attention input to its output inside the module (post-norm residual): the stream
+    # enters the heads at attention.self, so on a sequence-sharded stream the residual and its norm see
+    # the shard; its decoder (tied to the word embeddings, its bias also held by cls.predictions) is the
+    # LM head after a replicated dense + GELU + LayerNorm transform (issue 33)
+    ("bert", "tp4", "forced_S", ("attention:heads_sharded", "mlp:hidden_sharded", "embedding:vocab_sharded",
+                                 "head:loss_parallel")),
     ("starcoder2", "tp4", "forced_S", ("attention:kv_replicated",)),   # 2 KV heads at tp=4
     # issue 33: DBRX -- a clamped fused [q|k|v] of unequal widths (each rank its heads' rows), experts as
     # flat (E*F, H) weights split on F (FlatExpertsParallel), captured at module level (routing by counts)

@@ -73,6 +73,23 @@ class ApplyRecord:
         self._shared[key] = (placements, new)
         return new
 
+    def repoint_aliases(self, root: nn.Module) -> list[str]:
+        """Give every other holder of a replaced parameter the replacement: a module that holds
+        the same Parameter object without being styled (BERT's ``cls.predictions.bias`` is the
+        decoder's bias; T5's unused ``shared`` table) would keep the old tensor, a second
+        parameter the optimizer steps and no forward uses. Only true aliases move: entries that
+        are, by identity, a parameter a style replaced. Returns their names."""
+        replaced = {id(old): new for kind, item in self._undo if kind == "param"
+                    for old in (item[2],) if id(old) in self._shared
+                    for new in (self._shared[id(old)][1],)}
+        moved = []
+        for fqn, mod in root.named_modules(remove_duplicate=False):
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in replaced and replaced[id(p)] is not p:
+                    self.replace_param(mod, name, replaced[id(p)])
+                    moved.append(f"{fqn}.{name}" if fqn else name)
+        return moved
+
     def rollback(self) -> None:
         for kind, item in reversed(self._undo):
             if kind == "param":

@@ -169,6 +169,9 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         for fqn, sub, style in assignments:  # phase 2: apply, recording every change
             style.apply(sub, mesh, record, fqn)
             record.add_flag(sub, _MARK, repr(style))
+        moved = record.repoint_aliases(module)   # unstyled holders of a replaced parameter follow it
+        if moved:
+            log.debug("parallelize_module: re-pointed aliases of replaced parameters: %s", moved)
     except BaseException:
         record.rollback()
         raise
