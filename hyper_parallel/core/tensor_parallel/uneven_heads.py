@@ -71,7 +71,21 @@ def _check_mesh_heads(heads: int, mesh: DeviceMesh, where: str, what: str) -> No
                                 f"(every rank needs at least one whole head)")
 
 
-class HeadRowsParallel(ParallelStyle):
+class _WholeHeadsStyle(ParallelStyle):
+    """What both styles share: a Linear / Conv1D whose parameters stay whole and replicated."""
+
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
+        return {}   # every parameter whole and replicated
+
+    @staticmethod
+    def _whole(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str, where: str) -> str:
+        """The layer's kind, its parameters made replicated DTensors."""
+        kind = _layer_kind(module, where)
+        shard_params(module, mesh, record, {}, Replicate(), fqn)
+        return kind
+
+
+class HeadRowsParallel(_WholeHeadsStyle):
     """A q/k/v projection computing only its rank's whole heads of each section; see the module
     docstring."""
 
@@ -100,13 +114,9 @@ class HeadRowsParallel(ParallelStyle):
         for h in self.sections:
             _check_mesh_heads(h, mesh, where, "a section's heads")
 
-    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
-        return {}   # every parameter whole and replicated
-
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"HeadRowsParallel on {fqn or '<root>'}"
-        kind = _layer_kind(module, where)
-        shard_params(module, mesh, record, {}, Replicate(), fqn)
+        kind = self._whole(module, mesh, record, fqn, where)
         width = linear_features(module)[1] // sum(self.sections)
         size, rank = mesh.size(), mesh.get_local_rank()
         rows, start = [], 0
@@ -134,7 +144,7 @@ class HeadRowsParallel(ParallelStyle):
         return module
 
 
-class HeadColsParallel(ParallelStyle):
+class HeadColsParallel(_WholeHeadsStyle):
     """The output projection of head-aligned uneven attention: its rank's heads' input rows, a
     partial sum reduced to ``output_layouts``; see the module docstring."""
 
@@ -158,13 +168,9 @@ class HeadColsParallel(ParallelStyle):
                                     f"equal head widths")
         _check_mesh_heads(self.heads, mesh, where, "heads")
 
-    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]]:
-        return {}   # every parameter whole and replicated
-
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
         where = f"HeadColsParallel on {fqn or '<root>'}"
-        kind = _layer_kind(module, where)
-        shard_params(module, mesh, record, {}, Replicate(), fqn)
+        kind = self._whole(module, mesh, record, fqn, where)
         width = linear_features(module)[0] // self.heads
         lo, hi = head_bounds(self.heads, mesh.size(), mesh.get_local_rank())
         out_layout = self.output_layouts or Replicate()
