@@ -328,9 +328,9 @@ def _uneven_heads(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) ->
              for name, c in sorted(a.proj_params.items())
              if name.rsplit(".", 1)[0] in cols or (name.rsplit(".", 1)[0] == a.o and
                                                    (name.endswith(".weight") or layout == "S"))]
-    comm = (_ag_rs_pair(h) if layout == "S" else _ar_pair(h)) * len(cols) if not a.qkv else         (_ag_rs_pair(h) if layout == "S" else _ar_pair(h))
-    if not a.qkv:   # three projections: one output reduction, each projection its input gradient's
-        comm = [c for c in comm if c.phase == "backward" and c.kind != "all_gather"] +             (_ag_rs_pair(h) if layout == "S" else _ar_pair(h))[:1 if layout == "R" else 2]
+    # the module's input is made replicated once (PrepareHeadsInput): its gradient, summed over
+    # the projections that read it, is reduced once there
+    comm = _ag_rs_pair(h) if layout == "S" else _ar_pair(h)
     shard = n / math.ceil(n / t)
     return Strategy("heads_uneven", layout,
                     {a.rel: PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,), local_attributes=local,

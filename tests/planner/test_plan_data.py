@@ -69,10 +69,17 @@ def test_memory_limit_below_minimum_states_the_minimum():
     assert plan.predictions["memory_bytes"]["total"] <= (minimum + 0.01) * 2**30
 
 
-def test_tp_not_dividing_heads_without_fallback_names_the_divisibility():
+def test_tp_not_dividing_heads_splits_them_whole_or_names_the_divisibility():
+    # 12 heads over tp=8: split whole and unevenly (1 or 2 heads a rank; tests/planner/test_uneven_heads.py)
     model = build_llama(device="meta", dim=768, n_layers=2, n_heads=12, n_kv_heads=12, vocab_size=32000,
                         ffn_hidden=3072, max_seq_len=1024)
-    with pytest.raises(InfeasiblePlanError, match=r"attention.*heads 12 / KV heads 12 not divisible by tp=8"):
+    plan = autoplan(model, MESH, batch=(64, 1024), allow_replicated_units=False)
+    assert {d["unit"]: d["strategy"] for d in plan.decisions}["layers/attention"] == "heads_uneven"
+    # 4 heads over tp=8: a rank would hold no whole head
+    model = build_llama(device="meta", dim=256, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=32000,
+                        ffn_hidden=1024, max_seq_len=1024)
+    with pytest.raises(InfeasiblePlanError, match=r"attention.*heads 4 / KV heads 4 not divisible by tp=8.*"
+                                                  r"4 heads are fewer than tp=8"):
         autoplan(model, MESH, batch=(64, 1024), allow_replicated_units=False)
 
 

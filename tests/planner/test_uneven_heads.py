@@ -71,3 +71,21 @@ def test_uneven_head_styles_check_their_arguments():
             attn = torch.nn.Module()
             attn.num_heads = 7
             PrepareHeadsInput(local_attributes=["num_heads"], head_count=5).check_module(attn, mesh, "attn")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["R", "S"])
+def test_separate_q_k_v_heads_split_unevenly_equal_one_device(sequence_parallel, pool4):
+    """HF Llama with 6 heads at tp=4 (1, 1, 2, 2 heads a rank): q, k and v each computing the rank's
+    heads, the input gradient reduced once where the module's input is made replicated."""
+    cfg = transformers.LlamaConfig(hidden_size=768, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
+                                   intermediate_size=2048, vocab_size=4096, max_position_embeddings=512)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(4, 256), allow_replicated_units=False,
+                    sequence_parallel=sequence_parallel)
+    assert {d["unit"]: d["strategy"] for d in plan.decisions}["model.layers/attention"] == "heads_uneven"
+    assert plan.styles["model.layers.*.self_attn.k_proj"] == {"style": "HeadRowsParallel", "args": {"sections": [6]}}
+    result = check_numerics(plan, recipe_for(model, [4], seed=3), pool=pool4)
+    assert result.passed, result.summary()
+    dry = verify(plan, model)
+    assert dry.passed, dry.mismatches()
