@@ -3,9 +3,11 @@ them, kept across processes so a fresh interpreter (one ``autoplan plan`` on the
 new notebook kernel, rank 0 of a job) does not recompute them (issue 35).
 
 Why it is safe under change: every entry lives under a *version* -- a hash of the source files of
-the code that computed it, plus the Python, torch and transformers versions -- and a key naming
-everything else it depends on; code or a dependency that changes lands in another directory, so a
-stale entry is never read. Why it is safe with concurrent processes: an entry is written to a
+the code that computed it and of every other source file of autoplan, hyper_parallel and
+cost_models (what a result depends on reaches further than any list of files: a pipeline guard
+verdict went stale when stage code outside its list changed), plus the Python, torch and
+transformers versions -- and a key naming everything else it depends on; code or a dependency
+that changes lands in another directory, so a stale entry is never read. Why it is safe with concurrent processes: an entry is written to a
 temporary file in its directory and renamed over the final name (``os.replace`` is atomic), so a
 reader sees a whole entry or none; two writers of one key write the same bytes. A missing,
 unreadable or unwritable cache is a miss, never an error: the caller computes as without a cache.
@@ -42,13 +44,28 @@ def _dist_version(name: str) -> str:
         return "-"
 
 
+SOURCE_PACKAGES = ("autoplan", "hyper_parallel", "cost_models")
+
+
+@functools.lru_cache(maxsize=None)
+def source_tree() -> bytes:
+    """A hash of every Python source file of this project's packages (a few ms, once a process)."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for pkg in SOURCE_PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.digest()
+
+
 @functools.lru_cache(maxsize=None)
 def code_version(*files: str) -> str:
-    """A hash of ``files``' bytes (the code that computes an entry) and of the interpreter, torch
-    and transformers versions: the directory an entry lives in."""
+    """A hash of ``files``' bytes (the code that computes an entry), of the project's whole source
+    tree and of the interpreter, torch and transformers versions: the directory an entry lives in."""
     h = hashlib.sha256()
     h.update(f"{sys.version_info[:3]} {sys.byteorder} torch {_dist_version('torch')} "
              f"transformers {_dist_version('transformers')}".encode())
+    h.update(source_tree())
     for f in sorted(files):
         h.update(f.encode() + b"\0" + Path(f).read_bytes() + b"\0")
     return h.hexdigest()[:20]

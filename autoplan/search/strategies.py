@@ -312,6 +312,11 @@ def _uneven_heads(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) ->
     n, hd = a.n_heads, a.head_dim
     if n < t:
         return f"{n} heads are fewer than tp={t} ranks (each needs a whole head)"
+    extra_inputs = [why for cond, why in ((a.kv_input_bytes, "keys/values read another tensor (cross-attention)"),
+                                          (a.bias_table, "a per-head bias table"),
+                                          (a.folded_heads, "per-head inputs folded into the batch")) if cond]
+    if extra_inputs:   # each would need its own cut to the rank's uneven heads
+        return f"uneven heads are not offered with {extra_inputs[0]}"
     local = sorted(k for k, v in a.head_attrs.items() if v in (n, n * hd)) if hd else []
     if not local:
         return "the module holds no head count or width to make each rank's share (uneven heads)"

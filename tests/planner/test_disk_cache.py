@@ -96,3 +96,23 @@ def test_disabled_cache_writes_nothing(cache, monkeypatch):
     monkeypatch.setenv("AUTOPLAN_DISK_CACHE", "1")
     disk_cache.store("x", "v", "k", b"data")
     assert disk_cache.load("x", "v", "k") == b"data" and disk_cache.load("x", "w", "k") is None
+
+
+def test_any_project_source_change_moves_every_entry(monkeypatch):
+    """An entry's version covers the whole source tree, not only the files its caller lists: a
+    result depends on code beyond any list (stage code under a pipeline guard's verdict)."""
+    from pathlib import Path
+
+    listed = str(Path(pipeline_support.__file__))
+    before = disk_cache.code_version(listed)
+    probe = Path(disk_cache.__file__).resolve().parents[1] / "hyper_parallel" / "_disk_cache_probe_tmp.py"
+    try:
+        probe.write_text("# a source file no caller lists\n")
+        disk_cache.source_tree.cache_clear()
+        disk_cache.code_version.cache_clear()
+        assert disk_cache.code_version(listed) != before
+    finally:
+        probe.unlink(missing_ok=True)
+        disk_cache.source_tree.cache_clear()
+        disk_cache.code_version.cache_clear()
+    assert disk_cache.code_version(listed) == before
