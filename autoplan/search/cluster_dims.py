@@ -260,6 +260,15 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
         acc[0][7] += ctx.collective_time(Collective("all_reduce", "backward", 1, 1, experts.ep_dim))
 
 
+def experts_split(options: Sequence, blocks: Sequence, groups: Sequence, tp: int) -> dict[str, int]:
+    """The MoE groups whose experts the TP solution split over tp (its ``<block id>/moe`` option
+    sharded: experts_tp), by pattern, with that degree -- what :func:`add_expert_compute` prices
+    split; the rest stay whole."""
+    split = {o.slot.rsplit("/", 1)[0] for o in options if o.slot.endswith("/moe") and o.strategy.compute_shard != 1}
+    spans = [(blk.prefix, set(blk.indices)) for blk in blocks if blk.id in split]
+    return {g.pattern: tp for g in groups if any(g.block_prefix == p and set(g.indices) <= ix for p, ix in spans)}
+
+
 def add_expert_compute(acc: list[list[float]], names: list[str], groups: Sequence, ctx, *, tokens: int,
                        dtype_bytes: int, etp: dict[str, int] | None = None) -> None:
     """Experts on a mesh without ep: reprice each MoE layer's experts, which the TP search counted

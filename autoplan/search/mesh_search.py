@@ -27,7 +27,7 @@ from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.arguments import CONSTRAINT_KEYS
 from autoplan.search.cluster_dims import (
     CP_MIN_SEQ, add_cp, add_ep, add_expert_compute, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees,
-    model_moe_groups,
+    experts_split, model_moe_groups,
 )
 from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
 from autoplan.search.costing import RECOMPUTE, CostContext
@@ -349,15 +349,9 @@ class ClusterSearch:
                                           seq=self.seq, tp=tp, dtype_bytes=st.dtype_bytes,
                                           memory_left=self.limit - used)
         if ep == 1 and self.moe_groups:
-            # experts the TP solution split over tp (experts_tp) are repriced split, the rest whole
-            split = {o.slot.rsplit("/", 1)[0] for o in options
-                     if o.slot.endswith("/moe") and o.strategy.compute_shard != 1}
-            spans = [(blk.prefix, set(blk.indices)) for blk in st.blocks if blk.id in split]
             groups = self.moe_groups_at(b, cp)
-            etp = {g.pattern: tp for g in groups
-                   if any(g.block_prefix == p and set(g.indices) <= ix for p, ix in spans)}
             add_expert_compute(acc, names, groups, ctx, tokens=b * self.seq // cp, dtype_bytes=st.dtype_bytes,
-                               etp=etp)
+                               etp=experts_split(options, st.blocks, groups, tp))
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.cons.get("expert_parallel"))

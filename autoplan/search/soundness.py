@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import InfeasiblePlanError, StrategyCheckError
 from autoplan.search.probe import Finding, Prober, repaired
-from autoplan.search.strategies import multi_stack_refusal
+from autoplan.search.stream_entry import multi_stack_refusal
 from hyper_parallel.errors import WorldIsolationError
 from hyper_parallel.local import fake_world
 

@@ -28,8 +28,8 @@ from autoplan.search.strategies import (
     head_strategies,
     mlp_strategies,
     norm_strategies,
-    stream_entry,
 )
+from autoplan.search.stream_entry import stream_entry
 from autoplan.search.mamba_strategies import mamba_strategies
 from autoplan.search.expert_strategies import experts_strategies, within_container
 from autoplan.search.moa_strategies import moa_strategies

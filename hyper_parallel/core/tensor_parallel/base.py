@@ -79,9 +79,8 @@ class ApplyRecord:
         decoder's bias; T5's unused ``shared`` table) would keep the old tensor, a second
         parameter the optimizer steps and no forward uses. Only true aliases move: entries that
         are, by identity, a parameter a style replaced. Returns their names."""
-        replaced = {id(old): new for kind, item in self._undo if kind == "param"
-                    for old in (item[2],) if id(old) in self._shared
-                    for new in (self._shared[id(old)][1],)}
+        replaced = {id(item[2]): self._shared[id(item[2])][1] for kind, item in self._undo
+                    if kind == "param" and id(item[2]) in self._shared}
         moved = []
         for fqn, mod in root.named_modules(remove_duplicate=False):
             for name, p in list(mod._parameters.items()):

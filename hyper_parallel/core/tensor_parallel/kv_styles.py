@@ -97,7 +97,7 @@ class KVReplicatedParallel(ParallelStyle):
         q, size, rank = self._query_features(module), mesh.size(), mesh.get_local_rank()
         lo, hi = rank * q // size, (rank + 1) * q // size
         layout = self.input_layouts or Replicate()
-        kept = [slice(q, None)]
+        kept = [slice(q, module.out_features)]
         if self.kv_heads is not None:   # only this rank's KV head of each kept-whole part
             parts = self.fused_heads[1] if self.fused_heads is not None else self.kv_heads
             width = (module.out_features - q) // parts
@@ -105,17 +105,34 @@ class KVReplicatedParallel(ParallelStyle):
             last = max((rank + 1) * self.kv_heads // size, first + 1)
             kept = [slice(q + (p * self.kv_heads + first) * width, q + (p * self.kv_heads + last) * width)
                     for p in range(parts // self.kv_heads)]
-
-        def local_rows(t: torch.Tensor) -> torch.Tensor:
-            # a gradient arriving here is this rank's share: Partial over the mesh
-            t = t.to_local(grad_placements=(Partial(),)) if isinstance(t, DTensor) else t
-            rows = ([t[lo:hi]] if q else []) + [t[k] for k in kept]
-            return rows[0] if len(rows) == 1 else torch.cat(rows)
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            x = to_dtensor(x, mesh, layout, Replicate(), where).to_local(grad_placements=(Partial(),))
-            bias = local_rows(module.bias) if module.bias is not None else None
-            return F.linear(x, local_rows(module.weight), bias)
-
-        record.set_attr(module, "forward", forward)
+        rows = ([slice(lo, hi)] if q else []) + kept
+        record.set_attr(module, "forward", output_rows_forward(module, mesh, where, layout, rows))
         return module
+
+
+def output_rows_forward(module: nn.Module, mesh: DeviceMesh, where: str, layout: Placement, rows: list[slice],
+                        kind: str = "linear"):
+    """The forward of a projection kept whole and replicated that computes only its output rows
+    ``rows`` (features, in order): its input made replicated from ``layout``, the weight's and
+    bias's rows taken from their local tensors, the result a plain local tensor. A gradient
+    arriving at the input or a parameter is this rank's share -- Partial over the mesh --, reduced
+    where the input was made replicated and by the gradient-alignment hook. ``kind`` "conv1d":
+    transformers' Conv1D, its weight stored [in, out]."""
+    out_dim = 0 if kind == "linear" else 1
+
+    def pick(t: torch.Tensor, dim: int) -> torch.Tensor:
+        t = t.to_local(grad_placements=(Partial(),)) if isinstance(t, DTensor) else t
+        parts = [t.narrow(dim, s.start, s.stop - s.start) for s in rows]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x = to_dtensor(x, mesh, layout, Replicate(), where).to_local(grad_placements=(Partial(),))
+        weight = pick(module.weight, out_dim)
+        bias = pick(module.bias, 0) if module.bias is not None else None
+        if kind == "linear":
+            return F.linear(x, weight, bias)
+        out = x.reshape(-1, x.shape[-1]) @ weight
+        out = out + bias if bias is not None else out
+        return out.reshape(*x.shape[:-1], weight.shape[1])
+
+    return forward

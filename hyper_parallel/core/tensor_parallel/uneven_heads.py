@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, shard_params, to_dtensor
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, ParallelStyle, shard_params
+from hyper_parallel.core.tensor_parallel.kv_styles import output_rows_forward
 from hyper_parallel.core.tensor_parallel.linear_styles import is_conv1d, linear_features
 from hyper_parallel.errors import DivisibilityError, LayoutError, StyleSpecError, UnsupportedModuleError
 
@@ -124,23 +125,8 @@ class HeadRowsParallel(_WholeHeadsStyle):
             lo, hi = head_bounds(h, size, rank)
             rows.append(slice((start + lo) * width, (start + hi) * width))
             start += h
-        layout, dim = self.input_layouts or Replicate(), _out_dim(kind)
-
-        def pick(t: torch.Tensor, d: int) -> torch.Tensor:
-            parts = [t.narrow(d, s.start, s.stop - s.start) for s in rows]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            x = to_dtensor(x, mesh, layout, Replicate(), where).to_local(grad_placements=(Partial(),))
-            weight = pick(_local(module.weight), dim)
-            bias = pick(_local(module.bias), 0) if module.bias is not None else None
-            if kind == "linear":
-                return F.linear(x, weight, bias)
-            out = x.reshape(-1, x.shape[-1]) @ weight
-            out = out + bias if bias is not None else out
-            return out.reshape(*x.shape[:-1], weight.shape[1])
-
-        record.set_attr(module, "forward", forward)
+        record.set_attr(module, "forward",
+                        output_rows_forward(module, mesh, where, self.input_layouts or Replicate(), rows, kind))
         return module
 
 
