@@ -250,10 +250,8 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         # each tied parameter's gradient summed over the pipeline group (every pp rank takes part),
         # and under FSDP averaged over dp (it is left out of FSDP)
         tied, _ = _stage_params(search, best)
-        # 16-bit FSDP keeps fp32 master weights (with_mixed_precision), a tied copy's gradient too
-        mixed = best.fsdp and best.dp * best.cp > 1 and st.dtype_bytes < REDUCE_BYTES
         for sh in (sh for sh in _shards(search, best, styles, ep) if sh.fqn in tied):
-            nbytes = sh.fsdp_local_numel(1) * (REDUCE_BYTES if mixed else sh.dtype_bytes)
+            nbytes = sh.fsdp_local_numel(1) * (_tied_grad_bytes(best, st) or sh.dtype_bytes)
             agg[("all_reduce", "pp", "backward", nbytes)] += 1
             if best.fsdp and best.dp * best.cp > 1:
                 agg[("all_reduce", ctx.dp_dim, "backward", nbytes)] += 1
@@ -269,6 +267,13 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     mem["activations"] *= inflight
     rows = merged_rows(Collective(k, p, b, n, d) for (k, d, p, b), n in agg.items())
     return rows, dict(mem)
+
+
+def _tied_grad_bytes(best: Candidate, st) -> int:
+    """Bytes per element of a tied-across-stages parameter's gradient as the runtime reduces it:
+    16-bit FSDP keeps fp32 master weights (``with_mixed_precision``), a tied copy's gradient too
+    (it is left out of FSDP); 0 elsewhere: the parameter's own dtype."""
+    return REDUCE_BYTES if best.fsdp and best.dp * best.cp > 1 and st.dtype_bytes < REDUCE_BYTES else 0
 
 
 def _add_ep_rows(agg: dict, search: ClusterSearch, best: Candidate, mine: list[str], stage_of: dict, index: dict,
@@ -288,8 +293,10 @@ def _add_ep_rows(agg: dict, search: ClusterSearch, best: Candidate, mine: list[s
         for col in rows:
             w = 2 if twice and col.phase == "backward" and stage_of[index[u]] > 0 else 1
             agg[(col.kind, col.dim, col.phase, int(col.nbytes))] += col.count * w * c.m
+    tied = _stage_params(search, best)[0] if best.pp > 1 else {}
     sync = ep_sync_row(_shards(search, best, styles, ep), search.moe_groups, ep, mine,
-                       best.dp * best.cp if best.fsdp else 1, "ep", fsdp=best.fsdp)
+                       best.dp * best.cp if best.fsdp else 1, "ep", fsdp=best.fsdp, tied=tied,
+                       stages={stage_of[index[u]] for u in mine}, tied_bytes=_tied_grad_bytes(best, st))
     if sync is not None:
         agg[(sync.kind, sync.dim, sync.phase, int(sync.nbytes))] += 1
 

@@ -55,12 +55,27 @@ def ep_layer_rows(groups: list, ep_section: dict | None, *, tokens: int, dtype_b
 
 
 def ep_sync_row(shards: list[ParamShard], groups: list, ep_section: dict | None, units: list[str], fsdp_dp: int,
-                ep_dim: str, fsdp: bool = False) -> Collective | None:
+                ep_dim: str, fsdp: bool = False, tied: dict[str, set[int]] | None = None,
+                stages: set[int] = frozenset(), tied_bytes: int = 0) -> Collective | None:
     """The one all-reduce over ep of the non-expert gradients of the parameters in ``units`` (this
     rank's, FSDP-local over ``fsdp_dp``), or None when they hold none. Under FSDP (``fsdp``) only
-    those it cannot shard: it shards the rest over dp x ep and its reduce-scatter averages them."""
+    those it cannot shard: it shards the rest over dp x ep and its reduce-scatter averages them.
+
+    ``tied``: the parameters tied across pipeline stages (``stage_params.tied_holders``: canonical
+    FQN -> the stages holding a copy). Every copy is left out of FSDP and each holder's stage
+    averages it over ep, wherever it sits -- the head's stage holds the embedding's table under
+    the head's name, which no unit prefix finds. This rank (``stages``) counts each one it holds,
+    whole after TP, at ``tied_bytes`` per element (the dtype its gradient is reduced in: fp32 under
+    16-bit FSDP's master weights; 0: the parameter's own)."""
+    tied = tied or {}
     patterns = [g.pattern for g, _ in styled_groups(groups, ep_section)]
-    nbytes = sum(s.fsdp_local_numel(fsdp_dp) * s.dtype_bytes for s in shards
-                 if any(s.fqn.startswith(u + ".") for u in units) and not any(_under(p, s.fqn) for p in patterns)
-                 and not (fsdp and s.fsdp_dim is not None))
+    nbytes = 0
+    for s in shards:
+        if s.fqn in tied:
+            if tied[s.fqn] & set(stages):
+                nbytes += s.fsdp_local_numel(1) * (tied_bytes or s.dtype_bytes)
+            continue
+        if any(s.fqn.startswith(u + ".") for u in units) and not any(_under(p, s.fqn) for p in patterns) \
+                and not (fsdp and s.fsdp_dim is not None):
+            nbytes += s.fsdp_local_numel(fsdp_dp) * s.dtype_bytes
     return Collective("all_reduce", "backward", int(nbytes), dim=ep_dim) if nbytes else None

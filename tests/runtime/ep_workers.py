@@ -74,8 +74,8 @@ def _hf(name: str, n_experts: int) -> nn.Module:
         cfg = tf.MixtralConfig(**COMMON, intermediate_size=16, num_local_experts=n_experts, num_experts_per_tok=2,
                                router_jitter_noise=0.0)
         return tf.MixtralForCausalLM(cfg)
-    if name == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+    if name in ("qwen3_moe", "qwen3_moe_tied"):   # _tied: the LM head tied to the embedding
+        cfg = tf.Qwen3MoeConfig(**COMMON, tie_word_embeddings=name.endswith("_tied"), head_dim=8, intermediate_size=64, moe_intermediate_size=16,
                                 num_experts=n_experts, num_experts_per_tok=2, norm_topk_prob=True)
         return tf.Qwen3MoeForCausalLM(cfg)
     if name == "deepseek_v3":

@@ -30,7 +30,7 @@ def run_ep_pipeline(cases: list[tuple[str, str]], batch: int = 8, seq: int = 8, 
         tokens, targets = (torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(2))
         ref_loss = lm_loss(output_logits(ref(tokens)), targets)
         ref_loss.backward()
-        g_ref = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        g_ref = {n: p.grad.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
         torch.optim.SGD(ref.parameters(), lr=lr).step()
         local = runner.local_batch(tokens, targets)
         loss = runner.step(local)

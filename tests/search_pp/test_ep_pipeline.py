@@ -18,6 +18,7 @@ SEQ = 8
 
 def _plan(name: str, world: int, cons: dict, batch: int = 8):
     model = build(name)[0].to("meta")
+    model.tie_weights()   # moving to meta unties a tied head
     model.config.use_cache = False   # a KV cache grows again under recomputation; training never reads it
     plan = plan_cluster(model, world, hardware="cpu", batch=(batch, SEQ), devices_per_node=world,
                         constraints=dict(cons, fsdp=True, expert_parallel=True, microbatch_size=1))
@@ -60,6 +61,21 @@ def test_every_pipeline_rank_matches_predictions_at_world_64(name, cons):
     assert set(ep_rows["kind"]) == {"all_to_all"}, df.to_string()
     assert set(df[df["mesh_dim"] == "dp_ep"]["kind"]) == {"all_gather", "reduce_scatter"}, df.to_string()
     assert sorted(df["pp_rank"].unique()) == [0, 1]
+
+
+def test_an_lm_head_tied_across_stages_is_averaged_over_ep_as_predicted(pool4):
+    """The embedding and its tied head on two stages: FSDP leaves both copies out, so each
+    holder's stage averages its copy over ep after backward (ExpertGradSync) -- equal to one
+    device on gloo, and the pipeline dry run at world 64 predicts that all-reduce on both pp ranks."""
+    plan, _ = _plan("qwen3_moe_tied", 4, {"dp": 1, "ep": 2, "pp": 2, "tp": 1})
+    _check(pool4.run(run_ep_pipeline, [(plan.to_json(), "qwen3_moe_tied")]), 2)
+    plan, model = _plan("qwen3_moe_tied", 64, {"dp": 4, "ep": 4, "pp": 2, "tp": 2, "schedule": "1F1B"}, batch=32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    df = res.collectives
+    sync = df[(df["mesh_dim"] == "ep") & (df["kind"] == "all_reduce")]
+    assert sorted(sync["pp_rank"]) == [0, 1] and (sync["predicted"] == 1).all(), df.to_string()
 
 
 def test_without_ep_the_experts_are_split_over_tp_in_every_stage_and_verify_exactly():
