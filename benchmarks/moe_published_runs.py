@@ -3,10 +3,8 @@
 Every run below is bf16, with a stated layout (dp, ep, pp, tp, virtual stages, micro-batch) and a
 measured step time or throughput, each with its source. Each is priced with ``ClusterSearch.evaluate``
 at the published layout, with what the source's recipe states (recomputation, pipeline cuts, the loss's
-precision; what it does not state is taken at its fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
-at the published layout (recomputation as the source's recipe states it, see the memory table; what
-it does not state -- cuts -- is taken at its fastest), the predicted step is split by term (busy compute + exposed TP/EP traffic, pipeline bubble,
-data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
+precision; what it does not state is taken at its fastest). The predicted step is split by term (busy
+compute + exposed TP/EP traffic, pipeline bubble, data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
 pick for the same model, devices and batch is reported with its claimed speed-up. No constant is
 fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
 source states how its runtime moves the experts' tokens (DeepEP's per-node de-duplication; DeepSeek-V3's
