@@ -263,6 +263,10 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     params = [prm for st in stages for prm in st.module.parameters()]
     if pre is not None:   # every rank holds the whole tower and steps it (its gradients are summed)
         params += list(pre.module.parameters())
+    # once each: a V schedule puts the first and the last stage on one rank, so a tied embedding
+    # and LM head are one Parameter in two stage modules -- listed twice, the optimizer would step
+    # it twice per step
+    params = list({id(prm): prm for prm in params}.values())
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=lr)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

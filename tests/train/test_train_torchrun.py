@@ -134,3 +134,26 @@ def test_resume_on_one_device_and_mismatched_models(run_a, work, world_of_one):
     assert shape["name"] == "layers.0.feed_forward.w1.weight" and "(384, 128)" in shape["message"]
     assert other["name"] == "model.embed_tokens.weight"
     assert shape["untouched"] and other["untouched"] and shape["step_after"] == other["step_after"] == 1
+
+
+def test_a_tied_head_under_a_v_schedule_trains_as_one_device(tmp_path, pool4, world_of_one):
+    """ZBV puts the first and last stage on one rank, so the embedding and its tied LM head are one
+    Parameter in two stage modules there and the other rank holds neither: on the large-model path
+    (stages on meta until materialised) the tied copies' start-up broadcast once hung the job, and
+    the optimizer, given the Parameter twice, stepped it twice (step 2 off by 2.4e-3)."""
+    import transformers
+
+    transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+                             max_position_embeddings=128).save_pretrained(tmp_path)
+    args = ["train", "--model", str(tmp_path / "config.json"), "--init", "random", "--batch", "8", "--seq", "16",
+            "--steps", "3", "--lr", "1e-3", "--mixed-precision", "fp32", "--progress", "none"]
+
+    def losses(out, name):
+        assert out["rc"] == 0, out
+        return [json.loads(line)["loss"] for line in open(tmp_path / name)]
+
+    four = pool4.run(train_workers.cli, args + ["--constraints", "pp=2,dp=2,tp=1,fsdp=true,schedule=ZBV",
+                                                "--metrics", str(tmp_path / "zbv.jsonl")])[0]
+    one = train_workers.cli(args + ["--metrics", str(tmp_path / "one.jsonl")])
+    assert losses(four, "zbv.jsonl") == pytest.approx(losses(one, "one.jsonl"), rel=1e-5)

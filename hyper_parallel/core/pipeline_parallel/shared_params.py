@@ -31,6 +31,9 @@ class SharedParameters:
         self.group = group
         self.dp_group = dp_group
         self.stage_to_rank = tuple(stage_to_rank)
+        # the large-model path builds every rank's stages on meta and gives them values later
+        # (hyper_parallel.core.materialize / a pretrained checkpoint), so every rank agrees on this
+        self.on_meta = any(p.is_meta for st in stages.values() for p in st.module.parameters())
         self.entries = []  # (group index, owner pp rank, local unique params)
         described = []
         for gi, holders in enumerate(groups):
@@ -66,7 +69,13 @@ class SharedParameters:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
     def broadcast_values(self, device) -> None:
-        """Make every copy equal to the lowest holding stage's value."""
+        """Make every copy equal to the lowest holding stage's value. Stages still on meta have
+        no values to send: materialising gives each copy its owner's (``InitSources``: one init
+        per tied group, drawn under the owner's name) and a checkpoint stores it once, under the
+        owner's name -- and a meta buffer on the owner beside a real one on a receiver would leave
+        the broadcast unmatched (a V schedule puts both copies on one rank, the others hold none)."""
+        if self.on_meta:
+            return
         for (gi, owner, params), (shape, dtype) in zip(self.entries, self.shapes):
             buf = _local(params[0]).detach().clone() if params else torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(buf, src=self._global(owner), group=self.group)
