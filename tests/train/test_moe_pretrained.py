@@ -3,7 +3,7 @@
 while the model holds fused 3-D ``gate_up_proj`` / ``down_proj``; autoplan.plan.hf_merged lays the
 pieces out from transformers' own converter and each rank reads the sub-boxes it holds.
 
-Checked on gloo ranks: under ep (2 and 4 ranks), dp x ep with FSDP and ep x tp every loaded
+Checked on gloo ranks: under ep (2 and 4 ranks), dp x ep with FSDP, ep x tp and ep x expert-TP every loaded
 parameter equals from_pretrained's exactly and the first loss equals one device's; a rank holding
 1/k of the experts reads 1/k of the expert bytes; expert-TP shards (strided: a slice of the gate
 and of the up half) read exactly their elements; a missing expert or one of
@@ -12,6 +12,7 @@ converter with an operation that computes values stays refused by name.
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -31,7 +32,11 @@ transformers = pytest.importorskip("transformers")
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
               max_position_embeddings=64)
-MESHES = {2: [((2,), ("ep",))], 4: [((4,), ("ep",)), ((2, 2), ("dp", "ep")), ((2, 2), ("ep", "tp"))]}
+# (mesh shape, names, the experts' tp dim): ep x tp with the experts whole per ep rank, and with expert TP
+# (ExpertParallel(tp_dim="tp"): gate_up a strided shard -- each rank a slice of the gate and of the up half)
+MESHES = {2: [((2,), ("ep",), None)],
+          4: [((4,), ("ep",), None), ((2, 2), ("dp", "ep"), None), ((2, 2), ("ep", "tp"), None),
+              ((2, 2), ("ep", "tp"), "tp")]}
 
 
 def _expert_bytes(path) -> int:
@@ -57,22 +62,25 @@ def moe_dirs(tmp_path_factory):
     for ck in ("mixtral", "qwen3_moe"):
         meta = build_model(str(d / ck), device="meta")
         for world, meshes in MESHES.items():
-            for shape, names in meshes:
+            for shape, names, expert_tp in meshes:
                 plan = plan_mesh(meta, ParallelDims(shape, names, hardware="cpu"), batch=(8, 16), dtype=torch.float32,
                                  expert_parallel=True)
                 assert plan.parallel["ep"]["styles"], (ck, names)
-                plans[ck, world, names] = d / f"{ck}_{world}_{'x'.join(names)}.json"
-                plan.to_json(plans[ck, world, names])
+                spec = json.loads(plan.to_json())
+                for style in spec["parallel"]["ep"]["styles"].values():   # the planner keeps tiny experts whole
+                    style["args"] = {"tp_dim": expert_tp} if expert_tp else style["args"]
+                plans[ck, world, names, expert_tp] = d / f"{ck}_{world}_{'x'.join(names)}_{expert_tp}.json"
+                plans[ck, world, names, expert_tp].write_text(json.dumps(spec))
     return d, plans
 
 
 def _check_runs(d, plans, world, pool):
     runs, shares = [], []
     for ck in ("mixtral", "qwen3_moe"):
-        for shape, names in MESHES[world]:
-            runs.append({"model": str(d / ck), "plan": str(plans[ck, world, names])})
-            sizes = dict(zip(names, shape))
-            shares.append(sizes.get("ep", 1) * sizes.get("dp", 1))   # experts over ep, then FSDP over dp
+        for shape, names, expert_tp in MESHES[world]:
+            runs.append({"model": str(d / ck), "plan": str(plans[ck, world, names, expert_tp])})
+            sizes = dict(zip(names, shape))   # experts over ep, then FSDP over dp or expert TP over tp
+            shares.append(sizes.get("ep", 1) * sizes.get("dp", 1) * (sizes[expert_tp] if expert_tp else 1))
     results = pool.run(moe_weights_workers.load_and_step, runs)
     for i, (run, share) in enumerate(zip(runs, shares)):
         ref = transformers.AutoModelForCausalLM.from_pretrained(run["model"], dtype=torch.float32).state_dict()
@@ -128,7 +136,7 @@ def test_broken_moe_checkpoints_are_refused_on_every_rank_before_any_read(moe_di
         tensors = load_file(d / case / "model.safetensors")
         edit(tensors)
         save_file(tensors, d / case / "model.safetensors", metadata={"format": "pt"})
-        cases[case] = (str(d / case), str(plans["mixtral", 4, ("dp", "ep")]))
+        cases[case] = (str(d / case), str(plans["mixtral", 4, ("dp", "ep"), None]))
 
     variant("missing", lambda t: t.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight"))
     variant("last_missing", lambda t: [t.pop(f"model.layers.0.block_sparse_moe.experts.3.w{i}.weight")
