@@ -18,8 +18,9 @@ by piece, each rank the sub-boxes it holds (:mod:`autoplan.plan.hf_merged`).
 Before any weight is touched every rank reads the headers alone (no tensor data) and checks them
 against the *whole* model's persistent tensors, so every rank reaches the same verdict: a
 missing tensor, another shape, a tensor the model does not have, an unreadable or truncated
-file, an expert missing from an assembled tensor -- :class:`~autoplan.errors.PretrainedWeightsError`
-naming the first tensor at fault (model order) with both shapes, or the file. Tied weights are stored once, under their owner's name
+file, an expert missing from an assembled tensor or of another shape --
+:class:`~autoplan.errors.PretrainedWeightsError` naming the first tensor at fault (model order)
+with both shapes, or the file. Tied weights are stored once, under their owner's name
 (``save_pretrained`` writes the embedding, not the tied head); a pipeline stage that holds the
 tied head alone reads it under the embedding's name. Non-persistent buffers (RoPE tables) are
 not in the files: they get the model's own init.
@@ -31,6 +32,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
@@ -151,17 +153,29 @@ def by_model_names(facts: ModelInit, stored: dict, path) -> tuple[dict, dict, di
     return found, file_key, merged
 
 
-def _read_pieces(pieces: list, stored: dict, path: Path) -> None:
-    """Assembled tensors: each rank reads the sub-boxes of the file tensors its shard holds."""
+def _read_pieces(pieces: list, stored: dict, path: Path, device, collective: bool) -> None:
+    """Assembled tensors: each rank reads the sub-boxes of the file tensors its shard holds. A
+    failed read fails every rank (one flag all-reduced), as DCP's reads do, so none waits in the
+    first training collective for a rank that has left (``collective``: the checkpoint has assembled
+    tensors -- a header fact, the same on every rank -- even where this rank holds none)."""
     files: dict[str, SafetensorsFile] = {}
+    done, error = 0, None
     try:
         for f in sorted({stored[p.key][2] for _, a in pieces for p in a.pieces}):
             files[f] = SafetensorsFile(str(path / f))
         file_of = {k: v[2] for k, v in stored.items()}
         done = sum(read_assembled(t, a, files, file_of) for t, a in pieces)
+    except (OSError, ValueError, RuntimeError) as e:
+        error = e
     finally:
         for f in files.values():
             f.close()
+    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if collective and dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        why = f"{type(error).__name__}: {str(error)[:500]}" if error is not None else "on another rank"
+        raise PretrainedWeightsError(f"pretrained weights {path}: reading the experts' pieces failed ({why})") from None
     if pieces:
         log.info("read %d assembled tensors from their pieces (%d bytes on this rank)", len(pieces), done)
 
@@ -209,7 +223,7 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
                                      f"{'ranks ' + str(sorted(failures)) if failures else 'this rank'} "
                                      f"({type(first).__name__}: {str(first).strip()[:500]})") from None
     _read_whole_then_slice(strided, stored, Path(path))
-    _read_pieces(pieces, stored, Path(path))
+    _read_pieces(pieces, stored, Path(path), runner.device, collective=bool(merged))
     with torch.no_grad():
         for t, key in copies:   # a second holder of a tied tensor (separate objects on this rank)
             src = state[key]
