@@ -216,15 +216,16 @@ def _replay(values: dict[str, object], converter, name: str) -> tuple[_Sym, list
     return result[0], stacked
 
 
-def held_indices(t: torch.Tensor) -> list[torch.Tensor]:
-    """Per dim, the global indices of the rows this rank's local tensor holds, in local order. One
-    block: a range from DTensor's offset; otherwise each dim's placements are applied to that dim's
-    ``arange`` alone (placements on different dims act independently), as ``local_slice`` cuts it."""
+def held_indices(t: torch.Tensor) -> list:
+    """Per dim, the global indices of the rows this rank's local tensor holds, in local order: a
+    ``range`` for a plain tensor or one block (DTensor's offset); otherwise each dim's placements
+    applied to that dim's ``arange`` alone (placements on different dims act independently), as
+    ``local_slice`` cuts a strided shard."""
     if not isinstance(t, DTensor):
-        return [torch.arange(n) for n in t.shape]
+        return [range(n) for n in t.shape]
     if holds_one_block(t.placements):
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return [torch.arange(o, o + n) for n, o in zip(shape, offset)]
+        return [range(o, o + n) for n, o in zip(shape, offset)]
     out = []
     for d, n in enumerate(t.shape):
         mapped = []
@@ -239,9 +240,12 @@ def held_indices(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _runs(index: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, int]]:
+def _runs(index, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(local start, global start, length) of the runs of ``index`` inside [lo, hi) that are
-    consecutive both locally and globally."""
+    consecutive both locally and globally (one at most for a ``range``)."""
+    if isinstance(index, range):
+        start, stop = max(lo, index.start), min(hi, index.stop)
+        return [(start - index.start, start, stop - start)] if stop > start else []
     pos = ((index >= lo) & (index < hi)).nonzero().flatten()
     if pos.numel() == 0:
         return []
@@ -260,7 +264,13 @@ def read_assembled(t: torch.Tensor, a: Assembled, files: dict[str, SafetensorsFi
     done = 0
     with torch.no_grad():
         for p in a.pieces:
-            per_dim = [_runs(index[d], o, o + n) for d, (o, n) in enumerate(zip(p.offsets, p.sizes))]
+            per_dim = []
+            for d, (o, n) in enumerate(zip(p.offsets, p.sizes)):
+                per_dim.append(_runs(index[d], o, o + n))
+                if not per_dim[-1]:   # this rank holds nothing of the piece (another rank's expert)
+                    break
+            if per_dim and not per_dim[-1]:
+                continue
             f = files[file_of[p.key]]
             for box in itertools.product(*per_dim):
                 keep = [d for d in range(len(box)) if d not in p.inserted]
