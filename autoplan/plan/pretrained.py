@@ -11,13 +11,16 @@ ours (:mod:`autoplan.plan.safetensors_slices`: ``pread`` of the slice's contiguo
 a memory map, so a rank's resident memory holds its slices, not the pages of whole tensors).
 DCP assumes a rank's shard is one block of the global tensor; a packed projection's shard
 (``ColwiseParallel(packed=k)``: a slice of each fused projection) is not, so those tensors are
-read whole one at a time and sliced here.
+read whole one at a time and sliced here. Tensors transformers assembles from several file
+tensors (an MoE's experts, stored one per expert) are laid out from its converter and read piece
+by piece, each rank the sub-boxes it holds (:mod:`autoplan.plan.hf_merged`).
 
 Before any weight is touched every rank reads the headers alone (no tensor data) and checks them
 against the *whole* model's persistent tensors, so every rank reaches the same verdict: a
 missing tensor, another shape, a tensor the model does not have, an unreadable or truncated
-file -- :class:`~autoplan.errors.PretrainedWeightsError` naming the first tensor at fault (model
-order) with both shapes, or the file. Tied weights are stored once, under their owner's name
+file, an expert missing from an assembled tensor or of another shape --
+:class:`~autoplan.errors.PretrainedWeightsError` naming the first tensor at fault (model order)
+with both shapes, or the file. Tied weights are stored once, under their owner's name
 (``save_pretrained`` writes the embedding, not the tied head); a pipeline stage that holds the
 tied head alone reads it under the embedding's name. Non-persistent buffers (RoPE tables) are
 not in the files: they get the model's own init.
@@ -29,11 +32,13 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from autoplan.errors import PretrainedWeightsError
 from autoplan.plan.held import held_module
+from autoplan.plan.hf_merged import Assembled, assemble, read_assembled
 from autoplan.plan.safetensors_slices import SafetensorsFile, SlicedHFReader
 from autoplan.plan.weights import ModelInit, held_tensors_on_meta
 from hyper_parallel.core.dtensor.blocks import holds_one_block
@@ -127,6 +132,54 @@ def _read_whole_then_slice(targets: dict[str, DTensor], found: dict, path: Path)
             del full
 
 
+def by_model_names(facts: ModelInit, stored: dict, path) -> tuple[dict, dict, dict[str, Assembled]]:
+    """The headers by the model's names: ``found`` (name -> (shape, dtype, file)), ``file_key`` (name
+    -> file key) for tensors stored whole, and the tensors transformers assembles from several file
+    tensors, laid out (hf_merged.assemble; found gets their assembled shape for check_against)."""
+    found, file_key, slots = {}, {}, {}
+    for key, value in stored.items():
+        name, slot = facts.model_name(key)
+        if slot is None:
+            found[name], file_key[name] = value, key
+        else:
+            slots.setdefault(name, []).append((key, slot))
+    merged = {}
+    for name, keys in slots.items():
+        if name in file_key:
+            raise PretrainedWeightsError(f"pretrained weights {path}: the model's {name!r} is stored whole (as "
+                                         f"{file_key[name]!r}) and in pieces (e.g. {keys[0][0]!r})", name=name)
+        merged[name] = a = assemble(name, keys, stored, facts.state_shapes.get(name), facts.model_name)
+        found[name] = (a.shape, stored[a.first_key][1], stored[a.first_key][2])
+    return found, file_key, merged
+
+
+def _read_pieces(pieces: list, stored: dict, path: Path, device, collective: bool) -> None:
+    """Assembled tensors: each rank reads the sub-boxes of the file tensors its shard holds. A
+    failed read fails every rank (one flag all-reduced), as DCP's reads do, so none waits in the
+    first training collective for a rank that has left (``collective``: the checkpoint has assembled
+    tensors -- a header fact, the same on every rank -- even where this rank holds none)."""
+    files: dict[str, SafetensorsFile] = {}
+    done, error = 0, None
+    try:
+        for f in sorted({stored[p.key][2] for _, a in pieces for p in a.pieces}):
+            files[f] = SafetensorsFile(str(path / f))
+        file_of = {k: v[2] for k, v in stored.items()}
+        done = sum(read_assembled(t, a, files, file_of) for t, a in pieces)
+    except (OSError, ValueError, RuntimeError) as e:
+        error = e
+    finally:
+        for f in files.values():
+            f.close()
+    failed = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if collective and dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        why = f"{type(error).__name__}: {str(error)[:500]}" if error is not None else "on another rank"
+        raise PretrainedWeightsError(f"pretrained weights {path}: reading the experts' pieces failed ({why})") from None
+    if pieces:
+        log.info("read %d assembled tensors from their pieces (%d bytes on this rank)", len(pieces), done)
+
+
 def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     """Load the safetensors weights in ``path`` into what this rank holds (collective: every rank
     calls it). The model may be on meta (the large-model path) or real; its non-persistent
@@ -136,10 +189,7 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     if facts is None:
         raise PretrainedWeightsError("load_pretrained: this runner was not made by plan.apply")
     stored = read_headers(path)
-    found, file_key = {}, {}   # by the model's names (transformers renames a checkpoint's keys on load)
-    for key, value in stored.items():
-        name = facts.model_name(key)
-        found[name], file_key[name] = value, key
+    found, file_key, merged = by_model_names(facts, stored, path)
     check_against(facts, found, path)
     root = held_module(runner)
     held = named_tensors(root)
@@ -149,7 +199,11 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     state: dict[str, torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, str]] = []
     strided: dict[str, torch.Tensor] = {}   # DCP would read a packed projection's shard at the wrong rows
+    pieces: list[tuple[torch.Tensor, Assembled]] = []   # read box by box (hf_merged), not through DCP
     for name in loaded:
+        if facts.file_name(name) in merged:
+            pieces.append((held[name], merged[facts.file_name(name)]))
+            continue
         key, t = file_key[facts.file_name(name)], held[name]
         if isinstance(t, DTensor) and not holds_one_block(t.placements):
             strided.setdefault(key, t)
@@ -169,6 +223,7 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
                                      f"{'ranks ' + str(sorted(failures)) if failures else 'this rank'} "
                                      f"({type(first).__name__}: {str(first).strip()[:500]})") from None
     _read_whole_then_slice(strided, stored, Path(path))
+    _read_pieces(pieces, stored, Path(path), runner.device, collective=bool(merged))
     with torch.no_grad():
         for t, key in copies:   # a second holder of a tied tensor (separate objects on this rank)
             src = state[key]
@@ -178,4 +233,5 @@ def load_pretrained(runner, path: str | Path, *, seed: int = 0) -> None:
     left = held_tensors_on_meta(runner)
     if left:
         raise PretrainedWeightsError(f"load_pretrained: {len(left)} tensors are still on meta, e.g. {left[:3]}")
-    log.info("loaded pretrained weights from %s (%d tensors on this rank)", path, len(state))
+    log.info("loaded pretrained weights from %s (%d tensors on this rank, %d assembled from pieces)", path,
+             len(state) + len(strided), len(pieces))

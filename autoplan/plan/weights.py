@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.plan.held import held_module
-from autoplan.plan.hf_keys import file_to_model_names
+from autoplan.plan.hf_keys import KeyTarget, file_to_model_names
 from hyper_parallel.core.materialize import InitFn, InitSources, default_init_fn, materialize, named_tensors
 from hyper_parallel.errors import InitError
 
@@ -29,8 +29,9 @@ class ModelInit:
     init_fn: InitFn
     state_shapes: dict[str, tuple[int, ...]]   # the persistent tensors (state dict), model order
     config: object | None = None               # a transformers model's config (for an HF export)
-    # a checkpoint file's key -> the model's tensor name (transformers renames keys on load: hf_keys)
-    model_name: Callable[[str], str] = staticmethod(lambda key: key)
+    # a checkpoint file's key -> (the model's tensor name, its MergeSlot when transformers assembles
+    # that tensor from several file tensors, else None): transformers renames keys on load (hf_keys)
+    model_name: Callable[[str], KeyTarget] = staticmethod(lambda key: (key, None))
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelInit":

@@ -155,12 +155,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _global_loss(self, loss: float) -> float:
-        dp = getattr(self.runner, "dp_mesh", None)
-        if hasattr(self.runner, "stages") or dp is None or dp.size() == 1:
-            return loss  # the pipeline runner already returns the mean over dp
+        """The global batch's mean: each rank's loss is its batch shard's -- by its dp coordinate,
+        then by its ep coordinate when expert parallelism shards the batch (the pipeline runner
+        already returns the mean over both)."""
+        if hasattr(self.runner, "stages"):
+            return loss
+        meshes = [m for m in (getattr(self.runner, "dp_mesh", None), getattr(self.runner, "ep_mesh", None))
+                  if m is not None and m.size() > 1]
+        if not meshes:
+            return loss
         t = torch.tensor(loss, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=dp.get_group())
-        return float(t) / dp.size()
+        shards = 1
+        for m in meshes:
+            dist.all_reduce(t, group=m.get_group())
+            shards *= m.size()
+        return float(t) / shards
 
     def train_step(self) -> dict[str, Any]:
         lr = lr_at(self.cfg, self.step)
