@@ -288,8 +288,10 @@ class Plan:
 
     def __repr__(self) -> str:
         m = self.mesh
+        experts = len(((self.parallel or {}).get("ep") or {}).get("styles") or {})
         return (f"Plan(mesh={dict(zip(m['names'], m['shape']))}, stream={self.stream_layout}, "
-                f"loss_parallel={self.loss_parallel}, {len(self.styles)} styles, "
+                f"loss_parallel={self.loss_parallel}, {len(self.styles)} styles"
+                + (f" + {experts} expert-parallel" if experts else "") + ", "
                 f"step≈{self.predictions.get('step_s', float('nan')):.4g}s)")
 
     # ---- review (issue 8): thin delegations to autoplan.review (exports, explain, diff, plots)

@@ -32,7 +32,7 @@ from autoplan.train.errors import DivergenceError, TrainConfigError
 from autoplan.train.guard import GradClipper, check_loss
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from autoplan.train.model import build_model, flops_per_token, pretrained_weights
-from autoplan.train.plan_source import plan_for
+from autoplan.train.plan_source import check_ranks_agree, plan_for
 from autoplan.train.progress import Progress
 from autoplan.train.quiet import quiet_known_warnings
 
@@ -85,7 +85,11 @@ class Trainer:
             plan = plan_for(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.device(device_type()))
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.plan = plan if plan is not None else plan_for(cfg, self.world, self.device)
+        if plan is None:
+            plan = plan_for(cfg, self.world, self.device)
+        else:   # planned before the group was up, or given: the ranks must hold the same one
+            check_ranks_agree(plan)
+        self.plan = plan
         self.mesh = plan_mesh(self.plan, self.device)
         self._check_batch()
         weights = pretrained_weights(cfg)  # a bad --init or missing weights fail before any work

@@ -33,12 +33,16 @@ def plan_for(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
     """This rank's plan (read from ``cfg.plan`` or planned here); every rank returns the same Plan
     (checked once the process group is up, see the module doc)."""
     plan = Plan.from_json(cfg.plan) if cfg.plan else _plan(cfg, world, device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        _check_ranks_agree(plan)
+    check_ranks_agree(plan)
     return plan
 
 
-def _check_ranks_agree(plan: Plan) -> None:
+def check_ranks_agree(plan: Plan) -> None:
+    """Every rank of the started job holds this same plan (a digest gathered; nothing before the
+    process group is up). A plan made before ``init_process_group`` is checked by calling this
+    again once it is."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
     digest = hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)

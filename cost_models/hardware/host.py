@@ -8,6 +8,7 @@ writes fitted values into the same cache.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -166,20 +167,56 @@ def _cache_path() -> Path:
 
 
 def save_host_profile(profile: HardwareProfile) -> Path:
+    """Write the profile whole or not at all (a temporary file renamed over the old one): a
+    process reading the cache never sees half of it."""
     path = _cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.to_dict(), indent=1))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+    os.replace(tmp, path)
     return path
 
 
-def measure_host(force: bool = False) -> HardwareProfile:
-    """The cached host profile, measuring (and caching) it first if absent or if ``force``."""
-    path = _cache_path()
-    if path.is_file() and not force:
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold an exclusive lock on ``path``.lock while measuring: the ranks of a job started on one
+    host plan at the same time, and each measuring the host itself -- under the others' load --
+    gave them different profiles, hence different plans. With the lock one rank measures and the
+    others read what it wrote. (No lock where ``fcntl`` is missing: each then measures.)"""
+    try:
+        import fcntl
+    except ImportError:   # not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            return HardwareProfile.from_dict(json.loads(path.read_text()))
-        except (ValueError, CalibrationError) as exc:
-            log.warning("ignoring unreadable host profile cache %s: %s", path, exc)
-    prof = measure_host_profile()
-    save_host_profile(prof)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read_cached(path: Path) -> HardwareProfile | None:
+    if not path.is_file():
+        return None
+    try:
+        return HardwareProfile.from_dict(json.loads(path.read_text()))
+    except (ValueError, CalibrationError) as exc:
+        log.warning("ignoring unreadable host profile cache %s: %s", path, exc)
+        return None
+
+
+def measure_host(force: bool = False) -> HardwareProfile:
+    """The cached host profile, measuring (and caching) it first if absent or if ``force``; one
+    process per host measures at a time, and one that waited reads the profile just written."""
+    path = _cache_path()
+    prof = None if force else _read_cached(path)
+    if prof is not None:
+        return prof
+    with _exclusive(path):
+        prof = None if force else _read_cached(path)
+        if prof is None:
+            prof = measure_host_profile()
+            save_host_profile(prof)
     return prof

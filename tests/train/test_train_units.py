@@ -199,3 +199,6 @@ def test_every_rank_of_a_started_job_plans_the_offline_plan_and_disagreement_is_
     for got in pool2.run(train_workers.plan_in_job, kwargs):
         assert got["plan"] == offline.to_json()
         assert "the ranks planned different plans" in got["error"] and "[0]" in got["error"], got["error"]
+    # a plan made before the group was up (the Trainer's path under torchrun) or given is checked too
+    for got in pool2.run(train_workers.trainer_with_rank_plans, kwargs):
+        assert got["error"] is not None and "the ranks planned different plans" in got["error"], got

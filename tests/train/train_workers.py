@@ -18,7 +18,7 @@ from autoplan.cli import main
 from autoplan.train import CheckpointMismatchError, TrainConfig, Trainer
 from autoplan.train.checkpoint import consolidated
 from autoplan.train.errors import TrainConfigError
-from autoplan.train.plan_source import _check_ranks_agree, plan_for
+from autoplan.train.plan_source import check_ranks_agree, plan_for
 
 HF_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256)
@@ -100,9 +100,21 @@ def plan_in_job(cfg_kwargs: dict) -> dict:
     plan = plan_for(TrainConfig(**cfg_kwargs), dist.get_world_size(), torch.device("cpu"))
     plan.model["source"] = f"rank {dist.get_rank()}"
     try:
-        _check_ranks_agree(plan)
+        check_ranks_agree(plan)
         error = None
     except TrainConfigError as e:
         error = str(e)
     plan.model["source"] = cfg_kwargs["model"]
     return {"plan": plan.to_json(), "error": error}
+
+
+def trainer_with_rank_plans(cfg_kwargs: dict) -> dict:
+    """A Trainer given a plan that differs by rank (as ranks that planned before the group was up
+    with different host measurements would hold): the error it raises, before any model is built."""
+    plan = plan_for(TrainConfig(**cfg_kwargs), dist.get_world_size(), torch.device("cpu"))
+    plan.model["source"] = f"rank {dist.get_rank()}"
+    try:
+        Trainer(TrainConfig(**cfg_kwargs), plan=plan)
+    except TrainConfigError as e:
+        return {"error": str(e)}
+    return {"error": None}
