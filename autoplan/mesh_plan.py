@@ -33,7 +33,7 @@ from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
 from autoplan.search.costing import CostContext
-from autoplan.search.expert_plan import ExpertPlanning
+from autoplan.search.expert_plan import ExpertPlanning, expert_parallel_default
 from autoplan.search.moe_memory import planned_saved_delta
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
@@ -235,6 +235,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         cp_args = dict(cp=cp, cp_dim=cp_dim, loss_dim=red_dim, local_batch=microbatch_size or int(batch[0]) // dp, seq_len=int(batch[1]),
                        dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
+    if expert_parallel is None:
+        expert_parallel = expert_parallel_default(allow_replicated_units)
     experts = ExpertPlanning(model, graph, structure, ctx, spec, expert_parallel=expert_parallel) if ep > 1 else None
     user_limit = limit
     if experts is not None:  # the TP search counts experts replicated: give it the room EP frees
@@ -251,7 +253,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
         ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
-                        sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1)
+                        sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1,
+                        experts_by_ep=ep > 1 and expert_parallel is not False)
         if styles is not None:
             t_fix = time.perf_counter()
             chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
@@ -275,7 +278,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     if best is None:
         ctx_min = dataclasses.replace(ctx, recompute="full" if ac_modes[-1] else "none")
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
-                         sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1)
+                         sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1,
+                        experts_by_ep=ep > 1 and expert_parallel is not False)
         least, lay2, _ = s_min.solve(objective="memory")
         need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
         if experts is not None:  # the TP search counts the experts replicated

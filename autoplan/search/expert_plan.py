@@ -48,6 +48,13 @@ def shard_experts(shards: list[ParamShard], styled: list, ep: int, tp: int) -> l
     return out
 
 
+def expert_parallel_default(allow_replicated_units: bool) -> bool | None:
+    """The expert plan's ``expert_parallel`` when no constraint states it: priced (None), or held
+    to ExpertParallel where replicated units are not allowed -- replicated experts on a mesh with
+    an ep dimension are the replicated units ``allow_replicated_units=False`` forbids."""
+    return None if allow_replicated_units else True
+
+
 class ExpertPlanning:
     def __init__(self, model, graph, structure, ctx, spec, imbalance: float = IMBALANCE,
                  expert_parallel: bool | None = None, groups=None):

@@ -37,7 +37,7 @@ from autoplan.search.probe import Prober
 from autoplan.search.group_patterns import wildcard_group
 from autoplan.search.soundness import SoundnessReport, check_search, settle
 from autoplan.search.ilp_solver import ilp_solver
-from autoplan.search.mixer_units import without_moe_units
+from autoplan.search.mixer_units import MOE_NOT_A_TP_UNIT, without_moe_units
 from autoplan.search.structure import ModelStructure
 from autoplan.search.unit_work import Work
 from cost_models.overlap import dp_overlap
@@ -208,6 +208,10 @@ class TPSearch:
     # MoE experts as a TP unit (False: an ep dimension plans them, or a cluster search that prices
     # one TP solution for every ep degree)
     experts_tp: bool = True
+    # an ep dimension splits the experts (the expert plan, ExpertParallel): their layers are no TP
+    # unit, yet sharded -- ``allow_replicated=False`` does not refuse them (the expert plan is then
+    # held to ExpertParallel)
+    experts_by_ep: bool = False
 
     def __post_init__(self) -> None:
         if not self.experts_tp:   # experts planned elsewhere (ep) or not priced: no unit, stream kept off them
@@ -319,8 +323,10 @@ class TPSearch:
         """Raise when ``allow_replicated=False`` leaves a unit without any sharded candidate."""
         if self.allow_replicated:
             return
-        if self.structure.not_units:
-            where, why = self.structure.not_units[0]
+        left = [(w, why) for w, why in self.structure.not_units
+                if not (self.experts_by_ep and why == MOE_NOT_A_TP_UNIT)]
+        if left:
+            where, why = left[0]
             raise InfeasiblePlanError(f"{where}: cannot be tensor-parallel at tp={self.tp}: {why}; "
                                       f"allow replicated units")
         # a whole model part (a stack, a tower: a tenth of the parameters or more) left out is

@@ -8,7 +8,7 @@ import torch
 
 from autoplan import autoplan, plan_cluster
 from autoplan.capture import capture
-from autoplan.errors import InvalidConstraintError
+from autoplan.errors import InfeasiblePlanError, InvalidConstraintError
 from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
 from autoplan.search.expert_search import ExpertRuntime, _pattern, grouped_expert_time, moe_groups
 from autoplan.models import build_llama
@@ -182,3 +182,24 @@ def test_cp_with_pp_plan_equals_one_device(pool4, schedule):
         assert r["n_params"] > 0, r
         assert r["par"] == pytest.approx(r["ref"], rel=1e-5), r
         assert not r["bad_grads"] and not r["bad_params"], r
+
+
+def test_shard_all_with_ep_splits_the_experts_by_expert_parallelism(mixtral):
+    """allow_replicated_units=False (``autoplan train --shard-all``) on a mesh with ep: the MoE
+    layers are no TP unit there but are sharded -- by ExpertParallel, which the expert plan is then
+    held to -- so the plan is made (it was refused: "cannot be tensor-parallel ... planned by expert
+    parallelism"), and verifies exactly; with expert_parallel=False asked, replicated experts are
+    the replicated units forbidden: refused, naming the layer."""
+    model = build("mixtral")[0].to("meta")
+    model.config.use_cache = False
+    for plan in (plan_cluster(model, 4, hardware="cpu", batch=(8, 16), devices_per_node=4,
+                              constraints={"ep": 2, "tp": 2}, allow_replicated_units=False),
+                 autoplan(model, {"shape": [2, 2], "names": ["ep", "tp"]}, hardware="cpu", batch=(8, 16),
+                          allow_replicated_units=False)):
+        assert list(plan.parallel["ep"]["styles"]) == ["model.layers.*.mlp.experts"], plan.parallel["ep"]
+        assert plan.styles, plan
+        res = verify(plan, model)
+        assert res.passed, (res.error, res.mismatches().to_string())
+    with pytest.raises(InfeasiblePlanError, match="mlp: cannot be tensor-parallel"):
+        plan_cluster(model, 4, hardware="cpu", batch=(8, 16), devices_per_node=4,
+                     constraints={"ep": 2, "tp": 2, "expert_parallel": False}, allow_replicated_units=False)
