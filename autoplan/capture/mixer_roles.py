@@ -52,7 +52,10 @@ def flat_experts(flow, role, per_block, rep_of, claimed) -> None:
     DBRX's), so no top-k reaches them in the graph: a module-level call inside a block whose 2-D
     weights all have E x F rows, beside a weighted matmul with E outputs in the same container
     (the router). Recorded as a ``moe`` entry with
-    ``flat_params`` (the weights' paths) and ``ffn`` F."""
+    ``flat_params`` (the weights' paths), ``ffn`` F and ``routing_weights``: the bytes of the call's
+    routing weights (its floating input shaped like its integer expert indices: tokens x top-k) over
+    those of its hidden states, as [numerator, denominator] -- the split experts all-reduce the
+    weights' gradient in backward, sized by it (FlatExpertsParallel copies them into the split)."""
     graph = flow.graph
     known = {(b, e["experts"]) for b, entries in per_block.items() for e in entries.get("moe", [])}
     for n in graph.nodes:
@@ -79,8 +82,22 @@ def flat_experts(flow, role, per_block, rep_of, claimed) -> None:
             per_block[n.block]["moe"].append({
                 "module": _rel(parent, base), "router": _rel(r.module, base), "experts": _rel(mod, base),
                 "num_experts": experts, "top_k": None, "expert_params": [],
-                "flat_params": sorted(_rel(p, base) for p in shapes), "ffn": rows // experts})
+                "flat_params": sorted(_rel(p, base) for p in shapes), "ffn": rows // experts,
+                "routing_weights": _routing_weights(n.inputs)})
             break
+
+
+def _routing_weights(inputs) -> list[int] | None:
+    """[routing-weight bytes, hidden-state bytes] of an experts call ``(hidden, top_k_index,
+    top_k_weights)``: a floating input of the integer one's shape, the hidden states first."""
+    if len(inputs) < 3 or not inputs[0].dtype.split(".")[-1].startswith(("float", "bfloat")):
+        return None
+    index = next((t for t in inputs[1:] if "int" in t.dtype.split(".")[-1]), None)
+    weights = next((t for t in inputs[1:] if index is not None and t is not index and tuple(t.shape) == tuple(index.shape)
+                    and "float" in t.dtype.split(".")[-1]), None)
+    if weights is None or not inputs[0].nbytes:
+        return None
+    return [weights.nbytes, inputs[0].nbytes]
 
 
 def routed_modules(graph: ModelGraph, role, per_block, rep_of) -> None:

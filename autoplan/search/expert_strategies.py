@@ -5,7 +5,10 @@ column-wise, down row-wise: ``ExpertParallel(ep_dim="")``, transformers' ``moe_t
 The tokens each rank routes are the same, so the experts' rows are copied into the split (their
 gradient all-reduced in backward) and the partial expert outputs all-reduced in forward -- two
 all-reduces of the routed rows (tokens x top-k x hidden) per layer. On a sequence-sharded stream
-the container gathers the sequence at its input and slices it out of its output.
+the container gathers the sequence at its input and slices it out of its output. Flat experts
+(DBRX's, FlatExpertsParallel) copy the hidden states themselves (not routed rows: the roles entry
+has no top-k, so ``rows`` is the hidden stream) and the routing weights into the split: a third
+all-reduce, of the weights' gradient in backward.
 
 A mesh with an ep dimension plans the experts in ``expert_plan`` instead (expert parallelism,
 optionally with expert TP inside each ep group); the TP search then offers only these.
@@ -44,6 +47,9 @@ def experts_strategies(m: MoeUnit, blk: BlockGroupInfo, t: int, layout: str) -> 
     own_region = layout == "S" and bool(m.paired) and m.rel == m.experts
     rows = h * m.top_k
     comm = [Collective("all_reduce", "forward", rows), Collective("all_reduce", "backward", rows)]
+    if m.flat and m.routing_weights:   # the routing weights are copied into the split too: their gradient
+        num, den = m.routing_weights    # (tokens x top-k, partial on each rank) all-reduced in backward
+        comm.append(Collective("all_reduce", "backward", h * num // den))
     if m.paired:
         style = PairedExpertsParallel(**m.paired, **({"sequence_dim": 1} if own_region else {}))
     else:

@@ -24,6 +24,8 @@ class MoeUnit:
     work: Work = field(default_factory=Work)          # the router's and the experts'
     expert_work: Work = field(default_factory=Work)   # the experts module's share of ``work``
     flat: bool = False          # experts as flat (E * F, H) weights (DBRX): FlatExpertsParallel splits them
+    # flat experts: routing-weight bytes over hidden-state bytes of their call, (num, den) (None: not read)
+    routing_weights: tuple[int, int] | None = None
     paired: dict | None = None  # experts as an up and a down module of 3-D weights (JetMoE): PairedExpertsParallel's args
 
 
@@ -97,7 +99,8 @@ def moe_unit(graph: ModelGraph, rep: str, e: dict, work) -> MoeUnit | str:
     if e.get("flat_params") and e.get("experts"):
         experts = work(f"{rep}.{e['experts']}")
         return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),
-                       work(f"{rep}.{e['router']}") + experts, experts, flat=True)
+                       work(f"{rep}.{e['router']}") + experts, experts, flat=True,
+                       routing_weights=tuple(e["routing_weights"]) if e.get("routing_weights") else None)
     if e.get("paired"):
         where, pair = f"{rep}.{e['experts']}", e["paired"]   # the container is the experts module: its whole work
         return MoeUnit(e["module"], e["experts"], int(e["num_experts"]), int(e.get("top_k") or 1), int(e["ffn"]),

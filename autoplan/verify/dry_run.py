@@ -25,6 +25,7 @@ from autoplan.plan.plan import Plan
 from autoplan.verify.even_counts import EvenCounts
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
+from autoplan.verify.own_routing import OwnRouting
 from autoplan.verify.pipeline_dry_run import verify_pipeline
 from autoplan.verify.shrink import ModelRecipe, recipe_for
 from hyper_parallel import balanced_routing
@@ -61,8 +62,9 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
             inputs, targets = dry_batch(plan, dp, inputs)
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # this rank's chunks, as Runner.local_batch
             # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
-            # (modules routing by counts they read: the balanced router's counts, EvenCounts)
-            with CollectiveRecorder() as rec, balanced_routing(), EvenCounts():
+            # (modules routing by counts they read: the balanced router's counts, EvenCounts; modules
+            # whose own expert loop indexes by the routing mask, DBRX's: its balanced values, OwnRouting)
+            with CollectiveRecorder() as rec, balanced_routing(), EvenCounts(), OwnRouting():
                 # Runner.step's passes (one per micro-batch of gradient accumulation), each
                 # collective attributed to the phase it ran in
                 runner.forward_backward(inputs, targets, on_phase=lambda name: setattr(rec, "phase", name))
