@@ -50,10 +50,8 @@ from hyper_parallel.core.tensor_parallel import (
     SequenceParallel,
     loss_parallel,
     parallelize_module,
-    style_from_dict,
     vocab_parallel_cross_entropy,
 )
-# after tensor_parallel: its style registry imports ExpertParallel and ContextParallel, built on tensor_parallel.base
 from hyper_parallel.core.expert_parallel import (
     DenseExpertsParallel,
     FlatExpertsParallel,
@@ -71,6 +69,7 @@ from hyper_parallel.core.context_parallel import (
     shard_batch,
     unshard_sequence,
 )
+from hyper_parallel.core.style_registry import style_from_dict
 from hyper_parallel.parallel_dims import ParallelDims
 
 __all__ = [

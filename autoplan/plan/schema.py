@@ -22,7 +22,7 @@ from autoplan.errors import MeshNameError, PlanSchemaError
 from autoplan.parallelisms import PARALLELISMS, parallel_schema
 from hyper_parallel.parallel_dims import mesh_roles
 from cost_models.hardware import list_hardware
-from hyper_parallel.core.tensor_parallel.registry import STYLES, style_from_dict
+from hyper_parallel.core.style_registry import STYLES, style_from_dict
 from hyper_parallel.errors import HyperParallelError
 
 # the plan-file format this autoplan writes and reads (see plan.py's docstring for what changed)

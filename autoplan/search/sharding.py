@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from autoplan.capture.ir import ModelGraph, dtype_size
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
-from hyper_parallel.core.tensor_parallel.registry import style_from_dict
+from hyper_parallel.core.style_registry import style_from_dict
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.fqn_pattern import fqn_matches, wildcards
 

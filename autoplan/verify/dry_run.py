@@ -25,7 +25,7 @@ from autoplan.plan.plan import Plan
 from autoplan.verify.even_counts import EvenCounts
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
-from autoplan.verify.own_routing import OwnRouting
+from hyper_parallel.local.own_routing import OwnRouting
 from autoplan.verify.pipeline_dry_run import verify_pipeline
 from autoplan.verify.shrink import ModelRecipe, recipe_for
 from hyper_parallel import balanced_routing

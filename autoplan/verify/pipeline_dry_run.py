@@ -45,6 +45,7 @@ from hyper_parallel.core.pipeline_parallel.image_features import METHOD
 from hyper_parallel.core.pipeline_parallel.stage import flatten
 from hyper_parallel.core.pipeline_parallel.shape_inference import local_boundaries
 from hyper_parallel import balanced_routing
+from hyper_parallel.local.own_routing import OwnRouting
 from hyper_parallel.local import CollectiveRecorder, fake_world
 
 log = logging.getLogger(__name__)
@@ -106,10 +107,11 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
                 pre.module.to_empty(device="cpu")
             if shapes_model is not None:
                 shapes_model.to_empty(device="cpu")
-        # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
+        # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones (a model's own
+        # expert loop indexing by its routing mask, DBRX's: the balanced values, OwnRouting)
         # shapes only: transformers' checks of input values have none to read (VL models' image-token
         # counts), and the derived inputs are consistent by construction
-        with fake, balanced_routing(), value_checks_off(meta, every_family=True):
+        with fake, balanced_routing(), OwnRouting(), value_checks_off(meta, every_family=True):
             # one dp x ep rank's rows (the ep dimension shards the batch), as PipelineRunner.local_batch
             inputs, targets = dry_batch(plan, batch_shards(plan), inputs)
             inputs, targets = cp_share(inputs, targets, runner.cp_mesh)

@@ -2,7 +2,7 @@
 per-token linears on flattened tokens (the sequence on dim 0): equal to one device."""
 import pytest
 
-from hyper_parallel.core.tensor_parallel.registry import style_from_dict
+from hyper_parallel.core.style_registry import style_from_dict
 from hyper_parallel.core.tensor_parallel.sequence_region import GatheredRegion
 from hyper_parallel.errors import StyleSpecError
 from tests.runtime import sequence_region_workers

@@ -21,7 +21,7 @@ from hyper_parallel import (
     parallelize_module,
     style_from_dict,
 )
-from hyper_parallel.core.tensor_parallel import plan_from_dict, plan_to_dict
+from hyper_parallel.core.style_registry import plan_from_dict, plan_to_dict
 from hyper_parallel.local import fake_world
 
 STYLES = [

@@ -5,10 +5,10 @@ import torch
 import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoplan import MeshSpec, autoplan
+from autoplan import MeshSpec, autoplan, plan_cluster
 from autoplan.verify import verify
 from autoplan.verify.even_counts import EvenCounts
-from autoplan.verify.own_routing import OwnRouting, value_of
+from hyper_parallel.local.own_routing import OwnRouting, value_of
 
 
 def _tiny_dbrx():
@@ -34,6 +34,19 @@ def test_dbrx_experts_tp_dry_run_equals_predictions():
     c = res.collectives
     row = c[(c["kind"] == "all_reduce") & (c["mesh_dim"] == "tp") & (c["phase"] == "backward") & (c["bytes"] == 512)]
     assert list(row["issued"]) == [2] and list(row["predicted"]) == [2], c.to_string()
+
+
+def test_dbrx_pipeline_dry_run_equals_predictions_on_every_pipeline_rank():
+    """pp2 x tp2: the stage splitter traces DBRX's forward on fake tensors (its own expert loop on
+    the balanced routing's values) and the pipeline dry run of each rank matches its predictions."""
+    model = _tiny_dbrx()
+    plan = plan_cluster(model, 4, hardware="h100_sxm", batch=(8, 32), devices_per_node=4,
+                        constraints={"pp": 2, "tp": 2, "dp": 1}, dtype=torch.float32)
+    assert plan.pipeline and plan.pipeline["pp"] == 2, plan
+    res = verify(plan, model)
+    assert res.error is None, res.error
+    assert res.passed, f"mismatches\n{res.mismatches().to_string()}"
+    assert sorted(res.collectives["pp_rank"].unique()) == [0, 1]
 
 
 def test_own_expert_loop_routes_balanced_on_fake_tensors():

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyper_parallel.core.short_stack import short_stacks
+from hyper_parallel.local.own_routing import OwnRouting
 from hyper_parallel.errors import StageSplitError
 
 # keywords the pipeline runner adds, not the model's: the full sequence length (a stage receiving a
@@ -188,9 +189,10 @@ def _one_block(model: nn.Module, prefix: str):
 
 
 def _fake_forward(model: nn.Module) -> None:
-    # fake tensors: no memory, no compute, and transformers skips its data-dependent mask checks
+    # fake tensors: no memory, no compute, and transformers skips its data-dependent mask checks;
+    # a model's own expert loop (DBRX's nonzero over its routing mask) runs on balanced routing values
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with torch.no_grad(), mode, _Bf16GroupedMM():
+    with torch.no_grad(), mode, _Bf16GroupedMM(), OwnRouting():
         model(_tiny_input(model), **model_kwargs(model, {}))
 
 

@@ -11,7 +11,6 @@ from hyper_parallel.core.tensor_parallel.prepare_styles import (
     PrepareModuleInputOutput,
     PrepareModuleOutput,
 )
-from hyper_parallel.core.tensor_parallel.registry import STYLES, plan_from_dict, plan_to_dict, style_from_dict
 from hyper_parallel.core.tensor_parallel.replicate_styles import NoParallel, SequenceParallel
 from hyper_parallel.core.tensor_parallel.torch_native import to_torch_plan, to_torch_style
 from hyper_parallel.core.tensor_parallel.uneven_heads import HeadColsParallel, HeadRowsParallel
@@ -19,6 +18,6 @@ from hyper_parallel.core.tensor_parallel.uneven_heads import HeadColsParallel, H
 __all__ = [
     "ApplyRecord", "ParallelStyle", "KVReplicatedParallel", "HeadRowsParallel", "HeadColsParallel", "PrepareLatentInput", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "NoParallel",
     "PrepareModuleInput", "PrepareHeadsInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
-    "flatten_plan", "match_modules", "loss_parallel", "vocab_parallel_cross_entropy", "STYLES",
-    "style_from_dict", "plan_to_dict", "plan_from_dict", "to_torch_plan", "to_torch_style",
+    "flatten_plan", "match_modules", "loss_parallel", "vocab_parallel_cross_entropy",
+    "to_torch_plan", "to_torch_style",
 ]

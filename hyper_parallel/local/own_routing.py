@@ -1,6 +1,7 @@
 """A model's own MoE routing, run on fake tensors as the balanced router would route.
 
-Verify's dry run executes the plan under FakeTensorMode with routing fixed to the balanced
+Two fake runs need it: the pipeline splitter's trace of the forward (``forward_split``) and
+verify's dry runs. Verify's dry run executes the plan under FakeTensorMode with routing fixed to the balanced
 assignment (hyper_parallel's ``balanced_routing()``). The expert styles that replace an experts
 module's forward (ExpertParallel and its tp form) follow it from sizes alone, so Mixtral, Qwen3-MoE
 or OLMoE never run their own expert loop in the dry run. A module whose own loop stays in place --
@@ -31,7 +32,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hyper_parallel.core.expert_parallel import balanced_assignment
+from hyper_parallel.core.expert_parallel.routing import balanced_assignment
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -1,5 +1,9 @@
 """The fixed registry of style names: the only styles a plan file can name.
 
+It spans the style packages (tensor, expert and context parallel), so it lives above them: a
+package below that imported it would import the others' styles, which are built on
+``tensor_parallel.base`` -- a cycle that worked only in one import order.
+
 ``style_from_dict`` is how a plan is turned back into objects; it looks names up here and never
 imports or evaluates anything named in the data.
 """
