@@ -156,13 +156,16 @@ def allreduce_gradients(params: Iterable[torch.nn.Parameter], group, world: int)
         offset += n
 
 
-def unique_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Parameters once each (tied ones counted once), in registration order."""
+def unique_params(*modules: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable parameters of ``modules`` once each, in registration order: a tied parameter
+    counted once -- also across modules (a V schedule puts the first and the last pipeline stage on
+    one rank, where a tied embedding and head are one Parameter in two stage modules)."""
     seen, out = set(), []
-    for p in model.parameters():
-        if id(p) not in seen and p.requires_grad:
-            seen.add(id(p))
-            out.append(p)
+    for m in modules:
+        for p in m.parameters():
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                out.append(p)
     return out
 
 

@@ -97,8 +97,7 @@ class ExpertGradSync:
         experts = {id(p) for root in roots for p in expert_parameters(root, self.plan)}
         # FSDP over dp x ep (parallelisms.data.state_mesh) has averaged these over ep already
         done = self.target.state.get("dense_over_ep", set())
-        seen: set[int] = set()
-        params = [p for root in roots for p in unique_params(root) if not (id(p) in seen or seen.add(id(p)))]
+        params = unique_params(*roots)
         allreduce_gradients([p for p in params if id(p) not in experts and id(p) not in done], self.group, self.ep)
         with torch.no_grad():
             for p in params:

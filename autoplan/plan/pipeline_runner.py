@@ -109,7 +109,7 @@ class PipelineRunner(HeldWeights):
             zero1.step(self.optimizer)
             return True
         if getattr(self, "replicate_dp", False):
-            params = [p for st in self.stages for p in unique_params(st.module)]
+            params = unique_params(*(st.module for st in self.stages))
             allreduce_gradients(params, self.dp_mesh.get_group(), self.dp_mesh.size())
         elif getattr(self, "fsdp_replicated", None):   # left out of FSDP (parallelisms.data)
             allreduce_gradients(self.fsdp_replicated, dp_group(self.dp_mesh), self.dp_mesh.size())
@@ -260,13 +260,9 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     schedule = cls(stages, m, loss, dp_group=dp_group(dp_mesh) if use_dp else None,
                    loss_context=loss_parallel if sharded_loss else None, preprocess=pre,
                    **({"kwarg_specs": {k: NO_SPLIT for k in step_keys}} if step_keys else {}), **kwargs)
-    params = [prm for st in stages for prm in st.module.parameters()]
-    if pre is not None:   # every rank holds the whole tower and steps it (its gradients are summed)
-        params += list(pre.module.parameters())
-    # once each: a V schedule puts the first and the last stage on one rank, so a tied embedding
-    # and LM head are one Parameter in two stage modules -- listed twice, the optimizer would step
-    # it twice per step
-    params = list({id(prm): prm for prm in params}.values())
+    # once each (listed twice, a tied parameter would be stepped twice); every rank holds the
+    # whole tower and steps it (its gradients are summed)
+    params = unique_params(*(st.module for st in stages), *((pre.module,) if pre is not None else ()))
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=lr)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -278,6 +274,6 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
                             ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"))
     runner.replicate_dp = replicate_dp
     runner.fsdp_replicated = target.state.get("fsdp_replicated", []) if use_dp else []
-    runner.zero1 = Zero1([p for st in stages for p in unique_params(st.module)], dp_mesh.get_group(),
+    runner.zero1 = Zero1(unique_params(*(st.module for st in stages)), dp_mesh.get_group(),
                          dp_mesh.size(), dp_mesh.get_local_rank()) if zero1_dp else None
     return runner

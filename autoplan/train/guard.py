@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autoplan.parallelisms.data import unique_params
 from autoplan.train.errors import DivergenceError, TrainConfigError
 
 
@@ -43,13 +44,7 @@ def check_loss(loss: float, step: int, max_loss: float | None, device: torch.dev
 def _params(runner) -> list[torch.nn.Parameter]:
     stages = getattr(runner, "stages", None)
     modules = [st.module for st in stages] if stages is not None else [runner.model]
-    seen, out = set(), []
-    for m in modules:
-        for p in m.parameters():
-            if id(p) not in seen and p.grad is not None:
-                seen.add(id(p))
-                out.append(p)
-    return out
+    return [p for p in unique_params(*modules) if p.grad is not None]
 
 
 def global_grad_norm(runner) -> torch.Tensor:
