@@ -30,7 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoplan.errors import PretrainedWeightsError
-from autoplan.plan.hf_keys import KeyTarget, MergeSlot
+from autoplan.plan.hf_keys import KeyTarget, MergeSlot, placing_ops
 from autoplan.plan.safetensors_slices import SafetensorsFile
 from hyper_parallel.core.dtensor.blocks import holds_one_block
 
@@ -184,11 +184,10 @@ def _replay(values: dict[str, object], converter, name: str) -> tuple[_Sym, list
     """The converter's operations on ``values`` as transformers runs them (core_model_loading:
     MergeModulelist keeps the source patterns' keys while more than one is left, Concatenate joins
     them in source-pattern order); also the dims the stacks added."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist
-
+    stack_op, concat_op = placing_ops()
     stacked: list[int] = []
     for op in converter.operations:
-        if type(op) is MergeModulelist:
+        if type(op) is stack_op:
             n = len(values)
             out = {}
             for pattern, v in values.items():
@@ -199,7 +198,7 @@ def _replay(values: dict[str, object], converter, name: str) -> tuple[_Sym, list
                 else:
                     out[target] = v
             values = out
-        elif type(op) is Concatenate:
+        elif type(op) is concat_op:
             items: list[_Sym] = []
             for pattern in converter.source_patterns:
                 v = values.pop(pattern, None)
