@@ -33,7 +33,7 @@ from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
 from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
 from autoplan.search.costing import CostContext
-from autoplan.search.expert_plan import ExpertPlanning, expert_parallel_default
+from autoplan.search.expert_plan import ExpertPlanning, expert_parallel_constraint
 from autoplan.search.moe_memory import planned_saved_delta
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.probe import Prober
@@ -235,8 +235,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         cp_args = dict(cp=cp, cp_dim=cp_dim, loss_dim=red_dim, local_batch=microbatch_size or int(batch[0]) // dp, seq_len=int(batch[1]),
                        dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
-    if expert_parallel is None:
-        expert_parallel = expert_parallel_default(allow_replicated_units)
+    expert_parallel = expert_parallel_constraint(expert_parallel, allow_replicated_units)
     experts = ExpertPlanning(model, graph, structure, ctx, spec, expert_parallel=expert_parallel) if ep > 1 else None
     user_limit = limit
     if experts is not None:  # the TP search counts experts replicated: give it the room EP frees

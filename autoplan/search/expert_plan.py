@@ -48,10 +48,13 @@ def shard_experts(shards: list[ParamShard], styled: list, ep: int, tp: int) -> l
     return out
 
 
-def expert_parallel_default(allow_replicated_units: bool) -> bool | None:
-    """The expert plan's ``expert_parallel`` when no constraint states it: priced (None), or held
-    to ExpertParallel where replicated units are not allowed -- replicated experts on a mesh with
-    an ep dimension are the replicated units ``allow_replicated_units=False`` forbids."""
+def expert_parallel_constraint(stated: bool | None, allow_replicated_units: bool) -> bool | None:
+    """The expert plan's ``expert_parallel``: as stated, else priced (None) -- or held to
+    ExpertParallel where replicated units are not allowed: replicated experts on a mesh with an ep
+    dimension are the replicated units ``allow_replicated_units=False`` forbids. Where it is not
+    False the TP search takes the MoE layers as sharded by ep (``TPSearch.experts_by_ep``)."""
+    if stated is not None:
+        return stated
     return None if allow_replicated_units else True
 
 

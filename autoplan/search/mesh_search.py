@@ -31,7 +31,7 @@ from autoplan.search.cluster_dims import (
 )
 from autoplan.search.context_cost import cp_structure, cp_topology, grad_dims
 from autoplan.search.costing import RECOMPUTE, CostContext
-from autoplan.search.expert_plan import ExpertPlanning, expert_parallel_default
+from autoplan.search.expert_plan import ExpertPlanning, expert_parallel_constraint
 from autoplan.search.expert_search import OUR_EXPERT_RUNTIME, ExpertRuntime
 from autoplan.parallelisms.data import flat_name
 from hyper_parallel.parallel_dims import ParallelDims
@@ -123,6 +123,7 @@ class ClusterSearch:
         if self.seq >= CP_MIN_SEQ and "microbatch_size" not in self.cons:
             self.mb_sizes = [1]   # long sequences: a micro-batch is one sequence (cluster_dims)
         self.allow_replicated, self.sp = allow_replicated_units, sequence_parallel
+        self.expert_parallel = expert_parallel_constraint(self.cons.get("expert_parallel"), allow_replicated_units)
         self.graphs: dict[int, Any] = dict(graphs or {})
         self._tp: dict[tuple, tuple] = {}
         self.tp_solver: dict[tuple, Any] = {}   # (tp, b, recompute) -> the TP ILP's SolverInfo
@@ -236,7 +237,7 @@ class ClusterSearch:
                 search = TPSearch(self.structure(b, cp), self.graph(b, cp), ctx, tp,
                                   allow_replicated=self.allow_replicated, sequence_parallel=self.sp,
                                   prober=self.prober(tp, b, cp), experts_tp=experts_tp(tp, cp, ep),
-                                  experts_by_ep=ep > 1 and self.cons.get("expert_parallel") is not False)
+                                  experts_by_ep=ep > 1 and self.expert_parallel is not False)
             except InfeasiblePlanError as e:  # e.g. allow_replicated_units=False at a degree that cannot shard
                 log.info("plan_cluster: tp=%d skipped: %s", tp, e)
                 self.tp_skipped[tp] = str(e)
@@ -355,8 +356,7 @@ class ClusterSearch:
                                etp=experts_split(options, st.blocks, groups, tp))
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
-                                     groups=self.moe_groups_at(b),
-                                     expert_parallel=self.cons.get("expert_parallel", expert_parallel_default(self.allow_replicated)))
+                                     groups=self.moe_groups_at(b), expert_parallel=self.expert_parallel)
             add_ep(acc, names, options, all_targets, experts, self.expert_runtime, dp_mode=fsdp)
             if not self.expert_runtime.fused_saves:
                 # what ExpertParallel's forward saves, which replaces the captured expert forward
