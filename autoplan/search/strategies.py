@@ -208,9 +208,7 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
         if a.bias_table:   # each rank's heads' columns of the per-head bias table (T5)
             rows[a.bias_table] = ColwiseParallel()
         if plain_why is None:
-            out.append(Strategy("heads_sharded", layout,
-                                {a.entry or a.rel: PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,)),
-                                 **rows},
+            out.append(Strategy("heads_sharded", layout, {**_heads_prep(a, a.entry or a.rel, inp), **rows},
                                 comm, compute_shard=t, param_shard=t, activation_shard=t, reason=reason,
                                 extra=dict(extra)))
         if a.head_attrs:
@@ -218,9 +216,8 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             # Bloom, OPT): offered where the plain form fails its probe run or cannot be used
             counts = ", ".join(sorted(a.head_attrs))
             out.append(Strategy("heads_sharded_local", layout,
-                                {a.rel: PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,),
-                                                          local_attributes=sorted(a.head_attrs),
-                                                          folded_heads=a.folded_heads or None), **rows},
+                                {**_heads_prep(a, a.rel, inp, local_attributes=sorted(a.head_attrs),
+                                               folded_heads=a.folded_heads or None), **rows},
                                 comm, compute_shard=t, param_shard=t, activation_shard=t,
                                 reason=f"{reason}; the module's {counts} set to their local values" +
                                        (f"; per-head inputs folded into the batch cut by {a.folded_heads}"
@@ -231,7 +228,7 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
             # also adds its input to its output inside the module (BERT's post-norm residual in
             # BertSelfOutput: a DTensor input would meet the plain projection output there). Each
             # column-parallel projection then reduces its own input gradient in backward.
-            out.append(Strategy("heads_sharded_plain_input", "R", rows,
+            out.append(Strategy("heads_sharded_plain_input", "R", {**_heads_prep(a, a.rel, None), **rows},
                                 [Collective("all_reduce", "forward", h)] +
                                 [Collective("all_reduce", "backward", h) for p in cols if p not in kv_cols] + kv_grads,
                                 compute_shard=t, param_shard=t, activation_shard=t,
@@ -239,6 +236,23 @@ def attention_strategies(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: 
                                        "output)", extra={**extra, "fallback_for": "heads_sharded"}))
     if plain_why is not None:
         out[0].extra["tp_excluded"] = plain_why
+    return out
+
+
+def _heads_prep(a: AttentionUnit, at: str, inp: tuple | None, **local) -> dict:
+    """{module: style} that readies attention ``a`` for sharded heads: the stream's input layouts
+    at ``at`` (the module, or its entry inside it; ``inp`` None: inputs left plain), the integer
+    attributes ``local`` names made local there, and the per-head parameters the module holds
+    itself (``a.head_params``: GPT-OSS's sinks) sharded with its heads on the module."""
+    layouts = {} if inp is None else dict(input_layouts=inp, desired_input_layouts=(R,))
+    local = {k: v for k, v in local.items() if v}
+    heads = {"head_params": list(a.head_params)} if a.head_params else {}
+    if at == a.rel:
+        heads, local = {}, {**local, **heads}
+    out = {at: PrepareHeadsInput(**layouts, **local) if local else PrepareModuleInput(**layouts)} \
+        if layouts or local else {}
+    if heads:
+        out[a.rel] = PrepareHeadsInput(**heads)
     return out
 
 
@@ -283,9 +297,8 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
         cols = {a.q: ColwiseParallel(), a.k: KVReplicatedParallel(kv_heads=whole),
                 a.v: KVReplicatedParallel(kv_heads=whole)}
     inp, h = (_PLACEMENT[layout],), blk.hidden_bytes
-    prep = PrepareHeadsInput(input_layouts=inp, desired_input_layouts=(R,), local_attributes=local,
-                             attribute_divisors=divisors or None) if local \
-        else PrepareModuleInput(input_layouts=inp, desired_input_layouts=(R,))
+    prep = _heads_prep(a, a.rel, inp, local_attributes=local, attribute_divisors=divisors or None) if local \
+        else _heads_prep(a, a.rel, inp)
     per_param = a.work.param_bytes / a.work.params if a.work.params else 4
     whole_params = sum(a.kv_params)
     total = max(a.work.params, whole_params + 1)
@@ -294,7 +307,7 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
         [Collective("all_reduce", "backward", int(p * per_param), weight_grad=True) for p in a.kv_params]
     form = "Megatron's multi-query form" if kv == 1 else "each rank computing the one KV head its query heads read" \
         if kv < t else f"each rank computing its {kv // t} of them from the fused projection kept whole"
-    return Strategy("kv_replicated", layout, {a.rel: prep, **cols, a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])},
+    return Strategy("kv_replicated", layout, {**prep, **cols, a.o: RowwiseParallel(output_layouts=_PLACEMENT[layout])},
                     comm, compute_shard=t, param_shard=param_shard, activation_shard=t,
                     reason=f"query heads ({n}) sharded, the {kv} KV head{'s' if kv > 1 else ''} replicated with "
                            f"their gradients all-reduced ({form})" + (f"; the module's {', '.join(local)} made local"
@@ -314,7 +327,8 @@ def _uneven_heads(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) ->
         return f"{n} heads are fewer than tp={t} ranks (each needs a whole head)"
     extra_inputs = [why for cond, why in ((a.kv_input_bytes, "keys/values read another tensor (cross-attention)"),
                                           (a.bias_table, "a per-head bias table"),
-                                          (a.folded_heads, "per-head inputs folded into the batch")) if cond]
+                                          (a.folded_heads, "per-head inputs folded into the batch"),
+                                          (a.head_params, "per-head parameters of the module's own")) if cond]
     if extra_inputs:   # each would need its own cut to the rank's uneven heads
         return f"uneven heads are not offered with {extra_inputs[0]}"
     local = sorted(k for k, v in a.head_attrs.items() if v in (n, n * hd)) if hd else []

@@ -49,6 +49,9 @@ class AttentionUnit:
     # an embedding inside the module with one column per head (T5's relative position bias):
     # sharded by heads along with the projections, so each rank adds its own heads' bias
     bias_table: str = ""
+    # parameters the module holds itself with one row per head (GPT-OSS's learnable sinks, one extra
+    # logit per head): sharded by heads with the projections (PrepareHeadsInput ``head_params``)
+    head_params: list[str] = field(default_factory=list)
     # a cross-attention's k/v read another tensor than the module's first input (the encoder's
     # states): its bytes. Each column projection annotates it on its own, so each reduces its
     # input gradient in backward (0: k/v read the module's input, as self-attention does)
@@ -308,6 +311,16 @@ def _bias_table(graph: ModelGraph, rep: str, unit: AttentionUnit) -> str:
     return ""
 
 
+def _head_params(graph: ModelGraph, rep: str, unit: AttentionUnit) -> list[str]:
+    """Parameters attention module ``unit`` holds itself (not through a submodule) whose first
+    dimension is its head count: per-head values its own code combines with each head's scores
+    (GPT-OSS's ``sinks``)."""
+    info = graph.modules.get(f"{rep}.{unit.rel}") if unit.rel else None
+    if info is None:
+        return []
+    return sorted(n for n, shape in info.params.items() if shape and shape[0] == unit.n_heads)
+
+
 def _input_bytes(graph: ModelGraph, fqn: str) -> int:
     """Bytes of the first tensor module ``fqn``'s first op reads (a projection's input)."""
     for n in graph.nodes_in(fqn):
@@ -403,6 +416,7 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
                 not_units.append((where, unit))
                 continue
             unit.bias_table = _bias_table(graph, rep, unit)
+            unit.head_params = _head_params(graph, rep, unit)
             if att is None:
                 att = unit
             elif cross is None and unit.rel:

@@ -108,6 +108,9 @@ SHAPE_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", {}),
     # XGLM-564M: fc1/fc2 directly in the block, sinusoidal positions
     "xglm": ("XGLMConfig", "XGLMForCausalLM", {}),
+    # GPT-OSS-20B: a learnable sink logit per attention head, sliding-window layers alternating with full
+    # ones, 32 stacked experts with biases and a clamped GLU
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {}),
 }
 HF_FAMILIES.update(SHAPE_FAMILIES)
 FAMILIES = ("llama",) + tuple(HF_FAMILIES)

@@ -29,6 +29,13 @@ the first -- positional or keyword -- whose leading dimension is ``batch * heads
 first input's) keeps only this rank's heads' rows; so does one whose leading dimension is the head
 count itself (MPT's ALiBi bias, ``(heads, 1, seq)``). Such inputs are built from the sequence, not
 learned, so the slice needs no gradient of its own; DTensor inputs are left to the layouts.
+
+``head_params`` names parameters the module holds itself with one row per head (GPT-OSS's learnable
+attention sinks, ``sinks`` of shape ``(heads,)``, one extra logit per head concatenated to its
+scores): each becomes a ``Shard(0)`` DTensor over the mesh -- its gradient is whole per head, so
+nothing is reduced -- and the module's own code sees this rank's rows as a plain tensor during
+forward (``torch.nn.utils.stateless``: autograd flows back to the sharded parameter), as it sees
+its heads' columns of q, k and v.
 """
 from __future__ import annotations
 
@@ -37,9 +44,10 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.utils.stateless import _reparametrize_module
 
-from hyper_parallel.core.tensor_parallel.base import ApplyRecord, check_divides
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, _ensure_grad_alignment, check_divides
 from hyper_parallel.core.tensor_parallel.prepare_styles import PrepareModuleInput
 from hyper_parallel.core.tensor_parallel.uneven_heads import head_bounds
 from hyper_parallel.errors import LayoutError, StyleSpecError
@@ -114,6 +122,16 @@ def check_attribute_paths(paths, where: str) -> list[str]:
     return sorted(set(paths))
 
 
+def _check_head_params(names, where: str) -> list[str]:
+    if names is None:
+        return []
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n.isidentifier()
+                                                                     for n in names):
+        raise StyleSpecError(f"{where}: head_params must be a non-empty list of parameter names the module holds "
+                             f"itself, got {names!r}")
+    return sorted(set(names))
+
+
 class PrepareHeadsInput(PrepareModuleInput):
     """PrepareModuleInput, plus ``local_attributes``: attribute paths whose integer values are
     divided by the mesh size on apply (restored by a rollback). A path is ``name`` or
@@ -121,12 +139,17 @@ class PrepareHeadsInput(PrepareModuleInput):
     then copied for this module."""
 
     _args = {**PrepareModuleInput._args, "local_attributes": None, "folded_heads": None, "attribute_divisors": None,
-             "head_count": None}
+             "head_count": None, "head_params": None}
 
     def __init__(self, *, local_attributes: list[str] | None = None, folded_heads: str | None = None,
-                 attribute_divisors: dict[str, int] | None = None, head_count: int | None = None, **kwargs):
+                 attribute_divisors: dict[str, int] | None = None, head_count: int | None = None,
+                 head_params: list[str] | None = None, **kwargs):
         super().__init__(**kwargs)
         where = type(self).__name__
+        self.head_params = _check_head_params(head_params, where) or None
+        if self.head_params and head_count is not None:
+            raise StyleSpecError(f"{where}: head_params {self.head_params} are split evenly (Shard(0)); they do not "
+                                 f"combine with head_count={head_count} (heads split unevenly)")
         if head_count is not None and (type(head_count) is not int or head_count < 1):
             raise StyleSpecError(f"{where}: head_count must be an int >= 1 (the heads split unevenly), got "
                                  f"{head_count!r}")
@@ -144,19 +167,52 @@ class PrepareHeadsInput(PrepareModuleInput):
             raise StyleSpecError(f"{where}: folded_heads={folded_heads!r} must be one of local_attributes "
                                  f"{local_attributes!r} (the head count the folded inputs are cut by)")
         self.folded_heads = folded_heads
-        self.local_attributes = check_attribute_paths(local_attributes, where)
+        self.local_attributes = check_attribute_paths(local_attributes, where) \
+            if local_attributes or not self.head_params else None
 
     def check_module(self, module: nn.Module, mesh: DeviceMesh, fqn: str) -> None:
         super().check_module(module, mesh, fqn)
-        check_local_attributes(module, self.local_attributes, self.attribute_divisors, mesh,
-                               f"{type(self).__name__} on {fqn or '<root>'}", self.head_count)
+        where = f"{type(self).__name__} on {fqn or '<root>'}"
+        check_local_attributes(module, self.local_attributes or [], self.attribute_divisors, mesh, where,
+                               self.head_count)
+        for name in self.head_params or ():
+            p = module._parameters.get(name)
+            if not isinstance(p, nn.Parameter) or p.dim() < 1:
+                raise LayoutError(f"{where}: head_params entry {name!r} is not a parameter {type(module).__name__} "
+                                  f"holds itself with a head dimension first")
+            check_divides(p.shape[0], mesh, where, f"the head rows of {name}")
+
+    def param_shard_dims(self, params: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, bool]] | None:
+        return {name: (0, False) for name in self.head_params or () if name in params} or None
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str = "") -> nn.Module:
-        set_local_attributes(module, self.local_attributes, self.attribute_divisors, mesh, record, self.head_count)
+        set_local_attributes(module, self.local_attributes or [], self.attribute_divisors, mesh, record,
+                             self.head_count)
         out = super().apply(module, mesh, record, fqn)
         if self.folded_heads is not None:   # runs after the layouts' hook: the first input is settled
             record.add_hook(module.register_forward_pre_hook(self._unfold(module, mesh), with_kwargs=True))
+        if self.head_params:
+            self._shard_head_params(module, mesh, record, fqn)
         return out
+
+    def _shard_head_params(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str) -> None:
+        """Each head parameter a Shard(0) DTensor; forward runs on its local rows."""
+        for name in self.head_params:
+            new = record.sharded(module._parameters[name], (Shard(0),), mesh, where=f"{fqn or '<root>'}.{name}")
+            record.replace_param(module, name, new)
+        if not getattr(module, "_hp_align_hook", False):
+            record.add_hook(module.register_forward_pre_hook(_ensure_grad_alignment))
+            record.add_flag(module, "_hp_align_hook")
+        names, inner = list(self.head_params), module.forward
+
+        def forward(*args, **kwargs):
+            # looked up per call: meta initialisation (to_empty) replaces the parameter objects
+            rows = {n: p.to_local() if isinstance(p, DTensor) else p
+                    for n in names if (p := module._parameters[n]) is not None}
+            with _reparametrize_module(module, rows):
+                return inner(*args, **kwargs)
+
+        record.set_attr(module, "forward", forward)
 
     def _unfold(self, module: nn.Module, mesh: DeviceMesh):
         obj, name = _owner(module, self.folded_heads)
