@@ -137,10 +137,10 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: 
 
 
 def _param_bytes_under(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None,
-                       prefixes: list[str], params: list[str] = ()) -> int:
+                       prefixes: list[str], params: list[str] = (), over_dp: bool = True) -> int:
     """Parameter bytes one rank holds of the modules under ``prefixes``, and of the parameters named
-    in ``params``, after TP, EP and FSDP."""
-    d = best.dp * best.cp if best.fsdp else 1
+    in ``params``, after TP, EP and -- ``over_dp``: they are FSDP-sharded, not a replica -- FSDP."""
+    d = best.dp * best.cp if best.fsdp and over_dp else 1
     named = set(params)
     ep_deg = _fsdp_state(search, best)[2]
     return sum(sh.fsdp_local_numel(sh.fsdp_degree(d, ep_deg)) * sh.dtype_bytes for sh in _shards(search, best, styles, ep)
@@ -449,10 +449,15 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         }
         # a VL model's vision tower: stage 0 or MPipe (issues 20, 31)
         add_tower(tp_plan, model, search, best, placement=constraints.get("tower_placement"))
-        if (tp_plan.pipeline.get("preprocess") or {}).get("placement") == "stage0":   # stage 0 holds the tower
+        placement = (tp_plan.pipeline.get("preprocess") or {}).get("placement")
+        if placement in ("stage0", "mpipe"):
+            # stage 0 holds the tower (sharded with it under FSDP); MPipe runs it on every pipeline
+            # rank, each holding the whole tower (after its TP) as a replica over dp
             modules, params = tower_params(search.meta, search.graph(best.b, best.cp), search.unit_names)
-            tp_plan.pipeline["rank_param_bytes"][s2r[0]] += _param_bytes_under(
-                search, best, tp_plan.styles, ep_section, modules, params)
+            held = _param_bytes_under(search, best, tp_plan.styles, ep_section, modules, params,
+                                      over_dp=placement == "stage0")
+            for r in (range(c.p) if placement == "mpipe" else [s2r[0]]):
+                tp_plan.pipeline["rank_param_bytes"][r] += held
         collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
         tp_plan.predictions = {
             "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),

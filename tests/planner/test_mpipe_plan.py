@@ -81,8 +81,13 @@ def test_mpipe_plan_applies_equal_to_one_device(pool4, pp, tp, dp):
 @pytest.mark.parametrize("pp,tp,dp", [(4, 1, 1), (2, 2, 1), (2, 1, 2)])
 def test_verify_mpipe_plan_exactly(pp, tp, dp):
     """dp=2 (FSDP): the tower's dp average is one more all-reduce of the same bytes on dp."""
-    res = verify(_plan(pp, tp, dp), heavy_vl())
+    plan, model = _plan(pp, tp, dp), heavy_vl()
+    res = verify(plan, model)
     assert res.passed, res.mismatches()
+    # every pipeline rank holds the whole tower (after its TP; a replica over dp): its bytes are in each
+    # rank's predicted parameter bytes, which the dry run's issued bytes equal (they were missing)
+    tower = sum(p.numel() * 4 for p in model.get_submodule(plan.pipeline["preprocess"]["module"]).parameters()) // tp
+    assert all(b >= tower for b in plan.pipeline["rank_param_bytes"]), (tower, plan.pipeline["rank_param_bytes"])
     df = res.collectives
     assert set(df["pp_rank"]) == set(range(pp))
     # the tower-gradient all-reduce (the largest all-reduce) is predicted and issued on every rank
