@@ -137,6 +137,16 @@ EVEN_MB = "Megatron-Core's default split: decoder layers evenly over stages, emb
 EVEN_AM = ("AutoModel AutoPipeline (pipelining/functional.py generate_hf_model_fqn_per_model_part): layers evenly over "
            "ceil(L / layers_per_stage) + 1 stages, extras to the first, embedding first, norm + lm_head last")
 TE = "Transformer Engine fused kernels (grouped GEMM, fused permute, fused attention)"
+# Megatron-Core's alltoall token dispatcher as the Megatron-Bridge GPT-OSS recipes run it
+# (moe_token_dispatcher_type "alltoall", moe_permute_fusion True: GPTOSSProvider): every routed copy
+# over NCCL's all-to-all, as ours; the received rows sorted by local expert and back
+# (token_dispatcher.py sort_chunks_by_idxs, TE's fused kernel); the routing weights folded into TE's
+# fused unpermute, not a pass of their own as ours
+MEGATRON_A2A = dataclasses.replace(
+    OUR_EXPERT_RUNTIME, weights_apart=False,
+    source="Megatron-Core MoEAlltoAllTokenDispatcher (moe_permute_fusion): all-to-alls of every routed copy, "
+           "exposed; rows re-sorted by local expert around them (sort_chunks_by_idxs); weights fused into the "
+           "unpermute")
 DSV3_RUNTIME = DEEPSEEK_V3_RUNTIME
 
 
@@ -170,22 +180,22 @@ RUNS = [
         expert_runtime=AUTOMODEL_RUNTIME, recompute="none"),
     Run("mb-gptoss-120b-h100-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 1, seq 4096, PP 4, EP 8: 5,993", GPT_OSS_120B, "h100_sxm", 64, 1280,
-        4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
-        loss_bytes_per_logit=MEGATRON_CE_BYTES,
+        4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE, MEGATRON_CE], expert_runtime=MEGATRON_A2A,
+        recompute="none", loss_bytes_per_logit=MEGATRON_CE_BYTES,
         cuts="even"),
     Run("mb-gptoss-120b-h100-2511", "bridge", BRIDGE.format(f="", rel="25.11", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 512, MBS 4, seq 4096, PP 4, VP 1, EP 8: 5,630", GPT_OSS_120B, "h100_sxm", 64,
-        512, 4096, 2, 8, 4, 1, 4, "zero1", bridge_step(512, 4096, 5630, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
-        loss_bytes_per_logit=MEGATRON_CE_BYTES,
+        512, 4096, 2, 8, 4, 1, 4, "zero1", bridge_step(512, 4096, 5630, 64), their_runtime=[TE, MEGATRON_CE], expert_runtime=MEGATRON_A2A,
+        recompute="none", loss_bytes_per_logit=MEGATRON_CE_BYTES,
         cuts="even"),
     Run("mb-gptoss-120b-b200-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-B200") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 4, seq 4096, EP 64: 8,047", GPT_OSS_120B, "b200", 64, 1280, 4096,
-        1, 64, 1, 1, 4, "zero1", bridge_step(1280, 4096, 8047, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
-        loss_bytes_per_logit=MEGATRON_CE_BYTES),
+        1, 64, 1, 1, 4, "zero1", bridge_step(1280, 4096, 8047, 64), their_runtime=[TE, MEGATRON_CE], expert_runtime=MEGATRON_A2A,
+        recompute="none", loss_bytes_per_logit=MEGATRON_CE_BYTES),
     Run("mb-gptoss-120b-b200-2511", "bridge", BRIDGE.format(f="", rel="25.11", sys="DGX-B200") +
         ": GPT OSS 120B, 64 GPUs, GBS 512, MBS 4, seq 4096, EP 8: 8,213", GPT_OSS_120B, "b200", 64, 512, 4096, 8, 8,
-        1, 1, 4, "zero1", bridge_step(512, 4096, 8213, 64), their_runtime=[TE, MEGATRON_CE], recompute="none",
-        loss_bytes_per_logit=MEGATRON_CE_BYTES),
+        1, 1, 4, "zero1", bridge_step(512, 4096, 8213, 64), their_runtime=[TE, MEGATRON_CE], expert_runtime=MEGATRON_A2A,
+        recompute="none", loss_bytes_per_logit=MEGATRON_CE_BYTES),
     Run("dsv3-2048-h800", "deepseek", DSV3, DEEPSEEK_V3, "h800", 2048, 15360, 4096, 2, 64, 16, 1, 1, "zero1", 19.9,
         "ZBV", 1, ["FP8 GEMMs (the report's mixed-precision framework; not priced: bf16 here)",
                    "DualPipe: all-to-alls overlapped with the other micro-batch's compute (priced: expert_runtime)",
@@ -344,7 +354,7 @@ def experts_as(search, cand, run: Run) -> str:
     g = search.moe_groups[0]
     ctx = search.ctx(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.cp, cand.ep)
     opts = expert_options(g, ctx, tokens=cand.b * run.seq, dtype_bytes=search.structure(cand.b).dtype_bytes,
-                          ep_name="ep", ep=run.ep, tp_name=None, tp=1, imbalance=1.0)
+                          ep_name="ep", ep=run.ep, tp_name=None, tp=1, imbalance=1.0, runtime=run.runtime())
     ep_opt = next(o for o in opts if o.style is not None)
     return f"ExpertParallel ep{run.ep}" if ep_opt.excluded is None else f"replicated: {ep_opt.excluded}"
 

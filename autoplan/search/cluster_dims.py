@@ -270,7 +270,8 @@ def experts_split(options: Sequence, blocks: Sequence, groups: Sequence, tp: int
 
 
 def add_expert_compute(acc: list[list[float]], names: list[str], groups: Sequence, ctx, *, tokens: int,
-                       dtype_bytes: int, etp: dict[str, int] | None = None) -> None:
+                       dtype_bytes: int, etp: dict[str, int] | None = None,
+                       runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> None:
     """Experts on a mesh without ep: reprice each MoE layer's experts, which the TP search counted
     as the captured ops of its block (whole, or split over tp where ``etp`` names the group's
     pattern with its degree: the experts_tp option), as :func:`expert_search.grouped_expert_time`
@@ -284,7 +285,7 @@ def add_expert_compute(acc: list[list[float]], names: list[str], groups: Sequenc
         if not units:
             continue
         t = (etp or {}).get(g.pattern, 1)
-        new = expert_time(ctx, g, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=t)
+        new = expert_time(ctx, g, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=t, runtime=runtime)
         per_unit = (new - ctx.compute_time(g.work, t)) * g.count / len(units)
         extra = per_unit / 3 if ctx.checkpoint_blocks else 0.0   # the recomputed forward
         for i in units:

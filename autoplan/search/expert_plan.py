@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoplan.search.expert_search import ExpertChoice, choose_experts, expert_decision_rows, moe_groups
+from autoplan.search.expert_search import (
+    OUR_EXPERT_RUNTIME, ExpertChoice, ExpertRuntime, choose_experts, expert_decision_rows, moe_groups,
+)
 from autoplan.search.sharding import ParamShard
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.fqn_pattern import fqn_matches
@@ -60,8 +62,9 @@ def expert_parallel_constraint(stated: bool | None, allow_replicated_units: bool
 
 class ExpertPlanning:
     def __init__(self, model, graph, structure, ctx, spec, imbalance: float = IMBALANCE,
-                 expert_parallel: bool | None = None, groups=None):
+                 expert_parallel: bool | None = None, groups=None, runtime: ExpertRuntime = OUR_EXPERT_RUNTIME):
         self.ctx, self.imbalance, self.constraint = ctx, float(imbalance), expert_parallel
+        self.runtime = runtime   # the runtime whose routing glue the experts are priced with
         self.ep_dim, self.tp_dim = spec.dim("ep"), spec.dim("tp")
         self.ep = spec.degree(self.ep_dim)
         self.tp = spec.degree(self.tp_dim) if self.tp_dim else 1
@@ -76,7 +79,8 @@ class ExpertPlanning:
     def _choose(self, room: float | None) -> ExpertChoice:
         return choose_experts(self.groups, self.ctx, tokens=self.tokens, dtype_bytes=self.dtype_bytes,
                               ep_name=self.ep_dim, ep=self.ep, tp_name=self.tp_dim, tp=self.tp,
-                              imbalance=self.imbalance, memory_room=room, expert_parallel=self.constraint)
+                              imbalance=self.imbalance, memory_room=room, expert_parallel=self.constraint,
+                              runtime=self.runtime)
 
     def best_saving(self) -> float:
         """Bytes per rank the smallest-state options free against replicated experts."""

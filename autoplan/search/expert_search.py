@@ -90,6 +90,15 @@ class ExpertRuntime:
       Megatron-Core's ``recompute_modules`` names them (``layernorm``, ``moe_act``; ``mla_up_proj``:
       DeepSeek-V3's MLA up-projections). Memory only.
     - ``fp8_cache``: activations kept for backward in low precision (DeepSeek-V3 sec. 3.3.2). Memory only.
+    - ``regroup``: with ep > 1 the received rows are re-sorted by local expert after the dispatch
+      all-to-all and back into source order before the combine's -- one more read and write of
+      the routed rows each way (hyper_parallel's ``dispatch``: ``received[regroup]`` and
+      ``expert_out[ungroup]``; Megatron-Core's alltoall dispatcher: ``sort_chunks_by_idxs`` both
+      ways). DeepEP's dispatch hands the rows over per token and one permute groups them: False.
+    - ``weights_apart``: the routing weights scale the returned rows in a pass of their own before
+      they are summed per token (hyper_parallel's ``combine``: ``back * weights``, then
+      ``index_add``); Transformer Engine's fused unpermute (Megatron-Core's ``moe_permute_fusion``,
+      AutoModel) folds them into the sum: False.
     """
 
     node_limit: int = 0
@@ -101,6 +110,8 @@ class ExpertRuntime:
     fused_saves: bool = False
     recompute_modules: tuple = ()
     fp8_cache: bool = False
+    regroup: bool = True
+    weights_apart: bool = True
 
     def __post_init__(self) -> None:
         if self.node_limit < 0 or not 0.0 <= self.overlap <= 1.0:
@@ -187,7 +198,7 @@ OUR_EXPERT_RUNTIME = ExpertRuntime()
 # DeepSeek-V3's training runtime as its technical report (arXiv 2412.19437) describes it: for
 # pricing its published runs ("their runtime, not ours"), never hyper_parallel's plans
 DEEPSEEK_V3_RUNTIME = ExpertRuntime(
-    node_limit=4, overlap=1.0, dedup=True, dense_state_over_ep=True,
+    node_limit=4, overlap=1.0, dedup=True, dense_state_over_ep=True, regroup=False, weights_apart=False,
     source="DeepSeek-V3 tech report sec. 2.1.2: each token sent to at most M = 4 nodes; sec. 3.2.1-3.2.2: DualPipe "
            "overlaps each chunk's all-to-alls with the other chunk's computation ('both all-to-all and PP "
            "communication can be fully hidden'), dispatch one copy per node over IB, forwarded over NVLink; sec. 3.2: "
@@ -195,7 +206,7 @@ DEEPSEEK_V3_RUNTIME = ExpertRuntime(
 # NeMo AutoModel's MoE recipes as its performance summary runs them: DeepEP dispatch / combine (one
 # copy per destination node, no routing limit, not overlapped) and FSDP2 over dp_shard x ep
 DEEPEP_RUNTIME = ExpertRuntime(
-    dedup=True, dense_state_over_ep=True,
+    dedup=True, dense_state_over_ep=True, regroup=False, weights_apart=False,
     source="deepseek-ai/DeepEP README: normal dispatch/combine kernels forward each token once per destination "
            "node over RDMA and then over NVLink; NVIDIA-NeMo/Automodel docs/performance-summary.md: TE + DeepEP, "
            "FSDP2 (dp_shard) x EP")
@@ -324,7 +335,8 @@ def moe_groups(graph: ModelGraph, model, dtype_bytes: int) -> list[MoEGroup]:
     return out
 
 
-def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int) -> float:
+def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int,
+                        runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> float:
     """Seconds per call of one MoE layer's experts on one rank, from what the hardware runs:
 
     - the grouped GEMMs (gate/up, then down) at the achieved efficiency of one expert's GEMM shape
@@ -333,7 +345,9 @@ def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, 
       E/ep local experts, not all E;
     - the routing glue at its real HBM traffic: permute (read + write each routed row), the
       activation (read gate/up, write its product), unpermute and the weighted combine (read each
-      row, write each token), the backward twice the forward;
+      row, write each token), and the passes ``runtime`` adds (its ``regroup`` of the received rows
+      by local expert and back, with ep > 1; its ``weights_apart`` scaling of the returned rows);
+      the backward twice the forward;
     - the container's kernel launches.
     Balanced routing (the imbalance factor multiplies the result): every rank receives as many
     routed rows as it sends, ``tokens x top_k``."""
@@ -348,23 +362,26 @@ def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, 
         flops = 3 * 2.0 * rows * n_out * k_in            # forward + backward (input and weight grads)
         weight_bytes = 3 * local * n_out * k_in * dtype_bytes
         t += max(flops / (peak * gemm_efficiency(hw, m, n_out, k_in)), weight_bytes / bw)
-    glue = (2 * rows * h + 3 * rows * f + rows * h + tokens * h) * dtype_bytes   # forward bytes
+    passes = 2 * (int(runtime.regroup and ep > 1) * 2 + int(runtime.weights_apart))   # row reads + writes
+    glue = (2 * rows * h + 3 * rows * f + rows * h + tokens * h + passes * rows * h) * dtype_bytes   # forward
     return t + 3 * glue / bw + group.work.kernels * hw.efficiency.kernel_overhead
 
 
-def expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int) -> float:
+def expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int,
+                runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> float:
     """:func:`grouped_expert_time` on datasheet profiles; on a calibrated eager host (``ctx.runtime``)
     the captured work as every other op there (measured per-kernel overheads dominate)."""
     if ctx.runtime is not None or getattr(ctx.hardware, "device_type", None) == "cpu":
         return ctx.compute_time(group.work, etp)
-    return grouped_expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=ep, etp=etp)
+    return grouped_expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=ep, etp=etp, runtime=runtime)
 
 
 def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_name: str, ep: int,
-                   tp_name: str | None, tp: int, imbalance: float) -> list[ExpertOption]:
-    """The candidates for one group (see the module docstring), priced per step."""
+                   tp_name: str | None, tp: int, imbalance: float,
+                   runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> list[ExpertOption]:
+    """The candidates for one group (see the module docstring), priced per step under ``runtime``."""
     n = group.count
-    base = expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=1) * n
+    base = expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=1, etp=1, runtime=runtime) * n
     out = []
     ar = Collective("all_reduce", "backward", int(group.param_bytes), count=n, dim=ep_name)
     out.append(ExpertOption("replicated", None, [ar], base, ctx.collective_time(ar), ctx.state_bytes(group.param_bytes * n, 1),
@@ -388,7 +405,8 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
                 colls = [dataclasses.replace(c, count=c.count * n) for c in per_layer]
             except HyperParallelError as exc:
                 excluded = str(exc)
-        compute = expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=ep, etp=etp) * n * imbalance
+        compute = expert_time(ctx, group, tokens=tokens, dtype_bytes=dtype_bytes, ep=ep, etp=etp,
+                              runtime=runtime) * n * imbalance
         comm = sum(ctx.collective_time(c) for c in colls)
         reason = (f"{-(-group.experts // ep)} of {group.experts} experts per rank, "
                   f"tokens by all-to-all over {ep_name}" + (f", expert weights split over {tp_name}" if etp > 1 else ""))
@@ -405,7 +423,8 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
 
 def choose_experts(groups: list[MoEGroup], ctx, *, tokens: int, dtype_bytes: int, ep_name: str, ep: int,
                    tp_name: str | None, tp: int, imbalance: float = 1.0,
-                   memory_room: float | None = None, expert_parallel: bool | None = None) -> ExpertChoice:
+                   memory_room: float | None = None, expert_parallel: bool | None = None,
+                   runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> ExpertChoice:
     """Per group the fastest option whose expert state fits ``memory_room`` (bytes left per rank
     after everything else; None: no limit); the smallest-state option when none fits.
     ``expert_parallel``: True keeps only the ExpertParallel options, False only replicated
@@ -413,7 +432,7 @@ def choose_experts(groups: list[MoEGroup], ctx, *, tokens: int, dtype_bytes: int
     chosen, options, base = [], [], 0.0
     for g in groups:
         opts = expert_options(g, ctx, tokens=tokens, dtype_bytes=dtype_bytes, ep_name=ep_name, ep=ep,
-                              tp_name=tp_name, tp=tp, imbalance=imbalance)
+                              tp_name=tp_name, tp=tp, imbalance=imbalance, runtime=runtime)
         for o in opts:
             if o.excluded is None and expert_parallel is not None and (o.style is not None) != expert_parallel:
                 o.excluded = f"expert_parallel={expert_parallel} was asked"

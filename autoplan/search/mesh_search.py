@@ -353,10 +353,11 @@ class ClusterSearch:
         if ep == 1 and self.moe_groups:
             groups = self.moe_groups_at(b, cp)
             add_expert_compute(acc, names, groups, ctx, tokens=b * self.seq // cp, dtype_bytes=st.dtype_bytes,
-                               etp=experts_split(options, st.blocks, groups, tp))
+                               etp=experts_split(options, st.blocks, groups, tp), runtime=self.expert_runtime)
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
-                                     groups=self.moe_groups_at(b), expert_parallel=self.expert_parallel)
+                                     groups=self.moe_groups_at(b), expert_parallel=self.expert_parallel,
+                                     runtime=self.expert_runtime)
             add_ep(acc, names, options, all_targets, experts, self.expert_runtime, dp_mode=fsdp)
             if not self.expert_runtime.fused_saves:
                 # what ExpertParallel's forward saves, which replaces the captured expert forward

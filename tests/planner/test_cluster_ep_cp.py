@@ -10,7 +10,7 @@ from autoplan import autoplan, plan_cluster
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, InvalidConstraintError
 from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
-from autoplan.search.expert_search import ExpertRuntime, _pattern, grouped_expert_time, moe_groups
+from autoplan.search.expert_search import DEEPEP_RUNTIME, ExpertRuntime, _pattern, grouped_expert_time, moe_groups
 from autoplan.models import build_llama
 from autoplan.presets import build_preset
 from autoplan.search.mesh_candidates import mesh_factorizations
@@ -203,3 +203,22 @@ def test_shard_all_with_ep_splits_the_experts_by_expert_parallelism(mixtral):
     with pytest.raises(InfeasiblePlanError, match="mlp: cannot be tensor-parallel"):
         plan_cluster(model, 4, hardware="cpu", batch=(8, 16), devices_per_node=4,
                      constraints={"ep": 2, "tp": 2, "expert_parallel": False}, allow_replicated_units=False)
+
+
+def test_routing_glue_prices_the_passes_the_runtime_makes(mixtral_8x7b):
+    """The experts' routing glue by what the runtime does with the routed rows: ours re-sorts the
+    received rows by local expert and back around the all-to-alls (dispatch's regroup / ungroup) and
+    scales the returned rows in a pass of its own; DeepEP / TE's fused unpermute does neither."""
+    search = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
+    ctx = search.ctx(8, 1, 1, "replicate", "none", 1, 8)
+    g = search.moe_groups[0]
+    kw = dict(tokens=1024, dtype_bytes=2, etp=1)
+    lean = ExpertRuntime(regroup=False, weights_apart=False, source="test")
+    hw = ctx.hardware
+    row = 1024 * g.top_k * g.layout.hidden * 2 * 3 / (hw.memory_bandwidth * hw.efficiency.memory)   # fwd + bwd
+
+    def extra(ep):
+        return grouped_expert_time(ctx, g, ep=ep, **kw) - grouped_expert_time(ctx, g, ep=ep, runtime=lean, **kw)
+    assert extra(8) == pytest.approx(6 * row)   # regroup and ungroup (a read and a write each), the weights' pass
+    assert extra(1) == pytest.approx(2 * row)   # no all-to-all, nothing to regroup
+    assert DEEPEP_RUNTIME.regroup is False and DEEPEP_RUNTIME.weights_apart is False

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.dtensor.fsdp_outputs import read_only_output
 from hyper_parallel.core.pipeline_parallel.weight_grad import input_backward
 from hyper_parallel.errors import PipelineError
 from hyper_parallel.platform import device_type
@@ -147,7 +148,8 @@ class PipelineStage:
             value = unpack[0](leaves) if unpack and unpack[0] is not None else \
                 (leaves[0] if len(leaves) == 1 else tuple(leaves))
             kwargs = {**kwargs, into: value}
-        out = self.module(*inputs, **kwargs)
+        with read_only_output(self.module):   # sent on or kept for backward, never modified
+            out = self.module(*inputs, **kwargs)
         flat = flatten(out, f"stage {self.stage_index} micro-batch {mb}")
         self._inputs[mb] = inputs
         self.outputs[mb] = flat
