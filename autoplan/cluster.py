@@ -37,6 +37,7 @@ from autoplan.search.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
 from autoplan.search.tower_plan import add_tower, tower_params
+from autoplan.search.unit_targets import block_members, option_units
 from hyper_parallel.core.collective import Collective, merged_rows
 from cost_models.hardware import load_hardware
 from cost_models.published_mfu import StepTerms, mfu_note, predicted_mfu
@@ -198,7 +199,7 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
     agg: dict[tuple, int] = defaultdict(int)
     mem = defaultdict(float)
     for o in options:
-        targets = ClusterSearch._targets(o, names, index, emb_i, norm_i, head_i, ClusterSearch.members(st))
+        targets = option_units(o, names, index, emb_i, norm_i, head_i, block_members(st))
         if not targets:
             continue
         k = sum(1 for t in targets if t in mine)
@@ -227,8 +228,8 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
         # a sequence-sharded stream is sharded from the first block's input on (the entry style);
         # a boundary before it carries the embedding's whole output
         entry = next((o for o in options if o.slot == "entry" and o.strategy.styles), None)
-        sharded_from = ClusterSearch._targets(entry, names, index, emb_i, norm_i, head_i,
-                                              ClusterSearch.members(st))[0] if entry is not None else 0
+        sharded_from = option_units(entry, names, index, emb_i, norm_i, head_i,
+                                    block_members(st))[0] if entry is not None else 0
         starts = list(c.starts)
 
         def boundary_bytes(s: int) -> int:   # the boundary in front of stage s
@@ -310,7 +311,7 @@ def _add_cp_rows(agg: dict, search: ClusterSearch, best: Candidate, rank: int, m
     per_layer, loss_dim = search.cp_rows(best)
     names = search.unit_names
     index = {n: i for i, n in enumerate(names)}
-    members = ClusterSearch.members(search.structure(best.b, best.cp))
+    members = block_members(search.structure(best.b, best.cp))
     for gid, rows in per_layer.items():
         units = [index[u] for u in members.get(gid, ()) if u in index and index[u] in mine]
         for col in rows:

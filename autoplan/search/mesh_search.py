@@ -50,6 +50,7 @@ from autoplan.search.probe import Prober
 from autoplan.search.strategies import PACKED_BIAS
 from autoplan.search.structure import model_structure
 from autoplan.search.tp_search import TPSearch, exposed_dp
+from autoplan.search.unit_targets import block_members, option_units
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
@@ -315,14 +316,14 @@ class ClusterSearch:
         acc = [[0.0] * 8 for _ in names]  # F, I, W, state, act, dp_comm, one dp all-gather, optimizer
         st = self.structure(b, cp)
         all_targets, by_targets = [], {}
-        members = self.members(st)
+        members = block_members(st)
         head_i = index.get(st.head.fqn, len(names) - 1) if st.head else len(names) - 1
         emb_i = index.get(st.embedding.fqn, 0) if st.embedding else 0
         norm_i = index.get(st.final_norms[0], head_i) if st.final_norms else head_i
         for o in options:
             where = (o.slot, o.owner, o.in_block, cp)   # the same for every mesh and micro-batch size
             if where not in self._target_cache:
-                self._target_cache[where] = self._targets(o, names, index, emb_i, norm_i, head_i, members)
+                self._target_cache[where] = option_units(o, names, index, emb_i, norm_i, head_i, members)
             targets = self._target_cache[where]
             all_targets.append(targets)
             if not targets:
@@ -387,34 +388,6 @@ class ClusterSearch:
         rows = cp_layer_rows(st, self.graph(cand.b, cand.cp), ctx, chosen, self.cp_choices[key].variant, cp=cand.cp,
                              b=cand.b, seq=self.seq, tp=cand.tp, dtype_bytes=st.dtype_bytes)
         return rows, ctx.dp_dim
-
-    @staticmethod
-    def members(structure) -> dict[str, set[str]]:
-        """Block group id -> its members' unit names: a ``prefix.*`` owner covers only its own
-        group's blocks when two groups share a prefix (DeepSeek-V3's dense and MoE layers)."""
-        return {b.id: {f"{b.prefix}.{i}" if b.prefix else str(i) for i in b.indices} for b in structure.blocks}
-
-    @staticmethod
-    def _targets(o, names, index, emb_i, norm_i, head_i, members: dict | None = None) -> list[int]:
-        if o.in_block:
-            out = []
-            mine = (members or {}).get(o.slot.split("/")[0])
-            for pat in o.owner.split(","):
-                if pat.endswith(".*"):
-                    pre = pat[:-1]
-                    out += [i for i, n in enumerate(names) if n.startswith(pre) and "." not in n[len(pre):]
-                            and (mine is None or n in mine)]
-                elif pat in index:
-                    out.append(index[pat])
-            return out
-        if o.slot == "entry":   # the stream's layout change is a style on the first block's input
-            firsts = [index[n] for ms in (members or {}).values() for n in ms if n in index]
-            return [min(firsts)] if firsts else [emb_i]
-        if o.slot == "embedding":
-            return [emb_i]
-        if o.slot == "final_norm":
-            return [norm_i]
-        return [head_i]  # head, rest (loss, rotary tables): the last stage
 
     # ---------------------------------------------------------------- search
     def modes(self, dp: int, fsdp_only: bool = False) -> list[tuple[str, str]]:
