@@ -94,7 +94,9 @@ def _gathered_region(container: str, last: str) -> dict[str, ParallelStyle]:
     """A replicated unit on a sequence-sharded stream: the sequence gathered at the unit's input,
     the stream's shard sliced out of its last projection's output. The output is taken at the
     projection, not at the container, whose return value may be a tuple (HF attention returns
-    its weights beside the output)."""
+    its weights beside the output). Two modules, not ``GatheredRegion`` on one: the projection
+    need not sit inside the module the stream enters (BERT's ``attention.output.dense`` beside its
+    entry ``attention.self``)."""
     return {container: PrepareModuleInput(input_layouts=(S,), desired_input_layouts=(R,), use_local_output=True),
             last: PrepareModuleOutput(output_layouts=(R,), desired_output_layouts=(S,), use_local_output=True)}
 
