@@ -35,8 +35,8 @@ def forward_tokens(model: nn.Module, tokens: torch.Tensor, **extra):
     extra = dict(extra)
     ids = extra.pop("input_ids", tokens)
     config = getattr(model, "config", None)
-    # a probe on meta has no token values to count; the logits go to the loss, which only reads them
-    with value_checks_off(model, tokens), read_only_output(model):
+    read_only_output(model)   # the logits go to the loss, which only reads them
+    with value_checks_off(model, tokens):   # a probe on meta has no token values to count
         if getattr(config, "is_encoder_decoder", False):
             # the extra inputs too (Florence-2's images feed its encoder): capture traces them, so a
             # step without them would leave the modules they reach planned but never run

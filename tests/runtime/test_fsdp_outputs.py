@@ -1,5 +1,6 @@
 """FSDP2's "returned a view" warning is silenced for the module whose caller only reads its output
-(the root's logits, a pipeline stage's boundary activation) and for no other module."""
+(the root's logits, a pipeline stage's boundary activation) and for no other module, without
+repeating other warnings Python shows once per location."""
 import warnings
 
 import torch
@@ -41,11 +42,23 @@ def test_only_the_read_only_modules_view_warning_is_silenced():
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 if read_only:
-                    with read_only_output(model):
-                        model(torch.ones(2, 4))
-                else:
-                    model(torch.ones(2, 4))
-            return sorted(str(w.message).split(")")[0] for w in seen if "returned a view" in str(w.message))
+                    read_only_output(model)
+                    read_only_output(model)   # added once
+                    assert sum(1 for f in warnings.filters if f[1] is not None and "FSDP_Root" in f[1].pattern) == 1
+                model(torch.ones(2, 4))
+                model(torch.ones(2, 4))
+            return sorted({str(w.message).split(")")[0] for w in seen if "returned a view" in str(w.message)})
 
         assert warned(False) == ["FSDP2-wrapped module (FSDP_Root", "FSDP2-wrapped module (FSDP_ViewOut"]
         assert warned(True) == ["FSDP2-wrapped module (FSDP_ViewOut"]   # the block's still warns
+
+
+def test_marking_an_output_read_only_keeps_other_once_warnings_once():
+    """No filter churn per call: a "once"-per-location warning elsewhere is not repeated."""
+    model = nn.Linear(2, 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            read_only_output(model)
+            warnings.warn("a once-per-location warning", UserWarning)
+    assert sum("once-per-location" in str(w.message) for w in seen) == 1

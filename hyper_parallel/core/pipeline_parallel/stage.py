@@ -148,8 +148,8 @@ class PipelineStage:
             value = unpack[0](leaves) if unpack and unpack[0] is not None else \
                 (leaves[0] if len(leaves) == 1 else tuple(leaves))
             kwargs = {**kwargs, into: value}
-        with read_only_output(self.module):   # sent on or kept for backward, never modified
-            out = self.module(*inputs, **kwargs)
+        read_only_output(self.module)   # sent on or kept for backward, never modified
+        out = self.module(*inputs, **kwargs)
         flat = flatten(out, f"stage {self.stage_index} micro-batch {mb}")
         self._inputs[mb] = inputs
         self.outputs[mb] = flat
