@@ -38,7 +38,8 @@ transformers = pytest.importorskip("transformers")
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, vocab_size=256)
 PHI3 = dict(SMALL, pad_token_id=0, eos_token_id=1, bos_token_id=1)   # packed qkv_proj / gate_up_proj
-MODELS = {"titan-llama-debug": {}, "hf:llama": SMALL, "hf:qwen3": dict(SMALL, head_dim=16), "hf:phi3": PHI3}
+# HF Qwen3 stands for HF Llama too: the same modules plus per-head q/k norms
+MODELS = {"titan-llama-debug": {}, "hf:qwen3": dict(SMALL, head_dim=16), "hf:phi3": PHI3}
 PLANS = {"tp4": dict(dp=1, tp=4, pp=1), "dp2tp2": dict(dp=2, tp=2, pp=1, fsdp=True), "pp2tp2": dict(dp=1, pp=2, tp=2)}
 
 
