@@ -36,7 +36,9 @@ from hyper_parallel.core.pipeline_parallel.schedule_ir import preprocess_owner
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
 from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
 from hyper_parallel.core.pipeline_parallel.image_features import INTO as IMAGE_INTO
-from hyper_parallel.core.pipeline_parallel.image_features import METHOD, ImageFeatures, runnable_placements, tower_inputs
+from hyper_parallel.core.pipeline_parallel.image_features import (
+    HEADER_BYTES, METHOD, ImageFeatures, runnable_placements, tower_inputs,
+)
 from hyper_parallel.core.pipeline_parallel.split import spine_for
 from hyper_parallel.core.pipeline_parallel.stage import flatten
 
@@ -161,8 +163,9 @@ def _tower_run(model: nn.Module, module: str, b: int, seq: int, dtype, then=None
 
 def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> list[tuple[int, bool]]:
     """(bytes, needs a gradient) of each tensor the tower of ``model`` returns for one micro-batch.
-    A tower that cannot run on fake tensors (Qwen-VL's windows index by values) is priced by what
-    it must deliver: one image's features per row at the decoder's width (a plan note says so)."""
+    A transformers tower that cannot run on fake tensors (Qwen-VL's attention splits by values) is
+    priced by what ``ImageFeatures`` sends for it: its layout header, then the features the decoder
+    merges as one tensor -- one image's features per row at the decoder's width."""
     try:
         out, _ = _tower_run(model, module, b, seq, dtype)
     except Exception as exc:  # noqa: BLE001 - any fake-tensor failure: the structural estimate below
@@ -172,7 +175,8 @@ def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> lis
                  type(model).__name__, exc)
         batch = image_inputs(model)
         hidden = model.config.get_text_config().hidden_size
-        return [(b * batch.per_image * hidden * torch.empty((), dtype=dtype).element_size(), True)]
+        features = b * batch.per_image * hidden * torch.empty((), dtype=dtype).element_size()
+        return [(HEADER_BYTES, False), (features, True)]
     return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
 
 

@@ -44,13 +44,17 @@ def test_pipelined_vl_plan_equals_one_device(pool4, family, placement):
 
 
 @pytest.mark.parametrize("family,placement", [("llava_next", "stage0"), ("llava_next", "mpipe"),
-                                              ("paligemma", "stage0")])
+                                              ("paligemma", "stage0"), ("qwen2_vl", "mpipe")])
 def test_verify_predicts_vl_pipelines_exactly(family, placement):
     """LLaVA-NeXT: a container's own parameter beside the tower (``image_newline``) lives with the
     tower (stage 0, or every rank's MPipe copy whose gradients are all-reduced over pp), and its
     tiled image inputs (``image_sizes`` as a list) still let the planner read off autograd which
     tower blocks run backward. MPipe's header is read on fake tensors as the tower laid it out.
-    PaliGemma: the head tied to the embedding has a copy on the last stage (stage_params)."""
+    PaliGemma: the head tied to the embedding has a copy on the last stage (stage_params).
+    Qwen2-VL: its tower cannot run on fake tensors (its attention splits by values), so the planner
+    prices what ImageFeatures sends without running it -- the fixed-size header, then its per-image
+    features as one tensor; before, one tensor was predicted where a header and one tensor per image
+    crossed."""
     with torch.device("meta"):
         wide = build(family, 32, 8)
     plan = autoplan(wide, 4, batch=(8, 512), constraints={"pp": 2, "tp": 2, "tower_placement": placement})

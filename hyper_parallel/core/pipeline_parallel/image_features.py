@@ -10,10 +10,13 @@ runs ``get_image_features`` on an owner rank, and stage 0's forward receives wha
 the merge, the placeholder checks, M-RoPE positions and masks stay the model's code.
 
 What crosses the pipeline is tensors: the features a forward merges (``pooler_output``, the
-image features, and any ``*_features`` field such as DeepStack's levels) -- a tensor or a list of
-them per field -- preceded by one small ``uint8`` tensor holding their layout (field names and
-list lengths, as JSON), so the receiving rank rebuilds the same structure without having run the
-tower. Diagnostic fields (every layer's hidden states) stay on the owner.
+image features, and any ``*_features`` field such as DeepStack's levels) -- one tensor per field,
+a per-image list concatenated on its first dimension (Qwen-VL splits its features by image) --
+preceded by a ``uint8`` header of fixed size (:data:`HEADER_BYTES`) holding their layout (field
+names, and a list's row counts, as JSON), so the receiving rank rebuilds the same structure
+without having run the tower. Fixed and concatenated so that what crosses is known without running
+the tower (a planner on fake tensors cannot run Qwen-VL's, whose attention splits by values): the
+header, then one tensor per field. Diagnostic fields (every layer's hidden states) stay on the owner.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from hyper_parallel.errors import PipelineError
 
 INTO = IMAGE_FEATURES   # the step keyword stage 0 receives the tower output under
 METHOD = "get_image_features"
+HEADER_BYTES = 1024     # the layout header's size on the wire, whatever the layout (row counts of ~250 images)
 
 
 def runnable_placements(module: str) -> tuple[str, ...]:
@@ -80,14 +84,18 @@ class ImageFeatures(nn.Module):
                 layout[key] = -1
                 tensors.append(value)
             elif isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
-                layout[key] = len(value)
-                tensors.extend(value)
+                if value and all(v.dim() >= 1 and v.shape[1:] == value[0].shape[1:] and v.dtype == value[0].dtype
+                                 for v in value):   # one tensor, split back by each piece's rows
+                    layout[key] = [int(v.shape[0]) for v in value]
+                    tensors.append(torch.cat(list(value), dim=0))
+                else:
+                    layout[key] = len(value)
+                    tensors.extend(value)
         if not tensors:
             raise PipelineError(f"ImageFeatures: {type(self._model).__name__}.{METHOD} returned no pooler_output "
                                 f"or *_features tensors ({type(out).__name__})")
-        header = torch.tensor(list(json.dumps(layout).encode()), dtype=torch.uint8, device=tensors[0].device)
         object.__setattr__(self, "layout", layout)   # the last call's, for a caller holding no values (a dry run)
-        return (header, *tensors)
+        return (_header(layout, tensors[0].device), *tensors)
 
     def unpack(self, tensors: Sequence[torch.Tensor], layout: dict | None = None) -> SimpleNamespace:
         """The tower output stage 0 hands the forward (attribute access, as a ModelOutput), its layout
@@ -103,11 +111,22 @@ class ImageFeatures(nn.Module):
             layout = json.loads(bytes(header.to("cpu").tolist()).decode())
         fields, i = {}, 1
         for key, n in layout.items():
-            if n < 0:
+            if isinstance(n, list):   # a per-image list sent as one tensor
+                fields[key], i = tuple(torch.split(tensors[i], n, dim=0)), i + 1
+            elif n < 0:
                 fields[key], i = tensors[i], i + 1
             else:
                 fields[key], i = tuple(tensors[i:i + n]), i + n
         return SimpleNamespace(**fields)
+
+
+def _header(layout: dict, device) -> torch.Tensor:
+    """The layout as JSON in :data:`HEADER_BYTES` bytes (space-padded)."""
+    data = json.dumps(layout, separators=(",", ":")).encode()
+    if len(data) > HEADER_BYTES:
+        raise PipelineError(f"ImageFeatures: the tower output's layout needs {len(data)} bytes, more than the "
+                            f"{HEADER_BYTES} its header holds: {data[:120]!r}...")
+    return torch.tensor(list(data.ljust(HEADER_BYTES)), dtype=torch.uint8, device=device)
 
 
 def tower_inputs(model: nn.Module, step_keys: Sequence[str]) -> tuple[list[str], list[str]]:
