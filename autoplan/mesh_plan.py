@@ -236,6 +236,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
                        dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
     limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
     expert_parallel = expert_parallel_constraint(expert_parallel, allow_replicated_units)
+    experts_by_ep = ep > 1 and expert_parallel is not False   # the MoE layers: sharded by ep, no TP unit
     experts = ExpertPlanning(model, graph, structure, ctx, spec, expert_parallel=expert_parallel) if ep > 1 else None
     user_limit = limit
     if experts is not None:  # the TP search counts experts replicated: give it the room EP frees
@@ -253,7 +254,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
                         sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1,
-                        experts_by_ep=ep > 1 and expert_parallel is not False)
+                        experts_by_ep=experts_by_ep)
         if styles is not None:
             t_fix = time.perf_counter()
             chosen_ac, layout_ac, unmatched = s_ac.assignment_from_styles(styles)
@@ -278,7 +279,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         ctx_min = dataclasses.replace(ctx, recompute="full" if ac_modes[-1] else "none")
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
                          sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1,
-                        experts_by_ep=ep > 1 and expert_parallel is not False)
+                         experts_by_ep=experts_by_ep)
         least, lay2, _ = s_min.solve(objective="memory")
         need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
         if experts is not None:  # the TP search counts the experts replicated

@@ -160,6 +160,13 @@ def microbatch_image_inputs(model: nn.Module, tokens: torch.Tensor, m: int) -> t
     return ids, {k: pipe.PerMicrobatch(p[k] for p in parts) for k in parts[0]}
 
 
+def rank_parameters(stages, pre: pipe.Preprocess | None) -> list[nn.Parameter]:
+    """The parameters a pipeline rank holds and steps, once each (listed twice, a tied parameter
+    would be stepped twice): its stages', and an MPipe tower's -- every rank holds the whole tower
+    and steps it (its gradients are summed)."""
+    return unique_params(*(st.module for st in stages), *((pre.module,) if pre is not None else ()))
+
+
 def plan_preprocess(pre_cfg: dict | None, model: nn.Module, dp_mode: str | None) -> pipe.Preprocess | None:
     """The MPipe tower of a plan's ``pipeline.preprocess`` entry (None without one, and for
     placement "stage0": stage 0 holds the tower and runs it in the model's own forward -- a model
@@ -260,9 +267,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     schedule = cls(stages, m, loss, dp_group=dp_group(dp_mesh) if use_dp else None,
                    loss_context=loss_parallel if sharded_loss else None, preprocess=pre,
                    **({"kwarg_specs": {k: NO_SPLIT for k in step_keys}} if step_keys else {}), **kwargs)
-    # once each (listed twice, a tied parameter would be stepped twice); every rank holds the
-    # whole tower and steps it (its gradients are summed)
-    params = unique_params(*(st.module for st in stages), *((pre.module,) if pre is not None else ()))
+    params = rank_parameters(stages, pre)
     if optimizer is None:
         optimizer = torch.optim.AdamW(params, lr=lr)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

@@ -157,7 +157,7 @@ def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, *, cp: int,
 
 
 def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: ExpertPlanning,
-           runtime: ExpertRuntime = OUR_EXPERT_RUNTIME, dp_mode: str | None = None) -> None:
+           dp_mode: str | None = None) -> None:
     """Add expert parallelism's price to the units of ``acc`` (rows F, I, W, state, act, dp_comm,
     dp_gather, optimizer): per MoE layer the chosen option's compute beyond the replicated experts
     the TP search counted, its all-to-alls and expert-TP all-reduces (forward / backward), its
@@ -170,7 +170,7 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
     context prices "replicate" (nothing to shard over dp), but a runtime that shards the non-expert
     state over dp x ep (``runtime.dense_state_over_ep``) still shards it ep ways: AutoModel's
     "FSDP 64" at dp 1 x ep 64 is FSDP2 over the 64 ranks for every non-expert weight."""
-    ctx = experts.ctx
+    ctx, runtime = experts.ctx, experts.runtime   # the runtime the experts were priced for
     index = {n: i for i, n in enumerate(names)}
     expert_units: dict[int, float] = {}   # unit -> expert weight bytes it holds (whole)
     for g, o, opts in zip(experts.choice.groups, experts.choice.chosen, experts.choice.options):

@@ -359,7 +359,7 @@ class ClusterSearch:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.expert_parallel,
                                      runtime=self.expert_runtime)
-            add_ep(acc, names, options, all_targets, experts, self.expert_runtime, dp_mode=fsdp)
+            add_ep(acc, names, options, all_targets, experts, dp_mode=fsdp)
             if not self.expert_runtime.fused_saves:
                 # what ExpertParallel's forward saves, which replaces the captured expert forward
                 restate_our_experts(acc, names, experts, ctx, self.meta, tokens=b * self.seq, dtype=self.dtype)

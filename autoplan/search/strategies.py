@@ -299,8 +299,7 @@ def _kv_replicated(a: AttentionUnit, blk: BlockGroupInfo, t: int, layout: str) -
         cols = {a.q: ColwiseParallel(), a.k: KVReplicatedParallel(kv_heads=whole),
                 a.v: KVReplicatedParallel(kv_heads=whole)}
     inp, h = (_PLACEMENT[layout],), blk.hidden_bytes
-    prep = _heads_prep(a, a.rel, inp, local_attributes=local, attribute_divisors=divisors or None) if local \
-        else _heads_prep(a, a.rel, inp)
+    prep = _heads_prep(a, a.rel, inp, local_attributes=local, attribute_divisors=divisors or None)
     per_param = a.work.param_bytes / a.work.params if a.work.params else 4
     whole_params = sum(a.kv_params)
     total = max(a.work.params, whole_params + 1)

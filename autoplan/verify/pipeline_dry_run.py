@@ -36,9 +36,8 @@ from autoplan.capture.image_inputs import value_checks_off
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.parallelisms.context import cp_share
-from autoplan.parallelisms.data import unique_params
 from autoplan.parallelisms.expert import batch_shards
-from autoplan.plan.pipeline_runner import microbatch_image_inputs
+from autoplan.plan.pipeline_runner import microbatch_image_inputs, rank_parameters
 from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, meta_copy,
                                         plan_dtype)
 from hyper_parallel.core.pipeline_parallel import ImageFeatures, split_microbatches
@@ -91,17 +90,14 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
         runner = plan.apply(meta, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
         # flattened meshes the plan runs on (FSDP over dp x cp): named as the plan names them
         groups.update({m.get_group().group_name: n for n, m in getattr(mesh, "_flatten_mapping", {}).items()})
-        # what the rank holds: its stages, and an MPipe tower (every pipeline rank holds it whole)
-        pre = getattr(runner.schedule, "preprocess", None)
-        held = unique_params(*(st.module for st in runner.stages), *((pre.module,) if pre is not None else ()))
-        pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in held)
+        pre = runner.schedule.preprocess   # an MPipe plan's tower: on every rank, outside the stages
+        pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in rank_parameters(runner.stages, pre))
         tp_mesh = None
         if shapes_model is not None:   # the same tensor- and expert-parallel styles, on the copy that infers shapes
             shaped = ApplyTarget(model=shapes_model, mesh=mesh, pipelined=True)
             parallelism("tp").apply_to_model(plan, shaped)
             parallelism("ep").apply_to_model(plan, shaped)
             tp_mesh = shaped.state.get("tp_mesh")
-        pre = runner.schedule.preprocess   # an MPipe plan's tower: on every rank, outside the stages
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             for st in runner.stages:

@@ -232,10 +232,11 @@ def _ensure_grad_alignment(module: nn.Module, inputs) -> None:
 
 
 def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, placements: dict[str, Placement],
-                 default: Placement, fqn: str, recurse: bool = False) -> None:
+                 default: Placement, fqn: str, recurse: bool = False, only: bool = False) -> None:
     """Replace each parameter of ``module`` (and of its submodules if ``recurse``) by a DTensor.
 
-    ``placements`` maps a direct parameter name to its placement; others get ``default``.
+    ``placements`` maps a direct parameter name to its placement; others get ``default`` -- or,
+    with ``only``, stay as they are (a module whose own code reads some of its parameters whole).
     """
     subs = module.named_modules() if recurse else [("", module)]
     for sub_fqn, sub in subs:
@@ -243,7 +244,7 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, place
             record.add_hook(sub.register_forward_pre_hook(_ensure_grad_alignment))
             record.add_flag(sub, "_hp_align_hook")
         for name, param in list(sub._parameters.items()):
-            if param is None:
+            if param is None or (only and (sub is not module or name not in placements)):
                 continue
             placement = placements.get(name, default) if sub is module else default
             where = ".".join(x for x in (fqn or type(module).__name__, sub_fqn, name) if x)

@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from hyper_parallel.core.tensor_parallel.base import ApplyRecord, _ensure_grad_alignment, check_divides
+from hyper_parallel.core.tensor_parallel.base import ApplyRecord, check_divides, shard_params
 from hyper_parallel.core.tensor_parallel.prepare_styles import PrepareModuleInput
 from hyper_parallel.core.tensor_parallel.uneven_heads import head_bounds
 from hyper_parallel.errors import LayoutError, StyleSpecError
@@ -197,12 +197,7 @@ class PrepareHeadsInput(PrepareModuleInput):
 
     def _shard_head_params(self, module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, fqn: str) -> None:
         """Each head parameter a Shard(0) DTensor; forward runs on its local rows."""
-        for name in self.head_params:
-            new = record.sharded(module._parameters[name], (Shard(0),), mesh, where=f"{fqn or '<root>'}.{name}")
-            record.replace_param(module, name, new)
-        if not getattr(module, "_hp_align_hook", False):
-            record.add_hook(module.register_forward_pre_hook(_ensure_grad_alignment))
-            record.add_flag(module, "_hp_align_hook")
+        shard_params(module, mesh, record, {n: Shard(0) for n in self.head_params}, Shard(0), fqn, only=True)
         names, inner = list(self.head_params), module.forward
 
         def forward(*args, **kwargs):
