@@ -157,7 +157,7 @@ def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, *, cp: int,
 
 
 def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: ExpertPlanning,
-           dp_mode: str | None = None) -> None:
+           dp_mode: str | None = None) -> bool:
     """Add expert parallelism's price to the units of ``acc`` (rows F, I, W, state, act, dp_comm,
     dp_gather, optimizer): per MoE layer the chosen option's compute beyond the replicated experts
     the TP search counted, its all-to-alls and expert-TP all-reduces (forward / backward), its
@@ -169,7 +169,10 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
     ``dp_mode``: the data-parallel mode the plan asked for (default: the context's). With dp = 1 the
     context prices "replicate" (nothing to shard over dp), but a runtime that shards the non-expert
     state over dp x ep (``runtime.dense_state_over_ep``) still shards it ep ways: AutoModel's
-    "FSDP 64" at dp 1 x ep 64 is FSDP2 over the 64 ranks for every non-expert weight."""
+    "FSDP 64" at dp 1 x ep 64 is FSDP2 over the 64 ranks for every non-expert weight -- its state
+    and its traffic: each unit all-gathered (forward and backward) and reduce-scattered over ep as
+    at dp > 1. Returns whether the non-expert units run FSDP (so a single stage pays their traffic
+    every micro-batch, as ``pipeline_search`` prices an FSDP unit)."""
     ctx, runtime = experts.ctx, experts.runtime   # the runtime the experts were priced for
     index = {n: i for i, n in enumerate(names)}
     expert_units: dict[int, float] = {}   # unit -> expert weight bytes it holds (whole)
@@ -229,18 +232,20 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
     # (parallelisms.data.state_mesh); a runtime stated with ``dense_state_over_ep`` does so in
     # every mode (ZeRO-1: the distributed optimizer over the whole data-parallel group) and at dp 1
     over_ep = runtime.dense_state_over_ep or ctx.fsdp
+    fsdp_over_ep = ctx.fsdp or (runtime.dense_state_over_ep and dp_mode == "fsdp")
     if over_ep:
         sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(
-            "fsdp" if ctx.fsdp else dp_mode or ctx.dp_mode, ())
+            "fsdp" if fsdp_over_ep else dp_mode or ctx.dp_mode, ())
         for i, nbytes in enumerate(local):
             if nbytes > 0:
                 st = ctx.state_bytes(nbytes, 1)
                 acc[i][3] -= sum(st[k] for k in sharded) * (1.0 - 1.0 / experts.ep)
-    if ctx.fsdp:
+    if fsdp_over_ep:
         # FSDP over dp x ep instead of dp and an all-reduce over ep: each unit's all-gathers and
         # reduce-scatter span ep too (priced as the ep stage of a hierarchical collective, on the
         # unit's 1/dp shard), one all-gather of the re-gather a pipeline does; the optimizer steps
-        # 1/ep of the elements it stepped
+        # 1/ep of the elements it stepped. At dp 1 that is FSDP over ep alone (the runtime's
+        # fully_shard over the dp x ep ranks), in the gradients' reduce dtype as at dp > 1
         for i, nbytes in enumerate(local):
             if nbytes <= 0:
                 continue
@@ -251,13 +256,14 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
             acc[i][5] += ctx.comm_time(ep_part, latency=False)
             acc[i][6] += ctx.comm_time(ep_part[:1], latency=False)
             acc[i][7] -= ctx.optimizer_time(0, ctx.optimizer_elements(nbytes, 1), True) * (1.0 - 1.0 / experts.ep)
-        return
+        return True
     for i, nbytes in enumerate(local):
         if nbytes > 0:
             acc[i][7] += ctx.collective_time(Collective("all_reduce", "backward", int(nbytes / fsdp), 1,
                                                         experts.ep_dim), latency=False)
     if names:
         acc[0][7] += ctx.collective_time(Collective("all_reduce", "backward", 1, 1, experts.ep_dim))
+    return False
 
 
 def experts_split(options: Sequence, blocks: Sequence, groups: Sequence, tp: int) -> dict[str, int]:

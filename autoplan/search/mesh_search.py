@@ -355,11 +355,12 @@ class ClusterSearch:
             groups = self.moe_groups_at(b, cp)
             add_expert_compute(acc, names, groups, ctx, tokens=b * self.seq // cp, dtype_bytes=st.dtype_bytes,
                                etp=experts_split(options, st.blocks, groups, tp), runtime=self.expert_runtime)
+        unit_fsdp = ctx.fsdp
         if ep > 1:
             experts = ExpertPlanning(self.meta, self.graph(b), st, ctx, self.spec(dp, pp, tp, cp, ep),
                                      groups=self.moe_groups_at(b), expert_parallel=self.expert_parallel,
                                      runtime=self.expert_runtime)
-            add_ep(acc, names, options, all_targets, experts, dp_mode=fsdp)
+            unit_fsdp = add_ep(acc, names, options, all_targets, experts, dp_mode=fsdp)
             if not self.expert_runtime.fused_saves:
                 # what ExpertParallel's forward saves, which replaces the captured expert forward
                 restate_our_experts(acc, names, experts, ctx, self.meta, tokens=b * self.seq, dtype=self.dtype)
@@ -370,7 +371,7 @@ class ClusterSearch:
                                 rows={r["fqn"]: r for r in module_summary(self.graph(b, cp)).to_dict("records")})
         if pp > 1:
             add_tied_copy(acc, options, st, ctx, emb_i, head_i)
-        units = [UnitCost(n, *a, fsdp=ctx.fsdp) for n, a in zip(names, acc)]
+        units = [UnitCost(n, *a, fsdp=unit_fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
         p2p_bytes = hidden / (tp if layout == "S" else 1)
         p2p = ctx.topology.collective_time("pp", "send_recv", p2p_bytes) if pp > 1 else 0.0
