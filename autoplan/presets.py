@@ -168,3 +168,16 @@ def build_preset(
     if dtype is not None:
         model = model.to(dtype=dtype)
     return model
+
+
+def use_fused_attention(model: nn.Module) -> nn.Module:
+    """Capture ``model``'s attention as one fused kernel (torch's SDPA): every transformers config
+    in it set to ``attn_implementation="sdpa"``, in place. For pricing and kernel profiles of what
+    production runtimes run (Transformer Engine / cuDNN, FlashAttention, FlexAttention): a model left
+    on transformers' "eager" attention (GPT-OSS's default, for its sinks) is captured as the two
+    GEMMs and softmax that materialise the (s x s) scores, and priced so."""
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = "sdpa"
+    return model

@@ -35,7 +35,7 @@ import pandas as pd
 
 from autoplan.cluster import mfu_bound_note
 from autoplan.errors import InfeasiblePlanError
-from autoplan.presets import build_preset
+from autoplan.presets import build_preset, use_fused_attention
 from autoplan.search.expert_search import (
     DEEPEP_RUNTIME, DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options,
 )
@@ -270,12 +270,7 @@ def build(run: Run):
     ran fused attention (TE / cuDNN, FlexAttention, FlashAttention), not HF's eager softmax(QK^T)V,
     which materialises the (s x s) scores -- our runtime would run whatever the model's
     ``attn_implementation`` says, so a model left on "eager" is priced as eager."""
-    model = _build(run)
-    for mod in model.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = "sdpa"
-    return model
+    return use_fused_attention(_build(run))
 
 
 def _build(run: Run):

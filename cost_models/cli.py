@@ -2,6 +2,8 @@
 
     python -m cost_models.cli hardware [NAME]
     python -m cost_models.cli profile --model llama3-8b --batch 1 --seq 256 [--device cpu] [--out ops.csv]
+    python -m cost_models.cli profile --kernels --preset gpt-oss-20b --seq 4096 --ep 8 --hardware h100_sxm \
+        --device cuda [--out kernels.csv] [--write-profile h100_measured.json]
     python -m cost_models.cli calibrate --world 2 [--out DIR]
     python -m cost_models.cli runtime --world 4     # eager-rank costs the planner uses on the cpu profile
 
@@ -20,9 +22,13 @@ from pathlib import Path
 import pandas as pd
 
 from autoplan.models.llama import LlamaConfig
+from autoplan.presets import build_preset, use_fused_attention
+from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.priced_kernels import priced_kernels
 from cost_models.calibrate import calibrate_collectives
 from cost_models.hardware import list_hardware, load_hardware
 from cost_models.hardware.host import save_host_profile
+from cost_models.kernel_efficiency import measure, with_measured
 from cost_models.ops import llama_model_ops
 from cost_models.profile_table import ProfileTable, device_key
 from cost_models.profiler import TimingConfig, profile_ops
@@ -61,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--forward-only", action="store_true")
     pr.add_argument("--out", type=Path, help="also write the rows to this CSV")
     pr.add_argument("--no-save", action="store_true", help="do not merge into the device's profile table")
+    pr.add_argument("--kernels", action="store_true",
+                    help="measure the GEMM, grouped-GEMM and attention kernels a plan of --preset prices, at its "
+                         "shapes, beside the --hardware profile's prediction")
+    pr.add_argument("--preset", default="gpt-oss-20b", help="(--kernels) an autoplan preset (autoplan.presets)")
+    pr.add_argument("--tp", type=int, default=1, help="(--kernels) tensor-parallel degree of the plan")
+    pr.add_argument("--ep", type=int, default=1, help="(--kernels) expert-parallel degree of the plan")
+    pr.add_argument("--hardware", default=None, help="(--kernels) the profile to compare with: a name or a JSON file")
+    pr.add_argument("--write-profile", type=Path, default=None,
+                    help="(--kernels) write --hardware with the measured kernels as its kernel points (JSON)")
 
     ca = sub.add_parser("calibrate", help="benchmark collectives on gloo ranks and fit alpha/beta")
     ca.add_argument("--world", type=int, default=2)
@@ -96,9 +111,45 @@ def _hardware(args) -> int:
     return 0
 
 
+def _kernels(args) -> int:
+    import json
+
+    import torch
+    from tqdm import tqdm
+
+    if not args.hardware:
+        raise SystemExit("autoplan profile --kernels: --hardware is required (the profile the measurements "
+                         f"are compared with and written into; known: {list_hardware()} or a JSON file)")
+    hw = load_hardware(args.hardware)
+    model = use_fused_attention(build_preset(args.preset, num_layers=args.layers))
+    search = ClusterSearch(model, max(args.ep, 1) * max(args.tp, 1), hardware=args.hardware, batch=(args.batch, args.seq),
+                           microbatch_sizes=(args.batch,), dtype=torch.bfloat16)
+    shapes = priced_kernels(search, b=args.batch, tp=args.tp, ep=args.ep, note=args.preset)
+    with tqdm(total=len(shapes), desc=f"kernels of {args.preset}", unit="kernel") as bar:
+        frame = measure(shapes, hw, device=args.device, progress=lambda s: bar.update(1))
+    cols = ["kind", "m", "n", "k", "groups", "span", "measured_s", "predicted_s", "measured_eff", "predicted_eff",
+            "error"]
+    print(frame[cols].to_string(index=False))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_csv(args.out, index=False)
+        print(f"rows written to {args.out}")
+    if args.write_profile:
+        name = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else device_key(args.device)
+        measured = with_measured(hw, frame, f"autoplan profile --kernels --preset {args.preset} on {name} "
+                                            f"(torch {torch.__version__}): forward + backward, median")
+        args.write_profile.parent.mkdir(parents=True, exist_ok=True)
+        args.write_profile.write_text(json.dumps(measured.to_dict(), indent=2) + "\n")
+        print(f"profile with {len(measured.efficiency.kernels)} measured kernels: {args.write_profile}")
+    return 0 if (frame["error"] == "").all() else 1
+
+
 def _profile(args) -> int:
     import torch
     from tqdm import tqdm
+
+    if args.kernels:
+        return _kernels(args)
 
     if args.threads:
         torch.set_num_threads(args.threads)

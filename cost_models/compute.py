@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import pandas as pd
 
@@ -174,12 +174,44 @@ def gemm_shape_dims(short_name: str, shapes: list[tuple[int, ...]]) -> tuple[int
     return math.prod(a[:-1]), b[-1], a[-1]
 
 
+def _shape_curve(eff, m: float, n: float, k: float) -> float:
+    return math.prod(d / (d + eff.dim_half) for d in (m, n, k))
+
+
+def measured_efficiency(hardware: HardwareProfile, kind: str, m: float, n: float, k: float,
+                        curve: Callable[[float, float, float], float]) -> float | None:
+    """The achieved efficiency of a ``kind`` kernel at (m, n, k) from the device's measured points
+    (``efficiency.kernels``, written by ``autoplan profile --kernels``): the nearest measured shape
+    (in log distance over the three dimensions) at its measured efficiency, moved to (m, n, k) by
+    ``curve``'s ratio between the two shapes -- a measurement anchors the curve where it was taken
+    and the curve carries it to shapes nearby. None where the profile measured no such kernel."""
+    pts = [p for p in hardware.efficiency.kernels if p[0] == kind]
+    if not pts or min(m, n, k) <= 0:
+        return None
+    near = min(pts, key=lambda p: sum(abs(math.log(a / b)) for a, b in zip((m, n, k), p[1:4])))
+    base = curve(*near[1:4])
+    return min(1.0, near[4] * curve(m, n, k) / base) if base > 0 else near[4]
+
+
 def gemm_efficiency(hardware: HardwareProfile, m: float, n: float, k: float) -> float:
     """Achieved fraction of dense peak for an (M, N, K) GEMM: the profile's large-GEMM efficiency
     (``efficiency.compute``, a published measurement) times prod(d / (d + dim_half)) -- small
-    dimensions leave tiles and SMs idle. The one GEMM formula of the cost model."""
+    dimensions leave tiles and SMs idle. The one GEMM formula of the cost model; a device profile
+    with measured GEMMs anchors it there (:func:`measured_efficiency`)."""
     eff = hardware.efficiency
-    return eff.compute * math.prod(d / (d + eff.dim_half) for d in (m, n, k))
+
+    def curve(a, b, c):
+        return eff.compute * _shape_curve(eff, a, b, c)
+    got = measured_efficiency(hardware, "gemm", m, n, k, curve)
+    return curve(m, n, k) if got is None else got
+
+
+def grouped_gemm_efficiency(hardware: HardwareProfile, m: float, n: float, k: float) -> float:
+    """Achieved fraction of peak for a grouped GEMM (the MoE experts' kernel) whose groups are
+    (M, N, K) each: measured grouped GEMMs where the device profile has them, else one GEMM of
+    that shape (:func:`gemm_efficiency` -- the datasheet profiles hold no grouped-kernel number)."""
+    got = measured_efficiency(hardware, "grouped_gemm", m, n, k, lambda a, b, c: gemm_efficiency(hardware, a, b, c))
+    return gemm_efficiency(hardware, m, n, k) if got is None else got
 
 
 ATTENTION_HEAD_DIM = 128          # the head dim ``efficiency.attention`` is measured at
@@ -222,17 +254,33 @@ def attention_time(hardware: HardwareProfile, peak: float, flops: float, s_q: fl
     the same measured efficiency (the profile holds no windowed-kernel measurement; see
     docs/attention_window.md); the unfused path computes the whole matrix whatever the mask."""
     eff = hardware.efficiency
-    if eff.attention <= 0:
-        return flops / (peak * gemm_efficiency(hardware, s_q, s_k, head_dim))
     if density is None or s_q != s_k:   # queries split over ranks (split_tokens): the busiest rank's
         density = 0.5 if causal and s_q == s_k else 1.0   # rows see every key, as before
-    work = flops * density
+    # the keys a query sees (a band of density d over s keys: w = s (1 - sqrt(1 - 2 d)); the causal
+    # half: s), which the device's measured attention points are keyed by
+    span = s_k * (1.0 - math.sqrt(max(0.0, 1.0 - 2.0 * density))) if density < 0.5 else s_k
+
+    def curve(s, _span, d):
+        return attention_efficiency(hardware, s, s, d)
+    got = measured_efficiency(hardware, "attention", s_q, span, head_dim, curve) if s_q == s_k else None
+    if got is not None:
+        return flops * density / (peak * got)
+    if eff.attention <= 0:
+        return flops / (peak * gemm_efficiency(hardware, s_q, s_k, head_dim))
+    return flops * density / (peak * attention_efficiency(hardware, s_q, s_k, head_dim))
+
+
+def attention_efficiency(hardware: HardwareProfile, s_q: float, s_k: float, head_dim: float) -> float:
+    """Fraction of peak a flash-class kernel reaches on the work it does: the profile's measured
+    ``efficiency.attention`` (head dim 128, long sequences) times the shape curve of the two
+    sequence axes and a head-dim factor below 128."""
+    eff = hardware.efficiency
     shape = (s_q / (s_q + eff.dim_half)) * (s_k / (s_k + eff.dim_half))
     # ``attention`` is measured at head dim 128; a narrower head does less work per tile load
     # (FlashAttention-3 Fig. 5: causal forward at head dim 64 ~77 % of head dim 128's speed; the
     # curve's d / (d + dim_half) ratio gives 67 %); wider heads are not credited above it
     width = min(1.0, (head_dim / (head_dim + eff.dim_half)) / (ATTENTION_HEAD_DIM / (ATTENTION_HEAD_DIM + eff.dim_half)))
-    return work / (peak * eff.attention * shape * width)
+    return eff.attention * shape * width
 
 
 def gemm_split(m: int, n: int, k: int, has_weight: bool) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from autoplan.capture.ir import ModelGraph
 from autoplan.capture.views import module_summary
 from autoplan.search.unit_work import Work, module_work
-from cost_models.compute import gemm_efficiency
+from cost_models.compute import grouped_gemm_efficiency
 from hyper_parallel.core.collective import Collective
 from hyper_parallel.core.expert_parallel import ExpertParallel
 from hyper_parallel.core.expert_parallel.layouts import ExpertsLayout, read_layout
@@ -335,12 +335,24 @@ def moe_groups(graph: ModelGraph, model, dtype_bytes: int) -> list[MoEGroup]:
     return out
 
 
+def expert_gemm_shapes(group: MoEGroup, *, tokens: int, ep: int, etp: int) -> list[tuple[float, float, float, int]]:
+    """The grouped GEMMs one rank runs for one MoE layer's experts: (M = rows per local expert,
+    N, K, local experts) of gate/up (2F / etp outputs, concatenated or two of F) and of down --
+    under balanced routing a rank receives ``tokens x top_k`` rows over its E / ep experts."""
+    lay = group.layout
+    local = max(lay.num_experts // max(ep, 1), 1)
+    h, f = lay.hidden, lay.ffn / etp
+    m = tokens * group.top_k / local
+    return [(m, 2 * f, h, local), (m, h, f, local)]
+
+
 def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int,
                         runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> float:
     """Seconds per call of one MoE layer's experts on one rank, from what the hardware runs:
 
-    - the grouped GEMMs (gate/up, then down) at the achieved efficiency of one expert's GEMM shape
-      (``cost_models.compute.gemm_efficiency``: M = the rows an expert receives, N / K = hidden and
+    - the grouped GEMMs (gate/up, then down; :func:`expert_gemm_shapes`) at the achieved efficiency
+      of one expert's GEMM shape (``cost_models.compute.grouped_gemm_efficiency``: measured grouped
+      GEMMs on a device profile, else one GEMM's curve; M = the rows an expert receives, N / K = hidden and
       the expert's ffn / etp), a roofline against the bytes of the weights this rank holds -- its
       E/ep local experts, not all E;
     - the routing glue at its real HBM traffic: permute (read + write each routed row), the
@@ -354,14 +366,12 @@ def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, 
     hw, lay = ctx.hardware, group.layout
     peak, bw = hw.peak(ctx.dtype), hw.memory_bandwidth * hw.efficiency.memory
     rows = tokens * group.top_k
-    local = max(lay.num_experts // max(ep, 1), 1)
     h, f = lay.hidden, lay.ffn / etp
-    m = rows / local
     t = 0.0
-    for n_out, k_in in ((2 * f, h), (h, f)):            # gate_up (concatenated or two of f), down
-        flops = 3 * 2.0 * rows * n_out * k_in            # forward + backward (input and weight grads)
+    for m, n_out, k_in, local in expert_gemm_shapes(group, tokens=tokens, ep=ep, etp=etp):
+        flops = 3 * 2.0 * m * local * n_out * k_in       # forward + backward (input and weight grads)
         weight_bytes = 3 * local * n_out * k_in * dtype_bytes
-        t += max(flops / (peak * gemm_efficiency(hw, m, n_out, k_in)), weight_bytes / bw)
+        t += max(flops / (peak * grouped_gemm_efficiency(hw, m, n_out, k_in)), weight_bytes / bw)
     passes = 2 * (int(runtime.regroup and ep > 1) * 2 + int(runtime.weights_apart))   # row reads + writes
     glue = (2 * rows * h + 3 * rows * f + rows * h + tokens * h + passes * rows * h) * dtype_bytes   # forward
     return t + 3 * glue / bw + group.work.kernels * hw.efficiency.kernel_overhead

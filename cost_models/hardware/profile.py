@@ -56,6 +56,9 @@ class Link:
         object.__setattr__(self, "busbw", pts)
 
 
+KERNEL_KINDS = ("gemm", "grouped_gemm", "attention")
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fractions of datasheet peak that real kernels reach, and fixed per-kernel costs.
@@ -78,6 +81,26 @@ class Efficiency:
     # kernel benchmark's number (the profile's sources say which). 0: none measured -- fused
     # attention is then priced as a GEMM of shape (s_q, s_k, head_dim) on the full score matrix
     attention: float = 0.0
+    # kernels measured on the device (``autoplan profile --kernels``): (kind, m, n, k, efficiency)
+    # points that anchor the shape curves above where they were measured -- kind "gemm" (M, N, K),
+    # "grouped_gemm" (M = rows per group, N, K) or "attention" (M = sequence, N = the keys each
+    # query sees: the sequence, or a sliding window, K = head dim; efficiency on the work done).
+    # Empty: the datasheet curves alone (cost_models.compute.measured_efficiency)
+    kernels: tuple = ()
+
+    def __post_init__(self) -> None:
+        pts = []
+        for p in self.kernels:
+            try:
+                kind, m, n, k, e = p
+                pt = (str(kind), float(m), float(n), float(k), float(e))
+            except (TypeError, ValueError):
+                raise ValueError(f"Efficiency.kernels: {p!r} is not a (kind, m, n, k, efficiency) point") from None
+            if pt[0] not in KERNEL_KINDS or min(pt[1:4]) <= 0 or not 0 < pt[4] <= 1:
+                raise ValueError(f"Efficiency.kernels: {p!r} needs kind in {KERNEL_KINDS}, m, n, k > 0 and "
+                                 "0 < efficiency <= 1")
+            pts.append(pt)
+        object.__setattr__(self, "kernels", tuple(pts))
 
     def bandwidth(self, dram: float, nbytes: float) -> float:
         """Achievable bytes/s for a working set of ``nbytes``: cache speed for small sets, blending
@@ -130,6 +153,7 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["sources"] = list(self.sources)
+        out["efficiency"]["kernels"] = [list(p) for p in self.efficiency.kernels]
         return out
 
     @staticmethod
