@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import pandas as pd
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from cost_models.compute import attention_time, causal_density, gemm_efficiency, grouped_gemm_efficiency
 from cost_models.errors import CalibrationError
 from cost_models.hardware.profile import HardwareProfile
 from cost_models.profiler import TimingConfig, time_callable
+from hyper_parallel.core.expert_parallel.grouped import grouped_mm
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +106,10 @@ def predicted_seconds(hw: HardwareProfile, shape: KernelShape, dtype: str = "bf1
 def kernel_fn(shape: KernelShape, device="cpu", dtype=None) -> Callable[[], object]:
     """A callable running ``shape`` forward + backward once on fresh-per-call autograd graphs
     (inputs built once; gradients returned, not accumulated)."""
-    import torch
-
     dtype = dtype or torch.bfloat16
-    gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def rand(*size):
-        return (torch.randn(*size, generator=gen) * 0.02).to(device=device, dtype=dtype).requires_grad_(True)
+    def rand(*size):   # values only need to be ordinary numbers: filled where they live, in their dtype
+        return torch.empty(*size, device=device, dtype=dtype).uniform_(-0.02, 0.02).requires_grad_(True)
 
     if shape.kind == "gemm":
         x, w = rand(shape.m, shape.k), rand(shape.k, shape.n)
@@ -119,8 +119,6 @@ def kernel_fn(shape: KernelShape, device="cpu", dtype=None) -> Callable[[], obje
             return torch.autograd.grad(y, (x, w), torch.ones_like(y))
         return run
     if shape.kind == "grouped_gemm":
-        from hyper_parallel.core.expert_parallel.grouped import grouped_mm
-
         x, w = rand(shape.m * shape.groups, shape.k), rand(shape.groups, shape.k, shape.n)
         counts = [shape.m] * shape.groups
 
@@ -130,8 +128,6 @@ def kernel_fn(shape: KernelShape, device="cpu", dtype=None) -> Callable[[], obje
         return run
     q, k, v = (rand(1, shape.groups, shape.m, shape.k) for _ in range(3))
     if shape.window and shape.window < shape.n:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
         w = shape.window
 
         def band(b, h, qi, ki):
@@ -156,8 +152,6 @@ def measure(shapes: Iterable[KernelShape], hw: HardwareProfile, device="cpu", dt
     """One row per shape: measured seconds (forward + backward, median), the cost model's
     prediction on ``hw``, both as efficiencies (FLOPs done / (seconds x peak)), and their ratio.
     A shape whose kernel fails on this device keeps its row with ``error`` set."""
-    import torch
-
     dtype = dtype or torch.bfloat16
     dkey = str(dtype).replace("torch.", "")
     peak = hw.peak(dkey)
