@@ -292,6 +292,10 @@ def _cmd_report(args) -> int:
     return 0
 
 
+# commands whose command line cost_models.cli parses (its options, its --help): forwarded whole
+COST_COMMANDS = ("profile", "calibrate", "hardware")
+
+
 def _cmd_cost_models(args) -> int:
     return cost_main([args.command, *args.rest])
 
@@ -370,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--names", default=None, help="comma-separated names (default: file stems)")
     rp.add_argument("--title", default=None)
     rp.set_defaults(func=_cmd_report)
-    for name in ("profile", "calibrate", "hardware"):
+    for name in COST_COMMANDS:   # listed for `autoplan --help`; main() forwards their command lines
         c = sub.add_parser(name, help=f"cost_models {name} (see: autoplan {name} -h)", add_help=False)
         c.add_argument("rest", nargs=argparse.REMAINDER)
         c.set_defaults(func=_cmd_cost_models)
@@ -391,6 +395,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in COST_COMMANDS:
+        # argparse's REMAINDER does not take a first argument that looks like an option, so
+        # ``autoplan profile --model tiny`` would be refused before cost_models saw it
+        return cost_main(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

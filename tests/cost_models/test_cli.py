@@ -25,3 +25,20 @@ def test_profile_tiny_model_writes_rows_and_table(tmp_path, monkeypatch, capsys)
 def test_presets_follow_llama3_shapes():
     assert PRESETS["llama3-8b"]["ffn_hidden"] == 14336
     assert PRESETS["llama3-70b"]["ffn_hidden"] == 28672
+
+
+def test_autoplan_forwards_the_whole_command_line(tmp_path, monkeypatch, capsys):
+    """`autoplan profile --model tiny ...` reaches cost_models' parser with its options (an argparse
+    REMAINDER refused a first argument that looks like an option), and so does --help."""
+    from autoplan.cli import main as autoplan_main
+
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "ops.csv"
+    assert autoplan_main(["profile", "--model", "tiny", "--batch", "1", "--seq", "8", "--no-save",
+                          "--out", str(out)]) == 0
+    assert out.is_file()
+    try:
+        autoplan_main(["profile", "--help"])
+    except SystemExit as e:
+        assert e.code == 0
+    assert "--kernels" in capsys.readouterr().out
