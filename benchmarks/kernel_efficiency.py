@@ -16,6 +16,12 @@ the runs on that hardware again with it (``--reprice``):
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kernel_efficiency.py                       # the shapes
     PYTHONPATH=$PWD python benchmarks/kernel_efficiency.py --device cuda --hardware h100_sxm --reprice \
         --results $OUT     # on the lent device: what comes back is what it writes there
+
+On an H200 measure against ``h100_sxm``: the same GH100 die (132 SMs, the same clocks and bf16 peak),
+so its compute-bound kernels' efficiencies are the H100's (its faster HBM only shortens memory-bound
+ones), and ``--reprice`` then prices the published H100 runs with them. The device image has torch,
+transformers and pandas but not PuLP / HiGHS (the planner's solver): carry their wheels
+(``pulp``, ``highspy``; the device README's recipe).
 """
 from __future__ import annotations
 
