@@ -252,7 +252,10 @@ def attention_time(hardware: HardwareProfile, peak: float, flops: float, s_q: fl
     (self-attention as captured, s_q == s_k; a query shard of it is priced whole, as without one):
     a flash-class kernel skips the tiles outside the band (FlashAttention's ``window_size``), at
     the same measured efficiency (the profile holds no windowed-kernel measurement; see
-    docs/attention_window.md); the unfused path computes the whole matrix whatever the mask."""
+    docs/attention_window.md); the unfused path computes the whole matrix whatever the mask.
+    A device profile's measured attention (``efficiency.kernels`` points of kind "attention", keyed
+    by sequence, keys each query sees and head dim) gives the efficiency on the work done instead,
+    windowed kernels included (:func:`measured_efficiency`)."""
     eff = hardware.efficiency
     if density is None or s_q != s_k:   # queries split over ranks (split_tokens): the busiest rank's
         density = 0.5 if causal and s_q == s_k else 1.0   # rows see every key, as before
