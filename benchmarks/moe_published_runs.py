@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,8 @@ from autoplan.search.expert_search import (
 )
 from autoplan.search.mesh_search import ClusterSearch
 from autoplan.search.moe_memory import memory_breakdown
+from cost_models.attention_kernels import with_attention_kernel
+from cost_models.hardware import load_hardware
 
 OUT = Path(__file__).parent / "results" / "moe_published_runs"
 AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.md (2025-10-02), Pre-Training, DGX-H100, BF16, "
@@ -91,6 +95,20 @@ class Run:
     fp8_cache: bool = False
     dense_state_over_ep: bool | None = None
     memory_cite: str = ""
+    # the fused-attention kernel the source's runtime runs where it is not the profile's flash class
+    # (cost_models.attention_kernels: AutoModel's GPT-OSS recipes state ``attn: flex``)
+    attention_kernel: str | None = None
+
+    def priced_hardware(self) -> str:
+        """The profile the run is priced on: its hardware's, or -- with ``attention_kernel`` -- that
+        profile with the kernel's attention efficiency, written to a JSON file (what
+        ``ClusterSearch(hardware=...)`` takes for a profile that is not shipped)."""
+        if not self.attention_kernel:
+            return self.hardware
+        hw = with_attention_kernel(load_hardware(self.hardware), self.attention_kernel)
+        path = Path(tempfile.gettempdir()) / f"autoplan_{hw.name}_{self.attention_kernel}.json"
+        path.write_text(json.dumps(hw.to_dict()))
+        return str(path)
 
     def runtime(self) -> ExpertRuntime:
         """The expert runtime with the memory facts this run's source states."""
@@ -117,6 +135,8 @@ AUTOMODEL_RUNTIME = dataclasses.replace(
     "true in every examples/benchmark/configs/*_te_deepep.yaml at the summary's commit 8d9bfb90e): indices = "
     "arange(tokens * k).view(-1, k) % E")
 FAKE_GATE = "fake balanced gate: each token's k experts consecutive (priced: expert_runtime routing)"
+# the GPT-OSS recipes' ``backend: attn: flex`` (examples/benchmark/configs/gptoss_*_te_deepep.yaml)
+FLEX = "FlexAttention (sinks, sliding window 128 on half the layers; priced: attention_kernel)"
 # what the recipes state, at the commits the summaries were written from
 AM_AC = ("full: activation_checkpointing: true in examples/benchmark/configs/{f}.yaml (Automodel 8d9bfb90e, "
          "2025-10-08): parallelizer.apply_ac wraps every decoder block in ptd_checkpoint_wrapper")
@@ -171,13 +191,13 @@ RUNS = [
     Run("am-gptoss-20b-8", "automodel", AUTOMODEL + ": GPT-OSS 20B, 8 GPUs, GBS 256, MBS 2, EP -, FSDP 8: 10.04 s "
         "(EP 8: the row's recipe examples/benchmark/configs/gptoss_20b_te_deepep.yaml sets ep_size 8)",
         GPT_OSS_20B, "h100_sxm", 8, 256, 4096, 1, 8, 1, 1, 2, "fsdp", 10.04,
-        their_runtime=[DEEPEP, TE, FAKE_GATE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
-        expert_runtime=AUTOMODEL_RUNTIME, recompute="full"),
+        their_runtime=[DEEPEP, TE, FAKE_GATE, FLEX], expert_runtime=AUTOMODEL_RUNTIME, recompute="full",
+        attention_kernel="flex_attention"),
     Run("am-gptoss-120b-64", "automodel", AUTOMODEL + ": GPT-OSS 120B, 64 GPUs, GBS 512, MBS 2, EP -, FSDP 64: "
         "4.30 s (EP 64: its recipe gptoss_120b_te_deepep.yaml sets ep_size 64)", GPT_OSS_120B, "h100_sxm", 64, 512,
         4096, 1, 64, 1, 1, 2, "fsdp", 4.30,
-        their_runtime=[DEEPEP, TE, FAKE_GATE, "FlexAttention (sinks, sliding window 128 on half the layers)"],
-        expert_runtime=AUTOMODEL_RUNTIME, recompute="none"),
+        their_runtime=[DEEPEP, TE, FAKE_GATE, FLEX], expert_runtime=AUTOMODEL_RUNTIME, recompute="none",
+        attention_kernel="flex_attention"),
     Run("mb-gptoss-120b-h100-2602", "bridge", BRIDGE.format(f="-archive", rel="26.02", sys="DGX-H100") +
         ": GPT OSS 120B, 64 GPUs, GBS 1280, MBS 1, seq 4096, PP 4, EP 8: 5,993", GPT_OSS_120B, "h100_sxm", 64, 1280,
         4096, 2, 8, 4, 1, 1, "zero1", bridge_step(1280, 4096, 5993, 64), their_runtime=[TE, MEGATRON_CE], expert_runtime=MEGATRON_A2A,
@@ -301,7 +321,7 @@ def price(run: Run, free: bool) -> dict:
                         + (f" {run.schedule}(v{run.v})" if run.pp > 1 else ""),
            "measured_s": run.measured_s, "their_runtime": "; ".join(run.their_runtime)}
     t0 = time.perf_counter()
-    search = ClusterSearch(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
+    search = ClusterSearch(model, run.devices, hardware=run.priced_hardware(), batch=(run.gbs, run.seq),
                            microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.runtime(),
                            loss_bytes_per_logit=run.loss_bytes_per_logit)
     best = None
