@@ -163,10 +163,12 @@ TE = "Transformer Engine fused kernels (grouped GEMM, fused permute, fused atten
 # (token_dispatcher.py sort_chunks_by_idxs, TE's fused kernel); the routing weights folded into TE's
 # fused unpermute, not a pass of their own as ours
 MEGATRON_A2A = dataclasses.replace(
-    OUR_EXPERT_RUNTIME, weights_apart=False,
+    OUR_EXPERT_RUNTIME, weights_apart=False, bias_passes=(0, 12),
     source="Megatron-Core MoEAlltoAllTokenDispatcher (moe_permute_fusion): all-to-alls of every routed copy, "
            "exposed; rows re-sorted by local expert around them (sort_chunks_by_idxs); weights fused into the "
-           "unpermute")
+           "unpermute; TEGroupedMLP: the gate/up bias fused into weighted_bias_quick_geglu_impl "
+           "(bias_activation_fusion), the down bias scaled by the routing weights in _apply_bias (split per "
+           "expert, t + b * p, concatenated: 6 passes forward, 6 backward)")
 DSV3_RUNTIME = DEEPSEEK_V3_RUNTIME
 
 

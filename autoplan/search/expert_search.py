@@ -99,6 +99,12 @@ class ExpertRuntime:
       they are summed per token (hyper_parallel's ``combine``: ``back * weights``, then
       ``index_add``); Transformer Engine's fused unpermute (Megatron-Core's ``moe_permute_fusion``,
       AutoModel) folds them into the sum: False.
+    - ``bias_passes``: for experts with biases (GPT-OSS), the HBM passes over the gate/up output
+      (rows x 2F / etp) and over the down output (rows x H) that adding them takes, forward and
+      backward. Ours, 5 each (``layouts.stacked_experts``: ``h + bias[expert_of_row]`` -- the
+      gathered bias written, both read, the sum written; the bias gradient's scatter reads the
+      gradient once). Transformer Engine's grouped linear takes the bias into the GEMM's epilogue and
+      Megatron-Core's fused weighted activation the gate/up bias: 0.
     """
 
     node_limit: int = 0
@@ -112,6 +118,7 @@ class ExpertRuntime:
     fp8_cache: bool = False
     regroup: bool = True
     weights_apart: bool = True
+    bias_passes: tuple = (5, 5)
 
     def __post_init__(self) -> None:
         if self.node_limit < 0 or not 0.0 <= self.overlap <= 1.0:
@@ -205,11 +212,15 @@ DEEPSEEK_V3_RUNTIME = ExpertRuntime(
            "ZeRO-1 data parallelism (the optimizer over the whole data-parallel group)")
 # NeMo AutoModel's MoE recipes as its performance summary runs them: DeepEP dispatch / combine (one
 # copy per destination node, no routing limit, not overlapped) and FSDP2 over dp_shard x ep
+# Its experts add their biases apart from the GEMMs (GroupedExpertsDeepEP._apply_bias: split per expert, add,
+# concatenate): gate/up 4 passes forward + the bias gradient's read; down ``t + b * p`` 6 forward + 6 backward
+# (the probability-scaled bias and both its gradients)
 DEEPEP_RUNTIME = ExpertRuntime(
-    dedup=True, dense_state_over_ep=True, regroup=False, weights_apart=False,
+    dedup=True, dense_state_over_ep=True, regroup=False, weights_apart=False, bias_passes=(5, 12),
     source="deepseek-ai/DeepEP README: normal dispatch/combine kernels forward each token once per destination "
            "node over RDMA and then over NVLink; NVIDIA-NeMo/Automodel docs/performance-summary.md: TE + DeepEP, "
-           "FSDP2 (dp_shard) x EP")
+           "FSDP2 (dp_shard) x EP; nemo_automodel/components/moe/layers.py GroupedExpertsDeepEP._apply_bias "
+           "(8d9bfb90e): expert biases added per expert and concatenated")
 
 
 @dataclass
@@ -359,7 +370,7 @@ def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, 
       activation (read gate/up, write its product), unpermute and the weighted combine (read each
       row, write each token), and the passes ``runtime`` adds (its ``regroup`` of the received rows
       by local expert and back, with ep > 1; its ``weights_apart`` scaling of the returned rows);
-      the backward twice the forward;
+      the backward twice the forward; experts with biases add the runtime's ``bias_passes``;
     - the container's kernel launches.
     Balanced routing (the imbalance factor multiplies the result): every rank receives as many
     routed rows as it sends, ``tokens x top_k``."""
@@ -374,7 +385,11 @@ def grouped_expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, 
         t += max(flops / (peak * grouped_gemm_efficiency(hw, m, n_out, k_in)), weight_bytes / bw)
     passes = 2 * (int(runtime.regroup and ep > 1) * 2 + int(runtime.weights_apart))   # row reads + writes
     glue = (2 * rows * h + 3 * rows * f + rows * h + tokens * h + passes * rows * h) * dtype_bytes   # forward
-    return t + 3 * glue / bw + group.work.kernels * hw.efficiency.kernel_overhead
+    bias = 0.0
+    if lay.biases:   # forward and backward already: the runtime's passes over the two GEMMs' outputs
+        gate_up_passes, down_passes = runtime.bias_passes
+        bias = (gate_up_passes * rows * 2 * f + down_passes * rows * h) * dtype_bytes
+    return t + (3 * glue + bias) / bw + group.work.kernels * hw.efficiency.kernel_overhead
 
 
 def expert_time(ctx, group: MoEGroup, *, tokens: int, dtype_bytes: int, ep: int, etp: int,

@@ -1,6 +1,7 @@
 """Context (cp) and expert (ep) parallelism inside the cluster search (``plan_cluster`` /
 ``autoplan(model, N)``): which degrees the search tries, what it prices, and plans at world 64
 that verify exactly in the dry run (fake process group)."""
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,9 @@ from autoplan import autoplan, plan_cluster
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, InvalidConstraintError
 from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
-from autoplan.search.expert_search import DEEPEP_RUNTIME, ExpertRuntime, _pattern, grouped_expert_time, moe_groups
+from autoplan.search.expert_search import (
+    DEEPEP_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, _pattern, grouped_expert_time, moe_groups,
+)
 from autoplan.models import build_llama
 from autoplan.presets import build_preset
 from autoplan.search.mesh_candidates import mesh_factorizations
@@ -243,3 +246,29 @@ def test_fsdp_over_ep_alone_prices_fsdp_traffic_every_micro_batch(mixtral_8x7b):
     assert sum(u.optimizer_s for u in fsdp) < sum(u.optimizer_s for u in mine)
     one = theirs.evaluate(1, 1, 1, "1F1B", 1, "fsdp", "none", ep=8)
     assert one.step_s > 0 and ctx.dp == 1
+
+
+def test_expert_biases_price_the_passes_the_runtime_makes():
+    """GPT-OSS's experts carry biases: ours adds them by a gather and an add (5 passes over each GEMM's
+    output, the gradient's scatter included); Megatron-Core fuses the gate/up bias into its weighted
+    activation and scales the down bias by the routing weights apart (TEGroupedMLP._apply_bias: 12);
+    a layout without biases pays none of it."""
+    model = build_preset("gpt-oss-20b", num_layers=2)
+    search = ClusterSearch(model, 8, hardware="h100_sxm", batch=(8, 1024), microbatch_sizes=(1,))
+    ctx = search.ctx(1, 1, 1, "replicate", "none", 1, 8)
+    g = search.moe_groups[0]
+    assert g.layout.biases
+    kw = dict(tokens=1024, dtype_bytes=2, ep=8, etp=1)
+    none = ExpertRuntime(bias_passes=(0, 0), source="test")
+    hw = ctx.hardware
+    rows, f, h = 1024 * g.top_k, g.layout.ffn, g.layout.hidden
+    per = 2 / (hw.memory_bandwidth * hw.efficiency.memory)   # bf16 bytes per element at achieved HBM speed
+    ours = grouped_expert_time(ctx, g, **kw) - grouped_expert_time(ctx, g, runtime=dataclasses.replace(
+        OUR_EXPERT_RUNTIME, bias_passes=(0, 0)), **kw)
+    assert ours == pytest.approx((5 * rows * 2 * f + 5 * rows * h) * per)
+    megatron = ExpertRuntime(bias_passes=(0, 12), source="test")
+    assert grouped_expert_time(ctx, g, runtime=megatron, **kw) - grouped_expert_time(ctx, g, runtime=none, **kw) == \
+        pytest.approx(12 * rows * h * per)
+    unbiased = dataclasses.replace(g, layout=dataclasses.replace(g.layout, biases=False))
+    assert grouped_expert_time(ctx, unbiased, **kw) == grouped_expert_time(ctx, unbiased, runtime=dataclasses.replace(
+        OUR_EXPERT_RUNTIME, bias_passes=(0, 0)), **kw)
