@@ -399,7 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] in COST_COMMANDS:
         # argparse's REMAINDER does not take a first argument that looks like an option, so
         # ``autoplan profile --model tiny`` would be refused before cost_models saw it
-        return cost_main(argv)
+        try:
+            return _one_line_errors(argv[0], lambda: cost_main(argv), verbose=False)
+        except SystemExit as e:   # cost_models' --help (0), its parser's refusal (2) or a refusal in words
+            if isinstance(e.code, int):
+                return e.code
+            print(e.code, file=sys.stderr)
+            return 2
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -407,15 +413,21 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    return _one_line_errors(args.command, lambda: args.func(args), verbose=args.verbose)
+
+
+def _one_line_errors(command: str, run, verbose: bool) -> int:
+    """``run()``'s exit code; an error it raises becomes one line on stderr and exit code 2 (the
+    CLI's contract), unless ``verbose`` asks for the traceback."""
     try:
-        return args.func(args)
+        return run()
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # noqa: BLE001 - the CLI's contract: one line, non-zero exit; BaseException
         # because torch's DCP CheckpointException derives from it, not from Exception
-        if args.verbose:
+        if verbose:
             raise
-        print(f"autoplan {args.command}: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        print(f"autoplan {command}: error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -1,6 +1,7 @@
 """The cost_models CLI: listing hardware and profiling a tiny model end to end."""
 import pandas as pd
 
+from autoplan.cli import main as autoplan_main
 from cost_models.cli import PRESETS, main
 
 
@@ -30,8 +31,6 @@ def test_presets_follow_llama3_shapes():
 def test_autoplan_forwards_the_whole_command_line(tmp_path, monkeypatch, capsys):
     """`autoplan profile --model tiny ...` reaches cost_models' parser with its options (an argparse
     REMAINDER refused a first argument that looks like an option), and so does --help."""
-    from autoplan.cli import main as autoplan_main
-
     monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "ops.csv"
     assert autoplan_main(["profile", "--model", "tiny", "--batch", "1", "--seq", "8", "--no-save",
@@ -42,3 +41,12 @@ def test_autoplan_forwards_the_whole_command_line(tmp_path, monkeypatch, capsys)
     except SystemExit as e:
         assert e.code == 0
     assert "--kernels" in capsys.readouterr().out
+
+
+def test_autoplan_profile_errors_are_one_line(capsys):
+    """Forwarded commands keep the CLI's contract: a bad argument is one line on stderr and exit 2."""
+    assert autoplan_main(["profile", "--kernels", "--preset", "nosuch", "--hardware", "h100_sxm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autoplan profile: error: UnknownPresetError") and "\n" not in err
+    assert autoplan_main(["profile", "--kernels", "--preset", "gpt-oss-20b"]) == 2
+    assert "--hardware is required" in capsys.readouterr().err
