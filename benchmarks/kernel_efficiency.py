@@ -5,9 +5,9 @@ run of ``moe_published_runs.py`` at its published layout -- its weight GEMMs at 
 tensor-parallel shard, its fused attention (head dim, causal or sliding window), its grouped expert
 GEMMs at the rows an expert receives under its ep. The shapes several runs share are measured once.
 
-Without a device (``--device cpu``, the default) it writes the list of shapes with the efficiency the
-run's datasheet profile prices each at (``results/kernel_shapes.md``): what a device run will measure,
-reviewable before one is lent. On a GPU it times each kernel forward + backward
+Without ``--hardware`` it writes the list of shapes with the efficiency the run's datasheet profile
+prices each at (``results/kernel_shapes.md``): what a device run will measure, reviewable before one is
+lent. With it (on a GPU: ``--device cuda``) it times each kernel forward + backward
 (``cost_models.kernel_efficiency.measure``) against ``--hardware`` and writes
 ``results/kernel_efficiency_<device>.{csv,md}`` and the profile with the measured points
 (``results/kernel_efficiency_<device>.json``, for ``ClusterSearch(hardware=<that file>)``), then prices
@@ -86,12 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated run names")
     ap.add_argument("--reprice", action="store_true", help="price the runs on --hardware again with the measurements")
     ap.add_argument("--results", type=Path, default=RESULTS, help="the folder written (a device run: its $OUT)")
+    ap.add_argument("--max-gflop", type=float, default=None,
+                    help="measure only kernels of at most this many GFLOP forward + backward (a quick check)")
     args = ap.parse_args(argv)
     results = args.results
     selected = set(args.only.split(",")) if args.only else None
     shapes, _ = run_shapes(selected)
     results.mkdir(parents=True, exist_ok=True)
-    if args.device == "cpu":
+    if not args.hardware:   # no profile to measure against: the list of what a device run measures
         table = shapes_table(shapes)
         (results / "kernel_shapes.md").write_text(
             "# The kernels the published MoE runs are priced with\n\n" + __doc__.split("\n\n")[1] + "\n\n"
@@ -101,8 +103,8 @@ def main(argv=None) -> int:
             + table.to_markdown(index=False, floatfmt=".3g") + "\n")
         print(table.drop(columns="runs").to_string(index=False))
         return 0
-    if not args.hardware:
-        ap.error("--hardware is required with a device (the profile the measurements are compared with)")
+    if args.max_gflop is not None:
+        shapes = [s for s in shapes if s.flops() <= args.max_gflop * 1e9]
     import torch
 
     hw = load_hardware(args.hardware)
