@@ -238,6 +238,12 @@ def causal_density(s_q: float, s_k: float, span: tuple = ()) -> float:
     return (full * n * n / 2.0 + rest * rest / 2.0) / (s * s)
 
 
+def keys_per_query(s: float, density: float) -> float:
+    """The keys each query sees in a causal band that computes ``density`` of the (s x s) scores --
+    :func:`causal_density`'s window inverted, w = s (1 - sqrt(1 - 2 d)); the causal half (or more): s."""
+    return s * (1.0 - math.sqrt(max(0.0, 1.0 - 2.0 * density))) if density < 0.5 else s
+
+
 def attention_time(hardware: HardwareProfile, peak: float, flops: float, s_q: float, s_k: float,
                    head_dim: float, causal: bool, density: float | None = None) -> float:
     """Seconds of a fused attention kernel whose full-score-matrix FLOPs are ``flops`` (torch's
@@ -259,9 +265,7 @@ def attention_time(hardware: HardwareProfile, peak: float, flops: float, s_q: fl
     eff = hardware.efficiency
     if density is None or s_q != s_k:   # queries split over ranks (split_tokens): the busiest rank's
         density = 0.5 if causal and s_q == s_k else 1.0   # rows see every key, as before
-    # the keys a query sees (a band of density d over s keys: w = s (1 - sqrt(1 - 2 d)); the causal
-    # half: s), which the device's measured attention points are keyed by
-    span = s_k * (1.0 - math.sqrt(max(0.0, 1.0 - 2.0 * density))) if density < 0.5 else s_k
+    span = keys_per_query(s_k, density)   # what the device's measured attention points are keyed by
 
     def curve(s, _span, d):
         return attention_efficiency(hardware, s, s, d)

@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import pandas as pd
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils import flop_counter
 
 from cost_models.compute import attention_time, causal_density, gemm_efficiency, grouped_gemm_efficiency
 from cost_models.errors import CalibrationError
@@ -33,10 +34,7 @@ from hyper_parallel.core.expert_parallel.grouped import grouped_mm
 log = logging.getLogger(__name__)
 
 KINDS = ("gemm", "grouped_gemm", "attention")
-# forward + backward over forward FLOPs: a GEMM's backward is two GEMMs of its size; a flash-class
-# attention backward recomputes the scores and runs four GEMMs (2.5x the forward's two)
-GEMM_PASSES = 3.0
-ATTENTION_PASSES = 3.5
+GEMM_PASSES = 3.0   # forward + backward over forward FLOPs: a GEMM's backward is two GEMMs of its size
 
 
 @dataclass(frozen=True)
@@ -79,9 +77,12 @@ class KernelShape:
 
     def full_flops(self) -> float:
         """Forward + backward FLOPs the cost model counts before any mask: 2 m n k per GEMM (per
-        group), 4 m n k per attention head (scores and context)."""
+        group); for attention what torch's FLOP counter gives SDPA -- the capture's count, so a
+        captured op's FLOPs over one head's are its heads."""
         if self.kind == "attention":
-            return ATTENTION_PASSES * 4.0 * self.m * self.n * self.k * self.groups
+            q = (1, self.groups, self.m, self.k)
+            kv = (1, self.groups, self.n, self.k)
+            return float(flop_counter.sdpa_flop_count(q, kv, kv) + flop_counter.sdpa_backward_flop_count(q, q, kv, kv))
         return GEMM_PASSES * 2.0 * self.m * self.n * self.k * self.groups
 
     def flops(self) -> float:

@@ -103,8 +103,10 @@ class ExpertRuntime:
       (rows x 2F / etp) and over the down output (rows x H) that adding them takes, forward and
       backward. Ours, 5 each (``layouts.stacked_experts``: ``h + bias[expert_of_row]`` -- the
       gathered bias written, both read, the sum written; the bias gradient's scatter reads the
-      gradient once). Transformer Engine's grouped linear takes the bias into the GEMM's epilogue and
-      Megatron-Core's fused weighted activation the gate/up bias: 0.
+      gradient once). Megatron-Core's TEGroupedMLP fuses the gate/up bias into its weighted
+      activation (0) and adds the down bias scaled by the routing weights per expert (``_apply_bias``:
+      split, ``t + b * p``, concatenate -- 6 passes forward, 6 backward); AutoModel's DeepEP experts add
+      both that way (5, 12: ``DEEPEP_RUNTIME``).
     """
 
     node_limit: int = 0

@@ -13,16 +13,8 @@ from __future__ import annotations
 from autoplan.capture.views import module_summary
 from autoplan.search.expert_search import expert_gemm_shapes
 from autoplan.search.unit_work import module_work
-from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, sharded_gemm_dims
-from cost_models.kernel_efficiency import ATTENTION_PASSES, KernelShape
-
-
-def _window(s: float, density: float) -> int:
-    """The keys a query sees from the fraction of the (s x s) scores a causal kernel computes:
-    the whole sequence at the causal half, else the band w = s (1 - sqrt(1 - 2 d))."""
-    if density >= 0.5:
-        return 0
-    return max(1, round(s * (1.0 - (1.0 - 2.0 * density) ** 0.5)))
+from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, keys_per_query, sharded_gemm_dims
+from cost_models.kernel_efficiency import KernelShape
 
 
 def priced_kernels(search, *, b: int, tp: int = 1, ep: int = 1, cp: int = 1, note: str = "") -> list[KernelShape]:
@@ -42,9 +34,9 @@ def priced_kernels(search, *, b: int, tp: int = 1, ep: int = 1, cp: int = 1, not
             if tag != ATTENTION_CAUSAL or m != n:
                 continue
             density = split[1] if len(split) > 1 else 0.5
-            heads = max(1, round(f / (ATTENTION_PASSES * 4.0 * m * n * k)))
-            shape = KernelShape("attention", int(m), int(n), int(k), groups=heads, window=_window(m, density),
-                                note=note)
+            heads = max(1, round(f / KernelShape("attention", int(m), int(n), int(k)).full_flops()))
+            window = max(1, round(keys_per_query(m, density))) if density < 0.5 else 0   # 0: every earlier key
+            shape = KernelShape("attention", int(m), int(n), int(k), groups=heads, window=window, note=note)
         else:
             sm, sn, sk = sharded_gemm_dims(m, n, k, tag, tp)
             shape = KernelShape("gemm", int(sm), max(1, round(sn)), max(1, round(sk)), note=note)

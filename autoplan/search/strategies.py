@@ -248,13 +248,13 @@ def _heads_prep(a: AttentionUnit, at: str, inp: tuple | None, **local) -> dict:
     itself (``a.head_params``: GPT-OSS's sinks) sharded with its heads on the module."""
     layouts = {} if inp is None else dict(input_layouts=inp, desired_input_layouts=(R,))
     local = {k: v for k, v in local.items() if v}
-    heads = {"head_params": list(a.head_params)} if a.head_params else {}
-    if at == a.rel:
-        heads, local = {}, {**local, **heads}
-    out = {at: PrepareHeadsInput(**layouts, **local) if local else PrepareModuleInput(**layouts)} \
-        if layouts or local else {}
-    if heads:
-        out[a.rel] = PrepareHeadsInput(**heads)
+    own = {"head_params": list(a.head_params)} if a.head_params else {}
+    heads = {**local, **(own if at == a.rel else {})}   # what only PrepareHeadsInput does, at ``at``
+    out = {}
+    if layouts or heads:
+        out[at] = PrepareHeadsInput(**layouts, **heads) if heads else PrepareModuleInput(**layouts)
+    if own and at != a.rel:   # the module holds its head parameters itself, its entry is inside it
+        out[a.rel] = PrepareHeadsInput(**own)
     return out
 
 
