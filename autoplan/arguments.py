@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
-from autoplan.search.costing import RECOMPUTE
-from autoplan.search.tower_placement import PLACEMENTS as TOWER_PLACEMENTS
+from autoplan.search.pricing.costing import RECOMPUTE
+from autoplan.search.pipeline.tower_placement import PLACEMENTS as TOWER_PLACEMENTS
 from cost_models.hardware import list_hardware
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES

@@ -1,10 +1,10 @@
 """plan_cluster(model, devices, ...) -> Plan: the whole plan for N devices.
 
 Given only a device count, a hardware profile and a global batch, choose dp x pp x tp (and cp for
-long sequences or ep for MoE models: ``autoplan/search/cluster_dims.py``), FSDP or
+long sequences or ep for MoE models: ``autoplan/search/mesh/dims.py``), FSDP or
 replicated data parallel, activation checkpointing, the micro-batch size and count, the pipeline
 schedule and its cuts, and every module's tensor-parallel style, and say what the runners-up
-would cost. The search is ``autoplan.search.mesh_search``; this module turns its winner into a
+would cost. The search is ``autoplan.search.mesh.search``; this module turns its winner into a
 Plan: the TP styles come from ``autoplan()`` on the winning mesh (so ``plan.apply`` and
 ``verify`` see the same styles the search priced), and ``plan.pipeline`` carries the stages.
 """
@@ -25,19 +25,19 @@ from autoplan.arguments import (
 from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
-from autoplan.search.context_cost import LOSS_BYTES
+from autoplan.search.context.cost import LOSS_BYTES
 from autoplan.capture.inputs import meta_view
-from autoplan.search.mesh_candidates import MESH_NAMES, Candidate, ranked_alternatives
-from autoplan.search.mesh_search import ClusterSearch, search_dtype
-from autoplan.search.pipeline_experts import ep_layer_rows, ep_sync_row, expert_shards
-from autoplan.search.pipeline_search import fsdp_gathers, stage_bounds
-from autoplan.search.plan_modes import REDUCE_BYTES, with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
-from autoplan.search.stage_params import param_homes, tied_copy_state, tied_holders
-from autoplan.search.sharding import param_shards
+from autoplan.search.mesh.candidates import MESH_NAMES, Candidate, ranked_alternatives
+from autoplan.search.mesh.search import ClusterSearch, search_dtype
+from autoplan.search.experts.pipeline import ep_layer_rows, ep_sync_row, expert_shards
+from autoplan.search.pipeline.search import fsdp_gathers, stage_bounds
+from autoplan.search.data.modes import REDUCE_BYTES, with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
+from autoplan.search.pipeline.stage_params import param_homes, tied_copy_state, tied_holders
+from autoplan.search.pricing.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedules import AGREEMENT_BYTES
-from autoplan.search.tower_plan import add_tower, tower_params
-from autoplan.search.unit_targets import block_members, option_units
+from autoplan.search.pipeline.tower_plan import add_tower, tower_params
+from autoplan.search.units.targets import block_members, option_units
 from hyper_parallel.core.collective import Collective, merged_rows
 from cost_models.hardware import load_hardware
 from cost_models.published_mfu import StepTerms, mfu_note, predicted_mfu
@@ -57,7 +57,7 @@ def _shards(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | Non
 
 def _stage_params(search: ClusterSearch, best: Candidate) -> tuple[dict[str, set[int]], dict[str, str]]:
     """(tied parameter -> the stages holding a copy, parameter under no unit -> the unit it lives
-    with) for the candidate's cuts (``autoplan.search.stage_params``); a VL tower's parameters are
+    with) for the candidate's cuts (``autoplan.search.pipeline.stage_params``); a VL tower's parameters are
     the tower's (``add_tower`` counts them), not homed with a unit."""
     names, graph = search.unit_names, search.graph(best.b, best.cp)
     tied = tied_holders(graph, names, stage_bounds(best.choice.starts, len(names)))
@@ -404,7 +404,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # the styles the search priced (its TP ILP), written into the plan by the mesh planner: solving
         # again on the whole mesh can pick another head or stream, and the rows would then not match.
         # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
-        # by the same objects the search priced them with (autoplan/search/cluster_dims.py)
+        # by the same objects the search priced them with (autoplan/search/mesh/dims.py)
         searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp, best.ep)
         tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp),
                             memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,

@@ -3,9 +3,9 @@
 Why a helper of its own: at 32K-128K tokens per sequence what fits in memory and what is fast
 depend on how the devices are split between tensor parallel (divides weights and, with sequence
 parallel, activations; its collectives grow with the tokens), context parallel (divides the
-tokens of every op; adds the attention exchange, priced by ``autoplan.search.context_cost``) and
+tokens of every op; adds the attention exchange, priced by ``autoplan.search.context.cost``) and
 data parallel (needs a sequence per replica). It is the cluster search (``plan_cluster``, which
-searches cp itself: ``autoplan/search/cluster_dims.py``) restricted to one split at a time and no
+searches cp itself: ``autoplan/search/mesh/dims.py``) restricted to one split at a time and no
 pipeline: every split ``devices = dp * cp * tp`` with tp inside a node, a sequence that cuts into
 2*cp chunks and a global batch dp divides is planned by ``plan_cluster`` with those degrees fixed,
 and the fastest plan that fits memory wins; the others are listed in ``plan.alternatives``

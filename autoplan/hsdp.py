@@ -14,7 +14,7 @@ dp_shard only), so the candidates are the splits whose shard groups respect node
   dp_shard group's links are the same (tp is innermost in both meshes);
 - the dp_replicate all-reduces (one per reduce-scatter, of the sharded gradient) are added as
   exact collective rows, and their alpha-beta time on the HSDP mesh's links, exposed by the
-  overlap rule FSDP traffic gets (``tp_search.exposed_dp``), is added to the step.
+  overlap rule FSDP traffic gets (``tp.search.exposed_dp``), is added to the step.
 
 The winner is a plan on the mesh (dp_replicate, dp_shard, tp) with ``fsdp.replicate_dim``; the
 runner applies ``fully_shard`` on the 2-D (dp_replicate, dp_shard) mesh and verify checks it
@@ -30,7 +30,7 @@ import torch
 from autoplan.api import autoplan
 from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.plan.plan import Plan, fastest_of
-from autoplan.search.hsdp_splits import (
+from autoplan.search.data.hsdp_splits import (
     DP_REPLICATE, DP_SHARD, hsdp_replicate_rows, hsdp_replicate_time, hsdp_splits,
 )
 from cost_models.hardware import load_hardware

@@ -31,16 +31,16 @@ from autoplan.errors import (
 )
 from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
-from autoplan.search.context_cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
-from autoplan.search.costing import CostContext
-from autoplan.search.expert_plan import ExpertPlanning, expert_parallel_constraint
-from autoplan.search.moe_memory import planned_saved_delta
+from autoplan.search.context.cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
+from autoplan.search.pricing.costing import CostContext
+from autoplan.search.experts.planning import ExpertPlanning, expert_parallel_constraint
+from autoplan.search.experts.memory import planned_saved_delta
 from hyper_parallel.parallel_dims import ParallelDims
-from autoplan.search.probe import Prober
-from autoplan.search.sharding import fsdp_collectives, param_shards, rank_param_bytes
-from autoplan.search.structure import model_structure
-from autoplan.search.group_patterns import seal_group_wildcards
-from autoplan.search.tp_search import Evaluation, SolverInfo, TPSearch
+from autoplan.search.tp.probe import Prober
+from autoplan.search.pricing.sharding import fsdp_collectives, param_shards, rank_param_bytes
+from autoplan.search.units.structure import model_structure
+from autoplan.search.tp.group_patterns import seal_group_wildcards
+from autoplan.search.tp.search import Evaluation, SolverInfo, TPSearch
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from hyper_parallel.core.context_parallel import ContextParallel

@@ -19,7 +19,7 @@ import pandas as pd
 
 from autoplan.errors import InfeasiblePlanError
 from autoplan.presets import build_preset
-from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.mesh.search import ClusterSearch
 
 OUT = Path(__file__).parent / "results" / "cluster_quality"
 SEQ = 8192

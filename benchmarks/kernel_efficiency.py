@@ -1,6 +1,6 @@
 """The kernels the published MoE runs are priced with, measured on a device beside the profile's price.
 
-Every shape comes from the cost model itself (``autoplan.search.priced_kernels``): each published MoE
+Every shape comes from the cost model itself (``autoplan.search.pricing.kernels``): each published MoE
 run of ``moe_published_runs.py`` at its published layout -- its weight GEMMs at the rank's
 tensor-parallel shard, its fused attention (head dim, causal or sliding window), its grouped expert
 GEMMs at the rows an expert receives under its ep. The shapes several runs share are measured once.
@@ -37,8 +37,8 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_published_runs as runs  # noqa: E402
 
-from autoplan.search.mesh_search import ClusterSearch  # noqa: E402
-from autoplan.search.priced_kernels import priced_kernels  # noqa: E402
+from autoplan.search.mesh.search import ClusterSearch  # noqa: E402
+from autoplan.search.pricing.kernels import priced_kernels  # noqa: E402
 from cost_models.hardware import load_hardware  # noqa: E402
 from cost_models.kernel_efficiency import KernelShape, measure, predicted_seconds, with_measured  # noqa: E402
 from cost_models.profile_table import device_key  # noqa: E402

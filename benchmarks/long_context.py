@@ -4,7 +4,7 @@ Two views. (1) Fixed meshes: autoplan prices every (dp x) cp x tp mesh of a devi
 ``autoplan.context_search.context_meshes`` lists, each by ``autoplan`` on the fixed mesh (activations per rank /
 cp, attention at 1/cp of the causal work, the ring or all-gather exchange on the cp link). (2) The cluster search:
 ``autoplan(model, N)`` (``plan_cluster``) chooses dp, cp, pp, tp, recomputation, micro-batches and schedule
-itself (cp from 32K tokens per sequence, ``autoplan/search/cluster_dims.py``). The 405B published long-context
+itself (cp from 32K tokens per sequence, ``autoplan/search/mesh/dims.py``). The 405B published long-context
 layout (Llama 3 paper: TP8 CP16 PP16, DP4 on 8,192 GPUs) is *priced* by the same cluster search
 (``ClusterSearch.evaluate``: every unit's compute, TP and cp exchange, FSDP over dp x cp, the 1F1B schedule
 simulated with its bubble, P2P and in-flight activations per stage), even and balanced cuts, with or without
@@ -21,7 +21,7 @@ from pathlib import Path
 from autoplan import MeshSpec, autoplan
 from autoplan.context_search import context_meshes
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.mesh.search import ClusterSearch
 from autoplan.presets import build_preset
 from autoplan.verify import verify
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from autoplan import autoplan
 from autoplan.errors import InfeasiblePlanError
 from autoplan.mesh_plan import plan_mesh
-from autoplan.search.expert_search import DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME
-from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.experts.search import DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME
+from autoplan.search.mesh.search import ClusterSearch
 from autoplan.presets import build_preset
 from autoplan.verify import verify
 from cost_models.hardware import load_hardware
@@ -61,7 +61,7 @@ schedule, and ep (borrowed from dp, with or without a pipeline). The published l
 DeepSeek-V3 technical report, section 3.2) is priced by the same search's ``evaluate`` on 1F1B and on ZBV (the
 closest of our schedules to DualPipe), even and balanced cuts, recomputation at its fastest -- twice: as
 hyper_parallel's runtime would run it (every routed copy over the ep link, all-to-alls exposed) and as DeepSeek's
-runtime ran it (``expert_search.DEEPSEEK_V3_RUNTIME``: node-limited routing to <= 4 nodes, DualPipe hiding the
+runtime ran it (``experts.search.DEEPSEEK_V3_RUNTIME``: node-limited routing to <= 4 nodes, DualPipe hiding the
 all-to-alls behind the other chunk's compute; the report's 19.9 s per step is the measurement to hold it to)."""
 
 

@@ -9,7 +9,7 @@ pick for the same model, devices and batch is reported with its claimed speed-up
 fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
 source states how its runtime moves the experts' tokens (DeepEP's per-node de-duplication; DeepSeek-V3's
 node-limited routing and DualPipe overlap), the run is priced with that runtime
-(``expert_search.ExpertRuntime``, cited there): their runtime, not ours, which exposes every routed copy.
+(``experts.search.ExpertRuntime``, cited there): their runtime, not ours, which exposes every routed copy.
 
 Sources: NeMo AutoModel's performance summary (H100, FSDP2 + EP, step times), Megatron-Bridge's
 performance summary (H100 and B200, Megatron-Core, tokens/s/GPU), DeepSeek-V3's technical report
@@ -38,11 +38,11 @@ import pandas as pd
 from autoplan.cluster import mfu_bound_note
 from autoplan.errors import InfeasiblePlanError
 from autoplan.presets import build_preset, use_fused_attention
-from autoplan.search.expert_search import (
+from autoplan.search.experts.search import (
     DEEPEP_RUNTIME, DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options,
 )
-from autoplan.search.mesh_search import ClusterSearch
-from autoplan.search.moe_memory import memory_breakdown
+from autoplan.search.mesh.search import ClusterSearch
+from autoplan.search.experts.memory import memory_breakdown
 from cost_models.attention_kernels import with_attention_kernel
 from cost_models.hardware import load_hardware
 
@@ -89,7 +89,7 @@ class Run:
     # on the logits' dtype -- AutoModel's MaskedCrossEntropy with fp32_upcast: false is that)
     loss_bytes_per_logit: float | None = None
     # memory settings the source states (memory_cite): Megatron-Core recompute_modules, fused
-    # kernels' saved activations, non-expert state over dp x ep (see autoplan.search.moe_memory)
+    # kernels' saved activations, non-expert state over dp x ep (see autoplan.search.experts.memory)
     recompute_modules: tuple = ()
     fused_saves: bool = False
     fp8_cache: bool = False
@@ -441,7 +441,7 @@ def write(df: pd.DataFrame) -> None:
 MEMORY_NOTE = (
     "Each run at its published layout with the memory settings its source states (recompute, "
     "Megatron-Core recompute_modules, fused kernels' saved activations, non-expert state over dp x ep; "
-    "citations below), on its busiest pipeline rank (autoplan.search.moe_memory.memory_breakdown): "
+    "citations below), on its busiest pipeline rank (autoplan.search.experts.memory.memory_breakdown): "
     "parameters, gradients and optimizer state after TP, ep, FSDP / ZeRO-1 and the runtime's dp x ep "
     "sharding; the saved activations of the micro-batches the schedule holds in flight (`inflight` chunks); "
     "buffers = one FSDP unit gathered for compute (0 where dp = 1: FSDP over ep alone gathers the "

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from autoplan.search.pipeline_search import UnitCost
-from autoplan.search.tower_placement import choose_tower_placement
+from autoplan.search.pipeline.search import UnitCost
+from autoplan.search.pipeline.tower_placement import choose_tower_placement
 
 HERE = Path(__file__).parent
 RATIOS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -54,7 +54,7 @@ def main() -> None:
     ).reset_index()
     text = (
         "# MPipe vs tower on stage 0 vs tower as its own stage(s): the planner's pick\n\n"
-        "Simulated (1F1B on the schedule IR, `autoplan.search.tower_placement.choose_tower_placement`): decoder of "
+        "Simulated (1F1B on the schedule IR, `autoplan.search.pipeline.tower_placement.choose_tower_placement`): decoder of "
         "32 uniform layers (forward 1, backward 2 per micro-batch), vision tower of 8 uniform blocks whose time per "
         "micro-batch is `tower_ratio` x the decoder's, m = 2p micro-batches, P2P 0.05 per hop, MPipe's "
         "tower-gradient all-reduce = `reduce` x the tower's forward+backward time of one micro-batch. Step times "

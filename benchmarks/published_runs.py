@@ -36,7 +36,7 @@ from autoplan.cluster import mfu_bound_note
 from autoplan.errors import InfeasiblePlanError
 from autoplan.models.gpt import build_gpt
 from autoplan.models.llama import build_llama
-from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.mesh.search import ClusterSearch
 from cost_models.published_mfu import BEST_PUBLISHED_MFU as PUBLISHED_MFU
 
 OUT = Path(__file__).parent / "results" / "published_runs"

@@ -92,12 +92,12 @@ def priced_as_listed(plan) -> float:
     listing (what the runtime issues: one FSDP all-gather / reduce-scatter per FSDP unit, i.e. per
     block and the root) instead of the search's per-unit FSDP pricing (attention, MLP and norms
     each pay a collective's latency). Same cost context, same exposed-dp overlap rule."""
-    from autoplan.search.costing import CostContext
+    from autoplan.search.pricing.costing import CostContext
     from cost_models.hardware import load_hardware
     from cost_models.topology import mesh_topology
     from hyper_parallel.core.collective import Collective
     from hyper_parallel.parallel_dims import ParallelDims
-    from autoplan.search.tp_search import exposed_dp
+    from autoplan.search.tp.search import exposed_dp
 
     spec = ParallelDims.from_dict(plan.mesh)
     dp = spec.degree(plan.dp_dim) if plan.dp_dim else 1
@@ -268,7 +268,7 @@ gloo alpha {rt.link.latency * 1e6:.0f} us/step, {rt.link.bandwidth / 1e9:.2f} GB
   blocks (one collective per block and one for the root). Bytes are the same; on gloo with
   ~0.5 ms per ring step plus ~2-3 ms per collective in an eager step, the 3x latency count
   over-prices FSDP plans (dp4_fsdp, dp2tp2_*). `as_listed_ms` prices the plan's own collective
-  listing with the same context; the fix belongs in the search (autoplan/search/tp_search.py).
+  listing with the same context; the fix belongs in the search (autoplan/search/tp/search.py).
 - The optimizer step (AdamW; ~7-25 ms here, mostly per-DTensor-parameter dispatch) is not in the
   search's step time yet: `CostContext.optimizer_time` prices it but nothing calls it.
 - Plans that differ by less than the round-to-round spread (see `round_step_s`) can swap places

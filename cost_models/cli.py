@@ -23,8 +23,8 @@ import pandas as pd
 
 from autoplan.models.llama import LlamaConfig
 from autoplan.presets import build_preset, use_fused_attention
-from autoplan.search.mesh_search import ClusterSearch
-from autoplan.search.priced_kernels import priced_kernels
+from autoplan.search.mesh.search import ClusterSearch
+from autoplan.search.pricing.kernels import priced_kernels
 from cost_models.calibrate import calibrate_collectives
 from cost_models.hardware import list_hardware, load_hardware
 from cost_models.hardware.host import save_host_profile

@@ -93,7 +93,7 @@ class KernelShape:
 def predicted_seconds(hw: HardwareProfile, shape: KernelShape, dtype: str = "bf16", dtype_bytes: int = 2) -> float:
     """What the cost model charges for ``shape`` forward + backward on ``hw``: the formulas
     :mod:`cost_models.compute` prices GEMMs and attention with, and the grouped GEMM's roofline
-    against its weights' bytes as ``autoplan.search.expert_search.grouped_expert_time`` has it."""
+    against its weights' bytes as ``autoplan.search.experts.search.grouped_expert_time`` has it."""
     peak = hw.peak(dtype)
     if shape.kind == "attention":
         return attention_time(hw, peak, shape.full_flops(), shape.m, shape.n, shape.k, True, shape.density())

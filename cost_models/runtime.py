@@ -29,7 +29,7 @@ get scheduled, not by loopback bandwidth. :func:`calibrate_runtime` measures eac
   tensor of small plain / sharded DTensor parameters (the per-tensor fixed cost; the per-element
   cost is bandwidth, priced from the profile).
 
-The planner's :class:`~autoplan.search.costing.CostContext` picks the calibration for its world
+The planner's :class:`~autoplan.search.pricing.costing.CostContext` picks the calibration for its world
 size up automatically on the ``cpu`` profile (:func:`load_runtime`).
 """
 from __future__ import annotations

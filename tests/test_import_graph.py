@@ -319,7 +319,6 @@ def test_few_internal_functions_take_more_than_ten_parameters():
 MAX_SEARCH_FILES = 12
 
 
-@NOT_YET
 def test_search_is_packages_not_a_flat_bag():
     """``autoplan/search`` holds one package per concern (tp, pipeline, mesh, experts, ...)."""
     files = sorted(p.name for p in (ROOT / "autoplan" / "search").iterdir() if p.is_file() and p.suffix == ".py")

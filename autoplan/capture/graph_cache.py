@@ -104,7 +104,7 @@ def _model_fingerprint(model: nn.Module) -> dict:
 
 def model_key(model: nn.Module) -> str | None:
     """The model part of the key (module tree, configs, class sources) as JSON, for other results
-    that are a function of the model alone (``pipeline_support.pipeline_layout``); None when the
+    that are a function of the model alone (``pipeline.support.pipeline_layout``); None when the
     cache is off or the model cannot be described."""
     if not disk_cache.enabled():
         return None

@@ -1,7 +1,7 @@
 """A mixture of attention heads (JetMoE's MoA) read from the dataflow and the shapes: an attention
 that capture ran at module level (its routing reads token counts from the data), recognised so
 its heads can be sharded like any attention's (hyper_parallel's PairedExpertsParallel on its
-query experts, ColwiseParallel on the shared K/V projection; autoplan.search.moa_strategies).
+query experts, ColwiseParallel on the shared K/V projection; autoplan.search.tp.moa_strategies).
 
 What it is, read from the graph and never from a class name:
 

@@ -125,7 +125,7 @@ def saved_items(graph: ModelGraph, nodes: list[Node], by_name: dict[str, Node]) 
     node's internal buffers under its own module, a saved tensor under its producer's (a graph
     input under ""). Who made a saved tensor says how a shard divides it -- a latent attention
     keeps its latents whole on every rank and its per-head tensors split
-    (autoplan.search.structure)."""
+    (autoplan.search.units.structure)."""
     seen: set[str] = set()
     for n in nodes:
         if n.saved_internal_bytes:

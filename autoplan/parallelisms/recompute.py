@@ -1,5 +1,5 @@
 """Selective activation recomputation: the attention core is recomputed in backward, exactly
-the ops the planner prices as the core (``autoplan.search.unit_work.Work.core``).
+the ops the planner prices as the core (``autoplan.search.units.work.Work.core``).
 
 The core is every op the attention module runs itself, outside its child modules (the q/k/v/o
 projections): RoPE, the score GEMMs, softmax (or the fused attention kernel), the head

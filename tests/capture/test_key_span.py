@@ -7,7 +7,7 @@ import transformers
 
 from autoplan.capture import capture
 from autoplan.capture.key_span import key_span
-from autoplan.search.unit_work import module_work
+from autoplan.search.units.work import module_work
 from cost_models.compute import ATTENTION_CAUSAL, attention_time, causal_density
 from cost_models.hardware import load_hardware
 

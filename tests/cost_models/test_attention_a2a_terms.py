@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from autoplan.search.expert_search import DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime
+from autoplan.search.experts.search import DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime
 from cost_models.compute import attention_time, gemm_efficiency
 from cost_models.hardware import load_hardware
 

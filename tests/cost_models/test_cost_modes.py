@@ -2,8 +2,8 @@
 ZeRO-1 / FSDP state, recomputation, optimizer step, memory headroom."""
 import pytest
 
-from autoplan.search.costing import CostContext
-from autoplan.search.unit_work import Work
+from autoplan.search.pricing.costing import CostContext
+from autoplan.search.units.work import Work
 from cost_models import load_hardware, mesh_links
 from cost_models.compute import gemm_efficiency
 from cost_models.overlap import DP_OVERLAP, dp_overlap
@@ -122,7 +122,7 @@ def test_gradient_accumulation_regathers_fsdp_blocks():
     FSDP2 gathers in every forward and backward and reduce-scatters every micro-batch, so all of
     the unit's dp traffic x m; replicated dp reduces once per step. A pipeline stage (p > 1) keeps
     blocks unsharded after backward and re-gathers only what the schedule finds resharded."""
-    from autoplan.search.pipeline_search import PipelineChoice, UnitCost, _stage_dp, fsdp_gathers
+    from autoplan.search.pipeline.search import PipelineChoice, UnitCost, _stage_dp, fsdp_gathers
 
     u = [UnitCost("layers.0", 1.0, 1.0, 1.0, dp_comm_s=3.0, dp_gather_s=1.0, fsdp=True)]
     flat = [UnitCost("layers.0", 1.0, 1.0, 1.0, dp_comm_s=3.0)]
@@ -140,7 +140,7 @@ def test_selective_recompute_keeps_34_sbh_per_layer_as_korthikanti():
 
     from autoplan.capture import capture
     from autoplan.models.gpt import build_gpt
-    from autoplan.search.structure import model_structure
+    from autoplan.search.units.structure import model_structure
 
     b, s, h = 2, 64, 128
     g = model_structure(capture(build_gpt(dim=h, n_layers=2, n_heads=4, vocab_size=64, ffn_hidden=4 * h,
@@ -156,8 +156,8 @@ def test_the_head_carries_the_loss_the_capture_does_not_see():
 
     from autoplan.capture import capture
     from autoplan.models.gpt import build_gpt
-    from autoplan.search.structure import model_structure
-    from autoplan.search.unit_work import CROSS_ENTROPY_PASSES
+    from autoplan.search.units.structure import model_structure
+    from autoplan.search.units.work import CROSS_ENTROPY_PASSES
 
     b, s, v = 2, 32, 96
     graph = capture(build_gpt(dim=64, n_layers=2, n_heads=4, vocab_size=v, ffn_hidden=256, max_seq_len=s),

@@ -1,4 +1,4 @@
-"""A MoE plan's memory as the runtime holds it (autoplan.search.moe_memory, cluster_dims.add_ep):
+"""A MoE plan's memory as the runtime holds it (autoplan.search.experts.memory, mesh.dims.add_ep):
 one layout's breakdown pinned against a count by hand from the model's config.
 
 Mixtral-8x7B's layer shape, 2 layers, on 8 H100s as dp 2 x ep 4 with FSDP, one sequence of 1,024
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from autoplan.presets import build_preset
-from autoplan.search.expert_search import OUR_EXPERT_RUNTIME, ExpertRuntime
-from autoplan.search.mesh_search import ClusterSearch
-from autoplan.search.moe_memory import expert_saved_bytes, memory_breakdown, norm_saved_bytes, routed_row_bytes
+from autoplan.search.experts.search import OUR_EXPERT_RUNTIME, ExpertRuntime
+from autoplan.search.mesh.search import ClusterSearch
+from autoplan.search.experts.memory import expert_saved_bytes, memory_breakdown, norm_saved_bytes, routed_row_bytes
 
 H, F, E, TOP_K, LAYERS, VOCAB, T = 4096, 14336, 8, 2, 2, 32000, 1024
 DP, EP = 2, 4

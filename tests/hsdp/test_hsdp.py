@@ -7,7 +7,7 @@ from autoplan.errors import PlanningError
 from autoplan.hsdp import plan_hsdp
 from autoplan.models import build_llama
 from autoplan.plan import Plan
-from autoplan.search.hsdp_splits import hsdp_replicate_rows, hsdp_splits
+from autoplan.search.data.hsdp_splits import hsdp_replicate_rows, hsdp_splits
 from autoplan.verify.dry_run import verify
 from tests.hsdp.workers import run_hsdp_case
 from tests.planner.e2e_workers import build

@@ -10,7 +10,9 @@ from autoplan import arguments, cluster
 from autoplan.parallelisms import pipeline as pipeline_parallelism
 from autoplan.plan import pipeline_runner, schema
 from autoplan.review import stages as review_stages
-from autoplan.search import mesh_search, pipeline_search, schedule_timing
+from autoplan.search.mesh import search as mesh_search
+from autoplan.search.pipeline import schedule_timing
+from autoplan.search.pipeline import search as pipeline_search
 from cost_models import memory
 from hyper_parallel.core import pipeline_parallel
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, SCHEDULES, StageCost, schedule_facts, simulate

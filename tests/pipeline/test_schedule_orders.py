@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from autoplan.search import schedule_store
+from autoplan.search.pipeline import schedule_store
 from hyper_parallel.core.pipeline_parallel import generators, schedule_facts
 from hyper_parallel.core.pipeline_parallel.list_scheduler import greedy_schedule
 from hyper_parallel.core.pipeline_parallel.schedule_ir import (

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autoplan.capture.image_inputs import image_inputs
-from autoplan.search.pipeline_support import pipeline_refusal
+from autoplan.search.pipeline.support import pipeline_refusal
 from autoplan.verify.shrink import recipe_for, shrink_hf_config
 from hyper_parallel.core.pipeline_parallel import ImageFeatures, split_gap
 from hyper_parallel.core.pipeline_parallel import forward_split as fs

@@ -1,13 +1,13 @@
 """Plans in the runtime modes the cost model prices (ZeRO-1, selective recomputation, mixed
-precision), made the way plan_cluster makes them: autoplan() then autoplan.search.plan_modes."""
+precision), made the way plan_cluster makes them: autoplan() then autoplan.search.data.modes."""
 from __future__ import annotations
 
 import torch
 
 from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
-from autoplan.search.plan_modes import with_dp_mode, with_mixed_precision, with_recompute
-from autoplan.search.structure import model_structure
+from autoplan.search.data.modes import with_dp_mode, with_mixed_precision, with_recompute
+from autoplan.search.units.structure import model_structure
 
 
 def mode_plan(model, shape, names, batch, *, dp_mode="replicate", recompute="none", dtype=torch.float32,

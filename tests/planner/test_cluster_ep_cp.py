@@ -10,14 +10,14 @@ import torch
 from autoplan import autoplan, plan_cluster
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError, InvalidConstraintError
-from autoplan.search.cluster_dims import CP_MIN_SEQ, cp_degrees
-from autoplan.search.expert_search import (
+from autoplan.search.mesh.dims import CP_MIN_SEQ, cp_degrees
+from autoplan.search.experts.search import (
     DEEPEP_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, _pattern, grouped_expert_time, moe_groups,
 )
 from autoplan.models import build_llama
 from autoplan.presets import build_preset
-from autoplan.search.mesh_candidates import mesh_factorizations
-from autoplan.search.mesh_search import ClusterSearch
+from autoplan.search.mesh.candidates import mesh_factorizations
+from autoplan.search.mesh.search import ClusterSearch
 from autoplan.verify.dry_run import verify
 from tests.planner.models import repo_llama_8b
 from tests.runtime.ep_workers import build
@@ -117,7 +117,7 @@ def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
     ep8_hidden, _ = hidden.unit_costs(8, 1, 1, "replicate", "none", 1, ep=8)
     assert sum(u.forward for u in ep8_hidden) == pytest.approx(sum(u.forward for u in dense) + compute_change)
     # FSDP: a pipeline's re-gather of a MoE block (UnitCost.dp_gather_s) moves the experts' ep shard,
-    # not the whole layer (cluster_dims.add_ep scales it with the reductions and the optimizer step)
+    # not the whole layer (mesh.dims.add_ep scales it with the reductions and the optimizer step)
     f_ep8, _ = search.unit_costs(8, 1, 1, "fsdp", "none", 1, ep=8)
     ctx8 = search.ctx(8, 1, 1, "fsdp", "none", 1, 8)
     whole_layers = g.count * ctx8.comm_time(ctx8.fsdp_collectives(g.param_bytes, 1)[:1], latency=False)

@@ -3,8 +3,8 @@ or from the key projection's output over the KV heads -- which, for k and v fuse
 projection, holds both (its width halves)."""
 from types import SimpleNamespace
 
-from autoplan.search.context_cost import _head_dim
-from autoplan.search.structure import AttentionUnit
+from autoplan.search.context.cost import _head_dim
+from autoplan.search.units.structure import AttentionUnit
 
 
 def _graph(width: int):

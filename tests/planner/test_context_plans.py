@@ -16,8 +16,8 @@ from tests.planner import cp_workers, e2e_workers
 from autoplan.capture import capture
 from autoplan.context_search import context_meshes, plan_context
 from autoplan.models import build_llama
-from autoplan.search.context_cost import cp_structure
-from autoplan.search.structure import model_structure
+from autoplan.search.context.cost import cp_structure
+from autoplan.search.units.structure import model_structure
 from tests.planner.models import repo_llama_8b
 
 

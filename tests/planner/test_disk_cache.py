@@ -8,7 +8,8 @@ from autoplan.capture import capture
 from autoplan.capture.graph_cache import graph_key
 from autoplan.capture.inputs import resolve_inputs
 from autoplan.presets import build_preset
-from autoplan.search import pipeline_support, schedule_store, schedule_timing
+from autoplan.search.pipeline import schedule_store, schedule_timing
+from autoplan.search.pipeline import support as pipeline_support
 
 
 @pytest.fixture

@@ -175,7 +175,7 @@ def test_repo_moe_layer_is_captured_with_routed_flops():
     """The repo model's experts (autoplan::expert_mm) are traced: an MoE layer with top-k routed
     GEMM FLOPs (2 x rows x in x out per projection, rows = tokens x top_k), forward and backward."""
     from autoplan.capture import capture
-    from autoplan.search.unit_work import module_work
+    from autoplan.search.units.work import module_work
 
     graph = capture(build("repo")[0], None, batch=(2, 8), dtype=torch.float32)
     moe = [e for b in graph.blocks for e in (b.roles or {}).get("moe", [])]

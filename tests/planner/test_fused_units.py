@@ -6,9 +6,9 @@ import torch
 import transformers
 
 from autoplan.capture import capture
-from autoplan.search.sharding import _shard_dim
-from autoplan.search.strategies import PACKED_BIAS, attention_strategies, mlp_strategies, norm_strategies
-from autoplan.search.structure import model_structure
+from autoplan.search.pricing.sharding import _shard_dim
+from autoplan.search.tp.strategies import PACKED_BIAS, attention_strategies, mlp_strategies, norm_strategies
+from autoplan.search.units.structure import model_structure
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 from torch.distributed.tensor import Shard
 

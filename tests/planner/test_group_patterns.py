@@ -3,7 +3,7 @@ of the small group that the small group leaves unstyled (DeepSeek-V3: dense laye
 layers 3-60)."""
 from types import SimpleNamespace
 
-from autoplan.search.group_patterns import seal_group_wildcards, wildcard_group
+from autoplan.search.tp.group_patterns import seal_group_wildcards, wildcard_group
 
 COL = {"style": "ColwiseParallel", "args": {}}
 ROW = {"style": "RowwiseParallel", "args": {}}

@@ -14,8 +14,8 @@ import pytest
 import torch.nn as nn
 
 from autoplan.capture import capture
-from autoplan.search.strategies import attention_strategies
-from autoplan.search.structure import model_structure
+from autoplan.search.tp.strategies import attention_strategies
+from autoplan.search.units.structure import model_structure
 
 from autoplan.verify.corpus import plan_case, small_recipe
 from autoplan.verify.dry_run import verify

@@ -11,7 +11,7 @@ import transformers
 from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search.structure import model_structure
+from autoplan.search.units.structure import model_structure
 from hyper_parallel import PairedExpertsParallel, style_from_dict
 from hyper_parallel.errors import DivisibilityError, UnsupportedModuleError
 from hyper_parallel.local import fake_world

@@ -47,7 +47,7 @@ SLICE = [
     # issue 33: JetMoE routes by token counts read from the data (capture gives each expert an even share of
     # the rows); its MLP experts, an up and a down module of 3-D weights, split on F (PairedExpertsParallel);
     # its mixture of attention heads sharded by heads (every expert's query/output columns of the rank's
-    # KV heads and the shared kv_proj's, search/moa_strategies.py)
+    # KV heads and the shared kv_proj's, search/tp/moa_strategies.py)
     ("jetmoe", "dp2_tp2", "default", ("attention:heads_sharded", "moe:experts_tp")),
     # ... and on a sequence-sharded stream inside a GatheredRegion that also makes its head counts local;
     # there its MLP experts' container gathers the stream itself (PairedExpertsParallel(sequence_dim=1))

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from autoplan.capture import capture
-from autoplan.search.structure import model_structure
+from autoplan.search.units.structure import model_structure
 
 
 def test_a_norm_before_the_first_block_is_no_final_norm():

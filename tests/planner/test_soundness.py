@@ -8,7 +8,7 @@ import torch.nn as nn
 from autoplan import MeshSpec, autoplan
 from autoplan.capture.blocks import nn_base
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search.probe import Prober, ProbeRun
+from autoplan.search.tp.probe import Prober, ProbeRun
 from autoplan.verify import verify
 from autoplan.verify.corpus import plan_case, real_model, small_recipe
 from autoplan.verify.numerics import check_numerics
@@ -143,7 +143,7 @@ def test_probe_sees_an_attention_core_that_is_not_head_sharded():
     from torch.distributed.device_mesh import init_device_mesh
 
     from autoplan.capture import capture
-    from autoplan.search.probe import Prober
+    from autoplan.search.tp.probe import Prober
     from hyper_parallel import ColwiseParallel, RowwiseParallel
     from hyper_parallel.local import fake_world
 

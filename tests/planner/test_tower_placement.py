@@ -2,8 +2,8 @@
 or MPipe -- priced on the schedule IR (simulate), the tower's time and memory included."""
 import pytest
 
-from autoplan.search.pipeline_search import UnitCost
-from autoplan.search.tower_placement import choose_tower_placement
+from autoplan.search.pipeline.search import UnitCost
+from autoplan.search.pipeline.tower_placement import choose_tower_placement
 from tests.pipeline.test_mpipe_ir import t_mpipe, t_tower_on_stage0
 
 

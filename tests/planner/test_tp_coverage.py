@@ -15,7 +15,7 @@ import transformers
 from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search.structure import model_structure
+from autoplan.search.units.structure import model_structure
 from hyper_parallel import FlatExpertsParallel, PairedExpertsParallel, PrepareHeadsInput, style_from_dict
 from hyper_parallel.core.tensor_parallel.mamba_styles import MambaMixerParallel
 from hyper_parallel.errors import DivisibilityError, StyleSpecError, UnsupportedModuleError

@@ -5,7 +5,7 @@ in the dry run (they were written as one pass of b x m before the runner accumul
 import pytest
 
 from autoplan import plan_cluster
-from autoplan.search.pipeline_search import PipelineChoice, UnitCost, rank_memory, search_pipeline, time_choice
+from autoplan.search.pipeline.search import PipelineChoice, UnitCost, rank_memory, search_pipeline, time_choice
 from autoplan.verify.dry_run import verify
 from tests.search_pp.workers import build
 

@@ -5,7 +5,7 @@ import pytest
 from autoplan import autoplan, plan_cluster
 from autoplan.errors import InfeasiblePlanError, PlanningError
 from autoplan.plan import Plan
-from autoplan.search.mesh_candidates import mesh_factorizations
+from autoplan.search.mesh.candidates import mesh_factorizations
 from tests.planner.e2e_workers import build
 
 

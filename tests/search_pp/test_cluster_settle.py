@@ -5,7 +5,7 @@ import torch
 
 from autoplan import MeshSpec, autoplan, plan_cluster
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search.mesh_search import ClusterSearch, _tp_key
+from autoplan.search.mesh.search import ClusterSearch, _tp_key
 from tests.planner.models import TinyLM
 
 BATCH = (8, 1024)

@@ -7,7 +7,7 @@ import pytest
 
 from autoplan import plan_cluster
 from autoplan.errors import InfeasiblePlanError
-from autoplan.search import pipeline_support
+from autoplan.search.pipeline import support as pipeline_support
 from autoplan.verify.corpus import real_model, seq_len
 from hyper_parallel.core.pipeline_parallel import forward_split
 

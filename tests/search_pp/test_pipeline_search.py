@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from autoplan.search.pipeline_search import (
+from autoplan.search.pipeline.search import (
     UnitCost, balanced_cuts, even_starts, full_lower_bound, pipeline_candidates, play_costs, ramp_floor,
     search_pipeline, stage_bounds,
 )
@@ -79,7 +79,7 @@ def test_search_is_exact_against_simulating_every_candidate():
     units = [UnitCost(f"u{i}", rng.uniform(.5, 1.5), rng.uniform(.5, 1.5), rng.uniform(.2, .8), 1.0, 0.5)
              for i in range(12)]
     best = search_pipeline(units, 4, [4, 8, 16], 40.0, 0.05)[0]
-    from autoplan.search.pipeline_search import time_choice
+    from autoplan.search.pipeline.search import time_choice
     every = [time_choice(c, units, 0.05) for c in pipeline_candidates(units, 4, [4, 8, 16], 40.0)]
     assert best.step_s == pytest.approx(min(c.step_s for c in every if max(c.rank_memory) <= 40.0))
     assert all(full_lower_bound(c, units) <= c.step_s + 1e-12 for c in every)

@@ -1,4 +1,4 @@
-"""The planner's compiled schedule timing (autoplan/search/schedule_timing.py) against the
+"""The planner's compiled schedule timing (autoplan/search/pipeline/schedule_timing.py) against the
 simulator on every schedule, uneven micro-batch counts, one to several stages per rank: the
 compiled form keeps only the receives' waits (issue 35), so a schedule whose local order mattered
 beyond them would show here."""
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from autoplan.search.schedule_timing import compile_schedule, time_schedule
+from autoplan.search.pipeline.schedule_timing import compile_schedule, time_schedule
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, StageCost, schedule_facts, simulate
 from hyper_parallel.errors import ScheduleError
 

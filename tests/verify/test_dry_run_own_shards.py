@@ -10,7 +10,7 @@ import transformers
 
 from autoplan import autoplan
 from autoplan.capture import capture
-from autoplan.search.sharding import param_shards
+from autoplan.search.pricing.sharding import param_shards
 from autoplan.verify import verify
 from hyper_parallel.parallel_dims import ParallelDims
 

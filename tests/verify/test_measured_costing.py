@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from autoplan.search.costing import CostContext
+from autoplan.search.pricing.costing import CostContext
 from hyper_parallel.core.collective import Collective
-from autoplan.search.unit_work import Work
+from autoplan.search.units.work import Work
 from cost_models import load_hardware, mesh_links
 from cost_models.collectives import collective_terms
 from cost_models.hardware import Link

@@ -8,7 +8,7 @@ import torch
 
 from autoplan import autoplan
 from autoplan.models.vision_language import build_vision_language
-from autoplan.search.tower_plan import mpipe_rank_rows
+from autoplan.search.pipeline.tower_plan import mpipe_rank_rows
 from autoplan.verify import verify
 from hyper_parallel.core.pipeline_parallel import build_schedule
 
