@@ -162,10 +162,10 @@ def _op_classes(nodes, causal_model: bool = False, modules: dict | None = None,
                 gemms.append((f, *dims, *_attention_tag(n, dims, causal_model, info.key_span if info else ())))
             else:
                 gemms.append((f, *dims, gemm_split(*dims, bool(n.params))))
-        elif not _is_view(n.op):
-            other += 3.0 * float(n.bytes_read + n.bytes_written)
         elif fusion.fused(n.name):   # a compiled chain's op: its share of the chain's traffic
             other += 3.0 * fusion.bytes[n.name]
+        elif not _is_view(n.op):
+            other += 3.0 * float(n.bytes_read + n.bytes_written)
     return tuple(gemms), other
 
 
