@@ -11,15 +11,16 @@ from autoplan.errors import AutoplanError, InvalidArgumentError
 from autoplan.models.llama_plans import EXPERT_PLANS
 from autoplan.plan.plan import Plan
 from autoplan.presets import build_preset
+from autoplan import importers
 from autoplan.review import (
-    diff, importers, plot_communication, plot_memory, plot_timeline, save_figure, to_hf_tp_plan, to_python, to_torch,
+    diff, plot_communication, plot_memory, plot_timeline, save_figure, to_hf_tp_plan, to_python, to_torch,
 )
 from autoplan.review.compare import compare_plans
 from autoplan.review.report import write_report
 from hyper_parallel.parallel_dims import ParallelDims, mesh_roles
 from autoplan.train.cli import register as register_train
 from autoplan.verify import verify
-from cost_models.cli import main as cost_main
+from autoplan.cost_commands import main as cost_main
 
 log = logging.getLogger("autoplan")
 
@@ -292,8 +293,8 @@ def _cmd_report(args) -> int:
     return 0
 
 
-# commands whose command line cost_models.cli parses (its options, its --help): forwarded whole
-COST_COMMANDS = ("profile", "calibrate", "hardware")
+# commands whose command line autoplan.cost_commands parses (its options, its --help): forwarded whole
+COST_COMMANDS = ("profile", "calibrate", "hardware", "runtime")
 
 
 def _cmd_cost_models(args) -> int:

@@ -30,7 +30,7 @@ OUT = ROOT / "benchmarks" / "results"
 from cost_models.activations import activation_bytes, llama_block_activations  # noqa: E402
 from cost_models.compute import ComputeModel, category  # noqa: E402
 from cost_models.hardware import load_hardware  # noqa: E402
-from cost_models.ops import llama_block_ops, llama_model_ops  # noqa: E402
+from autoplan.models.llama_ops import llama_block_ops, llama_model_ops  # noqa: E402
 from cost_models.profiler import TimingConfig, profile_ops  # noqa: E402
 from cost_models.saved_bytes import saved_storage_bytes  # noqa: E402
 
@@ -106,7 +106,7 @@ def activation_accuracy() -> pd.DataFrame:
 def activation_full_scale() -> pd.DataFrame:
     """Llama-3-8B / 70B blocks at sequence 8192 in bf16, measured on fake tensors (no memory)."""
     from autoplan.models.llama import LlamaConfig, TransformerBlock, rope_tables
-    from cost_models.ops import _default_dtype, fake_cpu
+    from cost_models.ops import default_dtype, fake_cpu
     from cost_models.saved_bytes import saved_bytes_by_module
 
     rows = []
@@ -114,7 +114,7 @@ def activation_full_scale() -> pd.DataFrame:
         b, s = 1, 8192
         cfg = LlamaConfig(dim=dim, n_heads=heads, n_kv_heads=kv, ffn_hidden=ffn, max_seq_len=s)
         t0 = time.perf_counter()
-        with fake_cpu(), _default_dtype(torch.bfloat16):
+        with fake_cpu(), default_dtype(torch.bfloat16):
             block = TransformerBlock(cfg)
             x = torch.empty(b, s, dim, requires_grad=True)
             rope = rope_tables(cfg.head_dim, s, cfg.rope_theta).float()

@@ -1,10 +1,10 @@
 """Op specs: one ATen call described by data (op name, tensor shapes/dtypes/strides, other args).
 
 The profiler replays specs on real tensors and the compute model prices them, so both work from
-this one description. Specs come from three places: :func:`record_ops` (run a function on fake
-tensors under a dispatch mode; sees forward *and* backward ops, as the device would run them),
-:func:`llama_block_ops` / :func:`llama_model_ops` (the repo Llama, one block recorded and counted
-per layer) and :func:`specs_from_graph` (the ModelGraph IR of autoplan.capture, forward ops).
+this one description. Specs come from :func:`record_ops` (run a function on fake tensors under a
+dispatch mode; sees forward *and* backward ops, as the device would run them); the planner above
+builds them from its captured graphs and models (``autoplan.capture.views.specs_from_graph``,
+``autoplan.models.llama_ops``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from cost_models.errors import CostModelError
 
 log = logging.getLogger(__name__)
 
-_DEVICE = "<device>"  # stands for "the device the op is replayed on" inside recorded args
+REPLAY_DEVICE = "<device>"  # stands for "the device the op is replayed on" inside recorded args
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _freeze(x, torch):
     if isinstance(x, (list, tuple)):
         return type(x)(_freeze(y, torch) for y in x) if isinstance(x, tuple) else [_freeze(y, torch) for y in x]
     if isinstance(x, torch.device):
-        return _DEVICE
+        return REPLAY_DEVICE
     if isinstance(x, (torch.dtype, torch.memory_format, torch.layout)):
         return str(x)
     return x
@@ -182,7 +182,7 @@ def fake_cpu():
     return FakeTensorMode()
 
 
-class _default_dtype:
+class default_dtype:
     """Build modules directly in ``dtype`` (``.to(dtype)`` cannot swap fake parameters)."""
 
     def __init__(self, dtype):
@@ -198,102 +198,3 @@ class _default_dtype:
         import torch
 
         torch.set_default_dtype(self.old)
-
-
-def llama_block_ops(batch: int, seq: int, dtype: str = "float32", count: int = 1, backward: bool = True,
-                    **config) -> list[OpSpec]:
-    """Distinct ops of one block of autoplan.models.llama (forward and backward) at (batch, seq).
-
-    ``config`` overrides LlamaConfig fields (dim, n_heads, n_kv_heads, ffn_hidden...). ``count``
-    multiplies occurrences (the number of identical layers).
-    """
-    import torch
-
-    from autoplan.models.llama import LlamaConfig, TransformerBlock, rope_tables  # lazy: cost_models is below autoplan
-
-    cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
-    dt = getattr(torch, dtype.split(".")[-1])
-    with fake_cpu(), _default_dtype(dt):
-        block = TransformerBlock(cfg)
-        x = torch.empty(batch, seq, cfg.dim, dtype=dt, requires_grad=True)
-        rope = rope_tables(cfg.head_dim, seq, cfg.rope_theta).float()
-        grad = torch.empty(batch, seq, cfg.dim, dtype=dt)
-        return record_ops(lambda: block(x, rope), (lambda y: y.backward(grad)) if backward else None,
-                          count=count)
-
-
-def llama_model_ops(batch: int, seq: int, dtype: str = "float32", backward: bool = True,
-                    **config) -> list[OpSpec]:
-    """Distinct ops of a whole repo Llama (embedding, blocks, norm, output, cross-entropy loss).
-
-    One block is recorded and its counts multiplied by n_layers: repeated blocks are traced once.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from autoplan.models.llama import LlamaConfig, RMSNorm  # lazy: cost_models is below autoplan
-
-    cfg = LlamaConfig(**{**config, "max_seq_len": max(seq, config.get("max_seq_len", seq))})
-    block = llama_block_ops(batch, seq, dtype, count=cfg.n_layers, backward=backward, **config)
-    dt = getattr(torch, dtype.split(".")[-1])
-    fake_mode = fake_cpu()
-    with fake_mode, _default_dtype(dt):
-        emb = torch.nn.Embedding(cfg.vocab_size, cfg.dim)
-        norm = RMSNorm(cfg.dim)
-        out = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        tokens = torch.zeros(batch, seq, dtype=torch.long)
-        h_last = torch.empty(batch, seq, cfg.dim, dtype=dt, requires_grad=True)
-        g_h0, g_loss = torch.empty(batch, seq, cfg.dim, dtype=dt), torch.ones(())
-
-    def ends():
-        h0 = emb(tokens)
-        logits = out(norm(h_last))
-        return h0, F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-
-    def ends_bwd(res):
-        torch.autograd.backward(list(res), [g_h0, g_loss])
-
-    with fake_mode:
-        rest = record_ops(ends, ends_bwd if backward else None)
-    return dedupe(block + rest)
-
-
-def specs_from_graph(graph) -> list[OpSpec]:
-    """OpSpecs (forward) from an autoplan.capture ModelGraph's ``distinct_ops()``, block counts included.
-
-    The IR encodes a tensor argument as ``{"tensor": i}`` (an index into the op's input metas) and
-    dtypes, devices and enums as one-key dicts; they become TensorSpecs, dtype strings and the
-    replay-device marker here.
-    """
-    from autoplan.capture.views import distinct_ops  # lazy: cost_models is below autoplan
-
-    specs = []
-    for d in distinct_ops(graph):
-        metas = [TensorSpec(tuple(m.shape), m.dtype if m.dtype.startswith("torch.") else f"torch.{m.dtype}",
-                            tuple(m.stride) if m.stride is not None and len(m.stride) == len(m.shape) else None)
-                 for m in d.inputs]
-
-        def conv(v, metas=metas, name=d.op):
-            if isinstance(v, dict):
-                if set(v) == {"tensor"}:
-                    try:
-                        return metas[v["tensor"]]
-                    except IndexError as exc:
-                        raise CostModelError(f"specs_from_graph: op {name!r} refers to missing input {v}") from exc
-                if set(v) == {"device"}:
-                    return _DEVICE
-                if set(v) == {"dtype"}:
-                    return "torch." + str(v["dtype"]).split(".")[-1]
-                if "enum" in v:
-                    return "torch." + str(v["enum"]).split(".")[-1]
-                raise CostModelError(f"specs_from_graph: op {name!r} has an argument the profiler cannot read: {v}")
-            if isinstance(v, list):
-                return ("__list__",) + tuple(conv(y) for y in v)
-            if isinstance(v, tuple):
-                return tuple(conv(y) for y in v)
-            return v
-
-        op = d.op if d.op.count(".") == 2 else f"{d.op}.default"
-        specs.append(OpSpec(op=op, args=tuple(conv(a) for a in d.args),
-                            kwargs=tuple(sorted((k, conv(v)) for k, v in d.kwargs.items())), count=d.count))
-    return dedupe(specs)

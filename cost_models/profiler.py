@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from cost_models.errors import CalibrationError
-from cost_models.ops import _DEVICE, OpSpec, TensorSpec
+from cost_models.ops import REPLAY_DEVICE, OpSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def materialize(value, device, generator=None):
         if value[:1] == ("__list__",):
             return [materialize(v, device, generator) for v in value[1:]]
         return tuple(materialize(v, device, generator) for v in value)
-    if value == _DEVICE:
+    if value == REPLAY_DEVICE:
         return torch.device(device)
     if isinstance(value, str) and value.startswith("torch."):
         attr = getattr(torch, value[6:], None)

@@ -191,13 +191,11 @@ def test_no_import_cycles():
         "\n".join(" <-> ".join(c) for c in found)
 
 
-@NOT_YET
 def test_no_import_cycles_through_package_faces():
     found = package_cycles()
     assert not found, "import cycles through a package's __init__:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
-@NOT_YET
 def test_no_function_local_project_imports():
     bad = local_imports()
     assert not bad, ("function-local imports of project modules (move them to the top of the file; if that "
@@ -254,7 +252,6 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-@NOT_YET
 def test_cost_models_imports_nothing_from_autoplan():
     """cost_models prices hardware; autoplan builds on it. An import upwards ties the cost model to
     one planner's models and fixtures (they belong in autoplan)."""

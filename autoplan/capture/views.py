@@ -14,6 +14,8 @@ import pandas as pd
 import torch
 
 from autoplan.capture.ir import BlockGroup, ModelGraph, Node, TensorMeta
+from cost_models.errors import CostModelError
+from cost_models.ops import REPLAY_DEVICE, OpSpec, TensorSpec, dedupe
 
 
 @dataclass
@@ -312,3 +314,42 @@ def _ref(src: str, step_of: dict[str, int]) -> str | None:
 def dataflow_frame(steps: list[FlowStep]) -> pd.DataFrame:
     """The steps of :func:`block_dataflow` as a DataFrame (one row per step)."""
     return pd.DataFrame([s.__dict__ for s in steps])
+
+
+def specs_from_graph(graph) -> list[OpSpec]:
+    """OpSpecs (forward) from an autoplan.capture ModelGraph's ``distinct_ops()``, block counts included.
+
+    The IR encodes a tensor argument as ``{"tensor": i}`` (an index into the op's input metas) and
+    dtypes, devices and enums as one-key dicts; they become TensorSpecs, dtype strings and the
+    replay-device marker here.
+    """
+    specs = []
+    for d in distinct_ops(graph):
+        metas = [TensorSpec(tuple(m.shape), m.dtype if m.dtype.startswith("torch.") else f"torch.{m.dtype}",
+                            tuple(m.stride) if m.stride is not None and len(m.stride) == len(m.shape) else None)
+                 for m in d.inputs]
+
+        def conv(v, metas=metas, name=d.op):
+            if isinstance(v, dict):
+                if set(v) == {"tensor"}:
+                    try:
+                        return metas[v["tensor"]]
+                    except IndexError as exc:
+                        raise CostModelError(f"specs_from_graph: op {name!r} refers to missing input {v}") from exc
+                if set(v) == {"device"}:
+                    return REPLAY_DEVICE
+                if set(v) == {"dtype"}:
+                    return "torch." + str(v["dtype"]).split(".")[-1]
+                if "enum" in v:
+                    return "torch." + str(v["enum"]).split(".")[-1]
+                raise CostModelError(f"specs_from_graph: op {name!r} has an argument the profiler cannot read: {v}")
+            if isinstance(v, list):
+                return ("__list__",) + tuple(conv(y) for y in v)
+            if isinstance(v, tuple):
+                return tuple(conv(y) for y in v)
+            return v
+
+        op = d.op if d.op.count(".") == 2 else f"{d.op}.default"
+        specs.append(OpSpec(op=op, args=tuple(conv(a) for a in d.args),
+                            kwargs=tuple(sorted((k, conv(v)) for k, v in d.kwargs.items())), count=d.count))
+    return dedupe(specs)

@@ -31,6 +31,10 @@ from autoplan.errors import InvalidArgumentError, PlanSchemaError
 from autoplan.plan.runner import apply_plan
 from autoplan.parallelisms import default_sections
 from autoplan.plan.schema import SCHEMA_VERSION, upgrade_plan_data, validate_plan_data
+from autoplan.review import (
+    diff, explain, module_table, plot_communication, plot_memory, plot_timeline, stage_table, to_hf_tp_plan, to_python,
+    to_torch,
+)
 from hyper_parallel import style_from_dict
 
 
@@ -294,67 +298,46 @@ class Plan:
                 + (f" + {experts} expert-parallel" if experts else "") + ", "
                 f"step≈{self.predictions.get('step_s', float('nan')):.4g}s)")
 
-    # ---- review (issue 8): thin delegations to autoplan.review (exports, explain, diff, plots)
-    # review imports the planner (importers price plans through autoplan(), which builds Plans), so
-    # Plan reaches it only when one of these is called: a real cycle if imported at the top.
+    # ---- review: thin delegations to autoplan.review (exports, explain, diff, plots), which reads
+    # a plan as data and sits below it (it imports no planner)
     def explain(self, fqn_or_unit: str):
         """Chosen style for a unit or module, each alternative's predicted cost and why it lost."""
-        from autoplan.review import explain  # lazy: review is a layer above Plan
-
         return explain(self, fqn_or_unit)
 
     def diff(self, other: "Plan"):
         """DataFrame of what differs from ``other`` (styles, decisions, predictions, collectives)."""
-        from autoplan.review import diff  # lazy: review is a layer above Plan
-
         return diff(self, other)
 
     def module_table(self):
         """DataFrame, one row per module pattern: style, layouts, and its unit's predicted costs."""
-        from autoplan.review import module_table  # lazy: review is a layer above Plan
-
         return module_table(self)
 
     def stage_table(self):
         """DataFrame, one row per pipeline stage (one row without pipeline parallelism)."""
-        from autoplan.review import stage_table  # lazy: review is a layer above Plan
-
         return stage_table(self)
 
     def to_torch(self, model=None):
         """{pattern: torch.distributed.tensor.parallel style} for torch's parallelize_module."""
-        from autoplan.review import to_torch  # lazy: review is a layer above Plan
-
         return to_torch(self, model)
 
     def to_hf_tp_plan(self, model=None, **kwargs):
         """HF tp_plan strings where expressible, and the entries that are not (with reasons)."""
-        from autoplan.review import to_hf_tp_plan  # lazy: review is a layer above Plan
-
         return to_hf_tp_plan(self, model, **kwargs)
 
     def to_python(self) -> str:
         """A readable snippet reproducing this parallelization with hyper_parallel."""
-        from autoplan.review import to_python  # lazy: review is a layer above Plan
-
         return to_python(self)
 
     def plot_memory(self, **kwargs):
         """matplotlib Figure: memory per rank stacked by kind."""
-        from autoplan.review import plot_memory  # lazy: review is a layer above Plan
-
         return plot_memory(self, **kwargs)
 
     def plot_communication(self):
         """matplotlib Figure: bytes per collective kind and mesh dimension."""
-        from autoplan.review import plot_communication  # lazy: review is a layer above Plan
-
         return plot_communication(self)
 
     def plot_timeline(self, **kwargs):
         """matplotlib Figure: the pipeline schedule per rank from hyper_parallel's simulator."""
-        from autoplan.review import plot_timeline  # lazy: review is a layer above Plan
-
         return plot_timeline(self, **kwargs)
 
 

@@ -2,7 +2,7 @@
 import pandas as pd
 
 from autoplan.cli import main as autoplan_main
-from cost_models.cli import PRESETS, main
+from autoplan.cost_commands import PRESETS, main
 
 
 def test_hardware_listing_and_show(capsys):

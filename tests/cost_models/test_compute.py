@@ -5,7 +5,8 @@ import pytest
 
 from cost_models.compute import ComputeModel, category, op_bytes, op_flops
 from cost_models.hardware import Efficiency, HardwareProfile, Link
-from cost_models.ops import OpSpec, TensorSpec, dedupe, llama_block_ops, llama_model_ops
+from autoplan.models.llama_ops import llama_block_ops, llama_model_ops
+from cost_models.ops import OpSpec, TensorSpec, dedupe
 from cost_models.profile_table import ProfileTable
 from cost_models.profiler import TimingConfig, profile_ops
 
@@ -92,7 +93,7 @@ def test_every_recorded_op_replays_on_cpu():
 def test_capture_graph_adapter_gives_replayable_specs():
     from autoplan.capture import capture
     from autoplan.models.llama import build_llama
-    from cost_models.ops import specs_from_graph
+    from autoplan.capture.views import specs_from_graph
 
     model = build_llama(device="meta", dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                         vocab_size=96, max_seq_len=32)

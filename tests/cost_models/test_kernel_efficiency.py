@@ -13,7 +13,7 @@ from autoplan.presets import build_preset, use_fused_attention
 from autoplan.search.experts.search import expert_gemm_shapes, grouped_expert_time
 from autoplan.search.mesh.search import ClusterSearch
 from autoplan.search.pricing.kernels import priced_kernels
-from cost_models import cli
+from autoplan import cost_commands as cli
 from cost_models.compute import (attention_time, causal_density, gemm_efficiency, grouped_gemm_efficiency,
                                  measured_efficiency)
 from cost_models.hardware import load_hardware

@@ -8,7 +8,8 @@ import torch
 from autoplan import MeshSpec, autoplan
 from autoplan.models import build_llama
 from autoplan.models.llama_plans import megatron_plan, torchtitan_plan
-from autoplan.review import import_plan, styles_from_hf, to_hf_tp_plan, to_python, to_torch
+from autoplan.review import to_hf_tp_plan, to_python, to_torch
+from autoplan.importers import import_plan, styles_from_hf
 from tests.review import export_workers
 
 CPU2 = MeshSpec((2,), ("tp",), "cpu")

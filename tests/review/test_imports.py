@@ -7,8 +7,8 @@ from autoplan import MeshSpec, autoplan
 from autoplan.models.llama_plans import torchtitan_plan
 from autoplan.parallelisms.tensor import runner_styles
 from autoplan.presets import build_preset
-from autoplan.review import import_hf_tp_plan, import_torchtitan, styles_from_expert, styles_from_hf
-from autoplan.review.importers import PlanImportError, load_reference
+from autoplan.importers import import_hf_tp_plan, import_torchtitan, styles_from_expert, styles_from_hf
+from autoplan.importers import PlanImportError, load_reference
 
 MESH = MeshSpec((8, 8), ("dp", "tp"), "h100_sxm")
 BATCH = (64, 8192)

@@ -27,7 +27,7 @@ from autoplan import MeshSpec, autoplan
 from autoplan.cli import main
 from autoplan.cluster import plan_cluster
 from autoplan.presets import build_preset
-from autoplan.review import import_torchtitan
+from autoplan.importers import import_torchtitan
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_browser = pytest.mark.skipif(

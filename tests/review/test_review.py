@@ -8,7 +8,8 @@ import pytest
 from autoplan import MeshSpec, Plan, autoplan, compare_plans
 from autoplan.models.llama_plans import megatron_plan
 from autoplan.presets import build_preset
-from autoplan.review import import_plan, plot_memory, save_figure, simulate_pipeline
+from autoplan.review import plot_memory, save_figure, simulate_pipeline
+from autoplan.importers import import_plan
 from autoplan.review.explain import UnknownModuleError
 
 MESH = MeshSpec((8, 8), ("dp", "tp"), "h100_sxm")

@@ -112,7 +112,7 @@ def test_memory_scale_is_recorded_not_used(cache):
 
 
 def test_runtime_cli_is_wired(capsys):
-    from cost_models.cli import main
+    from autoplan.cost_commands import main
 
     with pytest.raises(SystemExit) as exc:
         main(["runtime", "--help"])

@@ -1,13 +1,15 @@
-"""Command line for cost_models: hardware profiles, op profiling, collective calibration.
+"""The cost model's commands: hardware profiles, op profiling, collective calibration.
 
-    python -m cost_models.cli hardware [NAME]
-    python -m cost_models.cli profile --model llama3-8b --batch 1 --seq 256 [--device cpu] [--out ops.csv]
-    python -m cost_models.cli profile --kernels --preset gpt-oss-20b --seq 4096 --ep 8 --hardware h100_sxm \
+    autoplan hardware [NAME]
+    autoplan profile --model llama3-8b --batch 1 --seq 256 [--device cpu] [--out ops.csv]
+    autoplan profile --kernels --preset gpt-oss-20b --seq 4096 --ep 8 --hardware h100_sxm \
         --device cuda [--out kernels.csv] [--write-profile h100_measured.json]
-    python -m cost_models.cli calibrate --world 2 [--out DIR]
-    python -m cost_models.cli runtime --world 4     # eager-rank costs the planner uses on the cpu profile
+    autoplan calibrate --world 2 [--out DIR]
+    autoplan runtime --world 4     # eager-rank costs the planner uses on the cpu profile
 
-``autoplan profile`` forwards here. Profiles are merged into the on-disk ProfileTable of the device
+``autoplan`` forwards these command lines here whole. They live in autoplan, not in cost_models,
+because profiling a model needs the planner's models, presets and cluster search, and the cost
+model sits below the planner. Profiles are merged into the on-disk ProfileTable of the device
 (``$AUTOPLAN_CACHE_DIR`` or ~/.cache/autoplan); calibration writes the fitted link into the cached
 ``cpu`` hardware profile when run on CPU.
 """
@@ -21,15 +23,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from autoplan.models.llama import LlamaConfig
+from autoplan.capture import capture
+from autoplan.models.llama import LlamaConfig, build_llama
+from autoplan.models.llama_ops import llama_model_ops
 from autoplan.presets import build_preset, use_fused_attention
 from autoplan.search.mesh.search import ClusterSearch
 from autoplan.search.pricing.kernels import priced_kernels
 from cost_models.calibrate import calibrate_collectives
+from cost_models.chain_timing import profile_chains
+from cost_models.fusion import fuse
 from cost_models.hardware import list_hardware, load_hardware
 from cost_models.hardware.host import save_host_profile
 from cost_models.kernel_efficiency import measure, with_measured
-from cost_models.ops import llama_model_ops
 from cost_models.profile_table import ProfileTable, device_key
 from cost_models.profiler import TimingConfig, profile_ops
 from cost_models.runtime import _path, calibrate_runtime
@@ -67,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--forward-only", action="store_true")
     pr.add_argument("--out", type=Path, help="also write the rows to this CSV")
     pr.add_argument("--no-save", action="store_true", help="do not merge into the device's profile table")
+    pr.add_argument("--no-chains", action="store_true",
+                    help="skip timing the elementwise chains eager and compiled (cpu)")
     pr.add_argument("--kernels", action="store_true",
                     help="measure the GEMM, grouped-GEMM and attention kernels a plan of --preset prices, at its "
                          "shapes, beside the --hardware profile's prediction")
@@ -177,7 +184,22 @@ def _profile(args) -> int:
         key = device_key(args.device)
         path = ProfileTable.load(key).update(frame).save()
         print(f"profile table {key}: {path}")
+    if torch.device(args.device).type == "cpu" and not args.no_chains:
+        _chains(args, cfg)
     return 0 if failed.empty else 1
+
+
+def _chains(args, cfg: dict) -> None:
+    """The model's elementwise chains timed eager and compiled on this host (cost_models.chain_timing);
+    the fitted cost of a compiled kernel goes into the cpu profile, which prices compiled plans."""
+    graph = capture(build_llama(device="meta", **cfg), batch=(args.batch, args.seq))
+    rows, host = profile_chains(graph.nodes, fuse(graph.nodes, "blocks"), load_hardware("cpu"))
+    print(rows.to_string(index=False))
+    print(f"compiled kernel: {host.efficiency.fused_kernel_overhead * 1e6:.1f} us beyond its bytes")
+    if args.out:
+        rows.to_csv(args.out.with_name(args.out.stem + "_chains.csv"), index=False)
+    if not args.no_save:
+        print(f"cpu profile: {save_host_profile(host)}")
 
 
 def _calibrate(args) -> int:
