@@ -1,6 +1,6 @@
 """The planner's disk cache: results that are a function of their key and of the code computing
 them, kept across processes so a fresh interpreter (one ``autoplan plan`` on the command line, a
-new notebook kernel, rank 0 of a job) does not recompute them (issue 35).
+new notebook kernel, rank 0 of a job) does not recompute them.
 
 Why it is safe under change: every entry lives under a *version* -- a hash of the source files of
 the code that computed it and of every other source file of autoplan, hyper_parallel and

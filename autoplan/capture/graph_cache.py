@@ -1,6 +1,6 @@
 """Captured graphs kept on disk (``autoplan.disk_cache``), keyed by a fingerprint of the model and
 its inputs: a fresh process plans a model it (or an earlier process) captured without running
-torch.export again (issue 35: six exports per cp degree were seconds of a cold 405B plan at 128K).
+torch.export again (six exports per cp degree were seconds of a cold 405B plan at 128K).
 
 What the key holds -- everything capture reads, or could read, beyond parameter values (capture
 runs on meta, so values never matter):

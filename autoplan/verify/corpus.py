@@ -50,7 +50,7 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     # a sliding window on every layer (Mistral-7B-v0.1's 4096; shrunk below the checked sequence)
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
-    # sliding windows on three layers of four, no RoPE on the global ones (issue 29: pipelined
+    # sliding windows on three layers of four, no RoPE on the global ones (pipelined
     # plans ran every layer without its window)
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {}),
     # per-layer-type masks and RoPE tables, scaled embedding inside its module
@@ -78,7 +78,7 @@ HF_FAMILIES: dict[str, tuple[str, str, dict]] = {
         "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "n_routed_experts": 64,
         "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "vocab_size": 102400}),
 }
-# families added for issue 33 (shapes left replicated), run at tp=4 and dp=2 x tp=2 only
+# families whose shapes the planner once left replicated, run at tp=4 and dp=2 x tp=2 only
 SHAPE_FAMILIES: dict[str, tuple[str, str, dict]] = {
     # StarCoder-1's shape: multi-query attention (one KV head) in a fused [q|k|v]
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {

@@ -5,7 +5,7 @@ Why: the search prices every (schedule, ranks, micro-batches) a mesh allows; eac
 stage-to-rank map, every rank's peak in-flight chunks (memory), where each rank's work starts and
 ends (the lower bound) and how often FSDP gathers each stage's blocks. These come from the
 generator's order -- at p=128, m=2048 hundreds of thousands of actions from a greedy list
-scheduler, seconds per schedule and most of a cold 405B plan (issue 35) -- yet they are a few
+scheduler, seconds per schedule and most of a cold 405B plan -- yet they are a few
 integers per rank and depend on nothing but (schedule, p, m, v) and the generator code. So they
 are derived once and kept on disk under the hash of that code; the order itself is generated
 only on a miss.

@@ -7,7 +7,7 @@ depend on the durations, so they are derived here once and each timing is a flat
 integer triples. It returns exactly what ``play`` gives (tests/search_pp compare them on random
 costs; tests/search_pp/test_schedule_timing.py compares every step with the lowered IR's).
 
-Why so little is kept (issue 35: ZBV at p=64, m=2048 has 1.8 million lowered actions and its
+Why so little is kept (ZBV at p=64, m=2048 has 1.8 million lowered actions and its
 compile took most of a cold 405B / 128K plan): a rank runs its program in order, so every local
 dependency (``playback._needs``: the previous stage's forward on this rank, the gradient from
 this rank's later stage, the receive in front) ended before the rank's clock reached the action

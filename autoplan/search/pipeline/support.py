@@ -49,7 +49,7 @@ def pipeline_layout(model: nn.Module) -> tuple[str | None, tuple[str, ...]]:
     ()), kept on disk (``autoplan.disk_cache``) for a model whose stages run its own forward.
 
     Why: reading the units traces the whole model's forward on fake tensors and the guard runs a
-    small copy -- 2-4 s of a first 70B-405B plan, every process (issue 35). Both are a function
+    small copy -- 2-4 s of a first 70B-405B plan, every process. Both are a function
     of what the capture cache's model key holds (module tree, configs, class sources) and of the
     split, guard and shrink code (the entry's version). A model a spine runs is not cached: the
     spine names its units without a trace, and spines can be registered at run time."""

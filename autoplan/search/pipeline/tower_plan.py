@@ -1,4 +1,4 @@
-"""The planner's MPipe step (issue 20): a VL model's vision tower placed in a pipelined plan.
+"""The planner's MPipe step: a VL model's vision tower placed in a pipelined plan.
 
 Why here and not in the cluster search: the pipeline search cuts the decoder's spine units; the
 tower (a block group outside the spine, e.g. ``visual.blocks``) is no unit and so is priced by

@@ -2,7 +2,7 @@
 embedding, the head and the final norms (a second stack that forms no block group, a lone
 global layer, a projector). They stay replicated; a plan names them in its notes and
 ``allow_replicated_units=False`` refuses a whole part left out (search/tp/search.py), so a model
-part is never silently missing from a plan (issue 31: Mllama's language model was)."""
+part is never silently missing from a plan (Mllama's language model once was)."""
 from __future__ import annotations
 
 from autoplan.capture.ir import ModelGraph

@@ -3,7 +3,7 @@
 Why: the planner prices every (schedule, p, m, v) a mesh allows and reads a few integers per rank
 from each order (peak in-flight chunks, where each rank's work starts and ends, FSDP gathers, the
 compiled timing). At p=64-128 and m=1024-2048 an order holds up to 1.6 million actions; building
-them as :class:`Action` objects took most of a first-ever 405B plan at 128K positions (issue 35).
+them as :class:`Action` objects took most of a first-ever 405B plan at 128K positions.
 So a generator builds the order as one integer array per rank (numpy, in closed form where the
 schedule has one; the greedy list scheduler emits integers too), the planner reads the arrays, and
 the runtime's :class:`PipelineSchedule` is decoded from the same arrays: one order, two views.
