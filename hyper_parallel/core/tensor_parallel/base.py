@@ -253,8 +253,12 @@ def shard_params(module: nn.Module, mesh: DeviceMesh, record: ApplyRecord, place
 
 
 def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Placement | None,
-               where: str, global_size: int | None = None) -> DTensor:
+               where: str, global_size: int | None = None, async_op: bool = True) -> DTensor:
     """Annotate a local tensor with ``layout`` (or take a DTensor as is), then move it to ``desired``.
+
+    ``async_op``: leave the collective in flight (DTensor waits at the first op that reads the
+    result). A caller that hands the result's local tensor to code outside the style passes
+    False -- see :func:`finish_output` for why such a tensor must not be in flight.
 
     ``global_size``: the whole size of the dimension ``layout`` shards, when the caller knows it
     (a RowwiseParallel Linear: its in_features). DTensor cannot infer it from an uneven shard
@@ -276,18 +280,26 @@ def to_dtensor(x: torch.Tensor, mesh: DeviceMesh, layout: Placement, desired: Pl
         if isinstance(desired, Shard) and not any(isinstance(p, Shard) for p in x.placements):
             dim = desired.dim % x.ndim
             check_divides(x.shape[dim], mesh, where, f"tensor dim {dim} of shape {tuple(x.shape)}")
-        x = x.redistribute(placements=(desired,), async_op=True)
+        x = x.redistribute(placements=(desired,), async_op=async_op)
     return x
 
 
 def finish_output(out, mesh: DeviceMesh, layout: Placement | None, use_local: bool, where: str,
                   owned: bool = False):
     """Redistribute a module output to ``layout`` and optionally return its local tensor
-    (``owned``: a copy the caller may modify in place; DTensor's local view may not be)."""
+    (``owned``: a copy the caller may modify in place; DTensor's local view may not be).
+
+    A local output is redistributed synchronously. An in-flight collective's local tensor is an
+    ``AsyncCollectiveTensor`` wrapper that carries the autograd history; a compiled region that
+    receives one (the next decoder layer under ``layer.compile()``) unwraps it to the waited,
+    history-less tensor (AOT autograd's ``trigger_wait``), so the gradient of everything before
+    it is lost: a crash in a later collective's backward under tensor parallel, silently missing
+    gradients (the embedding's) under FSDP. The output is read by the very next op (a residual
+    add), so waiting here costs no overlap. A DTensor output stays in flight."""
     if not isinstance(out, DTensor):
         raise StyleSpecError(f"{where}: expected the module to return a DTensor, got {type(out).__name__}")
     if layout is not None and out.placements != (layout,):
-        out = out.redistribute(placements=(layout,), async_op=True)
+        out = out.redistribute(placements=(layout,), async_op=not use_local)
     if not use_local:
         return out
     return out.to_local().clone() if owned else out.to_local()

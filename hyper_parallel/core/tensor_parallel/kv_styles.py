@@ -126,7 +126,7 @@ def output_rows_forward(module: nn.Module, mesh: DeviceMesh, where: str, layout:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        x = to_dtensor(x, mesh, layout, Replicate(), where).to_local(grad_placements=(Partial(),))
+        x = to_dtensor(x, mesh, layout, Replicate(), where, async_op=False).to_local(grad_placements=(Partial(),))
         weight = pick(module.weight, out_dim)
         bias = pick(module.bias, 0) if module.bias is not None else None
         if kind == "linear":

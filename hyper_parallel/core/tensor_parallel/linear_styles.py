@@ -28,6 +28,7 @@ from hyper_parallel.core.tensor_parallel.base import (
     shard_params,
     to_dtensor,
 )
+from hyper_parallel.core.tensor_parallel.vocab_embedding import vocab_parallel_class
 from hyper_parallel.errors import LayoutError, UnsupportedModuleError
 
 
@@ -89,6 +90,9 @@ class _LinearStyle(ParallelStyle):
         kind = self._kind(module, fqn)
         where = f"{type(self).__name__} on {fqn or '<root>'}"
         shard_params(module, mesh, record, self._weight_placement(kind), Replicate(), fqn)
+        if kind == "embedding" and isinstance(self._weight_placement(kind)["weight"], Shard) \
+                and self._weight_placement(kind)["weight"].dim == 0:
+            record.set_attr(module, "__class__", vocab_parallel_class(type(module)))  # see vocab_embedding
         desired = self._desired_input(kind)
         layout = self.input_layouts if self.input_layouts is not None else desired
 

@@ -52,7 +52,7 @@ def _convert(x: Any, layout, desired, mesh: DeviceMesh, use_local: bool, where: 
         return x
     if not isinstance(x, torch.Tensor):
         raise LayoutError(f"{where}: expected a tensor for layout {layout}, got {type(x).__name__}")
-    out = to_dtensor(x, mesh, layout, desired, where)
+    out = to_dtensor(x, mesh, layout, desired, where, async_op=not use_local)   # see finish_output
     return out.to_local() if use_local else out
 
 
