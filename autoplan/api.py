@@ -53,7 +53,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
              memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool | None = None,
              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
              sequence_parallel: bool | None = None,
-             graph=None, styles: dict | None = None, **cluster_options: Any) -> Plan:
+             graph=None, styles: dict | None = None, compile: bool | str = False, **cluster_options: Any) -> Plan:
     """Choose every module's tensor-parallel style for ``model`` on ``mesh``.
 
     Args:
@@ -74,6 +74,9 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         styles: instead of solving, price this hand-written plan ({pattern: ParallelStyle or
             style dict}, e.g. the torchtitan plan): the Plan then carries its predicted cost,
             collectives and memory, comparable with the planner's own.
+        compile: price what compiled code runs (True / "blocks": each repeated block compiled on
+            its own, as torchtitan does; "model": the whole model; False / "none": eager), its
+            elementwise chains fused (cost_models.fusion); ``plan.predictions["compile"]`` says which.
         cluster_options: with a device count instead of a mesh, ``autoplan`` is
             :func:`autoplan.cluster.plan_cluster` and takes its keywords too (``constraints``,
             ``schedules``, ...); with a mesh they are a TypeError, as is any unknown keyword.
@@ -89,7 +92,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         return plan_cluster(model, int(mesh), inputs=inputs, batch=batch, hardware=hardware, memory_limit=memory_limit,
                             dtype=dtype, fsdp=fsdp, allow_replicated_units=allow_replicated_units,
                             activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
-                            graph=graph, styles=styles, **cluster_options)
+                            graph=graph, styles=styles, compile=compile, **cluster_options)
     if cluster_options:
         raise TypeError(f"autoplan() got unexpected keyword argument(s) {sorted(cluster_options)} for a mesh; "
                         "plan_cluster's options (constraints, schedules, ...) apply only with a device count")
@@ -109,4 +112,4 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
                      allow_replicated_units=A.strict_bool(allow_replicated_units, "allow_replicated_units", who),
                      activation_checkpointing=A.optional_bool(activation_checkpointing, "activation_checkpointing", who),
                      sequence_parallel=A.optional_bool(sequence_parallel, "sequence_parallel", who),
-                     graph=graph, styles=A.check_styles(styles, who))
+                     graph=graph, styles=A.check_styles(styles, who), compile=A.check_compile(compile, who))

@@ -18,6 +18,7 @@ import torch.nn as nn
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
 from autoplan.search.pricing.costing import RECOMPUTE
 from autoplan.search.pipeline.tower_placement import PLACEMENTS as TOWER_PLACEMENTS
+from cost_models.fusion import COMPILE_MODES, UnknownCompileModeError, compile_mode
 from cost_models.hardware import list_hardware
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES
@@ -141,6 +142,16 @@ def strict_bool(value: Any, name: str, who: str, exc: type[Exception] = InvalidA
     if not isinstance(value, bool):
         raise exc(f"{who}: {name}={value!r} must be True or False")
     return value
+
+
+def check_compile(value: Any, who: str) -> str:
+    """The compile mode ``compile=`` names (cost_models.fusion.compile_mode): a bool or one of
+    ``COMPILE_MODES``; what the plan is priced as running compiled."""
+    try:
+        return compile_mode(value, who)
+    except UnknownCompileModeError:
+        raise InvalidArgumentError(f"{who}: compile={value!r} must be True, False or one of "
+                                   f"{list(COMPILE_MODES)}") from None
 
 
 def check_styles(styles: Any, who: str) -> dict | None:

@@ -19,7 +19,7 @@ import torch
 
 from autoplan.mesh_plan import plan_mesh
 from autoplan.arguments import (
-    UNBOUNDED, check_batch, check_batch_fits_model, check_choices, check_constraints, check_dtype, check_hardware, check_memory_limit,
+    UNBOUNDED, check_batch, check_batch_fits_model, check_choices, check_compile, check_constraints, check_dtype, check_hardware, check_memory_limit,
     check_model, check_pipeline_depth, check_sequence, optional_bool, positive_int, strict_bool,
 )
 from autoplan.errors import InvalidArgumentError
@@ -331,7 +331,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                  devices_per_node: int | None = None, constraints: dict | None = None,
                  schedules: Sequence[str] = SCHEDULE_NAMES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), graphs: dict | None = None, alternatives: int = 10,
-                 max_simulations: int = 400, time_budget_s: float | None = None) -> Plan:
+                 max_simulations: int = 400, time_budget_s: float | None = None,
+                 compile: bool | str = False) -> Plan:
     """The best whole plan for ``devices`` devices.
 
     Takes :func:`autoplan.autoplan`'s keywords (``autoplan(model, N, ...)`` is this function) and
@@ -350,6 +351,9 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             tower in a pipeline: "stage0" or "mpipe"; unset: the faster the runtime runs).
         microbatch_sizes: sequences per micro-batch to consider (one capture each).
         graphs: ``{micro-batch size: ModelGraph}`` already captured at ``(b, seq_len)``.
+        compile: price the step as compiled code runs it (True / "blocks": each repeated block
+            compiled on its own, as torchtitan does; "model": the whole model and its loss;
+            False / "none": eager); the plan's ``predictions["compile"]`` says which.
     Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
     hardware's memory) per device; InvalidArgumentError for a bad argument, before any capture.
     """
@@ -369,6 +373,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     hardware = check_hardware(hardware, who) or "h100_sxm"
     memory_limit = check_memory_limit(memory_limit, who)
     dtype = check_dtype(dtype, who)
+    compile = check_compile(compile, who)
     strict_bool(allow_replicated_units, "allow_replicated_units", who)
     optional_bool(sequence_parallel, "sequence_parallel", who)
     if devices_per_node is not None:
@@ -394,7 +399,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                                memory_limit=memory_limit, dtype=dtype, constraints=constraints, schedules=schedules,
                                microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
                                allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                               graphs=graphs)
+                               graphs=graphs, compile=compile)
         check_pipeline_depth(constraints, len(search.unit_names), who)
         cands = search.search(max_simulations=max_simulations, time_budget_s=time_budget_s)
         t_search = time.perf_counter()
@@ -411,7 +416,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                             activation_checkpointing=best.recompute == "full",
                             allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
                             styles=searched, prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b,
-                            expert_parallel=constraints.get("expert_parallel"))
+                            expert_parallel=constraints.get("expert_parallel"), compile=compile)
         tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
                           "constraints": solver.constraints}
         ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
@@ -465,7 +470,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             "bubble_s": max(0.0, c.sim_step_s - busy),
             "memory_bytes": dict({k: int(round(v)) for k, v in sorted(worst_mem.items())},
                                  total=sum(int(round(v)) for v in worst_mem.values())),
-            "collectives": collectives,
+            "collectives": collectives, "compile": compile,
         }
         tp_plan.alternatives = [dict(a, memory_bytes=int(round(a["memory_bytes"])))  # exact bytes in a plan
                                 for a in ranked_alternatives(cands, names, alternatives)]

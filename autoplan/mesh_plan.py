@@ -193,7 +193,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
               allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
               sequence_parallel: bool | None = None, graph=None, styles: dict | None = None,
               expert_parallel: bool | None = None, prober: Prober | None = None,
-              microbatch_size: int | None = None) -> Plan:
+              microbatch_size: int | None = None, compile: str = "none") -> Plan:
     """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
     its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled, and with the
     search's prober at that degree, whose verdicts already cover the styles it priced). With an
@@ -224,7 +224,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         asked = "sequence_parallel=True" if sequence_parallel is True else "allow_replicated_units=False"
         raise InfeasiblePlanError(f"autoplan: {asked} at tp={tp}, but {graph.warnings[0]}: nothing in it can be "
                                   f"tensor-parallel or sequence-sharded")
-    structure = cp_structure(model_structure(graph), cp)
+    structure = cp_structure(model_structure(graph, compile=compile), cp)
     pbytes = structure.dtype_bytes
     ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
                       dp_dim=red_dim, dp=red, fsdp=fsdp and red > 1, param_bytes_per_element=pbytes,
@@ -372,7 +372,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         decisions=decisions,
         predictions={"step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
                      "memory_bytes": dict(memory, total=sum(memory.values())),
-                     "collectives": coll_rows},
+                     "collectives": coll_rows, "compile": compile},
         alternatives=alternatives,
         solver={"name": info.solver, "status": info.status, "variables": info.variables,
                 "constraints": info.constraints},

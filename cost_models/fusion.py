@@ -94,6 +94,15 @@ def inductor_generates(op: str) -> bool:
     return packet.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
+def chain_passes(inputs: int, outputs: int) -> int:
+    """Passes over memory a fused chain makes forward + backward, for ``inputs`` external inputs and
+    ``outputs`` external outputs of one size: forward reads each input and writes each output once;
+    backward likewise, twice that (the inputs again and the output gradients read, the input
+    gradients written). A compiled cross entropy over the logits (one input, a scalar out): 3,
+    where eager's log_softmax and nll_loss make 6."""
+    return 3 * (inputs + outputs)
+
+
 _INDEX_DTYPES = ("int64", "int32", "int16", "uint8")
 
 
@@ -218,6 +227,16 @@ def fuse(nodes, scope: str) -> Fusion:
             if _leaves(x, chain, consumers, by_name):
                 out.bytes[x] += float(sum(o.nbytes for o in by_name[x].outputs))
     return out
+
+
+def chain_outputs(chain, by_name: dict) -> list[str]:
+    """The ops of ``chain`` whose outputs leave it (what its kernel writes), in graph order."""
+    members = set(chain)
+    consumers: dict[str, list[str]] = {}
+    for n in by_name.values():
+        for p in n.input_nodes:
+            consumers.setdefault(p, []).append(n.name)
+    return [x for x in chain if not _is_view(by_name[x]) and _leaves(x, members, consumers, by_name)]
 
 
 def _reads(names: list[str], chain: set, by_name: dict) -> list[tuple[str, float]]:

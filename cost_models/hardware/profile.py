@@ -87,6 +87,10 @@ class Efficiency:
     # query sees: the sequence, or a sliding window, K = head dim; efficiency on the work done).
     # Empty: the datasheet curves alone (cost_models.compute.measured_efficiency)
     kernels: tuple = ()
+    # seconds one kernel of a compiled chain (cost_models.fusion) costs on this device beyond its
+    # bytes, where it differs from an eager op's: measured by ``autoplan profile`` on the host
+    # (cost_models.chain_timing). 0: not measured -- a fused kernel costs what an eager one does
+    fused_kernel_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         pts = []

@@ -51,6 +51,7 @@ from autoplan.search.tp.strategies import PACKED_BIAS
 from autoplan.search.units.structure import model_structure
 from autoplan.search.tp.search import TPSearch, exposed_dp
 from autoplan.search.units.targets import block_members, option_units
+from cost_models.fusion import compile_mode
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
@@ -97,12 +98,15 @@ class ClusterSearch:
                  virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
                  sequence_parallel: bool | None = None, graphs: dict | None = None,
                  dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE,
-                 expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME, loss_bytes_per_logit: float | None = None):
+                 expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME, loss_bytes_per_logit: float | None = None,
+                 compile: bool | str = "none"):
         # how the runtime moves the experts' tokens (experts.search.ExpertRuntime) and what its loss
         # reads and writes per logit (structure.model_structure): hyper_parallel's unless a caller
         # prices another runtime's published run (benchmarks/moe_published_runs.py)
         self.expert_runtime = expert_runtime
         self.loss_bytes_per_logit = loss_bytes_per_logit
+        # what runs compiled, its elementwise chains priced fused (cost_models.fusion)
+        self.compile = compile_mode(compile, "ClusterSearch")
         self.dp_modes = [dp_mode_of(x) for x in dp_modes]
         self.recompute_modes = [recompute_of(x) for x in recompute_modes]
         self.model, self.devices, self.hardware = model, int(devices), hardware
@@ -163,7 +167,8 @@ class ClusterSearch:
 
     def structure(self, b: int, cp: int = 1):
         if (b, cp) not in self._structures:
-            self._structures[(b, cp)] = cp_structure(model_structure(self.graph(b, cp), self.loss_bytes_per_logit), cp)
+            self._structures[(b, cp)] = cp_structure(model_structure(self.graph(b, cp), self.loss_bytes_per_logit,
+                                                                         self.compile), cp)
         return self._structures[(b, cp)]
 
     @functools.cached_property

@@ -104,9 +104,13 @@ class CostContext:
                 return max(t_flop, t_mem) + work.kernels * eff.kernel_overhead
             return self._op_class_time(work, shard, split_tokens)
         per_kernel = rt.op_s + (rt.dtensor_op_s if shard > 1 else 0.0)
+        # a compiled chain's kernel pays neither dispatch nor an autograd node of its own: what the
+        # host's profile measured for one (cost_models.chain_timing), where it did
+        fused = work.fused_kernels if eff.fused_kernel_overhead > 0 else 0
         # one measured scale for both terms: streaming microbenchmarks (rt.memory_scale) run from
         # cache and under-price a model's memory-bound eager ops ~4x (see cost_models.runtime)
-        return rt.compute_scale * max(t_flop, t_mem) + work.kernels * per_kernel
+        return (rt.compute_scale * max(t_flop, t_mem) + (work.kernels - fused) * per_kernel
+                + fused * eff.fused_kernel_overhead)
 
     def _op_class_time(self, work: Work, shard: int, split_tokens: bool = False) -> float:
         """GEMMs at their per-rank shape's achieved efficiency + every other op at achieved HBM

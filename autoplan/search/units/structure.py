@@ -18,6 +18,7 @@ from autoplan.search.units.head_fields import folded_attr, head_attributes, kv_f
 from autoplan.search.units.mixers import MAMBA_NOT_A_UNIT, MambaUnit, MoeUnit, mamba_unit, moe_unit
 from autoplan.search.units.outside import norms_after_blocks, outside_units
 from autoplan.search.units.work import CROSS_ENTROPY_PASSES, Work, loss_work, work_of
+from cost_models.fusion import chain_passes, fuse
 from hyper_parallel.core.tensor_parallel.linear_styles import CONV1D
 
 _LINEAR = "torch.nn.modules.linear.Linear"
@@ -387,17 +388,21 @@ def _param_sharers(graph: ModelGraph, module: str, exclude: list[str], computing
     return sorted(out - {module} - set(exclude))
 
 
-def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None) -> ModelStructure:
+def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None,
+                    compile: str = "none") -> ModelStructure:
     """Extract the planner's units from a captured graph. The head's work includes the loss the
     runners compute on its logits (``units.work.loss_work``; ``loss_bytes_per_logit``: another
-    runtime's, None: ours, ``CROSS_ENTROPY_PASSES`` passes over the logits)."""
+    runtime's, None: ours, ``CROSS_ENTROPY_PASSES`` passes over the logits, one fused chain's
+    passes when the whole model is compiled). ``compile``: what runs compiled
+    (cost_models.fusion.COMPILE_MODES), its elementwise chains priced fused."""
+    fusion = fuse(graph.nodes, compile)
     summary = module_summary(graph)
     rows = {r["fqn"]: r for r in summary.to_dict("records")}
     float_dtypes = [o.dtype for n in graph.nodes for o in n.outputs if "float" in o.dtype or "bfloat" in o.dtype]
     dtype_bytes = dtype_size(float_dtypes[0]) if float_dtypes else 4
 
     def work(fqn):
-        w = work_of(graph, fqn, rows)
+        w = work_of(graph, fqn, rows, fusion)
         w.param_bytes = w.params * dtype_bytes
         return w
 
@@ -480,7 +485,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
         other = Work(max(whole.flops - inner.flops, 0), max(whole.bytes - inner.bytes, 0),
                      max(whole.saved - inner.saved, 0), max(whole.kernels - inner.kernels, 0),
                      max(whole.params - inner.params, 0), max(whole.param_bytes - inner.param_bytes, 0),
-                     (), max(whole.other_bytes - inner.other_bytes, 0))
+                     (), max(whole.other_bytes - inner.other_bytes, 0),
+                     fused_kernels=max(whole.fused_kernels - inner.fused_kernels, 0))
         # the residual stream: the output shaped like an input (a block may return more, first:
         # T5's first block returns its position bias beside the hidden states)
         out_shapes = [tuple(o) for o in rows[rep]["output_shapes"]] if rep in rows else []
@@ -548,7 +554,8 @@ def model_structure(graph: ModelGraph, loss_bytes_per_logit: float | None = None
     if head is not None and head.tied and emb is not None:
         rest.params = max(rest.params, 0)
     if head is not None:   # after ``rest``: the loss is no captured op, so none of ``total``
-        per_logit = CROSS_ENTROPY_PASSES * dtype_bytes if loss_bytes_per_logit is None else loss_bytes_per_logit
+        passes = chain_passes(1, 0) if fusion.scope == "model" else CROSS_ENTROPY_PASSES
+        per_logit = passes * dtype_bytes if loss_bytes_per_logit is None else loss_bytes_per_logit
         head.work = head.work + loss_work(head.tokens, head.vocab, per_logit)
     covered = [emb.fqn] if emb else []
     covered += ([head.fqn] + head.transform if head else []) + final_norms
