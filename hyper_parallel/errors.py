@@ -98,3 +98,8 @@ class PipelinePeerFailedError(PipelineError):
 
     def __reduce__(self):   # rebuilt from its fields when it crosses processes (RankPool results)
         return type(self), (self.failed_rank, self.reason, self.rank)
+
+
+class CompileError(HyperParallelError, ValueError):
+    """A compile setting that is not valid (unknown mode or backend), or a part of a parallelized
+    model that cannot run under ``torch.compile`` -- refused by name instead of run differently."""

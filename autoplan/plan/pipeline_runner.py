@@ -30,6 +30,7 @@ from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
 from autoplan.plan.forward import lm_loss
 from autoplan.plan.held_weights import HeldWeights
 from hyper_parallel import cp_cross_entropy, loss_parallel
+from hyper_parallel.core.compile import compile_parts
 from hyper_parallel.core.pipeline_parallel.microbatch import NO_SPLIT
 from hyper_parallel.parallel_dims import mesh_roles
 from hyper_parallel.core.pipeline_parallel import SCHEDULES, schedule_facts
@@ -199,8 +200,11 @@ def plan_preprocess(pre_cfg: dict | None, model: nn.Module, dp_mode: str | None)
 
 
 def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: float = 1e-3,
-                        loss_fn: Callable | None = None) -> PipelineRunner:
+                        loss_fn: Callable | None = None, compile=None) -> PipelineRunner:
     """Build this rank's pipeline from ``plan.pipeline`` on ``mesh`` (dims named as in the plan).
+
+    ``compile``: as ``apply_plan``'s; "blocks" compiles the blocks of this rank's stages, "model"
+    each of its stage modules (and an MPipe tower).
 
     ``optimizer``: None (AdamW over this rank's parameters) or a factory ``params -> Optimizer``
     (parameters change identity under FSDP, so an optimizer made beforehand would miss them).
@@ -281,4 +285,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     runner.fsdp_replicated = target.state.get("fsdp_replicated", []) if use_dp else []
     runner.zero1 = Zero1(unique_params(*(st.module for st in stages)), dp_mesh.get_group(),
                          dp_mesh.size(), dp_mesh.get_local_rank()) if zero1_dp else None
+    runner.compiled = compile_parts(compile, target.block_finder,
+                                    [st.module for st in stages] + ([pre.module] if pre is not None else []),
+                                    where="plan.apply (pipeline)")
     return runner

@@ -26,6 +26,7 @@ from autoplan.plan.pipeline_runner import apply_pipeline_plan
 from autoplan.plan.held_weights import HeldWeights
 from autoplan.plan.weights import ModelInit
 from hyper_parallel import cp_cross_entropy, loss_parallel
+from hyper_parallel.core.compile import CompileSpec, compile_parts
 from hyper_parallel.core.pipeline_parallel import split_microbatches
 from hyper_parallel.errors import MeshError, MicrobatchError
 from hyper_parallel.platform import current_device
@@ -176,21 +177,29 @@ def block_modules(model: nn.Module, plan) -> list[nn.Module]:
 
 
 def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer | None = None, lr: float = 1e-3,
-               loss_fn: Callable = lm_loss):
+               loss_fn: Callable = lm_loss, compile=None):
     """Apply every parallelism of ``plan`` in the registry's order (``autoplan.parallelisms``):
     those applied to the whole model (tensor parallel), then -- with a pipeline, after cutting
     this rank's stages -- those applied to the roots (recomputation, then FSDP / HSDP).
+
+    ``compile``: None / "none" (eager), "blocks" (each repeated block, torchtitan's recipe),
+    "model" (each root whole), or a dict / :class:`~hyper_parallel.core.compile.CompileSpec` with
+    the backend and torch mode (docs/compile.md). Compiled in place after everything else, so
+    parameters and state-dict keys are the eager ones; ``runner.compiled.stats()`` counts graphs
+    and graph breaks.
 
     ``model`` may be on the meta device (nothing larger than one device can be built otherwise):
     then ``runner.materialize(seed)`` or ``runner.load_pretrained(path)`` gives this rank's shards
     their values."""
     _check_mesh(plan, mesh)
     _check_model(plan, model)
+    spec = CompileSpec.of(compile)   # a bad setting fails before the model is touched
     init = ModelInit.of(model)   # before any parallelism changes the model: for materialize / load
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
-        runner = apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
+        runner = apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn, compile=spec)
     else:
         runner = _apply_one_stage(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn)
+        runner.compiled = compile_parts(spec, block_modules(model, plan), [model], where="plan.apply")
     runner.model_init, runner.device = init, current_device(mesh.device_type)
     return runner
 

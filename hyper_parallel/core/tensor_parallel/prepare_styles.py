@@ -47,11 +47,14 @@ def _check_pair(layouts, desired, where: str, a: str, b: str) -> None:
             raise LayoutError(f"{where}: entry {i} is None in one of {a}/{b} but not the other")
 
 
-def _convert(x: Any, layout, desired, mesh: DeviceMesh, use_local: bool, where: str):
+def _convert(x: Any, layout, desired, mesh: DeviceMesh, use_local: bool, where: str, which: tuple):
+    """``where`` (the style on its module) and ``which`` (the input or output) are joined only in
+    an error: under ``torch.compile`` a string formatted on the normal path is a guard, and a
+    guard on the module's name recompiles every identical block."""
     if layout is None:
         return x
     if not isinstance(x, torch.Tensor):
-        raise LayoutError(f"{where}: expected a tensor for layout {layout}, got {type(x).__name__}")
+        raise LayoutError(f"{where} {which[0]} {which[1]!r}: expected a tensor for layout {layout}, got {type(x).__name__}")
     out = to_dtensor(x, mesh, layout, desired, where, async_op=not use_local)   # see finish_output
     return out.to_local() if use_local else out
 
@@ -114,18 +117,18 @@ class PrepareModuleInput(ParallelStyle):
             args, kwargs = list(args), dict(kwargs)
             for i, (layout, want) in enumerate(zip(layouts, desired)):
                 if i < len(args):
-                    args[i] = _convert(args[i], layout, want, mesh, self.use_local_output, f"{where} input {i}")
+                    args[i] = _convert(args[i], layout, want, mesh, self.use_local_output, where, ("input", i))
                     continue
                 name = names[i] if i < len(names) else None
                 if name is not None and name in kwargs:
                     kwargs[name] = _convert(kwargs[name], layout, want, mesh, self.use_local_output,
-                                            f"{where} input {name!r}")
+                                            where, ("input", name))
                 elif layout is not None:
                     raise LayoutError(f"{where}: input {i} ({name or '?'}) has layout {layout} but was not passed")
             for name, layout in (self.input_kwarg_layouts or {}).items():
                 if name in kwargs:
                     kwargs[name] = _convert(kwargs[name], layout, self.desired_input_kwarg_layouts[name], mesh,
-                                            self.use_local_output, f"{where} kwarg {name!r}")
+                                            self.use_local_output, where, ("kwarg", name))
             return tuple(args), kwargs
 
         return pre_hook
@@ -163,7 +166,7 @@ class PrepareModuleOutput(ParallelStyle):
                     f"{len(self.output_layouts)}"
                 )
             done = tuple(
-                _convert(o, lay, want, mesh, self.use_local_output, f"{where} output {i}")
+                _convert(o, lay, want, mesh, self.use_local_output, where, ("output", i))
                 for i, (o, lay, want) in enumerate(zip(outs, self.output_layouts, self.desired_output_layouts))
             )
             return done[0] if single else done
