@@ -55,7 +55,8 @@ def config_from_args(args) -> TrainConfig:
         betas=betas, mixed_precision=args.mixed_precision, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume, metrics=args.metrics,
         log_every=args.log_every, progress=args.progress, overwrite=args.overwrite, max_loss=args.max_loss,
-        clip_grad_norm=args.clip_grad_norm, init=args.init, export_hf=args.export_hf)
+        clip_grad_norm=args.clip_grad_norm, init=args.init, export_hf=args.export_hf,
+        compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode)
 
 
 def _cmd_train(args) -> int:
@@ -128,6 +129,13 @@ def register(sub) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--betas", default="0.9,0.95")
     t.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "fp32"))
+    t.add_argument("--compile", default="auto", choices=("auto", "none", "blocks", "model"),
+                   help="torch.compile the plan: each repeated block (blocks), each root whole (model) or not "
+                        "(none); auto: blocks on accelerators, none on CPU")
+    t.add_argument("--compile-backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
+    t.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune",
+                                                            "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode")
     t.add_argument("--checkpoint-dir", default=None)
     t.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     t.add_argument("--resume", default=None,

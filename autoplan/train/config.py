@@ -39,6 +39,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     mixed_precision: str = "auto"    # auto (bf16 on accelerators, fp32 on cpu) | bf16 | fp32
+    # torch.compile of the plan (docs/compile.md): auto (blocks on accelerators, none on cpu) | none | blocks | model
+    compile: str = "auto"
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None  # torch.compile's mode (default, reduce-overhead, max-autotune, ...)
     # checkpoints and output
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0        # 0: only at the end when checkpoint_dir is set
@@ -78,6 +82,8 @@ class TrainConfig:
         for flag, value in (("--max-loss", self.max_loss), ("--clip-grad-norm", self.clip_grad_norm)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 bad(flag, value, "must be a finite number > 0 (leave it out to disable)")
+        if self.compile not in ("auto", "none", "blocks", "model"):
+            bad("--compile", self.compile, "valid: auto, none, blocks, model")
         if self.checkpoint_every and not self.checkpoint_dir:
             bad("--checkpoint-every", self.checkpoint_every, "saves nothing without --checkpoint-dir")
         if self.resume in ("auto", "latest") and not self.checkpoint_dir:

@@ -31,6 +31,7 @@ from autoplan.train.env import device_type, init_distributed, plan_mesh
 from autoplan.train.errors import DivergenceError, TrainConfigError
 from autoplan.train.guard import GradClipper, check_loss
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
+from hyper_parallel.core.compile import CompileSpec, default_compile_mode
 from autoplan.train.model import build_model, flops_per_token, pretrained_weights
 from autoplan.train.plan_source import check_ranks_agree, plan_for
 from autoplan.train.progress import Progress
@@ -72,6 +73,12 @@ class TrainResult:
         return [r["loss"] for r in self.rows]
 
 
+def compile_spec(cfg: TrainConfig, device: torch.device) -> CompileSpec:
+    """The run's torch.compile setting: ``--compile auto`` is per-block on accelerators and eager on CPU."""
+    mode = default_compile_mode(device.type) if cfg.compile == "auto" else cfg.compile
+    return CompileSpec(mode=mode, backend=cfg.compile_backend, torch_mode=cfg.compile_mode)
+
+
 class Trainer:
     """One training run on this rank; every rank of the job constructs one with the same config."""
 
@@ -95,7 +102,8 @@ class Trainer:
         weights = pretrained_weights(cfg)  # a bad --init or missing weights fail before any work
         self.model = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device="meta")
         self.flops_per_token = flops_per_token(self.model, cfg.seq)
-        self.runner = self.plan.apply(self.model, self.mesh, optimizer=self._optimizer)
+        self.runner = self.plan.apply(self.model, self.mesh, optimizer=self._optimizer,
+                                      compile=compile_spec(cfg, self.device))
         if not hasattr(self.runner, "stages"):  # FSDP/TP replaced the parameters: optimizer over the new ones
             self.runner.optimizer = self._optimizer(self.model.parameters())
         start = restart.start_point(cfg)  # --resume auto|latest|never|PATH, collective
@@ -195,6 +203,7 @@ class Trainer:
                "memory_gib": mem, "memory_kind": kind}
         if getattr(self, "_clipper", None) is not None:
             row["grad_norm"] = self._clipper.last_norm
+        row.update(self.runner.compiled.stats())   # graphs, graph_breaks (0, 0 in eager)
         return row
 
     def fit(self, until: int | None = None) -> TrainResult:
