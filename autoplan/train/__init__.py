@@ -8,12 +8,12 @@ torchrun command a plan needs.
 """
 from autoplan.train.config import TrainConfig
 from autoplan.train.errors import (
-    CheckpointConflictError, CheckpointCorruptError, CheckpointError, CheckpointMismatchError, DataError, DivergenceError,
-    TrainConfigError, TrainError,
+    CheckpointConflictError, CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointUntrustedError,
+    DataError, DivergenceError, TrainConfigError, TrainError,
 )
 from autoplan.train.launch import torchrun_command
 from autoplan.train.loop import Trainer, TrainResult, train
 
-__all__ = ["CheckpointConflictError", "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "DataError",
-           "DivergenceError", "TrainConfig", "TrainConfigError", "TrainError", "TrainResult", "Trainer",
-           "torchrun_command", "train"]
+__all__ = ["CheckpointConflictError", "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError",
+           "CheckpointUntrustedError", "DataError", "DivergenceError", "TrainConfig", "TrainConfigError", "TrainError",
+           "TrainResult", "Trainer", "torchrun_command", "train"]

@@ -8,14 +8,17 @@ under tp=4, under pp=2 x tp=2 or on one device. Pipeline stages keep the origina
 several stages is presented to DCP as one module holding all its units (:func:`state_module`).
 
 A step directory holds the DCP files plus ``train_state.json`` (step, data position, settings),
-``rng.pt`` and, written last, ``manifest.json`` (every file's size and CRC-32: :mod:`.manifest`);
-it is written under ``<name>.tmp`` and renamed when complete, so a crash mid-save never leaves a
-directory that looks loadable, and a checkpoint is loaded only when its manifest verifies. A
-failure reading one -- a flipped byte, a truncated shard, garbage metadata, a broken train state
--- is a CheckpointCorruptError naming the checkpoint and the file, on every rank. Before anything is loaded every parameter name and
-global shape is checked against the checkpoint's metadata on every rank, so a checkpoint of
-another model fails with :class:`CheckpointMismatchError` naming the first mismatching
-parameter and leaves the model and optimizer untouched.
+``rng.pt`` and, written last, ``manifest.json`` (every file's size and CRC-32: :mod:`.manifest`;
+signed when a checkpoint key is given: :mod:`.checkpoint_key`); it is written under
+``<name>.tmp`` and renamed when complete, so a crash mid-save never leaves a directory that looks
+loadable, and a checkpoint is loaded only when its manifest verifies and every file is data
+(:func:`.safe_load.open_checkpoint`: nothing in a checkpoint runs code). A failure reading one --
+a flipped byte, a truncated shard, garbage metadata, a broken train state -- is a
+CheckpointCorruptError naming the checkpoint and the file, on every rank; a file that would run
+code, or an unsigned manifest under a key, a CheckpointUntrustedError. Before anything is loaded
+every parameter name and global shape is checked against the checkpoint's metadata on every rank,
+so a checkpoint of another model fails with :class:`CheckpointMismatchError` naming the first
+mismatching parameter and leaves the model and optimizer untouched.
 """
 from __future__ import annotations
 
@@ -32,13 +35,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from autoplan.plan.held import held_module as state_module
-from autoplan.train import manifest
-from autoplan.train.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from autoplan.train import manifest, safe_load
+from autoplan.train.errors import (
+    CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointUntrustedError,
+)
 from hyper_parallel.core.dtensor.blocks import copy_back, dcp_mappable
 from hyper_parallel.platform import device_type
 
@@ -66,13 +71,18 @@ def step_dirs(root: str | Path | None) -> list[tuple[int, Path]]:
     return found
 
 
-def latest(root: str | Path) -> Path | None:
+def latest(root: str | Path, key: bytes | None = None) -> Path | None:
     """The newest ``step-N`` directory under ``root`` whose manifest verifies (None when none does);
-    newer ones that fail are skipped with a warning naming their first bad file. Collective when a
-    process group is up: every rank must call it, and every rank gets the same answer."""
+    newer ones that fail are skipped with a warning naming their first bad file -- damage, which
+    disks and crashes cause. A manifest not signed with ``key`` is not skipped: it raises
+    CheckpointUntrustedError (a checkpoint someone else put there is reported, not passed over).
+    Collective when a process group is up: every rank must call it, and every rank gets the same
+    answer."""
     for _, path in step_dirs(root):
         try:
-            manifest.verify(path)
+            manifest.verify(path, key=key)
+        except CheckpointUntrustedError:
+            raise
         except CheckpointCorruptError as e:   # every rank got the same verdict; rank 0 says it
             if not dist.is_initialized() or dist.get_rank() == 0:
                 log.warning("checkpoint %s is not usable (%s: %s); trying an older one", path, e.file, e.reason)
@@ -81,13 +91,13 @@ def latest(root: str | Path) -> Path | None:
     return None
 
 
-def resolve(resume: str, root: str | Path | None) -> Path:
+def resolve(resume: str, root: str | Path | None, key: bytes | None = None) -> Path:
     """``resume``: ``latest`` (the newest verified under ``root``) or a step directory (verified
     when loaded). Collective for ``latest``."""
     if resume == "latest":
         if root is None:
             raise CheckpointError("train: --resume latest needs --checkpoint-dir")
-        path = latest(root)
+        path = latest(root, key)
         if path is None:
             raise CheckpointError(f"train: --resume latest: no verified step-N checkpoint under {root} "
                                   f"({len(step_dirs(root))} step directories)")
@@ -129,10 +139,13 @@ class PendingSave:
     ``finish`` leaves only the ``.tmp`` directory, which nothing loads: the run resumes from the
     checkpoint before, which is why the window is kept to the few steps hashing takes."""
 
-    def __init__(self, tmp: Path, final: Path, step: int, info: dict[str, Any], integrity: bool):
+    def __init__(self, tmp: Path, final: Path, step: int, info: dict[str, Any], integrity: bool,
+                 key: bytes | None = None):
         self.tmp, self.final, self.step, self.info, self.integrity = tmp, final, step, info, integrity
+        self.key = key
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        names = manifest.rank_files(tmp, self.rank) + (([".metadata", "rng.pt", TRAIN_STATE]) if self.rank == 0 else [])
+        names = manifest.rank_files(tmp, self.rank) + (
+            [safe_load.METADATA, safe_load.RNG_STATE, TRAIN_STATE] if self.rank == 0 else [])
         self._entries: dict[str, Any] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._hash, args=(names,), name=f"hash-{final.name}", daemon=True)
@@ -143,7 +156,7 @@ class PendingSave:
 
     def _hash(self, names: list[str]) -> None:
         try:
-            self._entries = manifest.entries(self.tmp, names)
+            self._entries = manifest.entries(self.tmp, names, sha256=self.key is not None)
         except BaseException as e:  # noqa: BLE001 - re-raised by finish() in the caller's thread
             self._error = e
 
@@ -165,7 +178,8 @@ class PendingSave:
         dist.gather_object(self._entries, parts, dst=0)
         if self.rank == 0:
             if self.integrity:
-                manifest.write(self.tmp, {k: v for part in parts for k, v in part.items()}, step=self.step, **self.info)
+                manifest.write(self.tmp, {k: v for part in parts for k, v in part.items()}, key=self.key, step=self.step,
+                               **self.info)
             if self.final.exists():
                 _move_aside(self.final)
             os.replace(self.tmp, self.final)
@@ -175,12 +189,12 @@ class PendingSave:
 
 
 def begin_save(runner, root: str | Path, step: int, train_state: dict[str, Any], info: dict[str, Any] | None = None,
-               integrity: bool = True) -> PendingSave:
+               integrity: bool = True, key: bytes | None = None) -> PendingSave:
     """Write this step's checkpoint files (collective: every rank calls it) and start hashing them;
     ``.finish()`` completes it. Each rank hashes the DCP files it wrote; rank 0 also writes and
     hashes ``rng.pt`` and ``train_state.json`` and, at finish, the manifest (``info``: plan mesh,
-    world, model fingerprint). ``integrity=False`` skips the manifest -- only to measure its cost
-    (the result is not loadable)."""
+    world, model fingerprint; ``key``: signed with it). ``integrity=False`` skips the manifest --
+    only to measure its cost (the result is not loadable)."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
@@ -192,26 +206,27 @@ def begin_save(runner, root: str | Path, step: int, train_state: dict[str, Any],
     # packed projections' strided shards are written as plain ones (DCP: "overlapping chunks")
     dcp.save({"model": dcp_mappable(msd)[0], "optim": dcp_mappable(osd)[0]}, checkpoint_id=str(tmp))
     if rank == 0:
-        torch.save({"cpu": torch.get_rng_state()}, tmp / "rng.pt")
+        torch.save({"cpu": torch.get_rng_state()}, tmp / safe_load.RNG_STATE)
         (tmp / TRAIN_STATE).write_text(json.dumps(dict(train_state, step=step), indent=1, sort_keys=True) + "\n")
-    return PendingSave(tmp, final, step, dict(info or {}), integrity)
+    return PendingSave(tmp, final, step, dict(info or {}), integrity, key)
 
 
 def save(runner, root: str | Path, step: int, train_state: dict[str, Any], info: dict[str, Any] | None = None,
-         integrity: bool = True) -> Path:
+         integrity: bool = True, key: bytes | None = None) -> Path:
     """Write this step's checkpoint and wait for its manifest (collective): :func:`begin_save` + finish."""
-    return begin_save(runner, root, step, train_state, info, integrity).finish()
+    return begin_save(runner, root, step, train_state, info, integrity, key).finish()
 
 
 def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)  # a DTensor's shape is its global shape
 
 
-def check_compatible(model: nn.Module, path: str | Path) -> None:
+def check_compatible(model: nn.Module, path: str | Path, metadata: Metadata | None = None) -> None:
     """Raise CheckpointMismatchError for the first parameter (model order) that the checkpoint at
     ``path`` lacks or holds with another global shape, or the first checkpoint parameter the model
-    lacks. ``model`` is the whole model (every stage), so every rank reaches the same verdict."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    lacks. ``model`` is the whole model (every stage), so every rank reaches the same verdict.
+    ``metadata``: the checkpoint's, already read (default: read here, data-only)."""
+    meta = (metadata or safe_load.read_metadata(path)).state_dict_metadata
     saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
     mine = dict(model.state_dict(keep_vars=True).items())
     for name, t in mine.items():
@@ -258,6 +273,8 @@ def _wrapped(path: Path, file: str, what: str, fn):
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         failures = getattr(e, "failures", None)   # CheckpointException: {rank: (error, traceback)}
         inner = next(iter(failures.values()))[0] if isinstance(failures, dict) and failures else e
+        if isinstance(inner, CheckpointError):   # ours, raised inside DCP's collective steps
+            raise inner from None
         first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
         named = re.search(r"__\d+_\d+\.distcp", str(inner))
         file = named.group(0) if named else file
@@ -265,34 +282,54 @@ def _wrapped(path: Path, file: str, what: str, fn):
                                      path, file, f"{type(inner).__name__}: {first}") from None
 
 
-def load(runner, model: nn.Module, path: str | Path) -> dict[str, Any]:
+def load(runner, model: nn.Module, path: str | Path, key: bytes | None = None) -> dict[str, Any]:
     """Load parameters, optimizer state and RNG from ``path`` into this rank's share, resharded
     to the current plan; returns the saved train state (step, data position, ...).
 
-    Collective. Before anything is loaded: the manifest verifies every file (every rank gets the
-    same CheckpointCorruptError naming the first bad one), the train state parses, and every
-    parameter name and global shape matches (CheckpointMismatchError)."""
+    Collective. Before anything is loaded: the manifest verifies every file (signed with ``key``
+    when given) and every file is data (:func:`.safe_load.open_checkpoint`; every rank gets the
+    same CheckpointCorruptError or CheckpointUntrustedError naming the first bad one), the train
+    state parses, and every parameter name and global shape matches (CheckpointMismatchError)."""
     path = Path(path)
-    body = manifest.verify(path)
+    opened = safe_load.open_checkpoint(path, key=key)
     state = _train_state(path)
-    if body.get("model") and body["model"] != manifest.fingerprint(model):
-        log.debug("checkpoint %s: model fingerprint %s differs from this model's", path, body["model"])
-    _wrapped(path, ".metadata", "reading the metadata", lambda: check_compatible(model, path))
+    if opened.manifest.get("model") and opened.manifest["model"] != manifest.fingerprint(model):
+        log.debug("checkpoint %s: model fingerprint %s differs from this model's", path, opened.manifest["model"])
+    check_compatible(model, path, opened.metadata)
     module = state_module(runner)
     msd, osd = get_state_dict(module, runner.optimizer, options=OPTIONS)
-    meta = _wrapped(path, ".metadata", "reading the metadata",
-                    lambda: dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    unstepped = _unstepped(osd, meta, path)
-    rng = _wrapped(path, "rng.pt", "reading the RNG state", lambda: torch.load(path / "rng.pt", weights_only=True))
+    unstepped = _agreed(lambda: _unstepped(osd, opened.metadata.state_dict_metadata, path))
+    rng = _wrapped(path, safe_load.RNG_STATE, "reading the RNG state", opened.rng_state)
     (m_plain, m_back), (o_plain, o_back) = dcp_mappable(msd), dcp_mappable(osd)
     holder = {"model": m_plain, "optim": {k: v for k, v in o_plain.items() if k not in unstepped}}
-    _wrapped(path, "__*.distcp", "loading the tensors", lambda: dcp.load(holder, checkpoint_id=str(path)))
+    _wrapped(path, "__*.distcp", "loading the tensors", lambda: opened.load(holder))
     copy_back(holder["model"], m_back)   # into the packed projections' strided shards
     copy_back(holder["optim"], o_back)
     set_state_dict(module, runner.optimizer, model_state_dict=msd, optim_state_dict=osd, options=OPTIONS)
     torch.set_rng_state(rng["cpu"])
     log.info("resumed from %s (step %d, verified)", path, state["step"])
     return state
+
+
+def _agreed(fn):
+    """``fn()`` where its CheckpointMismatchError may hold on some ranks only (each checks the
+    optimizer entries of the parameters it holds: a pipeline stage's): every rank raises the lowest
+    failing rank's, or none does -- the others would wait in DCP's collectives for the one that
+    stopped. Collective when a process group of more than one rank is up."""
+    error, out = None, None
+    try:
+        out = fn()
+    except CheckpointMismatchError as e:
+        error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, None if error is None else (str(error), error.name))
+        first = next((s for s in seen if s is not None), None)
+        if first is not None:
+            error = CheckpointMismatchError(first[0], first[1])
+    if error is not None:
+        raise error
+    return out
 
 
 def _unstepped(osd: dict, meta, path: Path) -> set[str]:
@@ -339,17 +376,14 @@ def gathered_state(runner) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-def consolidated(path: str | Path) -> dict[str, Any]:
+def consolidated(path: str | Path, key: bytes | None = None) -> dict[str, Any]:
     """A checkpoint read back whole in this process (no process group): ``{"model.<fqn>": tensor,
     "optim.state.<fqn>.exp_avg": tensor, ...}`` exactly as saved, keyed like :func:`gathered_state`.
-    For exporting a one-file copy and for checking what a resharded load produced."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(path), str(out))
-        nested = torch.load(out, weights_only=False)
-    flat = {f"{top}.{k}": v for top, sd in nested.items() for k, v in sd.items()}
-    return dict(sorted(flat.items()))
+    For exporting a one-file copy and for checking what a resharded load produced; read like a
+    resume (verified, data only, ``key``: signed with it)."""
+    opened = safe_load.open_checkpoint(path, key=key, collective=False)
+    whole: dict[str, Any] = {
+        k: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        for k, md in opened.metadata.state_dict_metadata.items()}
+    _wrapped(Path(path), "__*.distcp", "loading the tensors", lambda: opened.load(whole, no_dist=True))
+    return dict(sorted(whole.items()))

@@ -16,11 +16,16 @@ import os
 import torch
 
 from autoplan.plan import Plan
+from autoplan.train import checkpoint_key
 from autoplan.train.config import TrainConfig
 from autoplan.train.errors import TrainConfigError
 from autoplan.train.export import export_checkpoint
 from autoplan.train.launch import format_command, torchrun_command
 from autoplan.train.loop import train
+
+
+KEY_HELP = (f"a file holding the key that signs checkpoints (else ${checkpoint_key.ENV}, the key itself): saves "
+            "sign their manifest with it (HMAC-SHA256), loads refuse checkpoints not signed with it")
 
 
 def _pairs(text: str | None, flag: str) -> dict:
@@ -56,7 +61,8 @@ def config_from_args(args) -> TrainConfig:
         checkpoint_every=args.checkpoint_every, resume=args.resume, metrics=args.metrics,
         log_every=args.log_every, progress=args.progress, overwrite=args.overwrite, max_loss=args.max_loss,
         clip_grad_norm=args.clip_grad_norm, init=args.init, export_hf=args.export_hf,
-        compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode)
+        compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode,
+        checkpoint_key=args.checkpoint_key)
 
 
 def _cmd_train(args) -> int:
@@ -74,7 +80,8 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_export_hf(args) -> int:
-    out = export_checkpoint(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    out = export_checkpoint(args.checkpoint, args.out, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                            key=checkpoint_key.resolve(args.checkpoint_key))
     print(f"wrote {out}")
     return 0
 
@@ -141,6 +148,7 @@ def register(sub) -> None:
     t.add_argument("--resume", default=None,
                    help="auto (default with --checkpoint-dir: the newest verified checkpoint there, else start "
                         "fresh), latest (it must exist), never, or a step-N directory")
+    t.add_argument("--checkpoint-key", default=None, metavar="FILE", help=KEY_HELP)
     t.add_argument("--overwrite", action="store_true",
                    help="allow starting fresh (or from an older step) into a --checkpoint-dir holding newer "
                         "checkpoints: they are deleted")
@@ -159,6 +167,7 @@ def register(sub) -> None:
     ex.add_argument("checkpoint", help="a step-N directory written by autoplan train")
     ex.add_argument("--out", required=True, help="a new directory for config.json + model.safetensors")
     ex.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    ex.add_argument("--checkpoint-key", default=None, metavar="FILE", help=KEY_HELP)
     ex.set_defaults(func=_cmd_export_hf)
     la = _launch_options(sub.add_parser("launch", help="print the torchrun command line a plan needs"))
     la.add_argument("plan")

@@ -47,6 +47,9 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0        # 0: only at the end when checkpoint_dir is set
     resume: str | None = None        # auto (default with checkpoint_dir) | latest | never | a step directory
+    # a file holding the key that signs checkpoints (else $AUTOPLAN_CHECKPOINT_KEY; see checkpoint_key.py):
+    # with one, only checkpoints signed with it load. The path is recorded, never the key.
+    checkpoint_key: str | None = None
     metrics: str | None = None       # .csv, .json or .jsonl on rank 0
     log_every: int = 1
     progress: str = "auto"           # auto (rich on a TTY, log lines otherwise) | rich | log | none
@@ -90,6 +93,8 @@ class TrainConfig:
             bad("--resume", self.resume, "needs --checkpoint-dir (or give a step-N directory)")
         if self.overwrite and not self.checkpoint_dir:
             bad("--overwrite", True, "only means something with --checkpoint-dir")
+        if self.checkpoint_key and not (self.checkpoint_dir or self.resume):
+            bad("--checkpoint-key", self.checkpoint_key, "only means something with --checkpoint-dir or --resume")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

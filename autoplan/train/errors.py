@@ -43,6 +43,15 @@ class CheckpointCorruptError(CheckpointError):
         self.path, self.file, self.reason = path, file, reason
 
 
+class CheckpointUntrustedError(CheckpointCorruptError):
+    """A checkpoint file that is not what such a file must be in a way no disk or crash produces:
+    a pickle that would import a function or class outside the allowed data types (loading it would
+    run code), metadata pointing outside the checkpoint, or -- with a checkpoint key -- a manifest
+    not signed with that key. Raised on every rank before anything is loaded; never skipped in
+    favour of an older checkpoint (a tampered checkpoint is reported, not hidden). ``path``,
+    ``file``, ``reason``: as for CheckpointCorruptError, ``reason`` naming what was found."""
+
+
 class CheckpointConflictError(CheckpointError):
     """A run that would overwrite or drop checkpoints it did not write (a fresh start, or a resume
     from an older step, into a directory holding newer ones) without ``--overwrite``."""

@@ -4,7 +4,8 @@ The checkpoint records the model it trained (``train_state.json``'s settings: ``
 ``--layers``, the config overrides), so the model is rebuilt on meta from them, its tensors read
 from the checkpoint's ``model.*`` entries with DCP in this one process (no process group: every
 tensor whole, resharded from whatever plan wrote them), and written by ``save_pretrained`` with
-the model's config. The whole model is held once in this process's memory; a running job exports
+the model's config. The checkpoint is opened as a resume opens it (manifest verified, every file
+data: :func:`autoplan.train.safe_load.open_checkpoint`), so a checkpoint from elsewhere runs no code. The whole model is held once in this process's memory; a running job exports
 without that (``autoplan train --export-hf``, every rank writing its slices).
 """
 from __future__ import annotations
@@ -14,19 +15,22 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from autoplan.errors import InvalidArgumentError
 from autoplan.train.checkpoint import TRAIN_STATE
 from autoplan.train.errors import CheckpointError, CheckpointMismatchError
+from autoplan.train.safe_load import open_checkpoint
 from autoplan.train.model import build_model
 
 log = logging.getLogger(__name__)
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write the model of ``checkpoint`` as a ``from_pretrained`` directory at ``out``."""
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
+                      key: bytes | None = None) -> Path:
+    """Write the model of ``checkpoint`` as a ``from_pretrained`` directory at ``out``; ``key``:
+    refuse a checkpoint not signed with it."""
     checkpoint, out = Path(checkpoint), Path(out)
+    opened = open_checkpoint(checkpoint, key=key, collective=False)
     state_file = checkpoint / TRAIN_STATE
     try:
         settings = json.loads(state_file.read_text())["config"]
@@ -43,9 +47,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: torch.d
     model = model.to_empty(device="cpu")
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     try:
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+        opened.load(state, no_dist=True)
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if isinstance(e, (KeyboardInterrupt, SystemExit, CheckpointError)):
             raise
         raise CheckpointMismatchError(f"export-hf: {checkpoint} does not hold the model its settings name "
                                       f"({type(e).__name__}: {str(e).strip()[:300]})", name="") from None

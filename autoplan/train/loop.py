@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoplan.train import checkpoint, manifest, restart
+from autoplan.train import checkpoint, checkpoint_key, manifest, restart
 from autoplan.train.config import TrainConfig
 from autoplan.train.data import token_stream
 from autoplan.train.env import device_type, init_distributed, plan_mesh
@@ -88,6 +88,7 @@ class Trainer:
         lr_at(cfg, 0)  # a bad schedule name fails before any work
         cfg.check()    # so does a meaningless setting (--steps 0, --checkpoint-every without a directory)
         self.cfg = cfg
+        self.key = checkpoint_key.resolve(cfg.checkpoint_key)   # None: checkpoints carry integrity only
         if plan is None and not dist.is_initialized():  # plan while nothing else runs; same plan after (plan_source)
             plan = plan_for(cfg, int(os.environ.get("WORLD_SIZE", "1")), torch.device(device_type()))
         self.device = init_distributed()
@@ -106,7 +107,7 @@ class Trainer:
                                       compile=compile_spec(cfg, self.device))
         if not hasattr(self.runner, "stages"):  # FSDP/TP replaced the parameters: optimizer over the new ones
             self.runner.optimizer = self._optimizer(self.model.parameters())
-        start = restart.start_point(cfg)  # --resume auto|latest|never|PATH, collective
+        start = restart.start_point(cfg, self.key)  # --resume auto|latest|never|PATH, collective
         if weights is not None and start is None:
             self.runner.load_pretrained(weights, seed=cfg.seed)
             log.info("weights: loaded from %s (each rank read its slices)", weights)
@@ -140,7 +141,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self, path) -> None:
-        state = checkpoint.load(self.runner, self.model, path)
+        state = checkpoint.load(self.runner, self.model, path, key=self.key)
         saved = state.get("config", {})
         changed = [k for k in ("data", "batch", "seq", "seed") if k in saved and saved[k] != getattr(self.cfg, k)]
         if changed:
@@ -159,7 +160,7 @@ class Trainer:
         state = {"data": self.data.state(), "config": self.cfg.to_dict(), "plan_mesh": self.plan.mesh,
                  "world": self.world}
         info = {"plan_mesh": self.plan.mesh, "world": self.world, "model": manifest.fingerprint(self.model)}
-        return checkpoint.begin_save(self.runner, self.cfg.checkpoint_dir, self.step, state, info, integrity)
+        return checkpoint.begin_save(self.runner, self.cfg.checkpoint_dir, self.step, state, info, integrity, self.key)
 
     def gathered_state(self) -> dict[str, Any]:
         """Full parameters and optimizer state by FQN (collective); for checks on small models."""

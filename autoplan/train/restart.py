@@ -39,15 +39,16 @@ def _step_of(path: Path) -> int:
     return int(m.group(1)) if m else int(manifest.read(path)["step"])
 
 
-def start_point(cfg: TrainConfig) -> Path | None:
+def start_point(cfg: TrainConfig, key: bytes | None = None) -> Path | None:
     """The checkpoint this run resumes from (None: start fresh); clears newer step directories
-    when ``cfg.overwrite`` allows it, refuses when it does not. Collective."""
+    when ``cfg.overwrite`` allows it, refuses when it does not. ``key``: only checkpoints signed
+    with it count (:func:`autoplan.train.checkpoint.latest`). Collective."""
     how, root = mode(cfg), cfg.checkpoint_dir
     existing = checkpoint.step_dirs(root)
     if how == "never":
         chosen = None
     elif how in ("auto", "latest"):
-        chosen = checkpoint.latest(root)
+        chosen = checkpoint.latest(root, key)
         if chosen is None and how == "latest":
             raise CheckpointError(f"train: --resume latest: no verified step-N checkpoint under {root} "
                                   f"({len(existing)} step directories); use --resume auto to start fresh "
@@ -56,7 +57,7 @@ def start_point(cfg: TrainConfig) -> Path | None:
             log.warning("train: none of the %d step directories under %s verifies; starting fresh (they are "
                         "kept; a save of the same step moves the old one aside)", len(existing), root)
     else:
-        chosen = checkpoint.resolve(how, root)
+        chosen = checkpoint.resolve(how, root, key)
     start = _step_of(chosen) if chosen is not None else 0
     if start > cfg.steps:
         raise TrainConfigError(f"train: the checkpoint {chosen} is at step {start}, beyond --steps {cfg.steps}; "

@@ -113,7 +113,8 @@ def test_clip_grad_norm_is_the_global_norm_under_every_plan(plans, pool4):
     (["--steps", "0"], "--steps"), (["--batch", "0"], "--batch"), (["--lr", "0"], "--lr"),
     (["--checkpoint-every", "5"], "--checkpoint-every"), (["--resume", "latest"], "--resume"),
     (["--max-loss", "-1"], "--max-loss"), (["--clip-grad-norm", "nan"], "--clip-grad-norm"),
-    (["--overwrite"], "--overwrite"), (["--log-every", "0"], "--log-every")])
+    (["--overwrite"], "--overwrite"), (["--log-every", "0"], "--log-every"),
+    (["--checkpoint-key", "key.txt"], "--checkpoint-key")])
 def test_meaningless_settings_are_rejected_before_any_work(argv, flag, capsys):
     assert main(["train", "--model", "titan-llama-debug", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

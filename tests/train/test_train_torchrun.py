@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from autoplan import plan_cluster
 from autoplan.train.model import build_model
-from hyper_parallel.local import clear_dtensor_caches
 from tests.train import train_workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,23 +67,6 @@ def run_a(work):
                          "--metrics", str(work / "a.csv"), "--progress", "auto"))
     rows = list(csv.DictReader(open(work / "a.csv")))
     return out, rows
-
-
-@pytest.fixture
-def world_of_one(monkeypatch):
-    """This process as a plain ``python`` run: no torchrun variables, so ``init_distributed``
-    starts a world of one -- without writing them into the environment (a notebook that trains
-    keeps its environment); afterwards the group is destroyed, so later tests (fake_world dry
-    runs) find the process as it was."""
-    assert not dist.is_initialized()
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    for var in names:
-        monkeypatch.delenv(var, raising=False)
-    yield
-    assert not [v for v in names if v in os.environ], "init_distributed wrote the rendezvous into os.environ"
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    clear_dtensor_caches()
 
 
 def test_cli_trains_dp_tp_plan_and_checkpoints(run_a, work):
