@@ -19,6 +19,7 @@ from autoplan.cluster import CLUSTER_ONLY, plan_cluster
 from autoplan.errors import InvalidArgumentError
 from autoplan.mesh_plan import plan_mesh
 from autoplan.plan.plan import Plan
+from autoplan.request import PlanRequest
 from hyper_parallel.errors import MeshError, MeshNameError
 from hyper_parallel.parallel_dims import ParallelDims
 
@@ -107,9 +108,8 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
                 f"autoplan: mesh {dict(zip(spec.names, spec.shape))} has {name}={spec.degree(name)}; a mesh plan "
                 "covers tensor, context, expert and data parallelism; for pipeline parallelism give a device count "
                 "(autoplan(model, N, batch=..., constraints={'pp': ...}))")
-    return plan_mesh(model, spec, inputs=inputs, batch=batch, memory_limit=A.check_memory_limit(memory_limit, who),
-                     dtype=A.check_dtype(dtype, who), fsdp=True if fsdp is None else A.optional_bool(fsdp, "fsdp", who),
-                     allow_replicated_units=A.strict_bool(allow_replicated_units, "allow_replicated_units", who),
-                     activation_checkpointing=A.optional_bool(activation_checkpointing, "activation_checkpointing", who),
-                     sequence_parallel=A.optional_bool(sequence_parallel, "sequence_parallel", who),
-                     graph=graph, styles=A.check_styles(styles, who), compile=A.check_compile(compile, who))
+    request = PlanRequest.for_mesh(who, hardware=spec.hardware, inputs=inputs, batch=batch, memory_limit=memory_limit,
+                                   dtype=dtype, fsdp=fsdp, allow_replicated_units=allow_replicated_units,
+                                   activation_checkpointing=activation_checkpointing,
+                                   sequence_parallel=sequence_parallel, compile=compile)
+    return plan_mesh(model, spec, request, graph=graph, styles=A.check_styles(styles, who))

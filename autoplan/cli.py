@@ -167,11 +167,12 @@ def _cmd_plan(args) -> int:
         print(table.to_string(float_format=lambda v: f"{v:.4g}"))
         for f in failures:
             print(f"skipped {f}")
-    plan.model["source"] = args.model
+    recorded = {"source": args.model}
     if styles is not None:
-        plan.model["plan_name"] = args.styles
+        recorded["plan_name"] = args.styles
     if args.layers is not None:  # recorded, so verify rebuilds the same depth
-        plan.model["layers_override"] = args.layers
+        recorded["layers_override"] = args.layers
+    plan = plan.replace(model=dict(plan.model, **recorded))
     if args.output:
         plan.to_json(args.output)
         print(f"wrote {args.output}")

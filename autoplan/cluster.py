@@ -17,21 +17,20 @@ from typing import Any, Sequence
 
 import torch
 
-from autoplan.mesh_plan import plan_mesh
-from autoplan.arguments import (
-    UNBOUNDED, check_batch, check_batch_fits_model, check_choices, check_compile, check_constraints, check_dtype, check_hardware, check_memory_limit,
-    check_model, check_pipeline_depth, check_sequence, optional_bool, positive_int, strict_bool,
-)
+from autoplan import assembler
+from autoplan.mesh_plan import mesh_plan_draft
+from autoplan.arguments import UNBOUNDED, check_batch_fits_model, check_model, check_pipeline_depth, positive_int
 from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms.data import flat_name
 from autoplan.plan.plan import Plan
+from autoplan.request import PlanRequest
 from autoplan.search.context.cost import LOSS_BYTES
 from autoplan.capture.inputs import meta_view
 from autoplan.search.mesh.candidates import MESH_NAMES, Candidate, ranked_alternatives
 from autoplan.search.mesh.search import ClusterSearch, search_dtype
 from autoplan.search.experts.pipeline import ep_layer_rows, ep_sync_row, expert_shards
 from autoplan.search.pipeline.search import fsdp_gathers, stage_bounds
-from autoplan.search.data.modes import REDUCE_BYTES, with_accumulation, with_dp_mode, with_mixed_precision, with_recompute, zero1_rows
+from autoplan.search.data.modes import REDUCE_BYTES, zero1_rows
 from autoplan.search.pipeline.stage_params import param_homes, tied_copy_state, tied_holders
 from autoplan.search.pricing.sharding import param_shards
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
@@ -368,40 +367,20 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                 f"micro-batch size itself{' (pass graphs={size: graph})' if name == 'graph' else ''}"
                 f"{'; price a hand-written plan on a mesh: autoplan(model, ParallelDims(...), styles=...)' if name == 'styles' else ''}"
                 f"{'; give batch=(global_batch, seq_len)' if name == 'inputs' else ''}")
-    batch = check_batch(batch, who)
-    check_batch_fits_model(model, batch[1], who)
-    hardware = check_hardware(hardware, who) or "h100_sxm"
-    memory_limit = check_memory_limit(memory_limit, who)
-    dtype = check_dtype(dtype, who)
-    compile = check_compile(compile, who)
-    strict_bool(allow_replicated_units, "allow_replicated_units", who)
-    optional_bool(sequence_parallel, "sequence_parallel", who)
-    if devices_per_node is not None:
-        positive_int(devices_per_node, "devices_per_node", who)
-    constraints = check_constraints(constraints, devices, batch, who, fsdp=optional_bool(fsdp, "fsdp", who),
-                                    activation_checkpointing=optional_bool(
-                                        activation_checkpointing, "activation_checkpointing", who))
-    schedules = check_choices(schedules, "schedules", SCHEDULE_NAMES, who)
-    microbatch_sizes = [positive_int(b, "microbatch_sizes[]", who) for b in check_sequence(microbatch_sizes,
-                                                                                       "microbatch_sizes", who)]
-    virtual_stages = [positive_int(v, "virtual_stages[]", who) for v in check_sequence(virtual_stages,
-                                                                                   "virtual_stages", who)]
-    positive_int(alternatives, "alternatives", who)
-    positive_int(max_simulations, "max_simulations", who)
-    if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, (int, float))
-                                      or not time_budget_s > 0):
-        raise InvalidArgumentError(f"{who}: time_budget_s={time_budget_s!r} must be a positive number of seconds "
-                                   "or None")
+    request = PlanRequest.for_devices(
+        who, devices, batch=batch, hardware=hardware, memory_limit=memory_limit, dtype=dtype, fsdp=fsdp,
+        allow_replicated_units=allow_replicated_units, activation_checkpointing=activation_checkpointing,
+        sequence_parallel=sequence_parallel, devices_per_node=devices_per_node, constraints=constraints,
+        schedules=schedules, microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
+        alternatives=alternatives, max_simulations=max_simulations, time_budget_s=time_budget_s, compile=compile)
+    check_batch_fits_model(model, request.batch[1], who)
+    constraints, space = dict(request.constraints), request.search
     # the search reads the model in its dtype many times: cast in place for the call (no copy of a
     # meta model; meta_view restores it on exit) rather than deep-copying a 126-layer model
-    with meta_view(model, search_dtype(load_hardware(hardware), dtype)) as model:
-        search = ClusterSearch(model, devices, hardware=hardware, batch=tuple(batch), devices_per_node=devices_per_node,
-                               memory_limit=memory_limit, dtype=dtype, constraints=constraints, schedules=schedules,
-                               microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
-                               allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                               graphs=graphs, compile=compile)
+    with meta_view(model, search_dtype(load_hardware(request.hardware), request.dtype)) as model:
+        search = ClusterSearch(model, devices, request, graphs=graphs)
         check_pipeline_depth(constraints, len(search.unit_names), who)
-        cands = search.search(max_simulations=max_simulations, time_budget_s=time_budget_s)
+        cands = search.search(max_simulations=space.max_simulations, time_budget_s=space.time_budget_s)
         t_search = time.perf_counter()
         best = cands[0]
         c = best.choice
@@ -411,36 +390,32 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
         # by the same objects the search priced them with (autoplan/search/mesh/dims.py)
         searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp, best.ep)
-        tp_plan = plan_mesh(model, spec, batch=tuple(batch), graph=search.graph(best.b, best.cp),
-                            memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
-                            activation_checkpointing=best.recompute == "full",
-                            allow_replicated_units=allow_replicated_units, sequence_parallel=sequence_parallel,
-                            styles=searched, prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b,
-                            expert_parallel=constraints.get("expert_parallel"), compile=compile)
-        tp_plan.solver = {"name": solver.solver, "status": solver.status, "variables": solver.variables,
-                          "constraints": solver.constraints}
+        winner = request.replace(memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
+                                 activation_checkpointing=best.recompute == "full")
+        draft = mesh_plan_draft(model, spec, winner, graph=search.graph(best.b, best.cp), styles=searched,
+                                prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b)
         ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
         if best.cp == 1:
-            with_dp_mode(tp_plan, search.graph(best.b, best.cp), search.structure(best.b, best.cp), best.dp_mode,
-                         ctx.optimizer_bytes_per_element)
-        elif tp_plan.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
-            tp_plan.fsdp = dict(tp_plan.fsdp, mode="fsdp")
-        with_recompute(tp_plan, search.structure(best.b, best.cp), best.recompute)
+            draft = assembler.with_dp_mode(draft, search.graph(best.b, best.cp), search.structure(best.b, best.cp),
+                                           best.dp_mode, ctx.optimizer_bytes_per_element)
+        elif draft.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
+            draft = assembler.with_fsdp_mode(draft, "fsdp")
+        draft = assembler.with_recompute(draft, search.structure(best.b, best.cp), best.recompute)
         if c.p == 1:   # one stage: m micro-batches of gradient accumulation (Runner.forward_backward)
-            with_accumulation(tp_plan, c.m)
+            draft = assembler.with_accumulation(draft, c.m)
         names = search.unit_names
         stages = [names[a:b] for a, b in stage_bounds(c.starts, len(names))]
         s2r = list(schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank)
         rank = max(range(c.p), key=lambda r: (c.rank_memory[r], -r))
-        ep_section = tp_plan.parallel.get("ep")
-        collectives, mem = _rank_rows(search, best, 0, tp_plan.styles, ep_section)
+        styles, ep_section = draft.styles, draft.parallel.get("ep")
+        collectives, mem = _rank_rows(search, best, 0, styles, ep_section)
         if c.p == 1:  # one stage: the TP planner's exact rows, x micro-batches (dry_run.verify checks them)
-            collectives = tp_plan.predictions["collectives"]
-        _, worst_mem = _rank_rows(search, best, rank, tp_plan.styles, ep_section) if rank else (None, mem)
+            collectives = draft.predictions["collectives"]
+        _, worst_mem = _rank_rows(search, best, rank, styles, ep_section) if rank else (None, mem)
         if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
-            worst_mem = {k: v for k, v in tp_plan.predictions["memory_bytes"].items() if k != "total"}
+            worst_mem = {k: v for k, v in draft.predictions["memory_bytes"].items() if k != "total"}
         busy = max(c.busy_s)
-        tp_plan.pipeline = {
+        pipeline = {
             "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,
             "stages": stages, "cuts": [names[s] for s in c.starts[1:]], "stage_to_rank": s2r,
             "cut_method": c.cut_method, "bubble_fraction": c.bubble_fraction, "peak_inflight": list(c.peak_inflight),
@@ -449,56 +424,63 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                           for row in c.per_stage],
             "collectives_rank": 0,
             # every pipeline rank's exact collectives and parameter bytes: verify dry-runs each rank
-            "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, tp_plan.styles, ep_section)[0]
+            "rank_collectives": [collectives if r == 0 else _rank_rows(search, best, r, styles, ep_section)[0]
                                  for r in range(c.p)] if c.p > 1 else [],
-            "rank_param_bytes": _rank_param_bytes(search, best, tp_plan.styles, ep_section),
+            "rank_param_bytes": _rank_param_bytes(search, best, styles, ep_section),
         }
-        # a VL model's vision tower: stage 0 or MPipe (issues 20, 31)
-        add_tower(tp_plan, model, search, best, placement=constraints.get("tower_placement"))
-        placement = (tp_plan.pipeline.get("preprocess") or {}).get("placement")
+        # a VL model's vision tower: on stage 0 or spread over the pipeline ranks (MPipe)
+        pipeline, notes = add_tower(pipeline, styles, model, search, best, placement=constraints.get("tower_placement"))
+        placement = (pipeline.get("preprocess") or {}).get("placement")
         if placement in ("stage0", "mpipe"):
             # stage 0 holds the tower (sharded with it under FSDP); MPipe runs it on every pipeline
             # rank, each holding the whole tower (after its TP) as a replica over dp
             modules, params = tower_params(search.meta, search.graph(best.b, best.cp), search.unit_names)
-            held = _param_bytes_under(search, best, tp_plan.styles, ep_section, modules, params,
-                                      over_dp=placement == "stage0")
+            held = _param_bytes_under(search, best, styles, ep_section, modules, params, over_dp=placement == "stage0")
             for r in (range(c.p) if placement == "mpipe" else [s2r[0]]):
-                tp_plan.pipeline["rank_param_bytes"][r] += held
-        collectives = tp_plan.pipeline["rank_collectives"][0] if c.p > 1 else collectives
-        tp_plan.predictions = {
+                pipeline["rank_param_bytes"][r] += held
+        collectives = pipeline["rank_collectives"][0] if c.p > 1 else collectives
+        predictions = {
             "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),
             "bubble_s": max(0.0, c.sim_step_s - busy),
             "memory_bytes": dict({k: int(round(v)) for k, v in sorted(worst_mem.items())},
                                  total=sum(int(round(v)) for v in worst_mem.values())),
-            "collectives": collectives, "compile": compile,
+            "collectives": collectives, "compile": request.compile,
         }
-        tp_plan.alternatives = [dict(a, memory_bytes=int(round(a["memory_bytes"])))  # exact bytes in a plan
-                                for a in ranked_alternatives(cands, names, alternatives)]
-        tp_plan.solver = dict(tp_plan.solver, simulations=search.simulations, candidates=len(cands))
-        tp_plan.notes = list(tp_plan.notes) + [
-            f"mesh {' x '.join(f'{k}={v}' for k, v in best.mesh.items())} ({best.dp_mode} data parallel, "
-            f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
-            f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}"] + ([
-            "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
-            "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
-            "(verify checks each); memory_bytes is the fullest rank's"] if c.p > 1 else [])
-        if c.p == 1 and c.m > 1:
-            tp_plan.notes.append(
-                f"pp=1 with {c.m} micro-batches of {best.b}: gradient accumulation (the runner runs forward and "
-                "backward per micro-batch, one micro-batch's activations live, and steps once); "
-                "predictions.collectives repeat every forward/backward collective (TP, FSDP's gathers and "
-                f"reduce-scatters) {c.m} times, replicated dp / ZeRO-1 reduce once per step")
-        if search.pipeline_refusal:
-            tp_plan.notes.append(f"pp=1 only: {search.pipeline_refusal}")
-        if search.moe_groups:   # why ep plans win or lose here: how the all-to-alls were priced
-            tp_plan.notes.append(search.expert_runtime.note())
-        note = mfu_bound_note(search, best)
-        if note:
-            tp_plan.notes.append(note)
-        with_mixed_precision(tp_plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
-        tp_plan.timing = {"search_s": t_search - t0, "total_s": time.perf_counter() - t0}
-        return tp_plan
+        notes += _cluster_notes(search, best)
+        plan = assembler.with_cluster_parts(
+            draft, pipeline=pipeline, predictions=predictions,
+            alternatives=[dict(a, memory_bytes=int(round(a["memory_bytes"])))  # exact bytes in a plan
+                          for a in ranked_alternatives(cands, names, space.alternatives)],
+            solver={"name": solver.solver, "status": solver.status, "variables": solver.variables,
+                    "constraints": solver.constraints, "simulations": search.simulations, "candidates": len(cands)},
+            notes=notes, timing={"search_s": t_search - t0, "total_s": time.perf_counter() - t0})
+        return assembler.finish(plan)
 
+
+def _cluster_notes(search: ClusterSearch, best: Candidate) -> list[str]:
+    """What a cluster plan says about its mesh, its pipeline or accumulation, and its MFU."""
+    c = best.choice
+    notes = [
+        f"mesh {' x '.join(f'{k}={v}' for k, v in best.mesh.items())} ({best.dp_mode} data parallel, "
+        f"{best.recompute} recomputation), {c.schedule} with {c.m} micro-batches of "
+        f"{best.b}: predicted {c.step_s:.4g} s/step, bubble {c.bubble_fraction:.3f}"] + ([
+        "predictions.collectives are pipeline rank 0's (its stages' TP collectives x micro-batches, FSDP "
+        "per step, P2P send+recv per boundary and micro-batch); every rank's are in pipeline.rank_collectives "
+        "(verify checks each); memory_bytes is the fullest rank's"] if c.p > 1 else [])
+    if c.p == 1 and c.m > 1:
+        notes.append(
+            f"pp=1 with {c.m} micro-batches of {best.b}: gradient accumulation (the runner runs forward and "
+            "backward per micro-batch, one micro-batch's activations live, and steps once); "
+            "predictions.collectives repeat every forward/backward collective (TP, FSDP's gathers and "
+            f"reduce-scatters) {c.m} times, replicated dp / ZeRO-1 reduce once per step")
+    if search.pipeline_refusal:
+        notes.append(f"pp=1 only: {search.pipeline_refusal}")
+    if search.moe_groups:   # why ep plans win or lose here: how the all-to-alls were priced
+        notes.append(search.expert_runtime.note())
+    note = mfu_bound_note(search, best)
+    if note:
+        notes.append(note)
+    return notes
 
 def mfu_bound_note(search, cand) -> str | None:
     """``cost_models.published_mfu.mfu_note`` for a priced candidate: its MFU by the captured

@@ -20,7 +20,9 @@ import torch
 
 from autoplan.cluster import plan_cluster
 from autoplan.errors import InfeasiblePlanError, InvalidArgumentError
-from autoplan.plan.plan import Plan, fastest_of
+from autoplan import assembler
+from autoplan.plan.plan import Plan
+from autoplan.request import check_devices_per_node
 from cost_models.hardware import load_hardware
 
 log = logging.getLogger(__name__)
@@ -65,8 +67,8 @@ def plan_context(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                                    f"got {batch!r}")
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise InvalidArgumentError(f"plan_context: devices={devices!r} must be a positive integer")
-    dpn = devices_per_node or load_hardware(hardware).devices_per_node
-    splits = context_meshes(devices, tuple(batch), dpn, tp, cp)
+    per_node = check_devices_per_node(devices_per_node, devices, "plan_context") or load_hardware(hardware).devices_per_node
+    splits = context_meshes(devices, tuple(batch), per_node, tp, cp)
     if not splits:
         raise InvalidArgumentError(f"plan_context: no dp x cp x tp split of {devices} devices fits batch {batch} "
                                    f"(tp {tp or 'dividing a node'}, cp {cp or 'any'}; the sequence must divide "
@@ -74,16 +76,16 @@ def plan_context(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
     plans, failures = [], []
     for d, c, t in splits:
         try:
-            plans.append(plan_cluster(model, devices, batch=tuple(batch), hardware=hardware, devices_per_node=dpn,
+            plans.append(plan_cluster(model, devices, batch=tuple(batch), hardware=hardware, devices_per_node=per_node,
                                       memory_limit=memory_limit, dtype=dtype,
                                       constraints={"dp": d, "cp": c, "tp": t, "pp": 1}, **autoplan_kwargs))
         except InfeasiblePlanError as e:
             failures.append(f"dp{d} x cp{c} x tp{t}: {str(e).split(';')[0]}")
     if not plans:
         raise InfeasiblePlanError(f"plan_context: no split of {devices} devices fits: {failures}")
-    best = fastest_of(plans, "cp")
-    best.notes = list(best.notes) + [f"plan_context: {len(plans)} dp x cp x tp splits fit, {len(failures)} did not"
-                                     + (f" ({'; '.join(failures)})" if failures else "")]
+    best = assembler.with_notes(assembler.fastest_of(plans, "cp"), [
+        f"plan_context: {len(plans)} dp x cp x tp splits fit, {len(failures)} did not"
+        + (f" ({'; '.join(failures)})" if failures else "")])
     log.info("plan_context: %d splits priced, best %s at %.4g s/step", len(plans),
              dict(zip(best.mesh["names"], best.mesh["shape"])), best.predictions["step_s"])
     return best

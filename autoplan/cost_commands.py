@@ -129,7 +129,7 @@ def _kernels(args) -> int:
                          f"are compared with and written into; known: {list_hardware()} or a JSON file)")
     hw = load_hardware(args.hardware)
     model = use_fused_attention(build_preset(args.preset, num_layers=args.layers))
-    search = ClusterSearch(model, max(args.ep, 1) * max(args.tp, 1), hardware=args.hardware, batch=(args.batch, args.seq),
+    search = ClusterSearch.of(model, max(args.ep, 1) * max(args.tp, 1), hardware=args.hardware, batch=(args.batch, args.seq),
                            microbatch_sizes=(args.batch,), dtype=torch.bfloat16)
     shapes = priced_kernels(search, b=args.batch, tp=args.tp, ep=args.ep, note=args.preset)
     with tqdm(total=len(shapes), desc=f"kernels of {args.preset}", unit="kernel") as bar:

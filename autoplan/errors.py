@@ -40,6 +40,11 @@ class StrategyCheckError(PlanningError, RuntimeError):
     plan without the checks. The message says why and where to plan instead."""
 
 
+class PlanSealedError(AutoplanError, AttributeError):
+    """A field of a built Plan was assigned: plans are values once built (``plan.replace(...)``
+    makes a changed copy; the planner builds them in ``autoplan.assembler``)."""
+
+
 class PlanSchemaError(AutoplanError, ValueError):
     """A plan file that is corrupted, truncated, of another schema version or names unknown styles."""
 

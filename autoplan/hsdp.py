@@ -16,8 +16,8 @@ dp_shard only), so the candidates are the splits whose shard groups respect node
   exact collective rows, and their alpha-beta time on the HSDP mesh's links, exposed by the
   overlap rule FSDP traffic gets (``tp.search.exposed_dp``), is added to the step.
 
-The winner is a plan on the mesh (dp_replicate, dp_shard, tp) with ``fsdp.replicate_dim``; the
-runner applies ``fully_shard`` on the 2-D (dp_replicate, dp_shard) mesh and verify checks it
+The winner is a plan on the mesh (dp_replicate, dp_shard, tp) with ``fsdp.replicate_dim``, built
+from the replica plan by ``autoplan.assembler.to_hsdp`` (re-exported here); the runner applies ``fully_shard`` on the 2-D (dp_replicate, dp_shard) mesh and verify checks it
 exactly. The other splits are listed in ``plan.alternatives``.
 """
 from __future__ import annotations
@@ -29,55 +29,14 @@ import torch
 
 from autoplan.api import autoplan
 from autoplan.errors import InfeasiblePlanError, PlanningError
-from autoplan.plan.plan import Plan, fastest_of
-from autoplan.search.data.hsdp_splits import (
-    DP_REPLICATE, DP_SHARD, hsdp_replicate_rows, hsdp_replicate_time, hsdp_splits,
-)
+from autoplan.assembler import fastest_of, to_hsdp
+from autoplan.plan.plan import Plan
+from autoplan.request import check_devices_per_node
+from autoplan.search.data.hsdp_splits import DP_SHARD, hsdp_splits
 from cost_models.hardware import load_hardware
-from hyper_parallel.core.collective import Collective, merged_rows
 from hyper_parallel.parallel_dims import ParallelDims
 
 log = logging.getLogger(__name__)
-
-
-def to_hsdp(sub: Plan, replicate: int, global_batch: int) -> Plan:
-    """The HSDP plan with a dp_replicate dimension of ``replicate`` in front of ``sub``'s mesh:
-    ``sub`` is the plan of one replica (FSDP over its dp dimension -- named dp_shard, dp, ... --
-    at batch global_batch / replicate), pipelined or not. Its rows gain the dp_replicate
-    all-reduces (one per reduce-scatter over the dp dimension, per pipeline rank for a pipeline)
-    and their exposed time. ``sub`` is not modified."""
-    names, shape = list(sub.mesh["names"]), list(sub.mesh["shape"])
-    if sub.dp_dim is None or not sub.fsdp.get("enabled") or sub.fsdp.get("replicate_dim"):
-        raise PlanningError(f"to_hsdp: the replica plan must use FSDP over its dp dimension (and not be HSDP "
-                            f"already); got dp_dim={sub.dp_dim!r}, fsdp={sub.fsdp}")
-    if DP_REPLICATE in names:
-        raise PlanningError(f"to_hsdp: the replica plan's mesh {names} already has {DP_REPLICATE!r}")
-    shard = shape[names.index(sub.dp_dim)]
-    plan = Plan.from_dict(sub.to_dict())
-    plan.mesh = dict(sub.mesh, shape=[replicate] + shape, names=[DP_REPLICATE] + names)
-    spec = ParallelDims.from_dict(plan.mesh)
-
-    def with_replicate(rows: list[dict]) -> tuple[list[dict], float]:
-        extra = hsdp_replicate_rows(rows, shard, replicate, sub.dp_dim)
-        seconds = hsdp_replicate_time(rows, extra, spec, float(sub.predictions["compute_s"]), sub.dp_dim)
-        return merged_rows(Collective.from_row(r) for r in list(rows) + extra), seconds
-
-    pred = dict(sub.predictions)
-    pred["collectives"], extra_s = with_replicate(pred["collectives"])
-    pred["step_s"] = float(pred["step_s"]) + extra_s
-    pred["comm_s"] = float(pred["comm_s"]) + extra_s
-    plan.predictions = pred
-    if plan.pipeline and plan.pipeline.get("rank_collectives"):
-        plan.pipeline = dict(plan.pipeline, rank_collectives=[with_replicate(rows)[0]
-                                                              for rows in plan.pipeline["rank_collectives"]])
-    plan.fsdp = dict(sub.fsdp, replicate_dim=DP_REPLICATE, replicate=int(replicate), shard=int(shard))
-    plan.batch = dict(sub.batch, global_batch=int(global_batch))
-    plan.notes = list(sub.notes) + [
-        f"HSDP: {DP_REPLICATE}={replicate} x {sub.dp_dim}={shard}: parameters, gradients and optimizer "
-        f"state sharded over {sub.dp_dim}; one all-reduce per FSDP unit over {DP_REPLICATE} "
-        f"({extra_s:.4g} s/step exposed)"]
-    plan.timing = dict(sub.timing)
-    return plan
 
 
 def plan_hsdp(model: torch.nn.Module, devices: int, *, tp: int, batch: tuple[int, int], hardware: str = "h100_sxm",
@@ -95,8 +54,8 @@ def plan_hsdp(model: torch.nn.Module, devices: int, *, tp: int, batch: tuple[int
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise PlanningError(f"plan_hsdp: batch must be (global_batch, seq_len), got {batch!r}")
     dp = devices // tp
-    dpn = devices_per_node or load_hardware(hardware).devices_per_node
-    splits = [tuple(split)] if split is not None else hsdp_splits(dp, tp, dpn)
+    per_node = check_devices_per_node(devices_per_node, devices, "plan_hsdp") or load_hardware(hardware).devices_per_node
+    splits = [tuple(split)] if split is not None else hsdp_splits(dp, tp, per_node)
     for r, s in splits:
         if r * s != dp or s < 2:
             raise PlanningError(f"plan_hsdp: split (replicate={r}, shard={s}) must multiply to dp={dp} "
@@ -107,7 +66,7 @@ def plan_hsdp(model: torch.nn.Module, devices: int, *, tp: int, batch: tuple[int
         if gb % (r * s):
             failures.append(f"({r}, {s}): global batch {gb} not divisible by dp={r * s}")
             continue
-        spec = ParallelDims((s, tp), (DP_SHARD, "tp"), hardware, dpn)
+        spec = ParallelDims((s, tp), (DP_SHARD, "tp"), hardware, per_node)
         try:
             sub = autoplan(model, spec, batch=(gb // r, seq), hardware=hardware, memory_limit=memory_limit,
                            dtype=dtype, fsdp=True, **autoplan_kwargs)

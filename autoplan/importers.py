@@ -116,9 +116,7 @@ def import_plan(model: nn.Module, mesh, styles: dict, *, name: str | None = None
     """Price ``styles`` on ``model`` and ``mesh`` with the planner's cost model; returns a Plan
     whose ``model["plan_name"]`` records where it came from."""
     plan = autoplan(model, mesh, styles=styles, **autoplan_kwargs)
-    if name:
-        plan.model["plan_name"] = name
-    return plan
+    return plan.replace(model=dict(plan.model, plan_name=name)) if name else plan
 
 
 def load_reference(key: str, path: str | Path | None = None) -> dict:

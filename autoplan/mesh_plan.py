@@ -30,8 +30,10 @@ from autoplan.errors import (
     PlanningError,
 )
 from autoplan.parallelisms.data import flat_name
+from autoplan import assembler
 from autoplan.plan.plan import Plan
-from autoplan.search.context.cost import OVERLAP_NOTE, cp_structure, cp_topology, grad_dims, price_cp
+from autoplan.request import PlanRequest
+from autoplan.search.context.cost import OVERLAP_NOTE, CPShape, cp_structure, cp_topology, grad_dims, price_cp
 from autoplan.search.pricing.costing import CostContext
 from autoplan.search.experts.planning import ExpertPlanning, expert_parallel_constraint
 from autoplan.search.experts.memory import planned_saved_delta
@@ -175,32 +177,37 @@ def _check_cp_model(model: torch.nn.Module, batch: Any, inputs: Any, cp: int) ->
         raise InvalidArgumentError(f"autoplan: the mesh has cp={cp}, but {e}") from None
 
 
-def _add_cp(ev: Evaluation, search: TPSearch, chosen: dict, cp_args: dict | None, limit: float):
+def _add_cp(ev: Evaluation, search: TPSearch, chosen: dict, cp_shape: CPShape | None, limit: float):
     """Price context parallelism for an evaluated assignment and add it in place: the exposed
     exchange to the step, the extra saved K/V to activations. Returns the CPChoice (None: no cp)."""
-    if cp_args is None:
+    if cp_shape is None:
         return None
-    choice = price_cp(search.structure, search.graph, search.ctx, chosen,
-                      memory_left=limit - ev.memory_total, **cp_args)
+    choice = price_cp(search.structure, search.graph, search.ctx, chosen, cp_shape, memory_left=limit - ev.memory_total)
     ev.step_s += choice.exposed_s
     ev.comm_s += choice.exposed_s
     ev.memory["activations"] = ev.memory.get("activations", 0.0) + choice.extra_memory
     return choice
 
 
-def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None, batch: Any = None,
-              memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool = True,
-              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
-              sequence_parallel: bool | None = None, graph=None, styles: dict | None = None,
-              expert_parallel: bool | None = None, prober: Prober | None = None,
-              microbatch_size: int | None = None, compile: str = "none") -> Plan:
-    """:func:`autoplan` on a mesh, its arguments already checked (``plan_cluster`` calls it with
+def plan_mesh(model: torch.nn.Module, spec: ParallelDims, request: PlanRequest, *, graph=None,
+              styles: dict | None = None) -> Plan:
+    """:func:`autoplan` on a mesh, its request already checked: the plan, built."""
+    return assembler.finish(mesh_plan_draft(model, spec, request, graph=graph, styles=styles))
+
+
+def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanRequest, *, graph=None,
+                    styles: dict | None = None, prober: Prober | None = None,
+                    microbatch_size: int | None = None) -> Plan:
+    """The mesh plan as a draft the cluster search completes (``plan_cluster`` calls it with
     its own (dp, pp, tp) mesh, whose pp the pipeline search has already handled, and with the
     search's prober at that degree, whose verdicts already cover the styles it priced). With an
-    ep dimension the experts are planned beside the TP search (``search.expert_plan``);
-    ``expert_parallel`` True/False restricts that choice (None: priced). ``microbatch_size``:
+    ep dimension the experts are planned beside the TP search (``experts.planning``);
+    ``request.expert_parallel`` True/False restricts that choice (None: priced). ``microbatch_size``:
     the sequences one forward runs on a rank when ``graph`` is a micro-batch's (plan_cluster's
     gradient accumulation); default the whole local batch, ``global_batch / dp``."""
+    inputs, batch, dtype = request.inputs, request.batch, request.dtype
+    fsdp = True if request.fsdp is None else request.fsdp
+    allow_replicated_units, sequence_parallel = request.allow_replicated_units, request.sequence_parallel
     t_start = time.perf_counter()
     hw = load_hardware(spec.hardware)
     tp_dim, dp_dim, cp_dim = spec.dim("tp"), spec.dim("dp"), spec.dim("cp")
@@ -209,7 +216,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     ep_dim = spec.dim("ep")
     ep = spec.degree(ep_dim) if ep_dim else 1   # shards the batch too (ep borrows from dp)
     # gradients (and FSDP) over dp, or over the flattened dp x cp under context parallelism
-    red_dim, red = (flat_name(grad_dims(spec)), dp * cp) if cp > 1 else (dp_dim, dp)
+    grad_dim, grad_ranks = (flat_name(grad_dims(spec)), dp * cp) if cp > 1 else (dp_dim, dp)
     if cp > 1:
         _check_cp_model(model, batch, inputs, cp)
         if dp_dim is not None and spec.names.index(cp_dim) != spec.names.index(dp_dim) + 1:
@@ -224,18 +231,18 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         asked = "sequence_parallel=True" if sequence_parallel is True else "allow_replicated_units=False"
         raise InfeasiblePlanError(f"autoplan: {asked} at tp={tp}, but {graph.warnings[0]}: nothing in it can be "
                                   f"tensor-parallel or sequence-sharded")
-    structure = cp_structure(model_structure(graph, compile=compile), cp)
-    pbytes = structure.dtype_bytes
+    structure = cp_structure(model_structure(graph, compile=request.compile), cp)
+    element_bytes = structure.dtype_bytes   # of a parameter
     ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
-                      dp_dim=red_dim, dp=red, fsdp=fsdp and red > 1, param_bytes_per_element=pbytes,
-                      optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0))
-    cp_args = None
+                      dp_dim=grad_dim, dp=grad_ranks, fsdp=fsdp and grad_ranks > 1, param_bytes_per_element=element_bytes,
+                      optimizer_bytes_per_element=8 + (4 if element_bytes < 4 else 0))
+    cp_shape = None
     if cp > 1:
         ctx = dataclasses.replace(ctx, topology=cp_topology(spec))
-        cp_args = dict(cp=cp, cp_dim=cp_dim, loss_dim=red_dim, local_batch=microbatch_size or int(batch[0]) // dp, seq_len=int(batch[1]),
-                       dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
-    limit = memory_limit if memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
-    expert_parallel = expert_parallel_constraint(expert_parallel, allow_replicated_units)
+        cp_shape = CPShape(cp=cp, cp_dim=cp_dim, loss_dim=grad_dim, local_batch=microbatch_size or int(batch[0]) // dp,
+                           seq_len=int(batch[1]), dtype_bytes=torch.empty((), dtype=dtype).element_size(), tp=tp)
+    limit = request.memory_limit if request.memory_limit is not None else float(hw.usable_memory())  # the profile's stated headroom
+    expert_parallel = expert_parallel_constraint(request.expert_parallel, allow_replicated_units)
     experts_by_ep = ep > 1 and expert_parallel is not False   # the MoE layers: sharded by ep, no TP unit
     experts = ExpertPlanning(model, graph, structure, ctx, spec, expert_parallel=expert_parallel) if ep > 1 else None
     user_limit = limit
@@ -249,7 +256,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         structure.blocks[0].seq_len if structure.blocks else 1)
     if prober is None and tp > 1 and graph.blocks:
         prober = Prober(model, graph.blocks, tp, (1, seq), dtype)
-    ac_modes = [False, True] if activation_checkpointing is None else [bool(activation_checkpointing)]
+    ac_modes = [False, True] if request.activation_checkpointing is None else [bool(request.activation_checkpointing)]
     for ac in ac_modes:  # full activation checkpointing of blocks: an exact two-way enumeration
         ctx_ac = dataclasses.replace(ctx, recompute="full" if ac else "none")
         s_ac = TPSearch(structure, graph, ctx_ac, tp, allow_replicated=allow_replicated_units,
@@ -272,7 +279,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         if not chosen_ac:
             continue
         ev = s_ac.evaluate(chosen_ac, layout_ac)
-        cp_ac = _add_cp(ev, s_ac, chosen_ac, cp_args, limit)
+        cp_ac = _add_cp(ev, s_ac, chosen_ac, cp_shape, limit)
         if best is None or ev.step_s < best.step_s:
             search, best, chosen, layout, info, ctx, cp_choice = s_ac, ev, chosen_ac, layout_ac, info_ac, ctx_ac, cp_ac
     if best is None:
@@ -280,8 +287,8 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         s_min = TPSearch(structure, graph, ctx_min, tp, allow_replicated=allow_replicated_units,
                          sequence_parallel=sequence_parallel, prober=prober, experts_tp=ep == 1,
                          experts_by_ep=experts_by_ep)
-        least, lay2, _ = s_min.solve(objective="memory")
-        need = s_min.evaluate(least, lay2).memory_total if least else float("nan")
+        least, least_layout, _ = s_min.solve(objective="memory")
+        need = s_min.evaluate(least, least_layout).memory_total if least else float("nan")
         if experts is not None:  # the TP search counts the experts replicated
             need -= experts.best_saving()
         raise InfeasiblePlanError(
@@ -304,7 +311,7 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
             ev = search.evaluate(ref, lay)
         except InfeasiblePlanError:
             continue
-        _add_cp(ev, search, ref, cp_args, limit)
+        _add_cp(ev, search, ref, cp_shape, limit)
         alternatives.append(_summary(name, ev))
     alternatives.sort(key=lambda a: (a["step_s"], a["name"]))
 
@@ -337,23 +344,23 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
     if experts is not None:
         shards = experts.shard(shards)
-    use_fsdp = bool(fsdp and red > 1)   # under cp FSDP shards over dp x cp (or cp alone)
+    use_fsdp = bool(fsdp and grad_ranks > 1)   # under cp FSDP shards over dp x cp (or cp alone)
     # with an ep dimension FSDP shards the non-expert parameters over dp (x cp) x ep too
     # (parallelisms.data.state_mesh); the experts over dp (x cp)
     fsdp_ep = ep if use_fsdp and ep > 1 else 1
-    state_dim = red_dim if fsdp_ep == 1 else flat_name(tuple(sorted(
+    state_dim = grad_dim if fsdp_ep == 1 else flat_name(tuple(sorted(
         [d for d in (dp_dim, cp_dim if cp > 1 else None) if d] + [ep_dim], key=list(spec.names).index)))
-    fsdp_rows = fsdp_collectives(shards, red, red_dim, fsdp_ep, state_dim) if use_fsdp else []
-    if red > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
-        fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, red, False)),
-                                dim=red_dim).to_row()]
+    fsdp_rows = fsdp_collectives(shards, grad_ranks, grad_dim, fsdp_ep, state_dim) if use_fsdp else []
+    if grad_ranks > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
+        fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, grad_ranks, False)),
+                                dim=grad_dim).to_row()]
     if cp_choice is not None:
         fsdp_rows += [c.to_row() for c in cp_choice.collectives]
     memory = dict(best.memory)
-    param_bytes = int(rank_param_bytes(shards, red, use_fsdp, fsdp_ep))
+    param_bytes = int(rank_param_bytes(shards, grad_ranks, use_fsdp, fsdp_ep))
     memory = {k: _bytes(v) for k, v in memory.items()}  # byte figures are exact integers in a plan
     memory.update(params=param_bytes, grads=param_bytes,
-                  optimizer=param_bytes // pbytes * int(ctx.optimizer_bytes_per_element))
+                  optimizer=param_bytes // element_bytes * int(ctx.optimizer_bytes_per_element))
     loss_par = any(o.strategy.extra.get("loss_parallel") for o in chosen.values())
     step_s, comm_s, compute_s = best.step_s, best.comm_s, best.compute_s
     coll_rows = _collective_rows(best, spec, tp_dim, fsdp_rows)
@@ -365,14 +372,19 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         decisions += extra["decisions"]
         notes = [n for n in notes if "mixture-of-experts layer" not in n] + extra["notes"]
     t_end = time.perf_counter()
-    plan = Plan.from_fields(
+    sections = {}
+    if cp_choice is not None:
+        sections["cp"] = cp_choice.section()
+    if experts is not None:
+        sections["ep"] = experts.section()
+    return assembler.build(dict(
         mesh=spec.to_dict(), tp_dim=tp_dim, dp_dim=dp_dim, styles=styles, stream_layout=layout,
         loss_parallel=loss_par, fsdp={"enabled": use_fsdp, "dim": dp_dim if use_fsdp else None},
         activation_checkpointing=bool(ctx.checkpoint_blocks),
         decisions=decisions,
         predictions={"step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
                      "memory_bytes": dict(memory, total=sum(memory.values())),
-                     "collectives": coll_rows, "compile": compile},
+                     "collectives": coll_rows, "compile": request.compile},
         alternatives=alternatives,
         solver={"name": info.solver, "status": info.status, "variables": info.variables,
                 "constraints": info.constraints},
@@ -383,9 +395,4 @@ def plan_mesh(model: torch.nn.Module, spec: ParallelDims, *, inputs: Any = None,
         notes=notes,
         timing={"capture_s": t_captured - t_start, "solve_s": info.time_s, "total_s": t_end - t_start,
                 "probe_s": search.soundness.seconds, "probe_runs": search.soundness.runs},
-    )
-    if cp_choice is not None:
-        plan.parallel["cp"] = cp_choice.section()
-    if experts is not None:
-        plan.parallel["ep"] = experts.section()
-    return plan
+    ), sections)

@@ -75,7 +75,7 @@ def main() -> int:
         layers = None
         model = build_preset(name)
         t0 = time.perf_counter()
-        search = ClusterSearch(model, devices, hardware="h100_sxm", batch=(gb, SEQ))
+        search = ClusterSearch.of(model, devices, hardware="h100_sxm", batch=(gb, SEQ))
         cands = search.search()
         t_search = time.perf_counter() - t0
         best = cands[0]
@@ -139,7 +139,7 @@ def same_degrees() -> int:
     micro-batches alone are worth. Writes cluster_quality_same_degrees.{csv,md}."""
     rows = []
     for name, devices, gb, tp, pp in SAME_DEGREES:
-        search = ClusterSearch(build_preset(name), devices, hardware="h100_sxm", batch=(gb, SEQ),
+        search = ClusterSearch.of(build_preset(name), devices, hardware="h100_sxm", batch=(gb, SEQ),
                                constraints={"tp": tp, "pp": pp, "fsdp": True})
         best = search.search()[0]
         exp = search.evaluate(devices // (tp * pp), pp, tp, schedule="1F1B", b=1, fsdp=True, ac=None, cuts="even")

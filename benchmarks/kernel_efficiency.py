@@ -10,7 +10,7 @@ prices each at (``results/kernel_shapes.md``): what a device run will measure, r
 lent. With it (on a GPU: ``--device cuda``) it times each kernel forward + backward
 (``cost_models.kernel_efficiency.measure``) against ``--hardware`` and writes
 ``results/kernel_efficiency_<device>.{csv,md}`` and the profile with the measured points
-(``results/kernel_efficiency_<device>.json``, for ``ClusterSearch(hardware=<that file>)``), then prices
+(``results/kernel_efficiency_<device>.json``, for ``ClusterSearch.of(hardware=<that file>)``), then prices
 the runs on that hardware again with it (``--reprice``):
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kernel_efficiency.py                       # the shapes
@@ -54,7 +54,7 @@ def run_shapes(selected=None) -> tuple[list[KernelShape], dict]:
     for run in runs.RUNS:
         if selected and run.name not in selected:
             continue
-        search = ClusterSearch(runs.build(run), run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
+        search = ClusterSearch.of(runs.build(run), run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
                                microbatch_sizes=(run.mbs,), memory_limit=1e30)
         for s in priced_kernels(search, b=run.mbs, tp=run.tp, ep=run.ep):
             key = (s.kind, s.m, s.n, s.k, s.groups, s.window)

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     out += [f"## Llama-3-405B ({args.layers_405b} layers), batch 128 x 131072, 8,192 GPUs\n", HEADER, *rows405]
 
     # the published layout, priced by the cluster search (pp with cp: priced, see the module docstring)
-    search = ClusterSearch(m405, 8192, hardware="h100_sxm", batch=(128, SEQ))
+    search = ClusterSearch.of(m405, 8192, hardware="h100_sxm", batch=(128, SEQ))
     pub = None
     for cuts in ("even", "balanced"):
         t = time.perf_counter()

@@ -99,7 +99,7 @@ def deepseek(layers: int | None = None) -> str:
     # FP8 (sec. 3.3), neither priced, so our memory count of their run is above what it used
     for label, runtime, acs, limit in (("ours", OUR_EXPERT_RUNTIME, (None,), None),
                                        ("DeepSeek's", DEEPSEEK_V3_RUNTIME, ("none", "selective", "full"), 1e30)):
-        search = ClusterSearch(model, 2048, hardware="h800", batch=DS_BATCH, microbatch_sizes=(1,),
+        search = ClusterSearch.of(model, 2048, hardware="h800", batch=DS_BATCH, microbatch_sizes=(1,),
                                expert_runtime=runtime, memory_limit=limit)
         for sched, cuts, ac in ((x, y, z) for x in DS_SCHEDULES for y in ("even", "balanced") for z in acs):
             try:

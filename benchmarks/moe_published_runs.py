@@ -102,7 +102,7 @@ class Run:
     def priced_hardware(self) -> str:
         """The profile the run is priced on: its hardware's, or -- with ``attention_kernel`` -- that
         profile with the kernel's attention efficiency, written to a JSON file (what
-        ``ClusterSearch(hardware=...)`` takes for a profile that is not shipped)."""
+        ``ClusterSearch.of(hardware=...)`` takes for a profile that is not shipped)."""
         if not self.attention_kernel:
             return self.hardware
         hw = with_attention_kernel(load_hardware(self.hardware), self.attention_kernel)
@@ -323,7 +323,7 @@ def price(run: Run, free: bool) -> dict:
                         + (f" {run.schedule}(v{run.v})" if run.pp > 1 else ""),
            "measured_s": run.measured_s, "their_runtime": "; ".join(run.their_runtime)}
     t0 = time.perf_counter()
-    search = ClusterSearch(model, run.devices, hardware=run.priced_hardware(), batch=(run.gbs, run.seq),
+    search = ClusterSearch.of(model, run.devices, hardware=run.priced_hardware(), batch=(run.gbs, run.seq),
                            microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.runtime(),
                            loss_bytes_per_logit=run.loss_bytes_per_logit)
     best = None
@@ -351,7 +351,7 @@ def price(run: Run, free: bool) -> dict:
     if free:
         t1 = time.perf_counter()
         try:
-            auto = ClusterSearch(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
+            auto = ClusterSearch.of(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
                                  microbatch_sizes=(1, 2, 4), virtual_stages=(2,))
             pick = auto.search(time_budget_s=90, max_simulations=60)[0]
             row.update({"autoplan_pick": f"dp{pick.dp}-ep{pick.ep}-pp{pick.pp}-tp{pick.tp} {pick.dp_mode} "

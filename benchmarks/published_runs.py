@@ -51,6 +51,11 @@ MEGATRON_SCHEDULES = ("1F1B", "Interleaved1F1B")
 # inside). Keyed by source, so every run a source measured is priced on the same part; MFU stays
 # quoted against the reference's peak for the label, as published.
 HARDWARE_AS_RUN = (("pytorch/torchtitan benchmarks/", "h100_hbm2e_500w"),)
+# torchtitan's Llama rotates q and k as complex numbers (``apply_rotary_emb``: view_as_complex, a complex
+# multiply by the complex64 ``freqs_cis``, view_as_real; torchtitan models/llama3/model.py): its runs are
+# priced with the repo Llama built so (``rope_complex``), the kernels they launched -- eager, and compiled,
+# where inductor generates no complex code and leaves the multiply an eager kernel between two casts.
+TORCHTITAN_SOURCE = "pytorch/torchtitan"
 # Best MFU published per accelerator and model class: cost_models.published_mfu (one table, cited), the
 # same one plan_cluster's MFU note holds a plan against.
 BEST_PUBLISHED_MFU = {hw: v for (hw, cls), v in PUBLISHED_MFU.items() if cls == "dense"}
@@ -165,7 +170,8 @@ def build_model(case: dict, check: bool = True):
     else:
         model = build_llama(device="meta", dim=m["hidden"], n_layers=m["layers"], n_heads=m["heads"],
                             n_kv_heads=m["kv_heads"], vocab_size=m["vocab"], ffn_hidden=m["ffn"], max_seq_len=seq,
-                            rope_theta=500000.0, tie_embeddings=m["tied"])
+                            rope_theta=500000.0, tie_embeddings=m["tied"],
+                            rope_complex=case["source"].startswith(TORCHTITAN_SOURCE))
     built = sum(p.numel() for p in model.parameters())
     if check and built != m["params"]:
         raise ValueError(f"{case['name']}: built {built} parameters, the reference says {m['params']}")
@@ -260,7 +266,7 @@ def run_case(case: dict, meta: dict, free: bool) -> dict:
     mf = model_flops(case, case["achieved"]["model_flops_formula"])
     t0 = time.perf_counter()
     # the published run ran: price its layout whatever our memory model says, and report the memory
-    search = ClusterSearch(model, n, hardware=hw, batch=(gb, seq), constraints=cons,
+    search = ClusterSearch.of(model, n, hardware=hw, batch=(gb, seq), constraints=cons,
                            memory_limit=1e30, compile=compiled(case), **opts)
     pub = search.search()[0]
     t_pub = time.perf_counter() - t0
@@ -280,7 +286,7 @@ def run_case(case: dict, meta: dict, free: bool) -> dict:
         fopts.pop("sequence_parallel", None)
         fopts.pop("schedules", None)
         try:
-            free = ClusterSearch(model, n, hardware=hw, batch=(gb, seq), graphs=dict(search.graphs),
+            free = ClusterSearch.of(model, n, hardware=hw, batch=(gb, seq), graphs=dict(search.graphs),
                                  compile=compiled(case), **fopts)
             try:
                 best = free.search(time_budget_s=60, max_simulations=60)[0]

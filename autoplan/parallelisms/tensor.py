@@ -7,8 +7,13 @@ first, to the whole model (a pipeline is cut from the styled model).
 """
 from __future__ import annotations
 
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from autoplan.errors import PlanSchemaError
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
-from hyper_parallel import ParallelStyle, SequenceParallel, parallelize_module, style_from_dict
+from hyper_parallel import ColwiseParallel, ParallelStyle, SequenceParallel, parallelize_module, style_from_dict
+from hyper_parallel.core.tensor_parallel import match_modules
 
 _STYLE = {"type": "object", "required": ["style", "args"], "additionalProperties": False,
           "properties": {"style": {"type": "string"}, "args": {"type": "object"}}}
@@ -51,8 +56,45 @@ class TensorParallel(Parallelism):
         tp_mesh = target.mesh[plan.tp_dim] if plan.tp_dim in names else None
         target.state["tp_mesh"] = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         if self.active(plan) and target.state["tp_mesh"] is not None:
-            parallelize_module(target.model, target.mesh, runner_styles(plan.styles),
-                               mesh_dim=plan.tp_dim, strict=True)
+            styles = runner_styles(plan.styles)
+            check_embedding_outputs(plan, target.model, styles)
+            parallelize_module(target.model, target.mesh, styles, mesh_dim=plan.tp_dim, strict=True)
+
+
+def stream_embeddings(plan, model: nn.Module) -> set[str]:
+    """The embeddings whose output is the residual stream: the plan's ``embedding`` unit, and the
+    model's own input embedding where it names one (``get_input_embeddings``, as transformers'
+    models do). Other embedding tables (T5's position-bias table, sharded on its heads) are not."""
+    names = {d.get("module") for d in plan.decisions if d.get("unit") == "embedding" and d.get("module")}
+    get = getattr(model, "get_input_embeddings", None)
+    table = get() if callable(get) else None
+    if isinstance(table, nn.Module):
+        names |= {fqn for fqn, m in model.named_modules() if m is table}
+    return names
+
+
+def check_embedding_outputs(plan, model: nn.Module, styles: dict[str, ParallelStyle]) -> None:
+    """Refuse a column-wise stream embedding whose output stays sharded on the hidden dimension.
+
+    ``ColwiseParallel`` on an ``nn.Embedding`` shards its embedding dimension and, by default,
+    returns each rank's slice of the hidden features. The stream embedding feeds the residual
+    stream, which a plan holds whole per token (replicated, or sharded on the sequence): every
+    module after it would read a hidden size of ``dim / tp`` and fail deep inside the first
+    forward with an untyped shape error. A hand-written plan is checked here, before anything
+    changes."""
+    stream = stream_embeddings(plan, model)
+    for pattern, style in styles.items():
+        out = getattr(style, "output_layouts", None)
+        if not (isinstance(style, ColwiseParallel) and isinstance(out, Shard) and out.dim in (-1, 2)):
+            continue
+        for fqn, module in match_modules(model, pattern):
+            if isinstance(module, nn.Embedding) and fqn in stream:
+                raise PlanSchemaError(
+                    f"plan.parallel.tp.styles[{pattern!r}]: ColwiseParallel on the embedding {fqn!r} leaves its "
+                    f"output sharded on the hidden dimension ({out}), but the residual stream it feeds is whole per "
+                    "token; use RowwiseParallel(input_layouts=Replicate()) (vocabulary-parallel), or "
+                    "ColwiseParallel(output_layouts=Replicate()) / (output_layouts=Shard(1)) for a sequence-sharded "
+                    "stream")
 
 
 def runner_styles(styles: dict[str, dict]) -> dict[str, ParallelStyle]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoplan.errors import InvalidArgumentError, PlanSchemaError
+from autoplan.errors import InvalidArgumentError, PlanSchemaError, PlanSealedError
 from autoplan.plan.runner import apply_plan
 from autoplan.parallelisms import default_sections
 from autoplan.plan.schema import SCHEMA_VERSION, upgrade_plan_data, validate_plan_data
@@ -78,20 +78,26 @@ class Plan:
     def __post_init__(self) -> None:
         self.parallel = dict(default_sections(), **(self.parallel or {}))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a built plan is a value: its fields and section properties are set while it is a draft
+        # (autoplan.assembler builds it) and never after; ``replace`` makes a changed copy
+        if self.__dict__.get("_sealed") and name in plan_fields():
+            raise PlanSealedError(f"Plan.{name}: a plan is not changed after it is built; make a changed copy with "
+                                  f"plan.replace({name}=...), or build it in autoplan.assembler")
+        object.__setattr__(self, name, value)
+
     @classmethod
     def from_fields(cls, *, mesh: dict, tp_dim: str | None = None, dp_dim: str | None = None,
                     styles: dict | None = None, stream_layout: str = "R", loss_parallel: bool = False,
-                    fsdp: dict | None = None, activation_checkpointing: bool = False, recompute: dict | None = None,
-                    pipeline: dict | None = None, **rest: Any) -> "Plan":
-        """A plan from the decisions by name (what the planner decides); each lands in its section."""
+                    fsdp: dict | None = None, activation_checkpointing: bool = False, **rest: Any) -> "Plan":
+        """A plan from the decisions by name (what the planner decides); each lands in its section
+        (recomputation beyond whole blocks and the pipeline are added by the cluster search)."""
         plan = cls(mesh=mesh, parallel={}, **rest)
         plan.tp_dim, plan.styles, plan.stream_layout, plan.loss_parallel = tp_dim, dict(styles or {}), \
             stream_layout, bool(loss_parallel)
         plan.dp_dim, plan.fsdp = dp_dim, dict(fsdp or {"enabled": False})
         plan.activation_checkpointing = bool(activation_checkpointing)
-        if recompute:
-            plan.recompute = recompute
-        plan.pipeline = pipeline
+        plan.pipeline = None
         return plan
 
     def replace(self, **changes: Any) -> "Plan":
@@ -102,10 +108,10 @@ class Plan:
         unknown = sorted(set(changes) - known)
         if unknown:
             raise TypeError(f"Plan.replace: unknown field(s) {unknown}; known: {sorted(known)}")
-        new = copy.deepcopy(self)
+        new = draft(self)
         for name, value in changes.items():
             setattr(new, name, value)
-        return new
+        return sealed(new)
 
     # ---- the sections by the names the planner and runners use ----------------------------------
     @property
@@ -227,8 +233,8 @@ class Plan:
         data = _plain(data)  # the plan owns its data: later edits of ``data`` do not reach it
         kw = {k: data[k] for k in ("mesh", "parallel", "decisions", "predictions", "alternatives", "solver", "model",
                                    "batch")}
-        return cls(**kw, notes=list(data.get("notes", [])), timing=dict(data.get("timing", {})),
-                   schema_version=data["schema_version"])
+        return sealed(cls(**kw, notes=list(data.get("notes", [])), timing=dict(data.get("timing", {})),
+                          schema_version=data["schema_version"]))
 
     @classmethod
     def from_json(cls, source: str | Path) -> "Plan":
@@ -341,13 +347,27 @@ class Plan:
         return plot_timeline(self, **kwargs)
 
 
-def fastest_of(plans: list[Plan], label: str) -> Plan:
-    """The plan with the shortest predicted step among ``plans`` (meshes of one device count split
-    different ways), the others appended to its alternatives as ``"<label> {mesh}"`` rows."""
-    plans = sorted(plans, key=lambda p: p.predictions["step_s"])
-    best = plans[0]
-    best.alternatives = list(best.alternatives) + [
-        {"name": f"{label} {dict(zip(p.mesh['names'], p.mesh['shape']))}", "step_s": p.predictions["step_s"],
-         "comm_s": p.predictions["comm_s"], "memory_bytes": p.predictions["memory_bytes"].get("total")}
-        for p in plans[1:]]
-    return best
+def plan_fields() -> frozenset[str]:
+    """The names a plan is written through: its dataclass fields and its section properties."""
+    return _FIELDS
+
+
+def draft(plan: Plan) -> Plan:
+    """An editable copy of ``plan`` (a deep copy: the original is untouched)."""
+    new = copy.deepcopy(plan)
+    new.__dict__.pop("_sealed", None)
+    return new
+
+
+def sealed(plan: Plan) -> Plan:
+    """``plan``, from now on refusing any assignment to its fields (PlanSealedError)."""
+    plan.__dict__["_sealed"] = True
+    return plan
+
+
+def is_sealed(plan: Plan) -> bool:
+    return bool(plan.__dict__.get("_sealed"))
+
+
+_FIELDS = frozenset(Plan.__dataclass_fields__) | {
+    k for k, v in vars(Plan).items() if isinstance(v, property) and v.fset is not None}

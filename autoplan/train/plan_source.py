@@ -89,11 +89,9 @@ def _plan(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
                             dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
     finally:
         fake_log.removeFilter(probes)
-    if probes.count:
-        plan.notes.append(f"planning: {probes.count} layout probe(s) failed under fake tensors, as expected for a "
-                          f"sharding the model's shapes cannot take (first: {probes.first})")
-    plan.model["source"] = cfg.model
-    if cfg.layers:
-        plan.model["layers_override"] = cfg.layers
+    notes = [f"planning: {probes.count} layout probe(s) failed under fake tensors, as expected for a sharding the "
+             f"model's shapes cannot take (first: {probes.first})"] if probes.count else []
+    recorded = {"source": cfg.model, **({"layers_override": cfg.layers} if cfg.layers else {})}
+    plan = plan.replace(model=dict(plan.model, **recorded), notes=list(plan.notes) + notes)
     log.info("planned on the spot for %d ranks: %s", world, plan)
     return Plan.from_json(plan.to_json())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+from dataclasses import astuple, dataclass
 import statistics
 import sys
 import time
@@ -122,7 +123,7 @@ def _accelerator_peak(device: str) -> int | None:
     return None
 
 
-def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, rtol_grad, atol_grad) -> dict:
+def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed) -> dict:
     import torch.distributed as dist
 
     ref = make(**kwargs).to(device)
@@ -156,14 +157,29 @@ def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, 
                 vocab=vocab)
 
 
-def measure_rank(plan_json: str, factory: Callable | str, factory_kwargs: dict | None = None, *,
-                 global_batch: int | None = None, seq: int | None = None, steps: int = 5, warmup: int = 1,
-                 vocab: int | None = None, rtol_loss: float = 1e-5, rtol_grad: float = 1e-4,
-                 atol_grad: float = 1e-6, seed: int = 1234, numerics: bool = True) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How one measured run goes: the batch, the steps timed, the tolerances of the one-device check."""
+
+    global_batch: int | None = None     # default: the plan's
+    seq: int | None = None              # default: the plan's
+    steps: int = 5
+    warmup: int = 1
+    vocab: int | None = None            # default: the model's
+    rtol_loss: float = 1e-5
+    rtol_grad: float = 1e-4
+    atol_grad: float = 1e-6
+    seed: int = 1234
+    numerics: bool = True               # False: timing and memory only (numerics columns NaN)
+
+
+def measure_rank(plan_json: str, factory: Callable | str, factory_kwargs: dict | None = None,
+                 **settings: Any) -> dict[str, Any]:
     """Run on every rank of the default process group; returns this rank's row (see ``COLUMNS``).
 
-    ``numerics=False`` skips the one-device comparison (timing and memory only; numerics columns NaN).
-    """
+    ``settings``: :class:`MeasureSettings`' fields (an unknown one is a TypeError)."""
+    (global_batch, seq, steps, warmup, vocab, rtol_loss, rtol_grad, atol_grad, seed,
+     numerics) = astuple(MeasureSettings(**settings))
     import torch.distributed as dist
 
     plan = Plan.from_json(plan_json) if isinstance(plan_json, str) else plan_json
@@ -182,7 +198,7 @@ def measure_rank(plan_json: str, factory: Callable | str, factory_kwargs: dict |
 
     # ---- numerics: one SGD step of the plan vs one device on the whole batch
     if numerics:
-        num = _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, rtol_grad, atol_grad)
+        num = _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed)
     else:
         num = dict(ref_loss=float("nan"), par_loss=float("nan"), loss_rel=float("nan"), rel_errs=[], bad=[])
     vocab = vocab or num.get("vocab") or _vocab(make(**kwargs))

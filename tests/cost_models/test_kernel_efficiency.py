@@ -113,7 +113,7 @@ def test_with_measured_writes_points_a_search_then_prices_with(tmp_path):
 
 
 def test_priced_kernels_are_the_shapes_the_search_prices(mixtral_8x7b):
-    search = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
+    search = ClusterSearch.of(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
     shapes = priced_kernels(search, b=1, tp=2, ep=8)
     kinds = {s.kind for s in shapes}
     assert kinds == {"gemm", "grouped_gemm", "attention"}

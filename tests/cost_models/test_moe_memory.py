@@ -37,7 +37,7 @@ def mixtral():
 
 
 def _priced(model, runtime, graphs=None):
-    search = ClusterSearch(model, DP * EP, hardware="h100_sxm", batch=(DP * EP, T), microbatch_sizes=(1,),
+    search = ClusterSearch.of(model, DP * EP, hardware="h100_sxm", batch=(DP * EP, T), microbatch_sizes=(1,),
                            memory_limit=1e30, expert_runtime=runtime, graphs=graphs)
     cand = search.evaluate(DP, 1, 1, "1F1B", 1, "fsdp", "none", cuts="balanced", v=1, ep=EP)
     units, _ = search.unit_costs(DP, 1, 1, "fsdp", "none", 1, ep=EP)
@@ -86,7 +86,7 @@ def test_our_runtime_shards_the_non_expert_state_over_dp_x_ep_under_fsdp(mixtral
 def test_dp1_fsdp_over_ep_still_shards_the_non_expert_state(mixtral):
     """AutoModel's "FSDP 8" at dp 1 x ep 8: the context prices dp=1 as "replicate" (nothing to shard
     over dp), but the plan asked for FSDP, so a runtime that shards over dp x ep shards over ep."""
-    search = ClusterSearch(mixtral, EP * 2, hardware="h100_sxm", batch=(EP * 2, T), microbatch_sizes=(1,),
+    search = ClusterSearch.of(mixtral, EP * 2, hardware="h100_sxm", batch=(EP * 2, T), microbatch_sizes=(1,),
                            memory_limit=1e30, expert_runtime=FUSED)
     cand = search.evaluate(1, 1, 1, "1F1B", 1, "fsdp", "none", cuts="balanced", v=1, ep=2 * EP)
     units, _ = search.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=2 * EP)

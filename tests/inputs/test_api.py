@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from autoplan import MeshSpec, autoplan, plan_cluster
+from autoplan.context_search import plan_context
+from autoplan.hsdp import plan_hsdp
 from autoplan.errors import (
     AutoplanError, InvalidArgumentError, MeshNameError, MissingInputsError, PlanningError,
 )
@@ -217,3 +219,22 @@ def test_pp_larger_than_the_model(model):
 def test_bad_cluster_options(model, kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         plan_cluster(model, 4, batch=(8, 16), **kwargs)
+
+
+@pytest.mark.parametrize("entry", ["plan_cluster", "plan_hsdp", "plan_context"])
+def test_devices_per_node_must_fit_the_devices(model, entry):
+    """3 devices per node for 8 devices describes no cluster (the last node would hold 2): refused by
+    every entry that takes it, naming the argument and the valid values, before any capture."""
+    call = {"plan_cluster": lambda: plan_cluster(model, 8, batch=(8, 16), devices_per_node=3),
+            "plan_hsdp": lambda: plan_hsdp(model, 8, tp=2, batch=(8, 16), devices_per_node=3),
+            "plan_context": lambda: plan_context(model, 8, batch=(8, 16), devices_per_node=3)}[entry]
+    before = snapshot(model)
+    with pytest.raises(InvalidArgumentError, match=r"devices_per_node=3 does not divide devices=8.*valid"):
+        call()
+    assert snapshot(model) == before
+
+
+def test_devices_per_node_may_exceed_the_devices(model):
+    """Fewer devices than one node holds is one partly used node, not an error."""
+    plan = plan_cluster(model, 4, batch=(8, 16), devices_per_node=8, constraints={"pp": 1, "tp": 2})
+    assert plan.mesh["devices_per_node"] == 8

@@ -7,10 +7,12 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan import MeshSpec, Plan, autoplan
 from autoplan.errors import PlanSchemaError
 from autoplan.plan.plan import SCHEMA_VERSION
+from hyper_parallel.local import fake_world
 from tests.inputs.helpers import tiny_llama
 
 
@@ -247,3 +249,16 @@ def test_schema_2_hsdp_and_selective_sections(plan):
     bad = dict(data, parallel=dict(data["parallel"], hsdp={"dim": "dp_replicate", "replicate": 4, "shard": 2}))
     with pytest.raises(PlanSchemaError, match="parallel/hsdp: replicate=4 x shard=2"):
         Plan.from_json(json.dumps(bad))
+
+
+def test_colwise_embedding_in_a_hand_written_plan_is_refused_before_it_runs():
+    """A plan file edited by hand to put ColwiseParallel on the embedding would hand the residual stream
+    a hidden-sharded tensor: applying it raises PlanSchemaError naming the entry and what is valid,
+    instead of an untyped shape error inside the first forward."""
+    data = autoplan(tiny_llama(), MeshSpec((2,), ("tp",), "h100_sxm"), batch=(2, 16)).to_dict()
+    data["parallel"]["tp"]["styles"]["tok_embeddings"] = {"style": "ColwiseParallel", "args": {}}
+    edited = Plan.from_dict(json.loads(json.dumps(data)))
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        with pytest.raises(PlanSchemaError, match=r"styles\['tok_embeddings'\]: ColwiseParallel on the embedding"):
+            edited.apply(tiny_llama(device="cpu"), mesh)

@@ -1,12 +1,12 @@
 """Plans in the runtime modes the cost model prices (ZeRO-1, selective recomputation, mixed
-precision), made the way plan_cluster makes them: autoplan() then autoplan.search.data.modes."""
+precision), made the way plan_cluster makes them: autoplan() then autoplan.assembler's modes."""
 from __future__ import annotations
 
 import torch
 
 from autoplan import MeshSpec, autoplan
 from autoplan.capture import capture
-from autoplan.search.data.modes import with_dp_mode, with_mixed_precision, with_recompute
+from autoplan.assembler import with_dp_mode, with_mixed_precision, with_recompute
 from autoplan.search.units.structure import model_structure
 
 
@@ -18,8 +18,6 @@ def mode_plan(model, shape, names, batch, *, dp_mode="replicate", recompute="non
     st = model_structure(graph)
     plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=batch, dtype=dtype, graph=graph,
                     fsdp=dp_mode == "fsdp", activation_checkpointing=recompute == "full", **opts)
-    with_dp_mode(plan, graph, st, dp_mode, 8 + (4 if st.dtype_bytes < 4 else 0))
-    with_recompute(plan, st, recompute)
-    if mixed_precision:
-        with_mixed_precision(plan)
-    return plan
+    plan = with_dp_mode(plan, graph, st, dp_mode, 8 + (4 if st.dtype_bytes < 4 else 0))
+    plan = with_recompute(plan, st, recompute)
+    return with_mixed_precision(plan) if mixed_precision else plan

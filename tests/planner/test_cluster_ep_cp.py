@@ -48,7 +48,7 @@ def test_dense_short_sequences_search_only_dp_pp_tp():
     """Below CP_MIN_SEQ tokens and without MoE layers the search is the dp x pp x tp one it was:
     every mesh has cp = ep = 1 (plans on them: tests/search_pp); from CP_MIN_SEQ on, cp is tried."""
     model = repo_llama_8b(2)
-    search = ClusterSearch(model, 16, hardware="h100_sxm", batch=(16, 4096), microbatch_sizes=(1,))
+    search = ClusterSearch.of(model, 16, hardware="h100_sxm", batch=(16, 4096), microbatch_sizes=(1,))
     meshes = search.meshes()
     assert meshes and all(cp == 1 and ep == 1 for *_, cp, ep in meshes)
     assert {(dp, pp, tp) for dp, pp, tp, _, _ in meshes} == set(mesh_factorizations(16, 8, len(search.unit_names)))
@@ -79,7 +79,7 @@ def test_moe_search_tries_ep_and_a_plan_with_ep_verifies_at_world_64(mixtral, mi
     Mixtral-8x7B's layer shape (2 layers) with ep fixed at 8 on 64 H100s plans ExpertParallel with
     expert TP and dry-runs exactly (balanced routing; bf16 with FSDP mixed precision: the ep
     gradient all-reduce in fp32)."""
-    search = ClusterSearch(mixtral, 64, hardware="h100_sxm", batch=(64, 16), dtype=torch.float32)
+    search = ClusterSearch.of(mixtral, 64, hardware="h100_sxm", batch=(64, 16), dtype=torch.float32)
     meshes = search.meshes()
     eps = {ep for *_, ep in meshes}
     assert {1, 2, 4, 8} <= eps and any(pp > 1 for _, pp, _, _, ep in meshes if ep > 1)
@@ -98,7 +98,7 @@ def test_moe_search_tries_ep_and_a_plan_with_ep_verifies_at_world_64(mixtral, mi
 def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
     """ep changes the per-unit price (all-to-alls in forward, expert state / ep) and ``evaluate``
     prices ep with a pipeline (a published layout)."""
-    search = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
+    search = ClusterSearch.of(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
     dense, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1)      # 8 data-parallel replicas
     ep8, _ = search.unit_costs(8, 1, 1, "replicate", "none", 1, ep=8)  # the same x ep8: experts / 8
     assert sum(u.state_bytes for u in ep8) < sum(u.state_bytes for u in dense)
@@ -112,7 +112,7 @@ def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
     assert a2a_forward > 0
     # a runtime that hides the all-to-alls behind the other micro-batch (DualPipe: ExpertRuntime overlap 1)
     # leaves only the compute change in the forward
-    hidden = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,),
+    hidden = ClusterSearch.of(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,),
                            graphs=search.graphs, expert_runtime=ExpertRuntime(overlap=1.0, source="test"))
     ep8_hidden, _ = hidden.unit_costs(8, 1, 1, "replicate", "none", 1, ep=8)
     assert sum(u.forward for u in ep8_hidden) == pytest.approx(sum(u.forward for u in dense) + compute_change)
@@ -212,7 +212,7 @@ def test_routing_glue_prices_the_passes_the_runtime_makes(mixtral_8x7b):
     """The experts' routing glue by what the runtime does with the routed rows: ours re-sorts the
     received rows by local expert and back around the all-to-alls (dispatch's regroup / ungroup) and
     scales the returned rows in a pass of its own; DeepEP / TE's fused unpermute does neither."""
-    search = ClusterSearch(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
+    search = ClusterSearch.of(mixtral_8x7b, 64, hardware="h100_sxm", batch=(64, 1024), microbatch_sizes=(1,))
     ctx = search.ctx(8, 1, 1, "replicate", "none", 1, 8)
     g = search.moe_groups[0]
     kw = dict(tokens=1024, dtype_bytes=2, etp=1)
@@ -232,8 +232,8 @@ def test_fsdp_over_ep_alone_prices_fsdp_traffic_every_micro_batch(mixtral_8x7b):
     "FSDP 64" at ep 64: fully_shard over the ep ranks) gathers and reduce-scatters each unit over
     ep -- a single stage pays that every micro-batch -- where ours replicates those weights over ep
     and all-reduces their gradients once after backward."""
-    ours = ClusterSearch(mixtral_8x7b, 8, hardware="h100_sxm", batch=(32, 1024), microbatch_sizes=(1,))
-    theirs = ClusterSearch(mixtral_8x7b, 8, hardware="h100_sxm", batch=(32, 1024), microbatch_sizes=(1,),
+    ours = ClusterSearch.of(mixtral_8x7b, 8, hardware="h100_sxm", batch=(32, 1024), microbatch_sizes=(1,))
+    theirs = ClusterSearch.of(mixtral_8x7b, 8, hardware="h100_sxm", batch=(32, 1024), microbatch_sizes=(1,),
                            graphs=ours.graphs, expert_runtime=DEEPEP_RUNTIME)
     mine, _ = ours.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=8)
     fsdp, _ = theirs.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=8)
@@ -254,7 +254,7 @@ def test_expert_biases_price_the_passes_the_runtime_makes():
     activation and scales the down bias by the routing weights apart (TEGroupedMLP._apply_bias: 12);
     a layout without biases pays none of it."""
     model = build_preset("gpt-oss-20b", num_layers=2)
-    search = ClusterSearch(model, 8, hardware="h100_sxm", batch=(8, 1024), microbatch_sizes=(1,))
+    search = ClusterSearch.of(model, 8, hardware="h100_sxm", batch=(8, 1024), microbatch_sizes=(1,))
     ctx = search.ctx(1, 1, 1, "replicate", "none", 1, 8)
     g = search.moe_groups[0]
     assert g.layout.biases

@@ -29,8 +29,7 @@ def _plan(model_name, shape, names):
     plan = autoplan(model, MeshSpec(shape, names, "h100_sxm"), batch=(4, 16), dtype=torch.float32, fsdp=True,
                     allow_replicated_units=len(shape) == 1)
     assert plan.fsdp["enabled"]
-    plan.fsdp = dict(plan.fsdp, mixed_precision=MP)
-    return plan
+    return plan.replace(fsdp=dict(plan.fsdp, mixed_precision=MP))
 
 
 def test_policy_from_plan():

@@ -1,7 +1,6 @@
 """explain, diff, compare_plans, the per-stage table and the plots, on the 70B shape (2 layers)."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 
@@ -82,9 +81,7 @@ def test_diff_contents(plans):
 
 def test_diff_sees_mesh_and_pipeline(plans):
     auto, _ = plans
-    other = copy.deepcopy(auto)
-    other.mesh = dict(auto.mesh, hardware="b200")
-    other.pipeline = _pipeline(2)
+    other = auto.replace(mesh=dict(auto.mesh, hardware="b200"), pipeline=_pipeline(2))
     d = auto.diff(other).set_index(["section", "key"])
     assert d.loc[("mesh", "hardware"), "b"] == "b200"
     assert d.loc[("pipeline", "pp"), "b"] == 2 and d.loc[("pipeline", "schedule"), "change"] == "added"
@@ -107,8 +104,7 @@ def test_stage_table_without_and_with_pipeline(plans):
     auto, _ = plans
     one = auto.stage_table()
     assert len(one) == 1 and one.loc[0, "compute_s"] == pytest.approx(auto.predictions["compute_s"])
-    piped = copy.deepcopy(auto)
-    piped.pipeline = _pipeline(4)
+    piped = auto.replace(pipeline=_pipeline(4))
     t = piped.stage_table()
     assert list(t["stage"]) == [0, 1, 2, 3] and t.loc[3, "memory_gib"] == pytest.approx(27.0)
     assert t["busy_fraction"].between(0, 1).all()
@@ -116,8 +112,7 @@ def test_stage_table_without_and_with_pipeline(plans):
 
 @pytest.mark.parametrize("p,v,schedule", [(4, 1, "1F1B"), (2, 2, "Interleaved1F1B"), (2, 2, "ZBV")])
 def test_timeline_from_the_simulator(plans, tmp_path, p, v, schedule):
-    piped = copy.deepcopy(plans[0])
-    piped.pipeline = _pipeline(p, v, schedule)
+    piped = plans[0].replace(pipeline=_pipeline(p, v, schedule))
     sim = simulate_pipeline(piped)
     assert sorted(sim.timeline["rank"].unique()) == list(range(p))
     assert sum(sim.busy) == pytest.approx(sum(0.6 + 0.05 * s for s in range(p * v)))   # every stage's compute
@@ -134,8 +129,7 @@ def test_memory_and_communication_plots(plans, tmp_path):
                                                                    "activations"]
     stacked = sum(bar.get_height() for bar in ax.patches[::2])       # bars of the first plan
     assert stacked == pytest.approx(auto.predictions["memory_bytes"]["total"] / 2**30, rel=1e-6)
-    piped = copy.deepcopy(auto)
-    piped.pipeline = _pipeline(4)
+    piped = auto.replace(pipeline=_pipeline(4))
     assert len(piped.plot_memory().axes[0].patches) == 4              # one bar per pipeline rank
     comm = auto.plot_communication()
     labels = [t.get_text() for t in comm.axes[0].get_legend().get_texts()]

@@ -17,7 +17,7 @@ def _meta(**kw):
 
 
 def _search(model, **kw):
-    return ClusterSearch(model, 4, hardware="h100_sxm", batch=BATCH, dtype=torch.float32,
+    return ClusterSearch.of(model, 4, hardware="h100_sxm", batch=BATCH, dtype=torch.float32,
                          constraints={"tp": 4, "pp": 1}, sequence_parallel=False, **kw)
 
 

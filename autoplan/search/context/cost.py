@@ -118,11 +118,25 @@ def _head_dim(graph, block, attention) -> int:
     return int(attention.head_attrs.get("head_dim") or block.dim // attention.n_heads)
 
 
-def price_cp(structure: ModelStructure, graph, ctx: CostContext, chosen: dict, *, cp: int, cp_dim: str,
-             loss_dim: str, local_batch: int, seq_len: int, dtype_bytes: int, tp: int,
+@dataclass(frozen=True)
+class CPShape:
+    """One rank's share of a context-parallel step: what pricing the exchange needs beside the
+    model and its tensor-parallel choice."""
+
+    cp: int              # the context-parallel degree
+    cp_dim: str          # its mesh dimension
+    loss_dim: str        # where the loss's partial sums are reduced (dp, or dp x cp flattened)
+    local_batch: int     # sequences one forward runs on a rank
+    seq_len: int         # the whole sequence (each rank holds 2 of its 2*cp chunks)
+    dtype_bytes: int
+    tp: int              # the tensor-parallel degree (K/V heads split over it)
+
+
+def price_cp(structure: ModelStructure, graph, ctx: CostContext, chosen: dict, shape: CPShape, *,
              memory_left: float, variants=None) -> CPChoice:
     """Price both variants for the chosen tensor-parallel options and pick the cheaper one that
     fits ``memory_left`` bytes (ring when neither does: it adds nothing)."""
+    cp, cp_dim, loss_dim, local_batch, seq_len, dtype_bytes, tp = dataclasses.astuple(shape)
     cands = {}
     for variant in sorted(variants or VARIANTS):   # ``variants``: restrict (a choice already made)
         rows, exchange, exposed, extra, exposed_fwd = [], 0.0, 0.0, 0.0, 0.0

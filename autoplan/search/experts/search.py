@@ -448,18 +448,18 @@ def expert_options(group: MoEGroup, ctx, *, tokens: int, dtype_bytes: int, ep_na
     return out
 
 
-def choose_experts(groups: list[MoEGroup], ctx, *, tokens: int, dtype_bytes: int, ep_name: str, ep: int,
-                   tp_name: str | None, tp: int, imbalance: float = 1.0,
-                   memory_room: float | None = None, expert_parallel: bool | None = None,
-                   runtime: ExpertRuntime = OUR_EXPERT_RUNTIME) -> ExpertChoice:
+def choose_experts(groups: list[MoEGroup], ctx, *, memory_room: float | None = None,
+                   expert_parallel: bool | None = None, **shape) -> ExpertChoice:
     """Per group the fastest option whose expert state fits ``memory_room`` (bytes left per rank
     after everything else; None: no limit); the smallest-state option when none fits.
     ``expert_parallel``: True keeps only the ExpertParallel options, False only replicated
-    experts (a constraint, as ``fsdp=`` is); None prices both."""
+    experts (a constraint, as ``fsdp=`` is); None prices both. ``shape``: what
+    :func:`expert_options` prices each group at (tokens, dtype_bytes, the ep and tp dimensions,
+    imbalance, runtime)."""
+    imbalance = shape.get("imbalance", 1.0)
     chosen, options, base = [], [], 0.0
     for g in groups:
-        opts = expert_options(g, ctx, tokens=tokens, dtype_bytes=dtype_bytes, ep_name=ep_name, ep=ep,
-                              tp_name=tp_name, tp=tp, imbalance=imbalance, runtime=runtime)
+        opts = expert_options(g, ctx, **shape)
         for o in opts:
             if o.excluded is None and expert_parallel is not None and (o.style is not None) != expert_parallel:
                 o.excluded = f"expert_parallel={expert_parallel} was asked"
@@ -478,7 +478,7 @@ def choose_experts(groups: list[MoEGroup], ctx, *, tokens: int, dtype_bytes: int
                            + (f" (excluded: {o.excluded})" if o.excluded else "") for o in opts if o is not pick)
         notes.append(f"{g.pattern}: {pick.name} ({pick.reason}): {pick.step_s:.3g}s per step, expert state "
                      f"{pick.state_bytes / 2**30:.3g} GiB per rank; vs {others}")
-    return ExpertChoice(ep_name, groups, chosen, options, imbalance, base, notes)
+    return ExpertChoice(shape["ep_name"], groups, chosen, options, imbalance, base, notes)
 
 
 def expert_decision_rows(choice: ExpertChoice) -> list[dict]:

@@ -33,7 +33,7 @@ import dataclasses
 import logging
 from typing import Sequence
 
-from autoplan.search.context.cost import CPChoice, price_cp
+from autoplan.search.context.cost import CPChoice, CPShape, price_cp
 from autoplan.search.experts.planning import ExpertPlanning
 from autoplan.search.experts.search import OUR_EXPERT_RUNTIME, ExpertRuntime, expert_time, moe_groups
 from autoplan.search.units.targets import owner_units
@@ -108,20 +108,19 @@ def model_moe_groups(meta, graph, dtype_bytes: int) -> list:
     return moe_groups(graph, meta, dtype_bytes)
 
 
-def add_cp(acc: list[list[float]], names: list[str], structure, graph, ctx, chosen: dict, *, cp: int, b: int,
-           seq: int, tp: int, dtype_bytes: int, memory_left: float) -> CPChoice:
+def add_cp(acc: list[list[float]], names: list[str], structure, graph, ctx, chosen: dict, shape: CPShape, *,
+           memory_left: float) -> CPChoice:
     """Add context parallelism's exposed exchange (forward part to F, the rest to backward-input)
     and the all-gather variant's extra saved K/V to each block unit of ``acc`` (rows F, I, W,
-    state, act, ...), one micro-batch of ``b`` sequences; returns the priced choice."""
-    kw = dict(cp=cp, cp_dim="cp", loss_dim=ctx.dp_dim, local_batch=b, seq_len=seq, dtype_bytes=dtype_bytes, tp=tp)
-    choice = price_cp(structure, graph, ctx, chosen, memory_left=memory_left, **kw)
+    state, act, ...), one micro-batch of ``shape.local_batch`` sequences; returns the priced choice."""
+    choice = price_cp(structure, graph, ctx, chosen, shape, memory_left=memory_left)
     index = {n: i for i, n in enumerate(names)}
     for g in structure.blocks:
         if g.attention is None:
             continue
         # this group's share of the variant the whole model chose
-        one = price_cp(dataclasses.replace(structure, blocks=[g]), graph, ctx, chosen, memory_left=0.0,
-                       **kw).candidates[choice.variant]
+        one = price_cp(dataclasses.replace(structure, blocks=[g]), graph, ctx, chosen, shape,
+                       memory_left=0.0).candidates[choice.variant]
         units = [index[u] for u in owner_units(f"{g.prefix}.*", g.prefix, g.indices) if u in index]
         if not units:
             continue
@@ -135,17 +134,15 @@ def add_cp(acc: list[list[float]], names: list[str], structure, graph, ctx, chos
     return choice
 
 
-def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, *, cp: int, b: int, seq: int, tp: int,
-                  dtype_bytes: int) -> dict[str, list[Collective]]:
-    """Block group id -> the cp exchange of ONE of its layers for one micro-batch of ``b``
-    sequences, in ``variant`` (what a pipeline rank issues per block it holds)."""
-    kw = dict(cp=cp, cp_dim="cp", loss_dim=ctx.dp_dim, local_batch=b, seq_len=seq, dtype_bytes=dtype_bytes, tp=tp)
+def cp_layer_rows(structure, graph, ctx, chosen: dict, variant: str, shape: CPShape) -> dict[str, list[Collective]]:
+    """Block group id -> the cp exchange of ONE of its layers for one micro-batch of
+    ``shape.local_batch`` sequences, in ``variant`` (what a pipeline rank issues per block it holds)."""
     out = {}
     for g in structure.blocks:
         if g.attention is None:
             continue
-        one = price_cp(dataclasses.replace(structure, blocks=[g]), graph, ctx, chosen, memory_left=float("inf"),
-                       variants=[variant], **kw)
+        one = price_cp(dataclasses.replace(structure, blocks=[g]), graph, ctx, chosen, shape,
+                       memory_left=float("inf"), variants=[variant])
         out[g.id] = [dataclasses.replace(c, count=c.count // g.count) for c in one.collectives
                      if c.dim == "cp"]
     return out

@@ -29,7 +29,7 @@ from autoplan.search.mesh.dims import (
     CP_MIN_SEQ, add_cp, add_ep, add_expert_compute, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees,
     experts_split, model_moe_groups,
 )
-from autoplan.search.context.cost import cp_structure, cp_topology, grad_dims
+from autoplan.search.context.cost import CPShape, cp_structure, cp_topology, grad_dims
 from autoplan.search.pricing.costing import RECOMPUTE, CostContext
 from autoplan.search.experts.planning import ExpertPlanning, expert_parallel_constraint
 from autoplan.search.experts.search import OUR_EXPERT_RUNTIME, ExpertRuntime
@@ -51,11 +51,12 @@ from autoplan.search.tp.strategies import PACKED_BIAS
 from autoplan.search.units.structure import model_structure
 from autoplan.search.tp.search import TPSearch, exposed_dp
 from autoplan.search.units.targets import block_members, option_units
+from autoplan.request import PlanRequest, SearchSpace
 from cost_models.fusion import compile_mode
 from cost_models.hardware import load_hardware
 from cost_models.topology import mesh_topology
 from cost_models.overlap import DP_MODES
-from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES, schedule_facts
+from hyper_parallel.core.pipeline_parallel import schedule_facts
 from hyper_parallel.core.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -91,44 +92,40 @@ class ClusterSearch:
     """State shared by every candidate of one planning call: captured graphs per micro-batch
     shape, TP solutions per (tp, micro-batch, checkpointing), unit costs per mesh."""
 
-    def __init__(self, model: torch.nn.Module, devices: int, *, hardware: str, batch: tuple[int, int],
-                 devices_per_node: int | None = None, memory_limit: float | None = None,
-                 dtype: torch.dtype | None = None, constraints: dict | None = None,
-                 schedules: Sequence[str] = SCHEDULE_NAMES, microbatch_sizes: Sequence[int] = (1, 2, 4),
-                 virtual_stages: Sequence[int] = (2,), allow_replicated_units: bool = True,
-                 sequence_parallel: bool | None = None, graphs: dict | None = None,
+    def __init__(self, model: torch.nn.Module, devices: int, request: PlanRequest, *, graphs: dict | None = None,
                  dp_modes: Sequence[str] = DP_MODES, recompute_modes: Sequence[str] = RECOMPUTE,
-                 expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME, loss_bytes_per_logit: float | None = None,
-                 compile: bool | str = "none"):
+                 expert_runtime: ExpertRuntime = OUR_EXPERT_RUNTIME, loss_bytes_per_logit: float | None = None):
         # how the runtime moves the experts' tokens (experts.search.ExpertRuntime) and what its loss
         # reads and writes per logit (structure.model_structure): hyper_parallel's unless a caller
         # prices another runtime's published run (benchmarks/moe_published_runs.py)
         self.expert_runtime = expert_runtime
         self.loss_bytes_per_logit = loss_bytes_per_logit
+        self.request = request
         # what runs compiled, its elementwise chains priced fused (cost_models.fusion)
-        self.compile = compile_mode(compile, "ClusterSearch")
+        self.compile = compile_mode(request.compile, "ClusterSearch")
         self.dp_modes = [dp_mode_of(x) for x in dp_modes]
         self.recompute_modes = [recompute_of(x) for x in recompute_modes]
-        self.model, self.devices, self.hardware = model, int(devices), hardware
-        self.hw = load_hardware(hardware)
-        self.dpn = int(devices_per_node or self.hw.devices_per_node)
-        self.gb, self.seq = int(batch[0]), int(batch[1])
-        self.limit = float(memory_limit if memory_limit is not None else self.hw.usable_memory())
-        self.dtype = search_dtype(self.hw, dtype)
-        self.cons = dict(constraints or {})
+        self.model, self.devices, self.hardware = model, int(devices), request.hardware
+        self.hw = load_hardware(request.hardware)
+        self.dpn = int(request.devices_per_node or self.hw.devices_per_node)
+        self.gb, self.seq = request.batch
+        self.limit = float(request.memory_limit if request.memory_limit is not None else self.hw.usable_memory())
+        self.dtype = search_dtype(self.hw, request.dtype)
+        self.cons = dict(request.constraints)
         unknown = set(self.cons) - set(CONSTRAINT_KEYS)
         if unknown:
             raise PlanningError(f"plan_cluster: unknown constraints {sorted(unknown)}")
-        self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(schedules)
-        self.virtual = [self.cons["virtual_stages"]] if "virtual_stages" in self.cons else list(virtual_stages)
+        space = request.search
+        self.schedules = [self.cons["schedule"]] if "schedule" in self.cons else list(space.schedules)
+        self.virtual = [self.cons["virtual_stages"]] if "virtual_stages" in self.cons else list(space.virtual_stages)
         if self.cons.get("tower_placement") in ("stage0", "own_stage"):   # placed in one rank's stage: one each
             self.schedules = [n for n in self.schedules if schedule_facts(n).stages_per_rank(1) == 1]
             self.virtual = [1]
-        self.mb_sizes = [self.cons["microbatch_size"]] if "microbatch_size" in self.cons else list(microbatch_sizes)
+        self.mb_sizes = [self.cons["microbatch_size"]] if "microbatch_size" in self.cons else list(space.microbatch_sizes)
         if self.seq >= CP_MIN_SEQ and "microbatch_size" not in self.cons:
             self.mb_sizes = [1]   # long sequences: a micro-batch is one sequence (cluster_dims)
-        self.allow_replicated, self.sp = allow_replicated_units, sequence_parallel
-        self.expert_parallel = expert_parallel_constraint(self.cons.get("expert_parallel"), allow_replicated_units)
+        self.allow_replicated, self.sp = request.allow_replicated_units, request.sequence_parallel
+        self.expert_parallel = expert_parallel_constraint(request.expert_parallel, request.allow_replicated_units)
         self.graphs: dict[int, Any] = dict(graphs or {})
         self._tp: dict[tuple, tuple] = {}
         self.tp_solver: dict[tuple, Any] = {}   # (tp, b, recompute) -> the TP ILP's SolverInfo
@@ -164,6 +161,25 @@ class ClusterSearch:
         if key not in self.graphs:
             self.graphs[key] = capture(self.meta, None, batch=(b, self.seq // cp), dtype=self.dtype)
         return self.graphs[key]
+
+    def cp_shape(self, ctx, cp: int, b: int, tp: int, dtype_bytes: int) -> CPShape:
+        """A candidate's context-parallel share: ``b`` sequences per micro-batch on the cp dimension,
+        the loss reduced where its gradients are."""
+        return CPShape(cp=cp, cp_dim="cp", loss_dim=ctx.dp_dim, local_batch=b, seq_len=self.seq,
+                       dtype_bytes=dtype_bytes, tp=tp)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, devices: int, *, graphs: dict | None = None, **keywords: Any) -> "ClusterSearch":
+        """A search from keywords, for callers that drive the search directly (benchmarks, tests):
+        ``PlanRequest``'s fields (``hardware``, ``batch``, ``constraints`` ...), the search space's
+        (``schedules``, ``microbatch_sizes``, ``virtual_stages``) and this class's own
+        (``dp_modes``, ``recompute_modes``, ``expert_runtime``, ``loss_bytes_per_logit``). Not
+        checked as a public entry point's are: ``plan_cluster`` is the checked door."""
+        own = {k: keywords.pop(k) for k in ("dp_modes", "recompute_modes", "expert_runtime", "loss_bytes_per_logit")
+               if k in keywords}
+        space = {k: keywords.pop(k) for k in ("schedules", "microbatch_sizes", "virtual_stages") if k in keywords}
+        request = PlanRequest(search=SearchSpace(**space), **keywords)
+        return cls(model, devices, request, graphs=graphs, **own)
 
     def structure(self, b: int, cp: int = 1):
         if (b, cp) not in self._structures:
@@ -353,9 +369,8 @@ class ClusterSearch:
         if cp > 1:
             tp_key = _sol_key(tp, b, ac, cp, ep)
             used = (sum(a[3] for a in acc) + sum(a[4] for a in acc)) / pp
-            self.cp_choices[key] = add_cp(acc, names, st, self.graph(b, cp), ctx, self._chosen[tp_key], cp=cp, b=b,
-                                          seq=self.seq, tp=tp, dtype_bytes=st.dtype_bytes,
-                                          memory_left=self.limit - used)
+            self.cp_choices[key] = add_cp(acc, names, st, self.graph(b, cp), ctx, self._chosen[tp_key],
+                                          self.cp_shape(ctx, cp, b, tp, st.dtype_bytes), memory_left=self.limit - used)
         if ep == 1 and self.moe_groups:
             groups = self.moe_groups_at(b, cp)
             add_expert_compute(acc, names, groups, ctx, tokens=b * self.seq // cp, dtype_bytes=st.dtype_bytes,
@@ -391,8 +406,8 @@ class ClusterSearch:
         ctx = self.ctx(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.cp, cand.ep)
         st = self.structure(cand.b, cand.cp)
         chosen = self._chosen[_sol_key(cand.tp, cand.b, cand.recompute, cand.cp, cand.ep)]
-        rows = cp_layer_rows(st, self.graph(cand.b, cand.cp), ctx, chosen, self.cp_choices[key].variant, cp=cand.cp,
-                             b=cand.b, seq=self.seq, tp=cand.tp, dtype_bytes=st.dtype_bytes)
+        rows = cp_layer_rows(st, self.graph(cand.b, cand.cp), ctx, chosen, self.cp_choices[key].variant,
+                             self.cp_shape(ctx, cand.cp, cand.b, cand.tp, st.dtype_bytes))
         return rows, ctx.dp_dim
 
     # ---------------------------------------------------------------- search

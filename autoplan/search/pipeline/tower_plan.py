@@ -274,22 +274,24 @@ def plan_tower(search, best, model_inputs: list[str], module: str, group: str, s
     return entry, [r + [col.scaled(owned[rank]) for col in tp_rows if owned[rank]] for rank, r in enumerate(rows)]
 
 
-def add_tower(plan, model: nn.Module, search, best, placement: str | None = None) -> None:
-    """Give a pipelined plan of a VL model its ``pipeline.preprocess`` entry and each rank's MPipe
-    collectives (nothing for a model without a tower or a plan without a pipeline). ``placement``:
-    the user's constraint, else the fastest the runtime runs."""
+def add_tower(pipeline: dict, styles: dict, model: nn.Module, search, best,
+              placement: str | None = None) -> tuple[dict, list[str]]:
+    """A pipelined plan's ``pipeline`` section with a VL model's ``preprocess`` entry and each
+    rank's MPipe collectives, and the notes that say why (the section unchanged and no notes for a
+    model without a tower or a plan without a pipeline). ``placement``: the user's constraint, else
+    the fastest the runtime runs. Returns new values; the assembler writes them into the plan."""
     c = best.choice
-    if c.p <= 1 or not plan.pipeline:
-        return
+    if c.p <= 1 or not pipeline:
+        return pipeline, []
     meta = search.meta
     found = find_tower(meta, search.graph(best.b), search.unit_names)
     if found is None:
-        return
+        return pipeline, []
     module, group = found
     tokens = torch.zeros(best.b, search.seq, dtype=torch.long, device="meta")
     inputs = sorted(k for k in image_inputs(meta)(tokens) if k != "input_ids")
-    entry, rows = plan_tower(search, best, inputs, module, group, plan.styles, search.limit, placement)
-    plan.pipeline["preprocess"] = entry
+    entry, rows = plan_tower(search, best, inputs, module, group, styles, search.limit, placement)
+    notes = []
     fastest = entry["choices"][0] if entry.get("choices") else None
     if fastest is not None and fastest["placement"] != entry["placement"]:
         mine = next((ch for ch in entry["choices"] if ch["placement"] == entry["placement"]), None)
@@ -298,15 +300,14 @@ def add_tower(plan, model: nn.Module, search, best, placement: str | None = None
         why = ("as constraints['tower_placement'] asks" if placement is not None else
                f"the fastest placement the runtime runs for this model ({sorted(runnable_placements(module))})")
         runs = fastest["placement"] in runnable_placements(module)
-        plan.notes.append(f"vision tower {module}: placed with {entry['placement']}, {why}; {fastest['placement']} is "
-                          f"priced faster ({theirs} vs {ours} per step)" + ("" if runs else " but has no runtime yet"))
+        notes.append(f"vision tower {module}: placed with {entry['placement']}, {why}; {fastest['placement']} is "
+                     f"priced faster ({theirs} vs {ours} per step)" + ("" if runs else " but has no runtime yet"))
     log.info("vision tower %s: placement %s (%s)", module, entry["placement"],
              [(ch["placement"], ch["step_s"]) for ch in entry["choices"]])
-    plan.pipeline["rank_collectives"] = [
-        merged_rows([Collective.from_row(x) for x in old] + extra)
-        for old, extra in zip(plan.pipeline["rank_collectives"], rows)]
+    rank_collectives = [merged_rows([Collective.from_row(x) for x in old] + extra)
+                        for old, extra in zip(pipeline["rank_collectives"], rows)]
     priced = ", ".join(f"{ch['placement']} {ch['step_s']:.4g} s{'' if ch['fits'] else ' (does not fit)'}"
                        for ch in entry["choices"]) or "not priced (several stages per rank)"
-    plan.notes = list(plan.notes) + [
-        f"vision tower {module!r} ({group}): placement {entry['placement']}; priced placements, fastest "
-        f"first: {priced}"]
+    notes.append(f"vision tower {module!r} ({group}): placement {entry['placement']}; priced placements, fastest "
+                 f"first: {priced}")
+    return dict(pipeline, preprocess=entry, rank_collectives=rank_collectives), notes
