@@ -96,7 +96,7 @@ def test_repo_llama_reproduces_torchtitan_styles_exactly():
 
 def test_hf_llama_shards_sequence_at_first_block_not_embedding():
     """HF derives positions and masks from the embedding output, so the sequence split must
-    happen at the first decoder layer (DESIGN.md)."""
+    happen at the first decoder layer (the stream's entry: autoplan/search/tp/stream_entry.py)."""
     plan = autoplan(models.hf_llama_8b(), MeshSpec((8, 8), ("dp", "tp"), "h100_sxm"), batch=(64, SEQ))
     assert plan.styles["model.embed_tokens"]["args"].get("output_layouts", "Replicate()") == "Replicate()"
     entry = plan.styles["model.layers.0"]

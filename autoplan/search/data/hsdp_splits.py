@@ -1,5 +1,5 @@
 """HSDP: data parallel as dp_replicate x dp_shard -- the node-aligned splits and the replicate
-all-reduces FSDP2 adds (``autoplan.hsdp`` prices them; moved out of ``mesh_search`` to keep one idea per file)."""
+all-reduces FSDP2 adds (``autoplan.hsdp`` prices them)."""
 from __future__ import annotations
 
 from typing import Sequence
