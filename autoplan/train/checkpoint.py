@@ -178,8 +178,8 @@ class PendingSave:
         dist.gather_object(self._entries, parts, dst=0)
         if self.rank == 0:
             if self.integrity:
-                manifest.write(self.tmp, {k: v for part in parts for k, v in part.items()}, key=self.key, step=self.step,
-                               **self.info)
+                files = {k: v for part in parts for k, v in part.items()}
+                manifest.write(self.tmp, files, key=self.key, step=self.step, **self.info)
             if self.final.exists():
                 _move_aside(self.final)
             os.replace(self.tmp, self.final)

@@ -5,7 +5,8 @@ The checkpoint records the model it trained (``train_state.json``'s settings: ``
 from the checkpoint's ``model.*`` entries with DCP in this one process (no process group: every
 tensor whole, resharded from whatever plan wrote them), and written by ``save_pretrained`` with
 the model's config. The checkpoint is opened as a resume opens it (manifest verified, every file
-data: :func:`autoplan.train.safe_load.open_checkpoint`), so a checkpoint from elsewhere runs no code. The whole model is held once in this process's memory; a running job exports
+data: :func:`autoplan.train.safe_load.open_checkpoint`), so a checkpoint from elsewhere runs no code.
+The whole model is held once in this process's memory; a running job exports
 without that (``autoplan train --export-hf``, every rank writing its slices).
 """
 from __future__ import annotations

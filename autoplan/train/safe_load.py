@@ -195,7 +195,7 @@ def _pointers(path: Path, metadata: Metadata, shards: set[str], order: int) -> V
                             f"not one of this checkpoint's shards ({len(shards)} in its manifest)", True)
         if info.transform_descriptors:
             return _verdict(order, path, METADATA, f"item {index.fqn!r} names storage transforms "
-                            f"{list(info.transform_descriptors)}; checkpoints written by autoplan train have none", True)
+                            f"{list(info.transform_descriptors)}; autoplan train writes none", True)
     return None
 
 

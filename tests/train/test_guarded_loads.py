@@ -125,8 +125,8 @@ def test_no_unguarded_unpickling_in_the_code():
     ("import torch\ntorch.load(f, map_location='cpu', weights_only=True)", False),
     ("import torch.distributed.checkpoint as dcp\ndcp.load(sd, checkpoint_id=d)", True),
     ("import torch.distributed.checkpoint as dcp\ndcp.load(sd, storage_reader=dcp.FileSystemReader(d))", True),
-    ("from torch.distributed.checkpoint import HuggingFaceStorageReader as H\nimport torch.distributed.checkpoint as dcp\n"
-     "dcp.load(sd, storage_reader=H(d))", False),
+    ("from torch.distributed.checkpoint import HuggingFaceStorageReader as H\n"
+     "import torch.distributed.checkpoint as dcp\ndcp.load(sd, storage_reader=H(d))", False),
     ("from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\ndcp_to_torch_save(a, b)", True),
     ("import numpy as np\nnp.load(f, allow_pickle=True)", True),
     ("import json\njson.load(f)", False),

@@ -47,6 +47,8 @@ def refusals(root: str, cfg: dict, marker: str) -> dict:
     before = tr.gathered_state()
     files = sorted(n for n in manifest.read(ck)["files"] if n != TRAIN_STATE)   # every pickled or torch-saved file
     saved = tamper.snapshot(ck)
+    byte_shard = tamper.byte_item_shard(ck)
+    dist.barrier()   # every rank has read the files as written before rank 0 changes them
     out: dict = {"files": files, "cases": {}}
 
     def attack(label: str, file: str, tampering) -> None:
@@ -57,8 +59,7 @@ def refusals(root: str, cfg: dict, marker: str) -> dict:
     for name in files:
         attack(f"{name} as a pickle", name, lambda name=name: tamper.as_pickle(ck, name, marker))
     attack("rng.pt as a torch.save archive", "rng.pt", lambda: tamper.as_torch_save(ck, "rng.pt", marker))
-    attack("shard items as torch.save archives", tamper.byte_item_shard(ck),
-           lambda: tamper.poison_byte_items(ck, marker))
+    attack("shard items as torch.save archives", byte_shard, lambda: tamper.poison_byte_items(ck, marker))
     last = list(dict(tr.model.named_parameters()))[-1]   # on the last pipeline stage only, under pp
     _on_rank0(lambda: tamper.drop_exp_avg(ck, last))
     out["seen by some ranks"] = dict(outcome(lambda: tr.resume(ck)), expected=last)
