@@ -28,8 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autoplan", "cost_models", "hyper_parallel")
 PROJECT = tuple(p + "." for p in PACKAGES) + PACKAGES
 SHARED_FINDER = ROOT.parent / "shared" / "tools" / "import_cycles.py"
-# a guard written before the code it guards was mended: strict, so it must be removed once it holds
-NOT_YET = pytest.mark.xfail(strict=True, reason="the architecture change that makes it hold is under way")
 
 
 def _copied_finder():
@@ -304,7 +302,8 @@ def long_signatures(root: Path = ROOT, packages=PACKAGES, limit: int = 10) -> li
     return out
 
 
-@NOT_YET
+@pytest.mark.xfail(strict=True, reason="5 remain: ClusterSearch.evaluate and PipelineRunner.__init__ here, Runner.__init__, "
+                   "the pipeline schedules' __init__ and cost_models.memory.rank_memory in code being changed by others")
 def test_few_internal_functions_take_more_than_ten_parameters():
     found = long_signatures()
     assert len(found) <= MAX_LONG_SIGNATURES, (
