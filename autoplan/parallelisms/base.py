@@ -60,6 +60,7 @@ class Parallelism:
     roles: ClassVar[tuple[str, ...]] = ()  # ParallelDims roles it occupies ("tp",); () for none
     order: ClassVar[int]                  # application order (smaller first)
     schema: ClassVar[dict]                # JSON schema of its plan section (null allowed when unused)
+    optional: ClassVar[bool] = False      # a plan file may omit the section (added after schema 3: null)
 
     # -- plan section ------------------------------------------------------------------------
     def default(self) -> dict | None:

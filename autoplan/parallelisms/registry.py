@@ -11,6 +11,7 @@ from autoplan.parallelisms.context import ContextParallelism
 from autoplan.parallelisms.data import DataParallel, HybridShardedDataParallel
 from autoplan.parallelisms.expert import ExpertParallelism
 from autoplan.parallelisms.pipeline import PipelineParallel
+from autoplan.parallelisms.precision import Precision
 from autoplan.parallelisms.recompute import Recompute
 from autoplan.parallelisms.tensor import TensorParallel
 
@@ -18,6 +19,7 @@ from autoplan.parallelisms.tensor import TensorParallel
 # apply_to_roots), then TP -> (CP) -> AC -> FSDP/HSDP, as torchtitan applies them
 PARALLELISMS: tuple[Parallelism, ...] = tuple(sorted((
     PipelineParallel(),
+    Precision(),
     TensorParallel(),
     ContextParallelism(),
     ExpertParallelism(),
@@ -39,7 +41,7 @@ def parallelism(name: str) -> Parallelism:
 
 def parallel_schema() -> dict:
     """JSON schema of a plan's ``parallel`` field: one section per entry."""
-    return {"type": "object", "required": [p.name for p in PARALLELISMS], "additionalProperties": False,
+    return {"type": "object", "required": [p.name for p in PARALLELISMS if not p.optional], "additionalProperties": False,
             "properties": {p.name: p.schema for p in PARALLELISMS}}
 
 

@@ -81,7 +81,7 @@ def _check_consistency(data: dict) -> None:
                               f"known: {list_hardware()}")
     degree = dict(zip(names, shape))
     for entry in PARALLELISMS:  # each parallelism checks its own section against the rest
-        entry.check(data["parallel"][entry.name], data, roles, degree)
+        entry.check(data["parallel"].get(entry.name), data, roles, degree)
     # a mesh dimension, or several flattened in mesh order ("dp_cp": FSDP over dp x cp under context
     # parallel; "dp_ep": FSDP of the non-expert parameters over dp x ep, with pp between them in a pipeline)
     dims = {"_".join(c) for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)}

@@ -1,0 +1,115 @@
+"""Float8 numerics of a plan: several training steps of its float8 Linears, on local gloo ranks,
+against the same model in float8 on one device.
+
+A float8 plan cannot be judged against the high-precision model: the casts change every GEMM by
+up to float8's rounding. What the plan must reproduce is one device running the *same* float8
+recipe on the same Linears -- the same scales (from the global amax of each sharded tensor), the
+same casts, the same products. So every rank builds the small copy three times: one device in
+float8 (the plan's precision section, emulated), one device in the model's own dtype (to show
+that float8 changed the numbers at all), and the plan applied; each takes ``steps`` SGD steps on
+the same batches and the losses are compared step by step.
+"""
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autoplan.parallelisms.precision import float8_modules
+from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
+from autoplan.plan.plan import Plan
+from autoplan.verify.numerics import _vocab, small_plan
+from autoplan.verify.shrink import ModelRecipe
+from hyper_parallel.core.float8 import convert_to_float8, float8_gathered
+from hyper_parallel.core.tensor_parallel import match_modules
+from hyper_parallel.local import RankPool, cached_mesh
+
+RTOL_LOSS = 1e-4
+LR = 0.1
+
+
+@dataclass
+class Float8StepsResult:
+    """Per-step losses of the plan, of one device in float8, and of one device in high precision."""
+
+    passed: bool
+    par: list[float] = field(default_factory=list)
+    float8: list[float] = field(default_factory=list)
+    high: list[float] = field(default_factory=list)
+    float8_modules: int = 0
+    gathered: int = 0            # weights FSDP gathers in float8 on rank 0
+    error: str | None = None
+
+    @property
+    def max_rel_float8(self) -> float:
+        return max((abs(p - r) / abs(r) for p, r in zip(self.par, self.float8)), default=math.nan)
+
+    @property
+    def max_rel_high(self) -> float:
+        return max((abs(p - r) / abs(r) for p, r in zip(self.par, self.high)), default=math.nan)
+
+
+def _step(model, tokens, targets, opt) -> float:
+    opt.zero_grad()
+    loss = lm_loss(output_logits(forward_tokens(model, tokens)), targets)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def float8_steps_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: int, steps: int = 5,
+                      lr: float = 0.1, seed: int = 11) -> dict:
+    """On every rank of the current process group: ``steps`` SGD steps of the plan, of one device
+    in the plan's float8 and of one device in high precision; returns the three loss lists."""
+    plan = Plan.from_json(plan_json)
+    plan = small_plan(plan, recipe.build("meta"))
+    float8, high, par = recipe.build(), recipe.build(), recipe.build()
+    modules = {p: r for p, r in float8_modules(plan).items() if match_modules(float8, p)}
+    if modules:
+        plan.parallel["precision"] = dict(plan.parallel["precision"], modules=modules)
+    convert_to_float8(float8, modules, emulate=True)
+    mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
+    runner = plan.apply(par, mesh)
+    runner.optimizer = torch.optim.SGD(par.parameters(), lr=lr)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (float8, high)]
+    vocab = _vocab(high)
+    g = torch.Generator().manual_seed(seed)
+    out = {"par": [], "float8": [], "high": [], "modules": len(modules), "gathered": float8_gathered(par)}
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
+        targets = torch.randint(0, vocab, (global_batch, seq), generator=g)
+        out["float8"].append(_step(float8, tokens, targets, opts[0]))
+        out["high"].append(_step(high, tokens, targets, opts[1]))
+        loss = torch.tensor(runner.step(runner.local_batch(tokens, targets)), dtype=torch.float64)
+        if runner.dp_mesh is not None and runner.dp_mesh.size() > 1:
+            dist.all_reduce(loss, group=runner.dp_mesh.get_group())
+            loss /= runner.dp_mesh.size()
+        out["par"].append(float(loss))
+    return out
+
+
+def check_float8_steps(plan: Plan, recipe: ModelRecipe, *, pool=None, global_batch: int | None = None,
+                       seq: int = 16, steps: int = 5, lr: float = LR) -> Float8StepsResult:
+    """Run :func:`float8_steps_rank` on ``pool`` (one of the plan's world size; started and closed
+    when None). Passes when every step's loss equals one device in float8 (rtol 1e-4) on every rank."""
+    world = math.prod(plan.mesh["shape"])
+    dp = int(dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(plan.dp_dim, 1)) if plan.dp_dim else 1
+    micro = int((plan.pipeline or {}).get("microbatches", 1))
+    global_batch = global_batch or 2 * dp * micro
+    own = pool is None
+    try:
+        if own:
+            pool = RankPool(world)
+        results = pool.run(float8_steps_rank, plan.to_json(), recipe, global_batch, seq, steps, lr)
+    except Exception as exc:  # noqa: BLE001 - a failing plan is a result
+        return Float8StepsResult(False, error="".join(traceback.format_exception_only(type(exc), exc))[-4000:])
+    finally:
+        if own and pool is not None:
+            pool.close()
+    r0 = results[0]
+    ok = all(abs(p - f) <= RTOL_LOSS * abs(f) for r in results for p, f in zip(r["par"], r["float8"]))
+    return Float8StepsResult(ok, r0["par"], r0["float8"], r0["high"], r0["modules"], r0["gathered"])
+
