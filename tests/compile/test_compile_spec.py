@@ -1,0 +1,55 @@
+"""CompileSpec: one setting, checked before anything is compiled; compiling keeps the module's
+state-dict keys (no ``_orig_mod.``), so checkpoints do not depend on compilation."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hyper_parallel.core.compile import CompileSpec, compile_parts, default_compile_mode
+from hyper_parallel.errors import CompileError
+
+
+def test_spec_of_each_form():
+    assert CompileSpec.of(None).mode == "none" and not CompileSpec.of(None).enabled
+    assert CompileSpec.of("blocks").backend == "inductor"
+    spec = CompileSpec.of({"mode": "model", "backend": "aot_eager"})
+    assert (spec.mode, spec.backend) == ("model", "aot_eager")
+    assert CompileSpec.of(spec) is spec
+    assert default_compile_mode("cpu") == "none" and default_compile_mode("cuda") == "blocks"
+
+
+@pytest.mark.parametrize("value,words", [("layers", "mode='layers'"), ({"mode": "blocks", "backend": "nope"}, "nope"),
+                                          ({"mode": "blocks", "fullgrap": True}, "fullgrap"), (3, "int"),
+                                          ({"mode": "blocks", "torch_mode": "fast"}, "fast")])
+def test_bad_settings_are_typed(value, words):
+    with pytest.raises(CompileError, match=words):
+        CompileSpec.of(value)
+
+
+class Block(nn.Module):
+    """A block of user code (dynamo does not start a frame in torch.nn's own modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x)) + x
+
+
+def test_in_place_compile_keeps_keys_and_values():
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    keys = list(model.state_dict())
+    x = torch.randn(3, 4)
+    want = model(x)
+    parts = compile_parts(CompileSpec(mode="blocks", backend="aot_eager"), [model[0], model[1]], [model])
+    assert list(model.state_dict()) == keys   # no _orig_mod. prefix: a checkpoint loads compiled or not
+    assert torch.equal(model(x), want)
+    assert parts.stats()["graphs"] >= 1
+
+
+def test_blocks_without_blocks_is_refused():
+    with pytest.raises(CompileError, match="no repeated blocks"):
+        compile_parts(CompileSpec(mode="blocks", backend="eager"), [], [nn.Linear(2, 2)])
