@@ -32,8 +32,8 @@ from hyper_parallel.local import RankPool
 
 OUT = Path(__file__).parent / "results"
 FAMILIES = ("llama", "qwen3", "gemma2", "gpt2", "phi3", "mixtral", "deepseek_v3", "gpt_neox", "olmo2",
-            "starcoder2", "granite", "mistral", "qwen3_moe")
-MOE = ("mixtral", "deepseek_v3", "qwen3_moe")
+            "starcoder2", "granite", "mistral")
+MOE = ("mixtral", "deepseek_v3")
 CP = ("llama", "qwen3")
 INDUCTOR = ("llama", "qwen3", "gpt2", "phi3")
 AOT = [{"mode": "blocks", "backend": "aot_eager"}, {"mode": "model", "backend": "aot_eager"}]
@@ -92,24 +92,8 @@ def rows_for(family: str, mesh: str, specs: list, pool, one_device: bool = False
     return out
 
 
-def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.ERROR)
-    families = tuple(argv) or FAMILIES
-    t0 = time.perf_counter()
-    rows: list[dict] = []
-    with RankPool(4, timeout_s=1800) as pool:
-        for family in families:
-            cases = [(m, AOT, False) for m in ("tp4", "dp2_tp2", "pp2_tp2")]
-            cases += [("ep2", AOT, False)] if family in MOE else []
-            cases += [("cp2", AOT, False)] if family in CP else []
-            cases += [("tp4", INDUCTOR_SPECS, True)] if family in INDUCTOR else []
-            for mesh, specs, one in cases:
-                for r in rows_for(family, mesh, specs, pool, one_device=one):
-                    rows.append(r)
-                    print(f"{family:12s} {mesh:8s} {r['setting']:18s} {r['outcome']:8s} "
-                          f"loss {r.get('loss_rel', float('nan')):.2e} params {r.get('param_mean_abs', float('nan')):.2e} "
-                          f"graphs {r.get('graphs')} breaks {r.get('graph_breaks')} {r.get('detail', '')[:150]}",
-                          flush=True)
+def write(rows: list[dict], families: tuple, seconds: float) -> pd.DataFrame:
+    """The table so far (written after every case, so a long run leaves its rows if cut short)."""
     frame = pd.DataFrame(rows)
     csv = OUT / "compile_corpus.csv"
     if tuple(families) != FAMILIES and csv.exists():
@@ -124,7 +108,7 @@ def main(argv: list[str]) -> int:
                         "graphs", "graph_breaks", "detail") if c in frame]
     lines = ["# Compiled plans train as eager: the model corpus under torch.compile", "",
              "Regenerate: `PYTHONPATH=. nice .venv/bin/python benchmarks/compile_corpus.py [family ...]` "
-             f"(last run: {len(rows)} rows in {time.perf_counter() - t0:.0f} s on this 2-core CPU, 4 gloo ranks).", "",
+             f"(last run: {len(rows)} rows in {seconds:.0f} s on this 2-core CPU, 4 gloo ranks).", "",
              "Each plan (the corpus's, at its real shape) runs on its family's small copy for 3 AdamW steps: eager, "
              "then compiled per block (`blocks`) and whole (`model`) with `aot_eager` -- equal means losses within "
              "rtol 1e-6 and parameters after the steps within mean |d| 1e-8 of eager, and 0 graph breaks inside a "
@@ -133,6 +117,28 @@ def main(argv: list[str]) -> int:
              "Outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "",
              frame[cols].to_markdown(index=False, floatfmt=".2e")]
     (OUT / "compile_corpus.md").write_text("\n".join(lines) + "\n")
+    return frame
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.ERROR)
+    families = tuple(argv) or FAMILIES
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    with RankPool(4, timeout_s=1800, pg_timeout_s=1800) as pool:
+        for family in families:
+            cases = [(m, AOT, False) for m in ("tp4", "dp2_tp2", "pp2_tp2")]
+            cases += [("ep2", AOT, False)] if family in MOE else []
+            cases += [("cp2", AOT, False)] if family in CP else []
+            cases += [("tp4", INDUCTOR_SPECS, True)] if family in INDUCTOR else []
+            for mesh, specs, one in cases:
+                for r in rows_for(family, mesh, specs, pool, one_device=one):
+                    rows.append(r)
+                    print(f"{family:12s} {mesh:8s} {r['setting']:18s} {r['outcome']:8s} "
+                          f"loss {r.get('loss_rel', float('nan')):.2e} params {r.get('param_mean_abs', float('nan')):.2e} "
+                          f"graphs {r.get('graphs')} breaks {r.get('graph_breaks')} {r.get('detail', '')[:150]}",
+                          flush=True)
+                frame = write(rows, families, time.perf_counter() - t0)
     bad = frame[~frame["outcome"].isin(["EQUAL", "REFUSED", "NOT PLANNED"])]
     return 1 if len(bad) else 0
 

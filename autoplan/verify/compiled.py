@@ -26,6 +26,7 @@ from autoplan.verify.shrink import ModelRecipe
 from hyper_parallel.local import RankPool, cached_mesh
 
 log = logging.getLogger(__name__)
+COMPILE_TIMEOUT_S = 1200.0   # a setting's compile takes minutes on a loaded 2-core CPU
 
 
 def _whole_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -109,16 +110,22 @@ def check_compiled(plan: Plan, recipe: ModelRecipe, specs: list, *, pool: RankPo
     (a hang cut by the pool's timeout, a rank's crash outside a setting) is the result's error."""
     dp = int(dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(plan.dp_dim, 1)) if plan.dp_dim else 1
     global_batch = global_batch or 2 * dp
+    timeout, pool.timeout_s = pool.timeout_s, max(pool.timeout_s, COMPILE_TIMEOUT_S)   # compiling is slow here
     try:
         results = pool.run(compiled_rank, plan.to_json(), recipe, global_batch, seq, specs, steps, one_device)
     except Exception as exc:  # noqa: BLE001 - a failing plan is a result
         return CompiledResult(error="".join(traceback.format_exception_only(type(exc), exc))[-2000:])
+    finally:
+        pool.timeout_s = timeout
     merged: dict = {}
     for name in results[0]:
         rows = [r[name] for r in results]
         err = next((r["error"] for r in rows if r["error"]), None)
         if err:
             merged[name] = {"error": err, "trace": next(r.get("trace", "") for r in rows if r["error"])}
+            continue
+        if "loss_rel" not in rows[0]:   # eager itself: the baseline
+            merged[name] = rows[0]
             continue
         merged[name] = {"error": None, "loss_rel": max(r["loss_rel"] for r in rows),
                         "param_mean_abs": max(r["param_mean_abs"] for r in rows), "stats": rows[0]["stats"]}
