@@ -95,7 +95,7 @@ class Precision(Parallelism):
         done = convert_to_float8(target.model, gather, fsdp_float8_all_gather=True) if gather else None
         other = convert_to_float8(target.model, rest) if rest else None
         target.state["float8"] = [c for c in (done, other) if c is not None]
-        log.debug("precision: %d float8 Linears (%d gathered in float8)",
+        log.info("precision: %d float8 Linears (%d gathered in float8)",
                   sum(len(c.modules) for c in target.state["float8"]), len(done.modules) if done else 0)
 
     def apply_to_roots(self, plan, target: ApplyTarget) -> None:

@@ -61,7 +61,7 @@ def config_from_args(args) -> TrainConfig:
         checkpoint_every=args.checkpoint_every, resume=args.resume, metrics=args.metrics,
         log_every=args.log_every, progress=args.progress, overwrite=args.overwrite, max_loss=args.max_loss,
         clip_grad_norm=args.clip_grad_norm, init=args.init, export_hf=args.export_hf,
-        compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode,
+        precision=args.precision, compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode,
         checkpoint_key=args.checkpoint_key)
 
 
@@ -136,6 +136,8 @@ def register(sub) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--betas", default="0.9,0.95")
     t.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "fp32"))
+    t.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp8-tensorwise", "fp8-rowwise"),
+                   help="float8 Linears: the plan's choice (auto), none (bf16), or every Linear that can (fp8-*)")
     t.add_argument("--compile", default="auto", choices=("auto", "none", "blocks", "model"),
                    help="torch.compile the plan: each repeated block (blocks), each root whole (model) or not "
                         "(none); auto: blocks on accelerators, none on CPU")

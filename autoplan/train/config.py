@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autoplan.train.errors import TrainConfigError
+from autoplan.precision.request import PRECISIONS
 
 
 @dataclass
@@ -39,6 +40,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     mixed_precision: str = "auto"    # auto (bf16 on accelerators, fp32 on cpu) | bf16 | fp32
+    # float8 (docs/float8.md): auto (the plan's choice) | bf16 | fp8-tensorwise | fp8-rowwise
+    precision: str = "auto"
     # torch.compile of the plan (docs/compile.md): auto (blocks on accelerators, none on cpu) | none | blocks | model
     compile: str = "auto"
     compile_backend: str = "inductor"
@@ -87,6 +90,8 @@ class TrainConfig:
                 bad(flag, value, "must be a finite number > 0 (leave it out to disable)")
         if self.compile not in ("auto", "none", "blocks", "model"):
             bad("--compile", self.compile, "valid: auto, none, blocks, model")
+        if self.precision not in PRECISIONS:
+            bad("--precision", self.precision, f"valid: {', '.join(PRECISIONS)}")
         if self.checkpoint_every and not self.checkpoint_dir:
             bad("--checkpoint-every", self.checkpoint_every, "saves nothing without --checkpoint-dir")
         if self.resume in ("auto", "latest") and not self.checkpoint_dir:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from autoplan.cluster import plan_cluster
 from autoplan.plan import Plan
+from autoplan.precision.request import with_precision
 from autoplan.train.config import TrainConfig
 from autoplan.train.errors import TrainConfigError
 from autoplan.train.model import build_model
@@ -33,6 +34,12 @@ def plan_for(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
     """This rank's plan (read from ``cfg.plan`` or planned here); every rank returns the same Plan
     (checked once the process group is up, see the module doc)."""
     plan = Plan.from_json(cfg.plan) if cfg.plan else _plan(cfg, world, device)
+    if cfg.precision != "auto":
+        meta = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device="meta")
+        plan = Plan.from_json(with_precision(plan, meta, cfg.precision).to_json())
+        section = plan.parallel.get("precision") or {}
+        log.info("precision %s: float8 %s; kept in high precision: %s", cfg.precision,
+                 sorted(section.get("modules", {})) or "none", sorted(section.get("kept", {})) or "none")
     check_ranks_agree(plan)
     return plan
 

@@ -97,3 +97,25 @@ def test_float8_plan_equals_one_device_in_float8(family, shape, names, recipe, o
     assert r.max_rel_high > 1e-4, "float8 did not change the numbers"
     if names == ("dp", "tp"):
         assert plan.fsdp["enabled"] and r.gathered > 0
+
+
+def test_precision_by_name_on_a_plan():
+    from autoplan.errors import InvalidArgumentError
+    from autoplan.precision.request import with_precision
+    from autoplan.train.config import TrainConfig
+    from autoplan.train.errors import TrainConfigError
+
+    model = float8_recipe("mixtral").build("meta")
+    plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(4, 16), dtype=torch.float32,
+                    allow_replicated_units=False)
+    f8 = with_precision(plan, model, "fp8-rowwise")
+    section = f8.parallel["precision"]
+    assert set(section["modules"].values()) == {"rowwise"} and "model.layers.*.self_attn.q_proj" in section["modules"]
+    assert "lm_head" in section["kept"] and any("experts run in high precision" in n for n in f8.notes)
+    assert Plan.from_json(f8.to_json()).parallel["precision"] == section
+    back = with_precision(f8, model, "bf16")
+    assert back.parallel["precision"] is None and not any(n.startswith("precision: ") for n in back.notes)
+    with pytest.raises(InvalidArgumentError, match="fp8-e4m3"):
+        with_precision(plan, model, "fp8-e4m3")
+    with pytest.raises(TrainConfigError, match="--precision"):
+        TrainConfig(precision="fp16").check()
