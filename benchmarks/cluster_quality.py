@@ -42,7 +42,7 @@ def expert(search: ClusterSearch, devices: int):
         if dp < 1 or search.gb % dp:
             continue
         try:
-            c = search.evaluate(dp, pp, 8, schedule="1F1B", b=1, fsdp=True, ac=None, cuts="even")
+            c = search.evaluate(dict(dp=dp, pp=pp, tp=8), schedule="1F1B", b=1, fsdp=True, ac=None, cuts="even")
         except InfeasiblePlanError:
             continue
         if best is None or c.step_s < best.step_s:
@@ -142,7 +142,7 @@ def same_degrees() -> int:
         search = ClusterSearch.of(build_preset(name), devices, hardware="h100_sxm", batch=(gb, SEQ),
                                constraints={"tp": tp, "pp": pp, "fsdp": True})
         best = search.search()[0]
-        exp = search.evaluate(devices // (tp * pp), pp, tp, schedule="1F1B", b=1, fsdp=True, ac=None, cuts="even")
+        exp = search.evaluate(dict(dp=devices // (tp * pp), pp=pp, tp=tp), schedule="1F1B", b=1, fsdp=True, ac=None, cuts="even")
         a, e = best.choice, exp.choice
         rows.append({"model": name, "devices": devices, "mesh": f"dp{best.dp}-pp{pp}-tp{tp}",
                      "auto_schedule": a.schedule, "auto_v": a.v, "auto_m": a.m, "auto_b": best.b, "auto_ac": best.ac,

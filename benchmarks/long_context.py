@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     for cuts in ("even", "balanced"):
         t = time.perf_counter()
         try:
-            c = search.evaluate(4, 16, 8, "1F1B", 1, "fsdp", None, cuts=cuts, cp=16)
+            c = search.evaluate(dict(dp=4, pp=16, tp=8, cp=16), "1F1B", 1, "fsdp", None, cuts=cuts)
         except InfeasiblePlanError as e:
             out.append(f"| published TP8 CP16 PP16 DP4 ({cuts} cuts) | dp4 x cp16 x pp16 x tp8 | - | - | no | - | - | "
                        f"{time.perf_counter() - t:.1f} | {str(e)[:90]} |")

@@ -103,7 +103,7 @@ def deepseek(layers: int | None = None) -> str:
                                expert_runtime=runtime, memory_limit=limit)
         for sched, cuts, ac in ((x, y, z) for x in DS_SCHEDULES for y in ("even", "balanced") for z in acs):
             try:
-                c = search.evaluate(2, 16, 1, sched, 1, "zero1", ac, cuts=cuts, ep=64)
+                c = search.evaluate(dict(dp=2, pp=16, tp=1, ep=64), sched, 1, "zero1", ac, cuts=cuts)
             except InfeasiblePlanError as e:
                 out.append(f"| published EP64 PP16 ZeRO-1 | {label} | dp2 x ep64 x pp16 x tp1 | zero1 | - | {sched} "
                            f"| - | - | - | {cuts} cuts: {e} |")

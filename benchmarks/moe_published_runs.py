@@ -329,8 +329,8 @@ def price(run: Run, free: bool) -> dict:
     best = None
     for ac in ((run.recompute,) if run.recompute else ("none", "selective", "full")):
         try:
-            c = search.evaluate(run.dp, run.pp, run.tp, run.schedule, run.mbs, run.dp_mode, ac, cuts=run.cuts,
-                                v=run.v, ep=run.ep)
+            c = search.evaluate(dict(dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep), run.schedule, run.mbs,
+                                run.dp_mode, ac, cuts=run.cuts, v=run.v)
         except InfeasiblePlanError as e:
             row.setdefault("error", str(e)[:200])
             continue

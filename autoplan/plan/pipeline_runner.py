@@ -63,17 +63,21 @@ class PipelineRunner(HeldWeights):
     """``step((inputs, targets)) -> float``: one training step of this rank's stages; the loss
     returned on every rank is the global one (mean over micro-batches and dp ranks)."""
 
-    def __init__(self, plan, stages, schedule, optimizer, pp_group, last_pp_rank: int, dp_mesh=None,
-                 batch_mesh=None, cp_mesh=None, root=None, ep_mesh=None, ep_sync=None):
+    def __init__(self, plan, stages, schedule, optimizer, pp_group, dp_mesh=None, batch_mesh=None, cp_mesh=None,
+                 root=None, applied: dict | None = None):
+        """``applied``: what the registry's entries left on this rank (``ApplyTarget.state``: the
+        ep sub-mesh and its gradient sync, ...)."""
         self.plan, self.stages, self.schedule, self.optimizer = plan, stages, schedule, optimizer
-        self.pp_group, self.last_pp_rank, self.dp_mesh = pp_group, last_pp_rank, dp_mesh
+        ir = schedule.ir   # the last stage's pipeline rank holds the loss every rank reports
+        self.pp_group, self.last_pp_rank, self.dp_mesh = pp_group, ir.stage_to_rank[ir.n_stages - 1], dp_mesh
         # context parallel: dp_mesh is the gradient mesh (dp x cp), batch_mesh splits batch rows (dp),
         # cp_mesh each sequence (head + tail chunks); root: the model before the cut (its position argument)
         self.batch_mesh = dp_mesh if cp_mesh is None else batch_mesh
         self.cp_mesh, self.root = cp_mesh, root
         # expert parallel: the ep dimension shards each micro-batch's rows inside every stage, and
         # ``ep_sync`` averages the gradients over it after the schedule (parallelisms.expert)
-        self.ep_mesh, self.ep_sync = ep_mesh, ep_sync
+        applied = applied or {}
+        self.ep_mesh, self.ep_sync = applied.get("ep_mesh"), applied.get("ep_sync")
         idx = {s.stage_index for s in stages}
         self.first, self.last = 0 in idx, schedule.ir.n_stages - 1 in idx
 
@@ -276,11 +280,9 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
         optimizer = torch.optim.AdamW(params, lr=lr)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
-    last_rank = ir.stage_to_rank[ir.n_stages - 1]
-    runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group, last_rank,
+    runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group,
                             dp_mesh if (use_dp or replicate_dp or zero1_dp) else None,
-                            batch_mesh=batch_mesh, cp_mesh=cp_mesh, root=model,
-                            ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"))
+                            batch_mesh=batch_mesh, cp_mesh=cp_mesh, root=model, applied=target.state)
     runner.replicate_dp = replicate_dp
     runner.fsdp_replicated = target.state.get("fsdp_replicated", []) if use_dp else []
     runner.zero1 = Zero1(unique_params(*(st.module for st in stages)), dp_mesh.get_group(),

@@ -39,7 +39,7 @@ def mixtral():
 def _priced(model, runtime, graphs=None):
     search = ClusterSearch.of(model, DP * EP, hardware="h100_sxm", batch=(DP * EP, T), microbatch_sizes=(1,),
                            memory_limit=1e30, expert_runtime=runtime, graphs=graphs)
-    cand = search.evaluate(DP, 1, 1, "1F1B", 1, "fsdp", "none", cuts="balanced", v=1, ep=EP)
+    cand = search.evaluate(dict(dp=DP, pp=1, tp=1, ep=EP), "1F1B", 1, "fsdp", "none", cuts="balanced", v=1)
     units, _ = search.unit_costs(DP, 1, 1, "fsdp", "none", 1, ep=EP)
     return search, cand, memory_breakdown(cand.choice, units, search.ctx(DP, 1, 1, "fsdp", "none", 1, EP))
 
@@ -77,7 +77,7 @@ def test_our_runtime_shards_the_non_expert_state_over_dp_x_ep_under_fsdp(mixtral
     search, _, ours = _priced(mixtral, OUR_EXPERT_RUNTIME)
     assert ours.params == pytest.approx(2 * (EXPERT + DENSE / (DP * EP)), rel=1e-6)
     assert ours.optimizer == pytest.approx(12 * (EXPERT + DENSE / (DP * EP)), rel=1e-6)
-    cand = search.evaluate(DP, 1, 1, "1F1B", 1, "replicate", "none", cuts="balanced", v=1, ep=EP)
+    cand = search.evaluate(dict(dp=DP, pp=1, tp=1, ep=EP), "1F1B", 1, "replicate", "none", cuts="balanced", v=1)
     units, _ = search.unit_costs(DP, 1, 1, "replicate", "none", 1, ep=EP)
     rep = memory_breakdown(cand.choice, units, search.ctx(DP, 1, 1, "replicate", "none", 1, EP))
     assert rep.params == pytest.approx(2 * (EXPERT * DP + DENSE), rel=1e-6)
@@ -88,7 +88,7 @@ def test_dp1_fsdp_over_ep_still_shards_the_non_expert_state(mixtral):
     over dp), but the plan asked for FSDP, so a runtime that shards over dp x ep shards over ep."""
     search = ClusterSearch.of(mixtral, EP * 2, hardware="h100_sxm", batch=(EP * 2, T), microbatch_sizes=(1,),
                            memory_limit=1e30, expert_runtime=FUSED)
-    cand = search.evaluate(1, 1, 1, "1F1B", 1, "fsdp", "none", cuts="balanced", v=1, ep=2 * EP)
+    cand = search.evaluate(dict(dp=1, pp=1, tp=1, ep=2 * EP), "1F1B", 1, "fsdp", "none", cuts="balanced", v=1)
     units, _ = search.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=2 * EP)
     mem = memory_breakdown(cand.choice, units, search.ctx(1, 1, 1, "fsdp", "none", 1, 2 * EP))
     assert search.ctx(1, 1, 1, "fsdp", "none", 1, 2 * EP).dp_mode == "replicate"

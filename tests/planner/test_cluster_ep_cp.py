@@ -122,7 +122,7 @@ def test_ep_priced_in_the_step_and_with_a_pipeline(mixtral_8x7b):
     ctx8 = search.ctx(8, 1, 1, "fsdp", "none", 1, 8)
     whole_layers = g.count * ctx8.comm_time(ctx8.fsdp_collectives(g.param_bytes, 1)[:1], latency=False)
     assert sum(u.dp_gather_s for u in f_ep8) < 0.5 * whole_layers
-    cand = search.evaluate(4, 2, 1, "1F1B", 1, "fsdp", "none", ep=8)
+    cand = search.evaluate(dict(dp=4, pp=2, tp=1, ep=8), "1F1B", 1, "fsdp", "none")
     assert cand.step_s > 0 and cand.mesh == {"dp": 4, "ep": 8, "pp": 2, "tp": 1}
 
 
@@ -244,7 +244,7 @@ def test_fsdp_over_ep_alone_prices_fsdp_traffic_every_micro_batch(mixtral_8x7b):
     assert fsdp[attn].dp_comm_s > 0 and fsdp[attn].dp_gather_s == pytest.approx(fsdp[attn].dp_comm_s / 4)
     # the all-reduce after backward is gone: its optimizer row is the step on 1/ep of the elements
     assert sum(u.optimizer_s for u in fsdp) < sum(u.optimizer_s for u in mine)
-    one = theirs.evaluate(1, 1, 1, "1F1B", 1, "fsdp", "none", ep=8)
+    one = theirs.evaluate(dict(dp=1, pp=1, tp=1, ep=8), "1F1B", 1, "fsdp", "none")
     assert one.step_s > 0 and ctx.dp == 1
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -562,11 +562,18 @@ class ClusterSearch:
                  self.simulations, time.perf_counter() - t0)
         return done
 
-    def evaluate(self, dp: int, pp: int, tp: int, schedule: str = "1F1B", b: int = 1, fsdp=True,
-                 ac=None, cuts: str = "even", v: int = 1, cp: int = 1, ep: int = 1) -> Candidate:
+    def evaluate(self, degrees: Mapping[str, int], schedule: str = "1F1B", b: int = 1, fsdp=True,
+                 ac=None, cuts: str = "even", v: int = 1) -> Candidate:
         """Price one fixed plan (e.g. an expert's) with the same costs: even or balanced cuts;
-        ``ac=None`` takes the faster fitting of with/without activation checkpointing. Any cp /
-        ep / pp combination is priced."""
+        ``ac=None`` takes the faster fitting of with/without activation checkpointing.
+        ``degrees``: ``dp``, ``pp`` and ``tp``, and ``cp`` / ``ep`` (1 when left out); any cp / ep
+        / pp combination is priced."""
+        unknown = sorted(set(degrees) - {"dp", "pp", "tp", "cp", "ep"})
+        if unknown or any(k not in degrees for k in ("dp", "pp", "tp")):
+            raise PlanningError(f"evaluate: degrees {dict(degrees)} must name dp, pp and tp (and may name cp, ep); "
+                                f"unknown: {unknown}")
+        dp, pp, tp = int(degrees["dp"]), int(degrees["pp"]), int(degrees["tp"])
+        cp, ep = int(degrees.get("cp", 1)), int(degrees.get("ep", 1))
         if self.gb % (dp * ep * b):
             raise InfeasiblePlanError(f"evaluate: global batch {self.gb} not divisible by dp*ep*b = {dp * ep * b}")
         m = self.gb // (dp * ep * b)
