@@ -106,14 +106,16 @@ def chain_passes(inputs: int, outputs: int) -> int:
 _INDEX_DTYPES = ("int64", "int32", "int16", "uint8")
 
 
-def _is_view(n) -> bool:
-    """An op that moves no data (views, reshapes, no-op casts, getitem): the capture gives it no bytes."""
+def moves_nothing(n) -> bool:
+    """An op that moves no data and runs no kernel: a getitem, or an op the capture gives no bytes
+    and no FLOPs -- a view per torch's op schema, a cast to the dtype it already has (the capture
+    reads bytes off the kernels an op runs: autoplan.capture.opcost), never judged by its name."""
     return n.op == "getitem" or (not n.bytes_read and not n.bytes_written and not n.flops_fwd and bool(n.input_nodes))
 
 
 def fusible(n) -> bool:
     """Whether inductor would generate node ``n`` into a fused kernel (module docstring)."""
-    if _is_view(n):
+    if moves_nothing(n):
         return True
     if n.flops_fwd or not n.op.startswith("aten."):
         return False
@@ -162,12 +164,12 @@ class Fusion:
         """Forward bytes fusion saves over eager among ``nodes`` (what stays in registers)."""
         return self.eager_bytes(nodes) - float(sum(self.bytes[n.name] for n in nodes if n.name in self.bytes))
 
-    def kernels_of(self, nodes, eager_view) -> tuple[int, int]:
+    def kernels_of(self, nodes) -> tuple[int, int]:
         """(kernels, of which fused) ``nodes`` launch forward + backward, three per kernel as an eager
-        op is counted (its forward and two backward): every eager op that ``eager_view`` (the
-        planner's test on the op name) does not call a view, and one kernel per chain."""
+        op is counted (its forward and two backward): every eager op that moves data
+        (:func:`moves_nothing`), and one kernel per chain."""
         fused = sum(self.kernels.get(n.name, 0) for n in nodes)
-        eager = sum(1 for n in nodes if n.name not in self.bytes and not eager_view(n.op))
+        eager = sum(1 for n in nodes if n.name not in self.bytes and not moves_nothing(n))
         return 3 * (eager + fused), 3 * fused
 
 
@@ -214,7 +216,7 @@ def fuse(nodes, scope: str) -> Fusion:
             members.setdefault(root(n.name), []).append(n.name)
     for names in members.values():
         chain = set(names)
-        moved = [x for x in names if not _is_view(by_name[x])]
+        moved = [x for x in names if not moves_nothing(by_name[x])]
         if not moved:
             continue
         for x in names:
@@ -236,7 +238,7 @@ def chain_outputs(chain, by_name: dict) -> list[str]:
     for n in by_name.values():
         for p in n.input_nodes:
             consumers.setdefault(p, []).append(n.name)
-    return [x for x in chain if not _is_view(by_name[x]) and _leaves(x, members, consumers, by_name)]
+    return [x for x in chain if not moves_nothing(by_name[x]) and _leaves(x, members, consumers, by_name)]
 
 
 def _reads(names: list[str], chain: set, by_name: dict) -> list[tuple[str, float]]:
@@ -250,9 +252,10 @@ def _reads(names: list[str], chain: set, by_name: dict) -> list[tuple[str, float
     parts: dict[str, dict] = {}
     for x in names:
         n = by_name[x]
-        view = _is_view(n)
-        for p, m in zip(n.input_nodes, n.inputs):
-            if p in chain:
+        view = moves_nothing(n)
+        unread = set(getattr(n, "unread", ()))   # inputs whose data the op does not read (their dtype only)
+        for i, (p, m) in enumerate(zip(n.input_nodes, n.inputs)):
+            if p in chain or i in unread:
                 continue
             first.setdefault(p, x)
             whole[p] = max(whole.get(p, 0.0), float(_span(m)))
@@ -276,7 +279,7 @@ def _leaves(name: str, chain: set, consumers: dict, by_name: dict) -> bool:
         for u in users:
             if u not in chain:
                 return True
-            if u not in seen and _is_view(by_name[u]):
+            if u not in seen and moves_nothing(by_name[u]):
                 seen.add(u)
                 todo.append(u)
     return False

@@ -77,6 +77,8 @@ class Node:
     saves: list[str] = field(default_factory=list)
     saved_internal_bytes: int = 0
     block: str | None = None
+    # indices into ``inputs`` whose data the op does not read (``type_as``'s ``other``: its dtype only)
+    unread: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -12,6 +12,12 @@ scores recomputed as fused kernels do). On meta SDPA takes the math path (backwa
 (b, h, s, s) probabilities kept), so :func:`measure` counts an SDPA node as a fused kernel:
 those same formulas, and q, k, v, output and log-sum-exp kept for backward. MoE grouped GEMMs, also 0 for the
 counter, get 2·M·K·N (backward twice that) registered the same way.
+
+What an op without FLOPs moves is read off the kernels it dispatches to below autograd (:func:`moved_bytes`),
+not off its name or its schema alone: ``aten.to.dtype`` is annotated as an alias, yet a cast to another
+dtype runs ``_to_copy``, which reads the tensor and writes the converted copy (RMSNorm's and rotary's
+``x.float()``); ``type_as`` reads only ``self`` (``other`` lends its dtype); a cast to the dtype it already
+has dispatches nothing and moves nothing.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch.utils import flop_counter
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 log = logging.getLogger(__name__)
@@ -97,14 +105,77 @@ class OpCost:
     saved_output: bool = False
     saved_internal_bytes: int = 0
     output_requires_grad: bool = False
+    # (bytes read, bytes written) forward, from the kernels the op ran (moved_bytes); None where
+    # they are not read that way (ops with FLOPs, ops that did not run): all inputs and outputs
+    moved: tuple[int, int] | None = None
+    # positions (flattened tensor order) of inputs whose data the op never reads (``type_as``'s
+    # ``other``, which lends only its dtype): a fused chain does not read them either
+    unread: list[int] = field(default_factory=list)
 
 
 def is_view(op: Any) -> bool:
-    """True when the op's result aliases its input (view, reshape-as-view, transpose, getitem)."""
+    """True when the op's schema says its result aliases its input (view, reshape, transpose; also
+    ``to``, which returns its input only when nothing changes: see :func:`moved_bytes`)."""
     schema = getattr(op, "_schema", None)
     if schema is None:
         return False
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+class _Kernels(TorchDispatchMode):
+    """The kernels one op runs below autograd: a CompositeImplicit op (``to``, ``type_as``,
+    ``reshape``) as what it decomposes into; an op that returns its input runs none."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[Any, list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.calls.append((func, _flatten(list(args)) + _flatten(list(kwargs.values())), _flatten(out)))
+        return out
+
+
+def _storage(t: torch.Tensor):
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _aliasing_kernel(func: Any, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> bool:
+    """A kernel that moves no data: its schema returns an alias it does not write (``view``,
+    ``expand``), or each output shares an input's storage without an in-place write
+    (``_unsafe_view``, whose schema carries no annotation)."""
+    if is_view(func):
+        return True
+    schema = getattr(func, "_schema", None)
+    if schema is not None and any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
+        return False
+    held = {_storage(t) for t in ins}
+    return bool(outs) and all(_storage(o) in held for o in outs)
+
+
+def moved_bytes(op: Any, tensors: list[torch.Tensor], outs: list[torch.Tensor],
+                calls: list) -> tuple[int, int, list[int]]:
+    """(bytes read, bytes written, positions of the inputs it does not read) of one FLOP-free op,
+    from the kernels it ran (``calls``, as :class:`_Kernels` records them): each input whose storage
+    a data-moving kernel reads, each output whose storage one writes. An op whose schema says it aliases and whose result keeps its
+    input's dtype moves nothing even where it ran a copy on meta (a ``reshape`` of a transposed
+    attention output): the layout a fused attention kernel writes on a device (q's) makes that a
+    view, while the capture's layouts are the meta kernels'. A dtype conversion is always a copy."""
+    if is_view(op) and {o.dtype for o in outs} <= {t.dtype for t in tensors}:
+        return 0, 0, []
+    moving = [(ins, o) for f, ins, o in calls if not _aliasing_kernel(f, ins, o)]
+    read = {_storage(t) for ins, _ in moving for t in ins}
+    written = {_storage(t) for _, o in moving for t in o}
+    seen: set[int] = set()
+    nread = 0
+    for t in tensors:
+        if id(t) not in seen and _storage(t) in read:
+            seen.add(id(t))
+            nread += t.numel() * t.element_size()
+    nwritten = sum(o.numel() * o.element_size() for o in outs if _storage(o) in written)
+    unread = [i for i, t in enumerate(tensors) if _storage(t) not in read] if nread or nwritten else []
+    return nread, nwritten, unread
 
 
 def _flatten(x: Any) -> list[torch.Tensor]:
@@ -142,8 +213,9 @@ def measure(op: Callable, args: list[Any], kwargs: dict[str, Any], grad_args: se
     args, kwargs = _with_grad(args, kwargs, grad_args)
     tensors = _flatten(args) + _flatten(list(kwargs.values()))
     saved: list[torch.Tensor] = []
+    kernels = _Kernels()
     try:
-        with FlopCounterMode(display=False) as fwd:
+        with FlopCounterMode(display=False) as fwd, kernels:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
                 out = op(*args, **kwargs)
     except Exception as exc:  # an op autograd rejects on these inputs: measure forward only
@@ -151,10 +223,14 @@ def measure(op: Callable, args: list[Any], kwargs: dict[str, Any], grad_args: se
         args, kwargs = _with_grad(args, kwargs, set())
         tensors = _flatten(args) + _flatten(list(kwargs.values()))
         saved.clear()
-        with FlopCounterMode(display=False) as fwd:
+        kernels = _Kernels()
+        with FlopCounterMode(display=False) as fwd, kernels:
             out = op(*args, **kwargs)
     cost.flops_fwd = fwd.get_total_flops()
     outs = _flatten(out)
+    if cost.flops_fwd == 0:
+        nread, nwritten, cost.unread = moved_bytes(op, tensors, outs, kernels.calls)
+        cost.moved = (nread, nwritten)
     fused_sdpa = False
     if op is aten.scaled_dot_product_attention.default and len(tensors) >= 3:
         # meta runs the math path (two bmm, backward four); fused kernels recompute scores in

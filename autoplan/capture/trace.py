@@ -257,7 +257,10 @@ def to_nodes(
                 if cost.saved_output:
                     node.saves.append(node.name)
                     node.saved_for_backward = True
-            if not is_view(fxn.target):
+            if cost is not None and cost.moved is not None:   # what the kernels it ran move (opcost)
+                node.bytes_read, node.bytes_written = cost.moved
+                node.unread = list(cost.unread)
+            elif not is_view(fxn.target):
                 node.bytes_read = sum(m.nbytes for m in walker.metas)
                 node.bytes_written = sum(m.nbytes for m in outputs)
         if is_view(fxn.target) and walker.producers and not any(_is_activation(p) for p in walker.producers):

@@ -2,7 +2,9 @@
 
 Module names follow torchtitan (tok_embeddings, layers.N.attention.wq, feed_forward.w1, norm,
 output) so the public expert plans in shared/reference apply verbatim. RoPE uses real cos/sin
-tables (no complex tensors) so the model runs on meta, fake and DTensor inputs alike. Attention
+tables (no complex tensors) so the model runs on meta, fake and DTensor inputs alike; ``rope_complex``
+rotates as torchtitan's code does (q and k viewed as complex pairs times a complex64 table), the same
+rotation in other kernels -- what pricing torchtitan's own runs captures. Attention
 infers local heads from the projected width (``view(b, s, -1, head_dim)``), which is what lets a
 column-wise q/k/v projection work unchanged on a head shard.
 """
@@ -29,6 +31,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 64
     tie_embeddings: bool = False
+    # torchtitan's rotary (view_as_complex, a complex multiply, view_as_real): the kernels its runs
+    # launch -- eager, and compiled too, since inductor generates no complex code and falls back
+    rope_complex: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -57,16 +62,23 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """(seq, head_dim) table: cos in the first half, sin in the second half of the last dim."""
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None, complex_form: bool = False) -> torch.Tensor:
+    """(seq, head_dim) table: cos in the first half, sin in the second half of the last dim; or
+    (``complex_form``) torchtitan's ``freqs_cis``, (seq, head_dim / 2) unit complex64 numbers."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
+    if complex_form:
+        return torch.polar(torch.ones_like(freqs), freqs)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x: (b, s, h, d) by the angles in table: (s, d)."""
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x: (b, s, h, d) by the angles in table: (s, d),
+    or as torchtitan's ``apply_rotary_emb`` does where the table is complex (``rope_tables``)."""
+    if table.is_complex():
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * table.view(1, x.shape[1], 1, -1)).flatten(3).type_as(x)
     half = table.shape[-1] // 2
     cos = table[:, :half].view(1, x.shape[1], 1, half)
     sin = table[:, half:].view(1, x.shape[1], 1, half)
@@ -150,7 +162,8 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer(
-            "rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False
+            "rope", rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, complex_form=cfg.rope_complex),
+            persistent=False
         )
 
     def init_module(self, module: nn.Module) -> None:
@@ -166,7 +179,7 @@ class Llama(nn.Module):
                     p.normal_(0.0, 0.02)
             if "rope" in module._buffers:
                 module.rope.copy_(rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta,
-                                              device=module.rope.device))
+                                              device=module.rope.device, complex_form=self.config.rope_complex))
 
     def init_weights(self, seed: int = 0) -> "Llama":
         """Deterministic random init, identical on every rank and under every plan for the same

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary
-from cost_models.fusion import EAGER, Fusion
+from cost_models.fusion import EAGER, Fusion, moves_nothing
 from cost_models.compute import (
     ATTENTION, ATTENTION_CAUSAL, causal_density, gemm_shape_dims, gemm_split, is_attention_op,
 )
@@ -86,13 +86,13 @@ def work_of(graph: ModelGraph, fqn: str, rows: dict, fusion: Fusion = EAGER) -> 
     core = None
     if core_nodes and any(_op_classes([n])[0] for n in core_nodes):  # a module that runs its own matmuls
         cg, co = _op_classes(core_nodes, causal, graph.modules, fusion)
-        ck, cf = fusion.kernels_of(core_nodes, _is_view)
+        ck, cf = fusion.kernels_of(core_nodes)
         saved = sum(n.saved_internal_bytes + (sum(t.nbytes for t in n.outputs) if n.saved_for_backward else 0)
                     for n in core_nodes)
         core = Work(flops=float(sum(n.flops_fwd + n.flops_bwd for n in core_nodes)), bytes=0.0,
                     saved=float(max(saved - _kept_inputs(fqn, nodes, core_nodes), 0)),
                     kernels=ck, gemms=cg, other_bytes=co, fused_kernels=cf)
-    kernels, fused = fusion.kernels_of(nodes, _is_view)
+    kernels, fused = fusion.kernels_of(nodes)
     return Work(flops=float(row["flops_fwd"] + row["flops_bwd"]), bytes=3.0 * (fwd_bytes - fusion.saved_bytes(nodes)),
                 saved=float(row["saved_bytes"]), kernels=kernels, fused_kernels=fused,
                 params=int(row["num_params"]), param_bytes=pbytes if info else 0,
@@ -164,11 +164,6 @@ def _op_classes(nodes, causal_model: bool = False, modules: dict | None = None,
                 gemms.append((f, *dims, gemm_split(*dims, bool(n.params))))
         elif fusion.fused(n.name):   # a compiled chain's op: its share of the chain's traffic
             other += 3.0 * fusion.bytes[n.name]
-        elif not _is_view(n.op):
+        elif not moves_nothing(n):   # every op the capture gives bytes: index_select, _to_copy, cat too
             other += 3.0 * float(n.bytes_read + n.bytes_written)
     return tuple(gemms), other
-
-
-def _is_view(op: str) -> bool:
-    return any(w in op for w in ("view", "reshape", "expand", "permute", "transpose", "unsqueeze", "squeeze",
-                                 "slice", "select", "detach", "alias", "_to_copy", "t.default"))
