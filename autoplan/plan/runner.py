@@ -28,7 +28,7 @@ from autoplan.plan.weights import ModelInit
 from hyper_parallel import cp_cross_entropy, loss_parallel
 from hyper_parallel.core.compile import CompileSpec, compile_parts
 from hyper_parallel.core.pipeline_parallel import split_microbatches
-from hyper_parallel.errors import MeshError, MicrobatchError
+from hyper_parallel.errors import CompileError, MeshError, MicrobatchError
 from hyper_parallel.platform import current_device
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,11 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     _check_mesh(plan, mesh)
     _check_model(plan, model)
     spec = CompileSpec.of(compile)   # a bad setting fails before the model is touched
+    if spec.enabled and plan.recompute_mode == "selective":
+        raise CompileError(f"plan.apply: compile={spec.mode!r} with selective recomputation (parallel.ac.mode="
+                           "'selective'): its policy tells the attention core's ops from the projections' by "
+                           "module hooks at run time, which dynamo cannot trace; use compile='none', or "
+                           "recompute 'full' or 'none'")
     init = ModelInit.of(model)   # before any parallelism changes the model: for materialize / load
     if plan.pipeline and int(plan.pipeline.get("pp", 1)) > 1:
         runner = apply_pipeline_plan(plan, model, mesh, optimizer=optimizer, lr=lr, loss_fn=loss_fn, compile=spec)

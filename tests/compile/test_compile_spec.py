@@ -6,6 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from autoplan.train.config import TrainConfig
+from autoplan.train.errors import TrainConfigError
+from autoplan.train.loop import compile_spec
 from hyper_parallel.core.compile import CompileSpec, compile_parts, default_compile_mode
 from hyper_parallel.errors import CompileError
 
@@ -53,3 +56,14 @@ def test_in_place_compile_keeps_keys_and_values():
 def test_blocks_without_blocks_is_refused():
     with pytest.raises(CompileError, match="no repeated blocks"):
         compile_parts(CompileSpec(mode="blocks", backend="eager"), [], [nn.Linear(2, 2)])
+
+
+def test_train_compile_flags():
+    """``autoplan train --compile``: a bad value is a TrainConfigError before anything starts;
+    auto is per block on accelerators and eager on CPU."""
+    with pytest.raises(TrainConfigError, match="--compile 'fast'"):
+        TrainConfig(compile="fast").check()
+    assert compile_spec(TrainConfig(), torch.device("cpu")).mode == "none"
+    assert compile_spec(TrainConfig(), torch.device("meta")).mode == "blocks"
+    spec = compile_spec(TrainConfig(compile="model", compile_backend="aot_eager"), torch.device("cpu"))
+    assert (spec.mode, spec.backend) == ("model", "aot_eager")
