@@ -1,7 +1,9 @@
 """A precision asked for by name -- ``auto``, ``bf16``, ``fp8-tensorwise``, ``fp8-rowwise`` -- applied
-to a plan: what ``autoplan train --precision`` and the ``precision`` constraint mean.
+to a plan: what ``autoplan train --precision`` means.
 
-``auto`` keeps the plan's own per-module choice (the planner's); ``bf16`` removes every float8
+``auto`` keeps a plan's precision section, and gives a plan without one the planner's per-module
+choice (``choose``: float8 where it is cheaper on the plan's hardware, never where the hardware has
+no float8); ``bf16`` removes every float8
 module (the model's own dtype everywhere); ``fp8-<recipe>`` puts every Linear float8 can take on
 the plan's shards in that recipe -- the head, routers and shapes it cannot take stay in high
 precision, each with a note. On a device without float8 GEMMs the forced recipes run emulated
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from autoplan.errors import InvalidArgumentError
+from autoplan.precision.choose import choose_precision
 from autoplan.precision.eligible import float8_sites
 from autoplan.precision.section import float8_section, precision_notes
 
@@ -27,9 +30,15 @@ def check_precision(value: str, where: str = "precision") -> str:
 def with_precision(plan, model: nn.Module, precision: str):
     """``plan`` with its precision section set as ``precision`` asks (a copy; ``auto``: unchanged)."""
     check_precision(precision)
-    if precision == "auto":
+    if precision == "auto" and plan.parallel.get("precision"):
         return plan
     old = [n for n in plan.notes if not n.startswith("precision: ")]
+    experts = any("expert" in fqn.rsplit(".", 1)[-1] for fqn, _ in model.named_modules())
+    if precision == "auto":
+        section = choose_precision(plan, model)
+        new = plan.replace(notes=old + precision_notes(section, experts=experts))
+        new.parallel["precision"] = section
+        return new
     if precision == "bf16":
         new = plan.replace(notes=old)
         new.parallel["precision"] = None
@@ -40,7 +49,6 @@ def with_precision(plan, model: nn.Module, precision: str):
         raise InvalidArgumentError(f"precision={precision!r}: no Linear of {type(model).__name__} can take float8 on "
                                    f"this plan's shards ({'; '.join(f'{k}: {v}' for k, v in list(kept.items())[:3])})")
     section = float8_section(plan, {s.fqn: recipe for s in sites}, kept)
-    experts = any("expert" in fqn.rsplit(".", 1)[-1] for fqn, _ in model.named_modules())
     new = plan.replace(notes=old + precision_notes(section, experts=experts))
     new.parallel["precision"] = section
     return new

@@ -34,7 +34,7 @@ def plan_for(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
     """This rank's plan (read from ``cfg.plan`` or planned here); every rank returns the same Plan
     (checked once the process group is up, see the module doc)."""
     plan = Plan.from_json(cfg.plan) if cfg.plan else _plan(cfg, world, device)
-    if cfg.precision != "auto":
+    if cfg.precision != "auto" or not cfg.plan:
         meta = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device="meta")
         plan = Plan.from_json(with_precision(plan, meta, cfg.precision).to_json())
         section = plan.parallel.get("precision") or {}

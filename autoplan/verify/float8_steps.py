@@ -8,6 +8,11 @@ same casts, the same products. So every rank builds the small copy three times: 
 float8 (the plan's precision section, emulated), one device in the model's own dtype (to show
 that float8 changed the numbers at all), and the plan applied; each takes ``steps`` SGD steps on
 the same batches and the losses are compared step by step.
+
+A fourth copy, one device in float8 with every weight one float32 ulp off, measures the noise
+floor: float8 turns a last-bit difference into a whole float8 step of one element whenever the
+element sits on a rounding boundary, and a sharded GEMM's summation order makes exactly such
+differences. A plan farther from one device than that floor is wrong; one within it is not.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class Float8StepsResult:
     par: list[float] = field(default_factory=list)
     float8: list[float] = field(default_factory=list)
     high: list[float] = field(default_factory=list)
+    noise: list[float] = field(default_factory=list)   # one device in float8, every weight one ulp off
     float8_modules: int = 0
     gathered: int = 0            # weights FSDP gathers in float8 on rank 0
     error: str | None = None
@@ -48,8 +54,24 @@ class Float8StepsResult:
         return max((abs(p - r) / abs(r) for p, r in zip(self.par, self.float8)), default=math.nan)
 
     @property
+    def max_rel_noise(self) -> float:
+        """How far one device in float8 moves from itself when every weight moves one ulp: the floor
+        below which a plan's difference is float8 rounding of last-bit noise, not a fault."""
+        return max((abs(p - r) / abs(r) for p, r in zip(self.noise, self.float8)), default=math.nan)
+
+    @property
     def max_rel_high(self) -> float:
         return max((abs(p - r) / abs(r) for p, r in zip(self.par, self.high)), default=math.nan)
+
+
+def _one_ulp(model, seed: int) -> None:
+    """Move every parameter by one float32 unit in the last place, up or down at random: a run that
+    differs from one device exactly as much as a sharded GEMM's summation order makes it differ."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            sign = torch.randint(0, 2, p.shape, generator=g).to(p.dtype) * 2 - 1
+            p.mul_(1 + sign * torch.finfo(p.dtype).eps)
 
 
 def _step(model, tokens, targets, opt) -> float:
@@ -66,23 +88,26 @@ def float8_steps_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, se
     in the plan's float8 and of one device in high precision; returns the three loss lists."""
     plan = Plan.from_json(plan_json)
     plan = small_plan(plan, recipe.build("meta"))
-    float8, high, par = recipe.build(), recipe.build(), recipe.build()
+    float8, high, par, noisy = recipe.build(), recipe.build(), recipe.build(), recipe.build()
+    _one_ulp(noisy, seed)
     modules = {p: r for p, r in float8_modules(plan).items() if match_modules(float8, p)}
     if modules:
         plan.parallel["precision"] = dict(plan.parallel["precision"], modules=modules)
     convert_to_float8(float8, modules, emulate=True)
+    convert_to_float8(noisy, modules, emulate=True)
     mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
     runner = plan.apply(par, mesh)
     runner.optimizer = torch.optim.SGD(par.parameters(), lr=lr)
-    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (float8, high)]
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (float8, high, noisy)]
     vocab = _vocab(high)
     g = torch.Generator().manual_seed(seed)
-    out = {"par": [], "float8": [], "high": [], "modules": len(modules), "gathered": float8_gathered(par)}
+    out = {"par": [], "float8": [], "high": [], "noise": [], "modules": len(modules), "gathered": float8_gathered(par)}
     for _ in range(steps):
         tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
         targets = torch.randint(0, vocab, (global_batch, seq), generator=g)
         out["float8"].append(_step(float8, tokens, targets, opts[0]))
         out["high"].append(_step(high, tokens, targets, opts[1]))
+        out["noise"].append(_step(noisy, tokens, targets, opts[2]))
         loss = torch.tensor(runner.step(runner.local_batch(tokens, targets)), dtype=torch.float64)
         if runner.dp_mesh is not None and runner.dp_mesh.size() > 1:
             dist.all_reduce(loss, group=runner.dp_mesh.get_group())
@@ -111,5 +136,5 @@ def check_float8_steps(plan: Plan, recipe: ModelRecipe, *, pool=None, global_bat
             pool.close()
     r0 = results[0]
     ok = all(abs(p - f) <= RTOL_LOSS * abs(f) for r in results for p, f in zip(r["par"], r["float8"]))
-    return Float8StepsResult(ok, r0["par"], r0["float8"], r0["high"], r0["modules"], r0["gathered"])
+    return Float8StepsResult(ok, r0["par"], r0["float8"], r0["high"], r0["noise"], r0["modules"], r0["gathered"])
 

@@ -4,7 +4,8 @@ import pytest
 from cost_models.errors import UnknownHardwareError
 from cost_models.hardware import HardwareProfile, list_hardware, load_hardware
 
-SHIPPED = ["a100_80gb", "ascend_910b", "ascend_910c", "b200", "h100_hbm2e_500w", "h100_sxm", "h200", "h800"]
+SHIPPED = ["a100_40gb", "a100_80gb", "ascend_910b", "ascend_910c", "b200", "gb200", "h100_hbm2e_500w", "h100_sxm", "h200",
+           "h800", "mi300x"]
 
 
 def test_list_has_every_required_profile_and_cpu():
@@ -18,8 +19,21 @@ def test_profile_is_complete(name):
     assert h.peak("bf16") > h.peak("fp32") > 0
     assert h.peak("torch.bfloat16") == h.peak("bf16")
     assert h.inter_node.bandwidth < h.intra_node.bandwidth
-    assert h.devices_per_node == 8 and h.memory_capacity > 32 * 2**30
+    assert h.devices_per_node == (72 if name == "gb200" else 8) and h.memory_capacity > 32 * 2**30
     assert HardwareProfile.from_dict(h.to_dict()) == h
+
+
+def test_float8_peaks_where_the_hardware_has_float8():
+    """Hopper and Blackwell (and MI300X) list a dense float8 peak, twice their BF16 one; Ampere, Ascend
+    and the CPU none (so no plan prices float8 there); MXFP8 only on Blackwell."""
+    for name in SHIPPED:
+        h = load_hardware(name)
+        fp8 = h.peak_flops.get("fp8")
+        has = name.startswith(("h1", "h2", "h8", "b2", "gb2", "mi3"))
+        assert (fp8 is not None) == has, name
+        if has:
+            assert fp8 == pytest.approx(2 * h.peak("bf16"), rel=0.01), name
+        assert ("mxfp8" in h.peak_flops) == (name in ("b200", "gb200")), name
 
 
 def test_formulas_md_peaks():

@@ -6,6 +6,10 @@
 - ``errors``: typed refusals; ``quiet``: torchao imported without its CPU-only noise
 
 See docs/float8.md.
+
+Importing this package installs the log filter of ``quiet`` (and nothing else): transformers
+imports torchao by itself when it is installed, so a filter installed later, when float8 is first
+used, would come after the lines it is for.
 """
 from hyper_parallel.core.float8.convert import Float8Conversion, convert_to_float8, float8_shape_problem
 from hyper_parallel.core.float8.errors import Float8Error, Float8HardwareError, Float8ShapeError
@@ -16,3 +20,5 @@ from hyper_parallel.core.float8.recipes import RECIPES, native_float8, resolve_e
 __all__ = ["Float8Conversion", "Float8Error", "Float8HardwareError", "Float8ShapeError", "RECIPES",
            "convert_to_float8", "float8_gathered", "float8_shape_problem", "native_float8", "quiet_torchao_import", "resolve_emulate",
            "scale_before_gather"]
+
+quiet_torchao_import()
