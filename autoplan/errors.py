@@ -7,7 +7,7 @@ from hyper_parallel.errors import MeshNameError
 
 __all__ = ["AutoplanError", "CaptureError", "InfeasiblePlanError", "InvalidArgumentError", "InvalidConstraintError",
            "MeshNameError", "MissingInputsError", "ModelTooLargeError", "PlanSchemaError", "PlanningError",
-           "PretrainedWeightsError", "StrategyCheckError"]
+           "PretrainedWeightsError", "StrategyCheckError", "UnshardedPlanError"]
 
 
 class AutoplanError(Exception):
@@ -32,6 +32,12 @@ class PlanningError(AutoplanError):
 
 class InfeasiblePlanError(PlanningError, ValueError):
     """No plan satisfies the constraints (memory limit, divisibility)."""
+
+
+class UnshardedPlanError(InfeasiblePlanError):
+    """A tensor-parallel plan for a model that needs sharding (above a stated size, or with
+    replicated units forbidden) would shard nothing or leave a whole model part replicated; the
+    message names the construct that stops sharding."""
 
 
 class StrategyCheckError(PlanningError, RuntimeError):

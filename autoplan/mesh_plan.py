@@ -37,6 +37,7 @@ from autoplan.search.context.cost import OVERLAP_NOTE, CPShape, cp_structure, cp
 from autoplan.search.pricing.costing import CostContext
 from autoplan.search.experts.planning import ExpertPlanning, expert_parallel_constraint
 from autoplan.search.experts.memory import planned_saved_delta
+from autoplan.unsharded import refuse_unsharded, refuse_untraced
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.tp.probe import Prober
 from autoplan.search.pricing.sharding import fsdp_collectives, param_shards, rank_param_bytes
@@ -227,10 +228,11 @@ def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanReq
     if graph is None:
         graph = _capture_graph(model, inputs, batch, dp * ep, dtype, cp)
     t_captured = time.perf_counter()
-    if graph.method == OPAQUE and tp > 1 and (sequence_parallel is True or allow_replicated_units is False):
-        asked = "sequence_parallel=True" if sequence_parallel is True else "allow_replicated_units=False"
-        raise InfeasiblePlanError(f"autoplan: {asked} at tp={tp}, but {graph.warnings[0]}: nothing in it can be "
-                                  f"tensor-parallel or sequence-sharded")
+    if graph.method == OPAQUE and tp > 1 and sequence_parallel is True:
+        raise InfeasiblePlanError(f"autoplan: sequence_parallel=True at tp={tp}, but {graph.warnings[0]}: nothing "
+                                  f"in it can be tensor-parallel or sequence-sharded")
+    if graph.method == OPAQUE:   # a model that needs sharding is refused, not planned data-parallel
+        refuse_untraced(graph, type(model).__name__, tp, allow_replicated_units)
     structure = cp_structure(model_structure(graph, compile=request.compile), cp)
     element_bytes = structure.dtype_bytes   # of a parameter
     ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
@@ -328,13 +330,18 @@ def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanReq
         if o.strategy.extra.get("uneven"):
             notes.append(f"{search.unit_module(o.slot)}: uneven shards, {o.strategy.extra['uneven']}")
     sharded = [o for o in chosen.values() if o.strategy.param_shard > 1 or o.strategy.compute_shard > 1]
+    why_replicated = ""
     if tp > 1 and not sharded and graph.method != OPAQUE:
         others = [a for a in alternatives if a["name"] != "replicated"]
         if others:
             b2 = others[0]
-            notes.append(f"tensor parallelism does not pay on this model at tp={tp}: replicated step "
-                         f"{best.step_s:.3g}s vs {b2['name']} {b2['step_s']:.3g}s, whose communication "
-                         f"({b2['comm_s']:.3g}s) exceeds the compute it saves")
+            why_replicated = (f"tensor parallelism does not pay on this model at tp={tp}: replicated step "
+                              f"{best.step_s:.3g}s vs {b2['name']} {b2['step_s']:.3g}s, whose communication "
+                              f"({b2['comm_s']:.3g}s) exceeds the compute it saves")
+            notes.append(why_replicated)
+    if graph.method != OPAQUE and styles is None:   # a model that needs sharding is never left whole
+        refuse_unsharded(graph, structure, chosen, type(model).__name__, tp, allow_replicated_units, why_replicated,
+                         experts_by_ep)
     styles = {}
     for o in sorted(best.options, key=lambda o: o.slot):
         for pattern, style in o.styles().items():

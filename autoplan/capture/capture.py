@@ -21,6 +21,7 @@ from autoplan.capture.fake import fake_device
 from autoplan.capture.fallback import capture_with_hooks
 from autoplan.capture.image_inputs import value_checks_off
 from autoplan.capture.patch_grid import has_real_sizes, sizes_from_values
+from autoplan.capture.quiet import quiet_torch
 from autoplan.capture.graph_cache import graph_key, load_graph, store_graph
 from autoplan.capture.inputs import DEFAULT_MAX_COPY_BYTES, meta_view, resolve_inputs
 from autoplan.capture.ir import ModelGraph
@@ -81,7 +82,7 @@ def capture(
 
 def _capture_model(model: nn.Module, args: tuple, kwargs: dict, dtype, max_copy_bytes, dedupe_blocks: bool,
                    fallback: bool) -> ModelGraph:
-    with meta_view(model, dtype, max_copy_bytes) as mm:
+    with meta_view(model, dtype, max_copy_bytes) as mm, quiet_torch():
         modes = [(m, m.training) for m in mm.modules()]
         mm.train()  # training-time graph: dropout present, caches off
         try:
@@ -119,14 +120,14 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
                 ep = export(mm, a, kw)
         except Exception as exc:
             msg = f"{method} of {root_type} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            log.warning("%s", msg)
+            log.debug("%s", msg)   # one attempt of several: the outcome is said by the caller
             errors.append(msg)
             continue
         try:
             return graph_of_export(ep, rename, groups, root_type, (infos, tied, nparams), method, errors)
         except GuardOnDataDependentSymNode as exc:  # MoE routing by data-dependent counts (JetMoE)
             msg = f"{_DATA_DEPENDENT} in the {method} of {root_type} ({str(exc).splitlines()[0]})"
-            log.warning("%s", msg)
+            log.debug("%s", msg)
             errors.append(msg)
     if not fallback:
         raise CaptureError("; ".join(errors))
@@ -136,7 +137,7 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
         if has_real_sizes(kwargs):   # fake CPU copies would lose the sizes: this error is the reason
             raise
         errors.append(str(exc))
-        log.warning("hooks on meta failed (%s); retrying with fake CPU tensors", exc)
+        log.debug("hooks on meta failed (%s); retrying with fake CPU tensors", exc)
         with fake_device(mm, args, kwargs) as (_, a, kw):
             graph = capture_with_hooks(mm, a, kw, infos, groups, tied, nparams, errors)
     _own_tied_names(graph.nodes, tied)

@@ -18,6 +18,7 @@ import torch.nn as nn
 from autoplan.capture.blocks import block_of, remap_fqn, type_name
 from autoplan.capture.ir import BlockGroup, Edge, Node, TensorMeta
 from autoplan.capture.opcost import is_view, measure
+from autoplan.capture.quiet import quiet_torch
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,14 @@ _SKIP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", 
 
 def export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """Non-strict export; dynamic shapes are off so every size is a plain int. Nodes carry no stack
-    traces: nothing here reads them, and symbolising one per node was a tenth of the capture."""
+    traces: nothing here reads them, and symbolising one per node was a tenth of the capture. A
+    failed export's partial graph and logs go to the debug log (capture tries several ways and says
+    what failed in its own terms)."""
     before = fx.config.do_not_emit_stack_traces
     fx.config.do_not_emit_stack_traces = True
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with quiet_torch(prints=True):
+            return torch.export.export(model, args, kwargs, strict=False)
     finally:
         fx.config.do_not_emit_stack_traces = before
 

@@ -1,12 +1,15 @@
 """A model capture cannot trace: a typed CaptureError from capture, a data-parallel-only plan
-(with the reason in its notes) from autoplan -- never a raw torch exception."""
+(with the reason in its notes) from autoplan -- never a raw torch exception -- and for a model
+that needs sharding a typed refusal naming the reason, never a plan that replicates it."""
 import pytest
 import torch
 import torch.nn as nn
 
-from autoplan import MeshSpec, autoplan
+from autoplan import MeshSpec, autoplan, unsharded
 from autoplan.capture import capture
-from autoplan.errors import CaptureError
+from autoplan.errors import CaptureError, UnshardedPlanError
+from tests.capture.test_image_inputs import mllama_images
+from tests.capture.vl_families import build
 
 
 class CountRouted(nn.Module):
@@ -47,3 +50,33 @@ def test_untraceable_model_is_planned_data_parallel_only_with_the_reason(shape, 
     assert plan.notes[0].startswith("capture could not trace CountRouted") and "data-parallel only" in plan.notes[0]
     assert plan.fsdp["enabled"] == ("dp" in names)
     assert plan.predictions["step_s"] > 0
+
+
+def test_untraceable_model_that_needs_sharding_is_refused_naming_why(monkeypatch):
+    """Above the stated size (here lowered to this model's) a tensor-parallel plan that would hold
+    the whole model on every rank is refused, typed, naming the capture failure; so is one with
+    replicated units forbidden. Data parallel (tp=1) stays a plan."""
+    with torch.device("meta"):
+        model = CountRouted()
+    with pytest.raises(UnshardedPlanError, match="CountRouted needs sharding at tp=4 .*allow_replicated_units=False"):
+        autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(8, 16), allow_replicated_units=False)
+    monkeypatch.setattr(unsharded, "NEEDS_SHARDING_PARAMS", 1000)
+    with pytest.raises(UnshardedPlanError, match="needs sharding at tp=4 .*parameters, above the 1,000.*could not trace"):
+        autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(8, 16))
+    assert autoplan(model, MeshSpec((4,), ("dp",), "h100_sxm"), batch=(8, 16)).fsdp["enabled"]
+
+
+def test_traced_plan_that_shards_nothing_is_refused_when_sharding_is_needed(monkeypatch):
+    """A traced model whose tp plan shards nothing (tensor parallelism does not pay on a tiny
+    Mllama) is a plan below the stated size and a typed refusal above it, with the search's reason;
+    a part no unit plans (its global transformer) is a note below it."""
+    torch.manual_seed(0)
+    model = build("mllama")
+    model.extra_inputs = mllama_images
+    mesh = MeshSpec((4,), ("tp",))
+    plan = autoplan(model, mesh, batch=(2, 16))
+    assert any(n.startswith("model.vision_model.global_transformer: kept replicated") for n in plan.notes)
+    monkeypatch.setattr(unsharded, "NEEDS_SHARDING_PARAMS", 1000)
+    with pytest.raises(UnshardedPlanError, match="needs sharding at tp=4 .* shards nothing: tensor parallelism does "
+                                                 "not pay"):
+        autoplan(model, mesh, batch=(2, 16))

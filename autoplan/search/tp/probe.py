@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from autoplan.capture.blocks import only_representatives
 from autoplan.capture.inputs import meta_model
+from autoplan.capture.quiet import quiet_torch
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.search.tp.strategies import Strategy
 from hyper_parallel.core.collective import Collective
@@ -155,12 +156,13 @@ class Prober:
         same shapes, several times cheaper than fake tensors), and on fake tensors only if meta
         cannot run it (a forward that makes CPU tensors); recording needs the fake process group
         to see the collectives, so it runs on fake tensors."""
-        if not record:
-            out = self._run(styles, mesh, record, backward, on_meta=True)
-            if not out.error:
-                return out
-            log.debug("probe run on meta failed (%s); running on fake tensors", out.error)
-        return self._run(styles, mesh, record, backward, on_meta=False)
+        with quiet_torch():   # a style that fails is a verdict here, not torch's error output
+            if not record:
+                out = self._run(styles, mesh, record, backward, on_meta=True)
+                if not out.error:
+                    return out
+                log.debug("probe run on meta failed (%s); running on fake tensors", out.error)
+            return self._run(styles, mesh, record, backward, on_meta=False)
 
     def _run(self, styles: dict[str, ParallelStyle], mesh, record: bool, backward: bool, on_meta: bool) -> ProbeRun:
         model = copy.deepcopy(self.small)
