@@ -72,7 +72,7 @@ def compiled_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: i
             loss = lm_loss(output_logits(forward_tokens(ref, x)), y)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         out["one_device"] = {"losses": losses, "params": _whole_params(ref), "stats": {}, "error": None}
     eager = out["eager"]
     report = {}
