@@ -53,7 +53,7 @@ def one(family: str, layout: str, recipe: str, pool: RankPool) -> dict:
     return {"family": family, "layout": layout, "recipe": recipe,
             "outcome": "EQUAL" if r.passed else ("ERROR" if r.error else "DIFFERS"),
             "float8_linears": r.float8_modules, "gathered_in_float8": r.gathered,
-            "max_rel_vs_float8": r.max_rel_float8, "max_rel_vs_high": r.max_rel_high,
+            "max_rel_vs_float8": r.max_rel_float8, "noise_floor": r.max_rel_noise, "max_rel_vs_high": r.max_rel_high,
             "losses": " ".join(f"{x:.6f}" for x in r.par), "error": (r.error or "")[-300:],
             "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -73,7 +73,9 @@ def main(families: list[str]) -> None:
         "# Float8 plans vs one device in float8 (emulated, 5 SGD steps, lr 0.1)\n\n"
         "Written by `benchmarks/float8_matrix.py` (see its docstring). max_rel_vs_float8: largest relative loss "
         "difference from one device in the same recipe over the five steps; max_rel_vs_high: from one device in "
-        "high precision (float8 changed the numbers).\n\n" + table + "\n")
+        "high precision (float8 changed the numbers); noise_floor: one device in float8 against itself with every "
+        "weight one float32 ulp off (float8 rounding of last-bit differences, which a sharded GEMM's summation order "
+        "makes).\n\n" + table + "\n")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,23 @@ def float8_modules(plan) -> dict[str, str]:
     return dict(section["modules"]) if section else {}
 
 
+def precision_lines(plan, query: str) -> list[str]:
+    """What the plan decided for the Linears at or under ``query`` (a module path or a unit's
+    pattern): one line per float8 or kept pattern of the section, for ``explain``."""
+    section = precision_section(plan)
+    if not section:
+        return []
+    atoms = query.split(".")
+
+    def hit(pattern: str) -> bool:
+        parts = pattern.split(".")
+        return len(parts) >= len(atoms) and all(
+            a == b or "*" in a or "*" in b for a, b in zip(parts, atoms))
+    lines = [f"precision: {p} in float8 ({r})" for p, r in section["modules"].items() if hit(p)]
+    return lines + [f"precision: {p} kept in high precision: {why}" for p, why in section.get("kept", {}).items()
+                    if hit(p)]
+
+
 def plan_precision(plan) -> str:
     """One word for the plan's precision: ``bf16`` (no float8 module; the model's own dtype),
     ``fp8-<recipe>`` or ``fp8-mixed`` when modules use different recipes."""

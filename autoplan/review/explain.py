@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoplan.errors import AutoplanError
+from autoplan.parallelisms.precision import precision_lines
 
 
 class UnknownModuleError(AutoplanError, KeyError):
@@ -162,6 +163,8 @@ def explain(plan, fqn_or_unit: str) -> Explanation:
     excluded = {o["excluded"] for o in d.get("options", []) if o.get("excluded") and o["strategy"] == "replicate"}
     notes += [f"sharded strategies were not candidates: {why}" for why in sorted(excluded)
               if not any(why in n for n in notes)]
+    for query in (fqn_or_unit, *styles):   # the module asked about and every module the unit styles
+        notes += [n for n in precision_lines(plan, query) if n not in notes]
     return Explanation(query=fqn_or_unit, unit=d["unit"], strategy=d["strategy"], stream=d.get("stream", "-"),
                        reason=d.get("reason", ""), styles=styles, options=table.reset_index(drop=True), notes=notes,
                        count=int(d.get("count", 1)))
