@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import torch._dynamo
 import torch.nn as nn
+from torch._dynamo.utils import counters as _dynamo_counters
 
 from hyper_parallel.errors import CompileError
 
@@ -92,8 +94,7 @@ def default_compile_mode(device_type: str) -> str:
 
 
 def _counters() -> tuple[int, int]:
-    counters = torch._dynamo.utils.counters
-    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+    return int(_dynamo_counters["stats"]["unique_graphs"]), int(sum(_dynamo_counters["graph_break"].values()))
 
 
 class CompiledParts:
