@@ -134,12 +134,18 @@ def compile_parts(spec: CompileSpec, blocks: Iterable[nn.Module], roots: Iterabl
         raise CompileError(f"{where}: compile mode {spec.mode!r} found no "
                            f"{'repeated blocks' if spec.mode == 'blocks' else 'modules'} to compile; "
                            "use mode 'model' (or 'none')")
-    _raise_recompile_limit(len(parts))
+    # "model": FSDP's hooks split a whole model into one graph per function, so a hook or helper is
+    # compiled at every call site it has (q_proj's input, then o_proj's, ...). Automatic dynamic
+    # shapes would turn those shapes symbolic after the first recompile, and inductor (torch 2.13)
+    # then fails on such graphs (RecursionError in its proxy tracing, seen on the titan Llama at
+    # dp=2 x tp=2): static shapes recompile once per call site instead, within a raised limit.
+    dynamic = False if spec.mode == "model" else None
+    _raise_recompile_limit(len(parts) if spec.mode == "blocks" else 32)
     seen: set[int] = set()
     for part in parts:
         if id(part) in seen:
             continue
         seen.add(id(part))
-        part.compile(backend=spec.backend, mode=spec.torch_mode, fullgraph=spec.fullgraph)
+        part.compile(backend=spec.backend, mode=spec.torch_mode, fullgraph=spec.fullgraph, dynamic=dynamic)
     log.info("%s: compiled %d %s with backend %s", where, len(seen), spec.mode, spec.backend)
     return CompiledParts(spec, parts)
