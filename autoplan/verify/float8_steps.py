@@ -92,7 +92,7 @@ def float8_steps_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, se
     _one_ulp(noisy, seed)
     modules = {p: r for p, r in float8_modules(plan).items() if match_modules(float8, p)}
     if modules:
-        plan.parallel["precision"] = dict(plan.parallel["precision"], modules=modules)
+        plan = plan.replace(parallel=dict(plan.parallel, precision=dict(plan.parallel["precision"], modules=modules)))
     convert_to_float8(float8, modules, emulate=True)
     convert_to_float8(noisy, modules, emulate=True)
     mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
