@@ -465,15 +465,22 @@ def memory_lines(df: pd.DataFrame) -> list[str]:
     return out
 
 
-def keep_picks(df: pd.DataFrame) -> pd.DataFrame:
-    """With --no-free: autoplan's picks from the committed CSV (the search is not rerun), their
-    claimed speed-up against this run's price of the published layout."""
+def committed_picks() -> pd.DataFrame | None:
+    """autoplan's picks in the committed CSV, read once before this run overwrites it (the table is
+    written after every run)."""
     old = OUT.with_suffix(".csv")
     if not old.exists():
-        return df
+        return None
     cols = ["autoplan_pick", "autoplan_s", "plan_s", "mfu_note"]
     prev = pd.read_csv(old)
-    prev = prev[["case"] + [c for c in cols if c in prev]]
+    return prev[["case"] + [c for c in cols if c in prev]]
+
+
+def keep_picks(df: pd.DataFrame, prev: pd.DataFrame | None) -> pd.DataFrame:
+    """With --no-free: autoplan's picks from the committed CSV (the search is not rerun), their
+    claimed speed-up against this run's price of the published layout."""
+    if prev is None:
+        return df
     out = df.merge(prev, on="case", how="left")
     if "autoplan_s" in out and "predicted_s" in out:
         out["claimed_speedup"] = out.predicted_s / out.autoplan_s
@@ -487,6 +494,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    picks = committed_picks() if args.no_free else None
     rows = []
     for run in RUNS:
         if args.only and args.only not in run.name:
@@ -496,7 +504,7 @@ def main(argv=None) -> int:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in ("their_runtime",)},
               flush=True)
         if not args.no_write and not args.only:
-            write(keep_picks(pd.DataFrame(rows)) if args.no_free else pd.DataFrame(rows))
+            write(keep_picks(pd.DataFrame(rows), picks) if args.no_free else pd.DataFrame(rows))
     return 0
 
 

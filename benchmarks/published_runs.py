@@ -17,7 +17,8 @@ reference's hardware (:data:`BEST_PUBLISHED_MFU`, with citations, or the referen
     PYTHONPATH=$PWD .venv/bin/python benchmarks/published_runs.py [--no-free] [--only NAME]
 
 Writes benchmarks/results/published_runs.{csv,md,png}; the markdown's leave-one-source-out section
-is the number to quote (docs/costs.md).
+is the number to quote (docs/costs.md). ``--no-free`` keeps autoplan's picks from the committed CSV
+(their claimed speed-up against this run's price of the published layout) instead of searching again.
 """
 from __future__ import annotations
 
@@ -381,6 +382,7 @@ def write(df: pd.DataFrame, meta: dict) -> None:
         best_pub = best_published(df)
         over = df.autoplan_mfu / df.hardware.map(lambda h: best_pub[h][0])
         lines += ["## What autoplan picks on the same cases (same cost model)", "",
+                  *([df.attrs["picks"], ""] if "picks" in df.attrs else []),
                   "Best published MFU per accelerator (the larger of the reference's cases and the best published "
                   "run we know of):", ""]
         lines += [f"- {k}: **{v:.3f}** ({src})" for k, (v, src) in best_pub.items()]
@@ -436,6 +438,30 @@ def best_published(df: pd.DataFrame) -> dict[str, tuple[float, str]]:
     return out
 
 
+def committed_picks() -> pd.DataFrame | None:
+    """autoplan's picks in the committed CSV, read before this run overwrites it."""
+    old = OUT.with_suffix(".csv")
+    prev = pd.read_csv(old) if old.exists() else None
+    if prev is None or "autoplan_pick" not in prev:
+        return None
+    cols = ["autoplan_pick", "autoplan_s", "plan_s", "autoplan_mem_gib", "usable_gib", "why", "mfu_note"]
+    return prev[["case"] + [c for c in cols if c in prev]]
+
+
+def keep_picks(df: pd.DataFrame, picks: pd.DataFrame | None) -> pd.DataFrame:
+    """With --no-free: autoplan's picks from the committed CSV (the free search is not rerun, as
+    benchmarks/moe_published_runs.py does), their claimed speed-up and MFU against this run's price
+    of the published layout."""
+    if picks is None:
+        return df
+    out = df.merge(picks, on="case", how="left")
+    out["claimed_speedup"] = out.predicted_s / out.autoplan_s
+    out["autoplan_mfu"] = out.predicted_mfu * out.predicted_s / out.autoplan_s
+    out.attrs["picks"] = ("Picks kept from the committed table (`--no-free`): each pick's step time is as its "
+                          "search priced it then; the published layouts are priced by this run.")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-free", action="store_true", help="price the published layouts only")
@@ -444,6 +470,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     meta, cases = load_cases()
+    picks = committed_picks() if args.no_free else None
     rows = []
     for case in cases:
         if args.only and args.only not in case["name"]:
@@ -451,7 +478,7 @@ def main(argv=None) -> int:
         row = run_case(case, meta, not args.no_free)
         rows.append(row)
         if not args.no_write and not args.only:
-            write(pd.DataFrame(rows), meta)   # after every case: a long run leaves its table so far
+            write(keep_picks(pd.DataFrame(rows), picks), meta)   # after every case: the table so far
         print(f"{row['case']:20s} {row['priced_as']:48s} measured {row['measured_s']:8.3f} predicted "
               f"{row['predicted_s']:8.3f} ratio {row['ratio']:.3f}  busy {row['busy_s']:.3f} bubble "
               f"{row['bubble_s']:.3f} dp+opt {row['dp_and_optimizer_s']:.3f}"
@@ -459,7 +486,7 @@ def main(argv=None) -> int:
                  f"mfu {row.get('autoplan_mfu', float('nan')):.3f}" if not args.no_free else ""), flush=True)
     df = pd.DataFrame(rows)
     if not args.no_write and not args.only:
-        write(df, meta)
+        write(keep_picks(df, picks), meta)
     err = (df.ratio - 1).abs()
     print(f"median |error| {statistics.median(err) * 100:.1f} %, inside [0.85,1.15]: "
           f"{int(((df.ratio >= 0.85) & (df.ratio <= 1.15)).sum())}/{len(df)}")
