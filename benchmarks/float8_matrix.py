@@ -48,7 +48,8 @@ def one(family: str, layout: str, recipe: str, pool: RankPool) -> dict:
     model = float8_recipe(family).build("meta")
     plan = plan_for(model, layout)
     sites, kept = float8_sites(model, plan, recipe)
-    plan.parallel["precision"] = float8_section(plan, {s.fqn: recipe for s in sites}, kept)
+    plan = plan.replace(parallel={**plan.parallel,
+                                  "precision": float8_section(plan, {s.fqn: recipe for s in sites}, kept)})
     r = check_float8_steps(plan, float8_recipe(family), pool=pool)
     return {"family": family, "layout": layout, "recipe": recipe,
             "outcome": "EQUAL" if r.passed else ("ERROR" if r.error else "DIFFERS"),

@@ -36,19 +36,18 @@ def with_precision(plan, model: nn.Module, precision: str):
     experts = any("expert" in fqn.rsplit(".", 1)[-1] for fqn, _ in model.named_modules())
     if precision == "auto":
         section = choose_precision(plan, model)
-        new = plan.replace(notes=old + precision_notes(section, experts=experts))
-        new.parallel["precision"] = section
-        return new
+        return _with_section(plan, section, old + precision_notes(section, experts=experts))
     if precision == "bf16":
-        new = plan.replace(notes=old)
-        new.parallel["precision"] = None
-        return new
+        return _with_section(plan, None, old)
     recipe = precision.removeprefix("fp8-")
     sites, kept = float8_sites(model, plan, recipe)
     if not sites:
         raise InvalidArgumentError(f"precision={precision!r}: no Linear of {type(model).__name__} can take float8 on "
                                    f"this plan's shards ({'; '.join(f'{k}: {v}' for k, v in list(kept.items())[:3])})")
     section = float8_section(plan, {s.fqn: recipe for s in sites}, kept)
-    new = plan.replace(notes=old + precision_notes(section, experts=experts))
-    new.parallel["precision"] = section
-    return new
+    return _with_section(plan, section, old + precision_notes(section, experts=experts))
+
+
+def _with_section(plan, section: dict | None, notes: list[str]):
+    """A copy of ``plan`` with ``section`` as its precision and ``notes`` as its notes."""
+    return plan.replace(parallel={**plan.parallel, "precision": section}, notes=notes)

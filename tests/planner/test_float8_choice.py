@@ -41,7 +41,7 @@ def test_small_gemms_do_not_pay():
 def test_explain_says_each_modules_precision():
     model = build_preset("llama3-70b")
     plan = _on("h100_sxm")
-    plan.parallel["precision"] = choose_precision(plan, model)
+    plan = plan.replace(parallel={**plan.parallel, "precision": choose_precision(plan, model)})
     text = str(plan.explain("model.layers/attention").notes)
     assert "model.layers.*.self_attn.q_proj in float8 (tensorwise)" in text
     assert "lm_head kept in high precision" in str(plan.explain("head").notes)

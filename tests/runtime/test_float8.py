@@ -81,7 +81,8 @@ def _float8_plan(family, shape, names, recipe, **opts):
                     allow_replicated_units=False, **opts)
     modules = {n: recipe for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"
                and not n.endswith(".gate")}
-    plan.parallel["precision"] = {"modules": modules, "fsdp_float8_all_gather": recipe == "tensorwise"}
+    plan = plan.replace(parallel={**plan.parallel, "precision": {
+        "modules": modules, "fsdp_float8_all_gather": recipe == "tensorwise"}})
     return Plan.from_json(plan.to_json())
 
 
