@@ -17,8 +17,12 @@ one SGD step compared with one device
 Florence-2 (no image size in its config) is refused without a hook; with a hook it is also run
 data-parallel on 2 ranks (its encoder-decoder forward used to drop the images, issue 31).
 
-    .venv/bin/python benchmarks/vl_families.py [family ...]
-Writes benchmarks/results/vl_families.csv and benchmarks/results/vl_families.md.
+With ``--hook`` every family gets a user's ``extra_inputs`` hook instead (a processor's outputs:
+image tokens, pixels, the grid or the image sizes, on the tokens' device;
+``tests.capture.vl_families.processor_hook``).
+
+    .venv/bin/python benchmarks/vl_families.py [--hook] [family ...]
+Writes benchmarks/results/vl_families{,_hook}.csv and .md (all families only).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from autoplan.errors import AutoplanError
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.shrink import ModelRecipe
 from hyper_parallel.local import RankPool
-from tests.capture.vl_families import FAMILIES, build
+from tests.capture.vl_families import FAMILIES, build, build_with_hook
 
 HERE = Path(__file__).parent
 
@@ -55,12 +59,13 @@ def _sections(plan) -> tuple[bool, bool]:
             any("language_model" in u and u.endswith(("/attention", "/mlp")) for u in units))
 
 
-def run_family(family: str, pool4: RankPool) -> dict:
+def run_family(family: str, pool4: RankPool, hook: bool = False) -> dict:
     t0 = time.perf_counter()
     row = dict(family=family, outcome="", tower=False, decoder=False, detail="")
+    make = build_with_hook if hook else build
     try:
         with torch.device("meta"):
-            wide = build(family, 32, 8)
+            wide = make(family, 32, 8)
         plan = autoplan(wide, MeshSpec((4,), ("tp",)), batch=(2, 512))
     except AutoplanError as exc:
         row.update(outcome="REFUSED", detail=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -73,7 +78,8 @@ def run_family(family: str, pool4: RankPool) -> dict:
             row.update(outcome="DP ONLY", detail=untraced[:300])
             row["seconds"] = round(time.perf_counter() - t0, 1)
             return row
-        recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": family, "image": 2}, seed=3)
+        recipe = ModelRecipe(factory=f"tests.capture.vl_families:{make.__name__}",
+                             kwargs={"family": family, "image": 2}, seed=3)
         result = check_numerics(plan, recipe, pool=pool4, seq=40)
         row.update(outcome="EQUAL" if result.passed else ("CRASH" if result.error else "WRONG"),
                    detail=result.summary()[:300])
@@ -90,16 +96,16 @@ def run_florence2(pool2: RankPool) -> dict:
                 decoder=False, detail=result.summary()[:300], seconds=round(time.perf_counter() - t0, 1))
 
 
-def main(families=FAMILIES) -> pd.DataFrame:
+def main(families=FAMILIES, hook: bool = False) -> pd.DataFrame:
     pool4 = RankPool(4)
     try:
         rows = []
         for f in families:
-            rows.append(run_family(f, pool4))
+            rows.append(run_family(f, pool4, hook))
             print(rows[-1], flush=True)
     finally:
         pool4.close()
-    if "florence2" in families:
+    if "florence2" in families and not hook:
         pool2 = RankPool(2)
         try:
             rows.append(run_florence2(pool2))
@@ -109,15 +115,18 @@ def main(families=FAMILIES) -> pd.DataFrame:
             pool2.close()
     df = pd.DataFrame(rows)
     if families == FAMILIES:
-        df.to_csv(HERE / "results" / "vl_families.csv", index=False)
+        name = "vl_families_hook" if hook else "vl_families"
+        df.to_csv(HERE / "results" / f"{name}.csv", index=False)
         counts = df.outcome.value_counts().to_dict()
         both = int(((df.outcome == "EQUAL") & df.tower & df.decoder).sum())
-        (HERE / "results" / "vl_families.md").write_text(
-            "# transformers VL families at tp=4 (no hook)\n\n"
+        (HERE / "results" / f"{name}.md").write_text(
+            f"# transformers VL families at tp=4 ({'a processor-like extra_inputs hook' if hook else 'no hook'})\n\n"
             f"Outcomes: {counts}; trained equal with both the tower and the decoder sharded: {both}.\n"
-            "Regenerate: `.venv/bin/python benchmarks/vl_families.py`.\n\n" + df.to_markdown(index=False) + "\n")
+            f"Regenerate: `.venv/bin/python benchmarks/vl_families.py{' --hook' if hook else ''}`.\n\n"
+            + df.to_markdown(index=False) + "\n")
     return df
 
 
 if __name__ == "__main__":
-    main(tuple(sys.argv[1:]) or FAMILIES)
+    args = [a for a in sys.argv[1:] if a != "--hook"]
+    main(tuple(args) or FAMILIES, hook="--hook" in sys.argv[1:])

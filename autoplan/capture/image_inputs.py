@@ -34,14 +34,14 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from autoplan.capture.patch_grid import SIZE_INPUTS, PatchGrid, patch_grid, takes_grid
+from autoplan.capture.patch_grid import SIZE_INPUTS, PatchGrid, complete_grid_inputs, patch_grid, takes_grid
 from autoplan.errors import CaptureError
 
-__all__ = ["ImageBatch", "SIZE_INPUTS", "derive", "image_inputs", "is_vision_language", "param_dtype",
+__all__ = ["HookInputs", "ImageBatch", "SIZE_INPUTS", "derive", "image_inputs", "is_vision_language", "param_dtype",
            "value_checks_off"]
 
 
@@ -90,6 +90,41 @@ class ImageBatch:
         return out
 
 
+class HookInputs:
+    """A user's ``extra_inputs(tokens)`` hook, called so that a forward without values runs the
+    inputs it gives. On real tokens it is the hook. On meta or fake tokens (capture, the probes)
+    the hook runs on real CPU tokens of the same shape instead -- a hook builds its tensors on the
+    tokens' device, and a meta image grid or meta image sizes have no values for the tower to size
+    its work by -- and its outputs are returned as the derived inputs are: the size inputs
+    (:data:`SIZE_INPUTS`) with their values, on the CPU, the rest shapes only on the tokens'
+    device; a grid model's inputs are completed with what the model would compute from values
+    (``patch_grid.complete_grid_inputs``: the tower's positions and segments, the M-RoPE
+    positions by the model's own ``get_rope_index``), and a tiled model's ``image_sizes`` become
+    Python ints, as the derived "anyres" layout gives them."""
+
+    def __init__(self, model: nn.Module, hook: Callable[[torch.Tensor], dict]):
+        self.model, self.hook = model, hook
+
+    def __call__(self, tokens: torch.Tensor) -> dict:
+        if not (tokens.is_meta or is_fake(tokens)):
+            return self.hook(tokens)
+        with unset_fake_temporarily(), torch.device("cpu"):
+            given = dict(self.hook(torch.zeros(tokens.shape, dtype=tokens.dtype)))
+            token_id = _first_int(self.model.config, ("image_token_id", "image_token_index"))
+            if takes_grid(self.model) and isinstance(given.get("image_grid_thw"), torch.Tensor) \
+                    and token_id is not None and given["image_grid_thw"].device.type != "meta":
+                given = complete_grid_inputs(self.model, given, token_id, torch.device("cpu"))
+            if _tiled(self.model) and isinstance(given.get("image_sizes"), torch.Tensor):
+                # as plain ints, as derived: the model computes its tiling from them in Python
+                given["image_sizes"] = given["image_sizes"].tolist()
+        out = {}
+        for k, v in given.items():
+            if isinstance(v, torch.Tensor) and not (k in SIZE_INPUTS and v.device.type == "cpu"):
+                v = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=tokens.device)
+            out[k] = v
+        return out
+
+
 def _row_image(row: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     weights = torch.arange(1, row.numel() + 1, dtype=torch.int64)
     seed = int((row.reshape(-1).to(torch.int64).cpu() * weights).sum()) % (2 ** 31)
@@ -107,7 +142,7 @@ def image_inputs(model: nn.Module) -> Callable[[torch.Tensor], dict] | None:
     transformers VL family) the derived :class:`ImageBatch`, else None (a text model)."""
     hook = getattr(model, "extra_inputs", None)
     if callable(hook):
-        return hook
+        return hook if isinstance(hook, ImageBatch) else HookInputs(model, hook)
     dtype = param_dtype(model)
     known = _DERIVED.get(model)
     if known is None or known[0] != dtype:

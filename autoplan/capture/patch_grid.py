@@ -58,26 +58,55 @@ class PatchGrid:
         """Everything but the pixels for ``rows`` rows of ``seq`` tokens, one image each."""
         with torch.device("cpu"):   # computed from the grid's values, whatever the caller's device context
             grid = torch.tensor([list(self.grid)] * rows, dtype=torch.long)
-            sizes_device = torch.device("cpu") if shapes_only else device
             image = torch.tensor(self.positions, dtype=torch.long)
             text = torch.arange(self.text_start, self.text_start + seq - self.tokens).expand(3, -1)
-            out = {
-                "image_grid_thw": grid.to(sizes_device),
-                "position_ids": torch.cat([image, text], dim=1)[:, None, :].expand(3, rows, seq).contiguous()
-                                .to(device),
-                "image_position_ids": get_vision_position_ids(grid, self.merge).to(device),
-                "image_cu_seqlens": get_vision_cu_seqlens(grid).to(sizes_device),
-            }
-            if self.window is not None:
-                index, bounds = get_vision_window_index(grid, self.merge, self.window[0], self.window[1])
-                out["image_window_index"] = index.to(device)
-                out["image_cu_window_seqlens"] = bounds.to(sizes_device)
-            if self.interp is not None:
-                side, mode, corners = self.interp
-                idx, weights = get_vision_interpolation_indices_and_weights(
-                    grid, side, mode=mode, align_corners=corners, spatial_merge_size=self.merge)
-                out["image_interp_indices"], out["image_interp_weights"] = idx.to(device), weights.to(device)
+            out = tower_inputs(grid, self.merge, self.window, self.interp, device, shapes_only)
+            out["position_ids"] = torch.cat([image, text], dim=1)[:, None, :].expand(3, rows, seq).contiguous() \
+                .to(device)
             return out
+
+
+def tower_inputs(grid: torch.Tensor, merge: int, window: tuple[int, int] | None, interp: tuple[int, str, bool] | None,
+                 device: torch.device, shapes_only: bool) -> dict:
+    """What the tower computes from the values of ``grid`` (one (t, h, w) row per image), computed
+    here by transformers' export recipe: the grid, the rotary positions, the packed segment bounds,
+    the window order and the interpolation taps. The size inputs stay on the CPU when
+    ``shapes_only`` (a model on meta reads their values); the rest go to ``device``."""
+    sizes_device = torch.device("cpu") if shapes_only else device
+    grid = grid.to("cpu", torch.long)
+    out = {
+        "image_grid_thw": grid.to(sizes_device),
+        "image_position_ids": get_vision_position_ids(grid, merge).to(device),
+        "image_cu_seqlens": get_vision_cu_seqlens(grid).to(sizes_device),
+    }
+    if window is not None:
+        index, bounds = get_vision_window_index(grid, merge, window[0], window[1])
+        out["image_window_index"] = index.to(device)
+        out["image_cu_window_seqlens"] = bounds.to(sizes_device)
+    if interp is not None:
+        side, mode, corners = interp
+        idx, weights = get_vision_interpolation_indices_and_weights(
+            grid, side, mode=mode, align_corners=corners, spatial_merge_size=merge)
+        out["image_interp_indices"], out["image_interp_weights"] = idx.to(device), weights.to(device)
+    return out
+
+
+def complete_grid_inputs(model: nn.Module, given: dict, token_id: int, device: torch.device) -> dict:
+    """A user's image inputs for a grid model (a processor's ``input_ids``, ``pixel_values`` and
+    ``image_grid_thw``, with values: on the CPU) completed for a forward without values: the tower's
+    inputs from the grid (:func:`tower_inputs`) and the decoder's M-RoPE ``position_ids`` by the
+    model's own ``get_rope_index`` on the given ids -- what the model would compute from values a
+    meta tensor does not hold. What ``given`` already holds is kept; tensors not read as sizes go to
+    ``device``."""
+    tower, rope, merge, window, interp = _tower(model)
+    grid, ids = given["image_grid_thw"], given.get("input_ids")
+    out = tower_inputs(grid, merge, window, interp, device, shapes_only=True)
+    if ids is not None and "position_ids" not in given:
+        with torch.device("cpu"):
+            ids = ids.to("cpu")
+            out["position_ids"] = rope(ids, (ids == token_id).int(), image_grid_thw=grid.to("cpu", torch.long))[0] \
+                .to(device)
+    return {**out, **{k: v for k, v in given.items() if k != "image_grid_thw"}}
 
 
 def has_real_sizes(kwargs: dict) -> bool:
@@ -104,21 +133,13 @@ def patch_grid(model: nn.Module, token_id: int) -> tuple[PatchGrid, tuple[int, i
     """The :class:`PatchGrid` of one image for ``model`` and the shape of its patches
     (patches, patch width). The image is ``vision_config.image_size`` pixels square (224 when
     the config names none, the processors' usual size), in whole merge blocks."""
-    name, vision = type(model).__name__, model.config.vision_config
-    tower = next((m for m in model.modules() if m is not model and hasattr(m, "spatial_merge_size")
-                  and "grid_thw" in inspect.signature(m.forward).parameters), None)
-    rope = next((m.get_rope_index for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
-    if tower is None or rope is None:
-        raise CaptureError(f"{name}: takes image_grid_thw but has no tower taking grid_thw with a spatial_merge_size "
-                           f"or no get_rope_index; give the model an extra_inputs(tokens) hook")
-    patch, merge = _int(vision, "patch_size"), int(tower.spatial_merge_size)
+    vision = model.config.vision_config
+    tower, rope, merge, window, interp = _tower(model)
+    patch = _int(vision, "patch_size")
     temporal, channels = _int(vision, "temporal_patch_size"), _int(vision, "in_channels", 3)
     size = _int(vision, "image_size", 224)
     side = max(merge, size // patch // merge * merge)
     grid = (1, side, side)
-    window = (int(tower.window_size), patch) if hasattr(tower, "window_size") else None
-    interp = ((int(tower.num_grid_per_side), str(tower.interpolation_mode), bool(tower.interpolation_align_corners))
-              if hasattr(tower, "num_grid_per_side") else None)
     per_image = side * side // merge ** 2
     with torch.device("cpu"):   # the model's own M-RoPE of one row, from its config alone
         ids = torch.full((1, per_image + 1), token_id, dtype=torch.long)
@@ -128,6 +149,23 @@ def patch_grid(model: nn.Module, token_id: int) -> tuple[PatchGrid, tuple[int, i
     layout = PatchGrid(grid, merge, window, interp, tuple(tuple(int(v) for v in r) for r in positions[:, :per_image]),
                        int(positions[0, -1]))
     return layout, (side * side, channels * temporal * patch * patch)
+
+
+def _tower(model: nn.Module):
+    """(tower, get_rope_index, merge, window, interp) of a grid model: the module taking
+    ``grid_thw`` with a ``spatial_merge_size``, the model's own M-RoPE, and the tower's extras
+    (``window``: (window_size, patch_size); ``interp``: (num_grid_per_side, mode, align_corners))."""
+    name, vision = type(model).__name__, model.config.vision_config
+    tower = next((m for m in model.modules() if m is not model and hasattr(m, "spatial_merge_size")
+                  and "grid_thw" in inspect.signature(m.forward).parameters), None)
+    rope = next((m.get_rope_index for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+    if tower is None or rope is None:
+        raise CaptureError(f"{name}: takes image_grid_thw but has no tower taking grid_thw with a spatial_merge_size "
+                           f"or no get_rope_index; give the model an extra_inputs(tokens) hook")
+    window = (int(tower.window_size), _int(vision, "patch_size")) if hasattr(tower, "window_size") else None
+    interp = ((int(tower.num_grid_per_side), str(tower.interpolation_mode), bool(tower.interpolation_align_corners))
+              if hasattr(tower, "num_grid_per_side") else None)
+    return tower, rope, int(tower.spatial_merge_size), window, interp
 
 
 def _int(config, name: str, default: int | None = None) -> int:

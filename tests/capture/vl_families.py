@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from autoplan.capture.image_inputs import derive
+
 
 def _text(w: int) -> dict:
     return dict(hidden_size=64 * w, intermediate_size=128 * w, num_hidden_layers=2, num_attention_heads=4,
@@ -106,3 +108,31 @@ FAMILIES = ("llava", "paligemma", "gemma3", "internvl", "aya_vision", "mistral3"
 def build(family: str, width: int = 1, image: int = 1) -> torch.nn.Module:
     config = _config(family, width, image)
     return transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)](config)
+
+
+# what a processor gives a model, and nothing autoplan derives besides (rotary positions, window
+# order, packed segment bounds): the inputs a user's extra_inputs hook returns
+PROCESSOR_KEYS = ("input_ids", "pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask")
+
+
+def processor_hook(model: torch.nn.Module):
+    """An ``extra_inputs(tokens)`` hook as a user writes one from a processor's output: the image
+    tokens placed, the pixel tensors, the grid (with the token types M-RoPE reads) or the image
+    sizes -- every tensor on the tokens' device (meta when planning on meta), the sizes as tensors."""
+    batch = derive(model)
+
+    def hook(tokens: torch.Tensor) -> dict:
+        out = {k: v for k, v in batch(tokens).items() if k in PROCESSOR_KEYS}
+        if "image_grid_thw" in out:   # M-RoPE's token types, as a Qwen-VL processor returns them
+            out["mm_token_type_ids"] = (out["input_ids"] == batch.token_id).int()
+        if isinstance(out.get("image_sizes"), list):
+            out["image_sizes"] = torch.tensor(out["image_sizes"])
+        return {k: v.to(tokens.device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    return hook
+
+
+def build_with_hook(family: str, width: int = 1, image: int = 1) -> torch.nn.Module:
+    """``build`` with :func:`processor_hook` installed as ``model.extra_inputs``."""
+    model = build(family, width, image)
+    model.extra_inputs = processor_hook(model)
+    return model
