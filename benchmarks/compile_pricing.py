@@ -8,8 +8,8 @@ chain of the captured graph one memory pass; nothing fitted to these runs):
   H100): their layout priced eager and with torchtitan's per-block compile (``"blocks"``: apply_compile
   wraps each TransformerBlock; its loss was not compiled at that commit, train.py comments it out),
   predicted compiled / eager beside the measured TPS ratio;
-- the 4-rank CPU plan whose compiled and eager steps the runtime measures (tiny HF Llama, hidden 64, 2
-  layers, dp=2 x tp=2 on the ``cpu`` profile): the predicted ratio, written beside the measured one in
+- the 4-rank CPU plan whose compiled and eager steps the runtime measures (benchmarks/compile_step_time.py:
+  titan-llama-debug, dp=2 x tp=2 FSDP on the ``cpu`` profile, batch 8 x 32): the predicted ratio, written beside the measured one in
   benchmarks/results/compile_step_time.md (this script owns the section it writes there).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/compile_pricing.py [--no-write]
@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import transformers
+import torch
 
-from autoplan import MeshSpec, autoplan
+from autoplan import plan_cluster
 from autoplan.search.mesh.search import ClusterSearch
+from autoplan.train.model import build_model
 from cost_models.hardware import load_hardware
 from cost_models.runtime import load_runtime
 
@@ -69,20 +70,17 @@ def titan_rows() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def tiny_hf_llama():
-    """The runtime's 4-rank compile benchmark model: HF Llama, hidden 64, 2 layers."""
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=128, vocab_size=256, max_position_embeddings=128)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 def cpu_rows(batch: tuple[int, int]) -> pd.DataFrame:
-    """The dp=2 x tp=2 plan on the cpu profile, priced eager and compiled per block."""
-    model = tiny_hf_llama()
-    mesh = MeshSpec((2, 2), ("dp", "tp"), "cpu")
-    step = {mode: autoplan(model, mesh, batch=batch, compile=mode).predictions["step_s"] for mode in ("none", "blocks")}
+    """The plan benchmarks/compile_step_time.py trains (titan-llama-debug, dp=2 x tp=2 FSDP, every unit
+    sharded, on the cpu profile), priced eager and compiled per block, so the predicted ratio sits
+    beside the measured one for the same plan."""
+    meta = build_model("titan-llama-debug", device="meta")
+    step = {mode: plan_cluster(meta, 4, hardware="cpu", batch=batch, devices_per_node=4,
+                               constraints=dict(dp=2, tp=2, pp=1, fsdp=True), allow_replicated_units=False,
+                               dtype=torch.float32, compile=mode).predictions["step_s"]
+            for mode in ("none", "blocks")}
     hw = load_hardware("cpu")
-    return pd.DataFrame([{"plan": "tiny HF Llama (hidden 64, 2 layers), dp=2 x tp=2, cpu",
+    return pd.DataFrame([{"plan": "titan-llama-debug, dp=2 x tp=2 FSDP, cpu",
                           "batch": f"{batch[0]} x {batch[1]}", "predicted_eager_s": step["none"],
                           "predicted_compiled_s": step["blocks"], "predicted_ratio": step["blocks"] / step["none"],
                           "runtime_calibration": "yes" if load_runtime(4) is not None else "no",
@@ -100,7 +98,7 @@ def write(titan: pd.DataFrame, cpu: pd.DataFrame) -> None:
              titan.to_markdown(index=False, floatfmt=".4g"), "",
              "## The 4-rank CPU plan", "", cpu.to_markdown(index=False, floatfmt=".4g"), ""]
     (RESULTS / "compile_pricing.md").write_text("\n".join(lines))
-    section = [SECTION, "", "Predicted by the planner for the same plan (`autoplan(..., compile=False / True)` on the "
+    section = [SECTION, "", "Predicted by the planner for the same plan (`plan_cluster(..., compile=\"none\" / \"blocks\")` on the "
                "`cpu` profile; its compiled kernels cost what `autoplan profile` measured on this host where it has "
                "run, else an eager kernel's):", "", cpu.to_markdown(index=False, floatfmt=".4g"), ""]
     text = STEP_TIME.read_text() if STEP_TIME.exists() else "# Compiled vs eager step time on this CPU\n\n"
@@ -113,7 +111,7 @@ def write(titan: pd.DataFrame, cpu: pd.DataFrame) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8, help="global batch of the CPU plan (sequences)")
-    ap.add_argument("--seq", type=int, default=64, help="sequence length of the CPU plan")
+    ap.add_argument("--seq", type=int, default=32, help="sequence length of the CPU plan")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
