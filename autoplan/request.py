@@ -83,11 +83,14 @@ class PlanRequest:
     @classmethod
     def for_mesh(cls, who: str, *, hardware: str | None, **keywords: Any) -> "PlanRequest":
         """The request of a plan on a given mesh (``autoplan(model, mesh, ...)``): batch or example
-        inputs, FSDP on unless refused, no constraints (the mesh fixes the degrees)."""
+        inputs, FSDP on unless refused; the mesh fixes the degrees, so the one constraint is
+        ``expert_parallel`` (True: experts split by ep only; False: ep is data parallel; None: priced)."""
         fsdp = keywords.pop("fsdp", None)
+        experts = A.optional_bool(keywords.pop("expert_parallel", None), "expert_parallel", who)
         return cls(batch=A.check_batch(keywords.pop("batch", None), who, required=False),
                    inputs=keywords.pop("inputs", None), hardware=hardware,
                    fsdp=True if fsdp is None else A.optional_bool(fsdp, "fsdp", who),
+                   constraints={} if experts is None else {"expert_parallel": experts},
                    **_common(who, keywords))
 
     @classmethod

@@ -18,6 +18,7 @@ import torch
 
 from autoplan import plan_cluster
 from autoplan.mesh_plan import plan_mesh
+from autoplan.request import PlanRequest
 from hyper_parallel import ParallelDims
 from hyper_parallel.local import RankPool
 from tests.planner import ep_plan_workers
@@ -46,8 +47,9 @@ def main() -> int:
     pool = RankPool(8, timeout_s=600)
     try:
         for spec, shape in ONE_STAGE:
-            plan = plan_mesh(_model(spec), ParallelDims(shape, ("dp", "ep"), hardware="cpu"), batch=(BATCH, SEQ),
-                             dtype=torch.float32, expert_parallel=True, fsdp=True)
+            plan = plan_mesh(_model(spec), ParallelDims(shape, ("dp", "ep"), hardware="cpu"),
+                             PlanRequest.for_mesh("plan_mesh", hardware="cpu", batch=(BATCH, SEQ), dtype=torch.float32,
+                                                  expert_parallel=True, fsdp=True))
             t = time.perf_counter()
             reps = pool.run(ep_plan_workers.run_all, [("case", plan.to_json(), spec, BATCH)])
             rows += _rows(spec, plan, [r["case"] for r in reps], time.perf_counter() - t)

@@ -20,6 +20,7 @@ from pathlib import Path
 from autoplan import autoplan
 from autoplan.errors import InfeasiblePlanError
 from autoplan.mesh_plan import plan_mesh
+from autoplan.request import PlanRequest
 from autoplan.search.experts.search import DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME
 from autoplan.search.mesh.search import ClusterSearch
 from autoplan.presets import build_preset
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
             mesh = "x".join(f"{n}{s}" for n, s in zip(names, shape))
             t = time.perf_counter()
             try:
-                plan = plan_mesh(model, spec, batch=batch)
+                plan = plan_mesh(model, spec, PlanRequest.for_mesh("plan_mesh", hardware=spec.hardware, batch=batch))
             except InfeasiblePlanError as e:
                 need = str(e).split("minimum is ")[-1].split(" per rank")[0]
                 lines.append(f"| {mesh} | {world} | {batch[0]} | - | - | infeasible: min {need} | - "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import arguments, cluster
+from autoplan import arguments, cluster, request
 from autoplan.parallelisms import pipeline as pipeline_parallelism
 from autoplan.plan import pipeline_runner, schema
 from autoplan.review import stages as review_stages
@@ -111,7 +111,7 @@ def test_consumers_read_the_table():
     for mod in (pipeline_runner, pipeline_parallelism, review_stages, mesh_search, pipeline_search, schedule_timing,
                 memory, cluster):
         assert getattr(mod, "schedule_facts", None) is schedule_facts, mod.__name__
-    for mod in (arguments, cluster, mesh_search, pipeline_search):   # the names searched and accepted
+    for mod in (arguments, cluster, request, pipeline_search):   # the names searched and accepted
         assert getattr(mod, "SCHEDULE_NAMES", None) is SCHEDULE_NAMES, mod.__name__
     for mod, gone in ((pipeline_runner, "_CLASSES"), (pipeline_search, "SPLIT_BACKWARD"), (pipeline_search, "SCHEDULES"),
                       (pipeline_search, "uniform_inflight"), (pipeline_search, "schedule_virtual"),

@@ -10,6 +10,7 @@ from autoplan.errors import PlanSchemaError
 from autoplan.mesh_plan import plan_mesh
 from autoplan.parallelisms import parallelism
 from autoplan.plan import Plan
+from autoplan.request import PlanRequest
 from autoplan.verify.dry_run import verify
 from hyper_parallel import ExpertParallel, ParallelDims
 from tests.planner import ep_plan_workers
@@ -19,7 +20,8 @@ BATCH = (4, 8)
 
 
 def _plan(model, shape, names, hardware="cpu", batch=BATCH, **kw):
-    return plan_mesh(model, ParallelDims(shape, names, hardware=hardware), batch=batch, dtype=torch.float32, **kw)
+    request = PlanRequest.for_mesh("plan_mesh", hardware=hardware, batch=batch, dtype=torch.float32, **kw)
+    return plan_mesh(model, ParallelDims(shape, names, hardware=hardware), request)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +75,8 @@ def test_dense_and_moe_layers_get_different_strategies_and_verify_at_world_64():
                            num_key_value_heads=8, intermediate_size=8192, num_local_experts=8, num_experts_per_tok=2)
     with torch.device("meta"):
         model = tf.MixtralForCausalLM(cfg)
-    plan = plan_mesh(model, ParallelDims((8, 4, 2), ("dp", "ep", "tp"), hardware="h100_sxm"), batch=(64, 1024),
-                     expert_parallel=True)
+    plan = plan_mesh(model, ParallelDims((8, 4, 2), ("dp", "ep", "tp"), hardware="h100_sxm"),
+                     PlanRequest.for_mesh("plan_mesh", hardware="h100_sxm", batch=(64, 1024), expert_parallel=True))
     strategies = {d["unit"]: d["strategy"] for d in plan.decisions}
     assert strategies["model.layers.*.mlp.experts/experts"] == "expert_parallel_tp", strategies
     assert strategies["model.layers/attention"] not in ("replicate", "replicated"), strategies

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoplan.errors import PretrainedWeightsError
 from autoplan.mesh_plan import plan_mesh
+from autoplan.request import PlanRequest
 from autoplan.train.model import build_model
 from hyper_parallel import ParallelDims
 from tests.train import moe_weights_workers
@@ -63,8 +64,9 @@ def moe_dirs(tmp_path_factory):
         meta = build_model(str(d / ck), device="meta")
         for world, meshes in MESHES.items():
             for shape, names, expert_tp in meshes:
-                plan = plan_mesh(meta, ParallelDims(shape, names, hardware="cpu"), batch=(8, 16), dtype=torch.float32,
-                                 expert_parallel=True)
+                plan = plan_mesh(meta, ParallelDims(shape, names, hardware="cpu"),
+                                 PlanRequest.for_mesh("plan_mesh", hardware="cpu", batch=(8, 16), dtype=torch.float32,
+                                                      expert_parallel=True))
                 assert plan.parallel["ep"]["styles"], (ck, names)
                 spec = json.loads(plan.to_json())
                 for style in spec["parallel"]["ep"]["styles"].values():   # the planner keeps tiny experts whole
