@@ -123,7 +123,8 @@ def _accelerator_peak(device: str) -> int | None:
     return None
 
 
-def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed) -> dict:
+def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, grad_tol: tuple[float, float]) -> dict:
+    """One SGD step of the plan beside one device; ``grad_tol``: (rtol, atol) of each gradient."""
     import torch.distributed as dist
 
     ref = make(**kwargs).to(device)
@@ -149,7 +150,7 @@ def _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed) 
             bad.append(name)
             continue
         rel_errs.append(float((gp - gr).abs().max() / gr.abs().max().clamp_min(1e-30)))
-        if not torch.allclose(gp, gr, rtol=rtol_grad, atol=atol_grad):
+        if not torch.allclose(gp, gr, rtol=grad_tol[0], atol=grad_tol[1]):
             bad.append(name)
     ref_loss = ref_loss.detach()
     loss_rel = abs(float(par_loss) - float(ref_loss)) / max(abs(float(ref_loss)), 1e-30)
@@ -198,7 +199,7 @@ def measure_rank(plan_json: str, factory: Callable | str, factory_kwargs: dict |
 
     # ---- numerics: one SGD step of the plan vs one device on the whole batch
     if numerics:
-        num = _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed)
+        num = _numerics(plan, make, kwargs, mesh, device, global_batch, seq, vocab, seed, (rtol_grad, atol_grad))
     else:
         num = dict(ref_loss=float("nan"), par_loss=float("nan"), loss_rel=float("nan"), rel_errs=[], bad=[])
     vocab = vocab or num.get("vocab") or _vocab(make(**kwargs))
