@@ -67,3 +67,14 @@ def test_train_compile_flags():
     assert compile_spec(TrainConfig(), torch.device("meta")).mode == "blocks"
     spec = compile_spec(TrainConfig(compile="model", compile_backend="aot_eager"), torch.device("cpu"))
     assert (spec.mode, spec.backend) == ("model", "aot_eager")
+
+
+def test_train_refuses_whole_model_inductor_on_several_ranks(monkeypatch):
+    """Whole-model inductor under the trainer on several ranks is refused before any step (it stopped
+    at its first step unable to resolve a process group); aot_eager and per-block stay allowed."""
+    monkeypatch.setattr("autoplan.train.loop.dist.is_initialized", lambda: True)
+    monkeypatch.setattr("autoplan.train.loop.dist.get_world_size", lambda *a, **k: 4)
+    with pytest.raises(TrainConfigError, match="--compile model with --compile-backend inductor"):
+        compile_spec(TrainConfig(compile="model"), torch.device("cpu"))
+    assert compile_spec(TrainConfig(compile="blocks"), torch.device("cpu")).mode == "blocks"
+    assert compile_spec(TrainConfig(compile="model", compile_backend="aot_eager"), torch.device("cpu")).mode == "model"
