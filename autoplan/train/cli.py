@@ -54,7 +54,8 @@ def config_from_args(args) -> TrainConfig:
     return TrainConfig(
         model=model or TrainConfig.model, layers=layers, model_args=_pairs(args.model_arg, "--model-arg"),
         seed=args.seed, plan=args.plan, constraints=_pairs(args.constraints, "--constraints"),
-        hardware=args.hardware, shard_all=args.shard_all, data=args.data, tokenizer=args.tokenizer,
+        hardware=args.hardware, shard_all=args.shard_all, data=args.data, data_format=args.data_format,
+        tokenizer=args.tokenizer,
         token_dtype=args.token_dtype, batch=args.batch, seq=args.seq, steps=args.steps, lr=args.lr,
         min_lr=args.min_lr, warmup=args.warmup, schedule=args.schedule, weight_decay=args.weight_decay,
         betas=betas, mixed_precision=args.mixed_precision, checkpoint_dir=args.checkpoint_dir,
@@ -123,8 +124,14 @@ def register(sub) -> None:
     t.add_argument("--layers", type=int, default=None)
     t.add_argument("--model-arg", default=None, help="config overrides, e.g. dim=256,n_heads=8")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--data", default="synthetic", help="synthetic, a token file (.npy/.bin/.pt) or a text file")
-    t.add_argument("--tokenizer", default="bytes", help="for text: bytes, a tokenizer.json or a local HF directory")
+    t.add_argument("--data", default="synthetic",
+                   help="synthetic, a token file (.npy/.bin/.pt), a text file, or image-text: a .jsonl of "
+                        '{"image": path, "text": ...} lines or a folder of images with .txt beside them')
+    t.add_argument("--data-format", default="auto", choices=("auto", "tokens", "image-text"),
+                   help="auto: image-text for a folder or a .jsonl whose lines have an \"image\", else tokens")
+    t.add_argument("--tokenizer", default="bytes",
+                   help="for text: bytes, a tokenizer.json or a local HF directory; for image-text: a processor "
+                        "directory (default: the --model directory)")
     t.add_argument("--token-dtype", default="uint16", help="element type of a .bin token file")
     t.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     t.add_argument("--seq", type=int, default=32)

@@ -12,6 +12,9 @@ from typing import Any
 from autoplan.train.errors import TrainConfigError
 from autoplan.precision.request import PRECISIONS
 
+# what --data holds: auto (image-text for a folder or a .jsonl of {"image", "text"} lines), tokens, image-text
+DATA_FORMATS = ("auto", "tokens", "image-text")
+
 
 @dataclass
 class TrainConfig:
@@ -26,8 +29,10 @@ class TrainConfig:
     hardware: str | None = None                                # planning profile (default: cpu or h100_sxm)
     shard_all: bool = False          # plan TP for every unit even where replication is cheaper (tiny models)
     # data
-    data: str = "synthetic"          # "synthetic", a token-id file (.npy/.bin/.pt) or a text file (.txt)
-    tokenizer: str = "bytes"         # for text: "bytes" or a local tokenizer.json / HF tokenizer directory
+    data: str = "synthetic"          # "synthetic", a token-id file (.npy/.bin/.pt), a text file (.txt) or image-text
+    data_format: str = "auto"        # auto | tokens | image-text (a .jsonl of {"image", "text"} or a folder)
+    tokenizer: str = "bytes"         # for text: "bytes" or a local tokenizer.json / HF tokenizer directory;
+                                     # for image-text: a processor directory (default: the --model directory)
     token_dtype: str = "uint16"      # element type of a raw .bin token file
     batch: int = 8                   # global batch in sequences
     seq: int = 32                    # tokens per sequence
@@ -90,6 +95,8 @@ class TrainConfig:
                 bad(flag, value, "must be a finite number > 0 (leave it out to disable)")
         if self.compile not in ("auto", "none", "blocks", "model"):
             bad("--compile", self.compile, "valid: auto, none, blocks, model")
+        if self.data_format not in DATA_FORMATS:
+            bad("--data-format", self.data_format, f"valid: {', '.join(DATA_FORMATS)}")
         if self.precision not in PRECISIONS:
             bad("--precision", self.precision, f"valid: {', '.join(PRECISIONS)}")
         if self.checkpoint_every and not self.checkpoint_dir:

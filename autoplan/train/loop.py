@@ -30,6 +30,7 @@ from autoplan.train.data import token_stream
 from autoplan.train.env import device_type, init_distributed, plan_mesh
 from autoplan.train.errors import DivergenceError, TrainConfigError
 from autoplan.train.guard import GradClipper, check_loss
+from autoplan.train import images
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from hyper_parallel.core.compile import CompileSpec, default_compile_mode
 from autoplan.train.model import build_model, flops_per_token, pretrained_weights
@@ -108,11 +109,17 @@ class Trainer:
         self.plan = plan
         self.mesh = plan_mesh(self.plan, self.device)
         self._check_batch()
+        # image-text data: the loss is the global batch's token mean (images.GlobalTokenMeanLoss)
+        self.image_loss = images.GlobalTokenMeanLoss() if images.data_format(cfg) == "image-text" else None
+        if self.image_loss is not None:
+            images.check_plan(self.plan)
         weights = pretrained_weights(cfg)  # a bad --init or missing weights fail before any work
         self.model = build_model(cfg.model, layers=cfg.layers, overrides=cfg.model_args, device="meta")
         self.flops_per_token = flops_per_token(self.model, cfg.seq)
+        image_source = images.open_image_text(cfg, self.model) if self.image_loss is not None else None
+        loss = {"loss_fn": self.image_loss} if self.image_loss is not None else {}
         self.runner = self.plan.apply(self.model, self.mesh, optimizer=self._optimizer,
-                                      compile=compile_spec(cfg, self.device))
+                                      compile=compile_spec(cfg, self.device), **loss)
         if not hasattr(self.runner, "stages"):  # FSDP/TP replaced the parameters: optimizer over the new ones
             self.runner.optimizer = self._optimizer(self.model.parameters())
         start = restart.start_point(cfg, self.key)  # --resume auto|latest|never|PATH, collective
@@ -126,8 +133,9 @@ class Trainer:
         self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type != "cpu")
         self.peak = peak_flops(self.plan.mesh.get("hardware"), torch.bfloat16 if self.bf16 else torch.float32) \
             if self.rank == 0 else None  # rank 0 reports
-        self.data = token_stream(cfg.data, batch=cfg.batch, seq=cfg.seq, vocab=_vocab(self.model), seed=cfg.seed,
-                                 tokenizer=cfg.tokenizer, token_dtype=cfg.token_dtype)
+        self.data = images.image_batches(image_source, cfg, self.runner) if image_source is not None else \
+            token_stream(cfg.data, batch=cfg.batch, seq=cfg.seq, vocab=_vocab(self.model), seed=cfg.seed,
+                         tokenizer=cfg.tokenizer, token_dtype=cfg.token_dtype)
         self.step = 0
         if start is not None:
             self.resume(start)
@@ -196,12 +204,19 @@ class Trainer:
         lr = lr_at(self.cfg, self.step)
         for group in self.runner.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = self.data.next()
-        inputs, targets = self.runner.local_batch(inputs.to(self.device), targets.to(self.device))
+        extra = {}
+        if self.image_loss is not None:   # this rank's rows already, with the model's other inputs
+            inputs, targets, extra = self.data.next()
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            extra = {k: v.to(self.device) for k, v in extra.items()}
+            self.image_loss.set_for(targets, images.batch_meshes(self.runner), self.runner.microbatches)
+        else:
+            inputs, targets = self.data.next()
+            inputs, targets = self.runner.local_batch(inputs.to(self.device), targets.to(self.device))
         amp = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         t0 = time.perf_counter()
         with amp:
-            loss = self.runner.step((inputs, targets))
+            loss = self.runner.step((inputs, targets), **extra)
         step_s = time.perf_counter() - t0
         self.step += 1
         tps = self.cfg.batch * self.cfg.seq / step_s
