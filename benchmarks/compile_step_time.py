@@ -38,7 +38,7 @@ def make_plan(path: Path) -> None:
     plan = plan_cluster(meta, 4, hardware="cpu", batch=(8, 32), devices_per_node=4,
                         constraints=dict(dp=2, tp=2, pp=1, fsdp=True), allow_replicated_units=False,
                         dtype=torch.float32)
-    plan.model["source"] = "titan-llama-debug"
+    plan = plan.replace(model=dict(plan.model, source="titan-llama-debug"))
     plan.to_json(path)
 
 

@@ -195,20 +195,20 @@ def inflight_microbatches(schedule: str, pp: int, n_microbatches: int, stage: in
 
 
 def rank_memory(params: Iterable[ParamSpec], layer_activation_bytes: float, n_layers: int, *,
-                tp: int = 1, fsdp: int = 1, precision: PrecisionPolicy | str = "fp32",
-                schedule: str = "1F1B", pp: int = 1, n_microbatches: int = 1, stage: int = 0,
-                virtual: int = 1, largest_layer_params: float = 0.0, fsdp_prefetch: int = 1) -> pd.Series:
+                tp: int = 1, fsdp: int = 1, precision: PrecisionPolicy | str = "fp32", inflight: int = 1,
+                largest_layer_params: float = 0.0, fsdp_prefetch: int = 1) -> pd.Series:
     """Peak-memory breakdown of one rank (bytes) as a pandas Series.
 
     ``params`` are the parameters this pipeline stage owns; ``layer_activation_bytes`` is one
     layer's per-rank bytes for one micro-batch (from :func:`cost_models.activations.activation_bytes`,
-    already under the TP/SP layout and checkpointing); ``n_layers`` the layers on this rank.
+    already under the TP/SP layout and checkpointing); ``n_layers`` the layers on this rank;
+    ``inflight`` the micro-batches whose activations the rank holds at its peak -- what its
+    pipeline schedule says (:func:`inflight_microbatches`), 1 without a pipeline.
     With fsdp > 1 the unsharded compute copy of the largest layer (``largest_layer_params`` elements,
     TP-local) is added once plus ``fsdp_prefetch`` more for the next layer's all-gather.
     """
     pol = PRECISIONS[precision] if isinstance(precision, str) else precision
     states = model_state_bytes(params, tp=tp, fsdp=fsdp, precision=pol)
-    inflight = inflight_microbatches(schedule, pp, n_microbatches, stage, virtual)
     acts = layer_activation_bytes * n_layers * inflight
     gathered = largest_layer_params * pol.compute_param * (1 + fsdp_prefetch) if fsdp > 1 else 0.0
     out = pd.Series({"params": states.params, "grads": states.grads, "optimizer": states.optimizer,

@@ -103,3 +103,9 @@ class PipelinePeerFailedError(PipelineError):
 class CompileError(HyperParallelError, ValueError):
     """A compile setting that is not valid (unknown mode or backend), or a part of a parallelized
     model that cannot run under ``torch.compile`` -- refused by name instead of run differently."""
+
+
+class AsyncTPError(CompileError):
+    """Async tensor parallelism asked for where it cannot run: it needs ``torch.compile`` with
+    inductor (whose micro-pipeline pass does the fusing), CUDA devices and a backend with
+    symmetric memory (NCCL). The plan can still be priced; it cannot be applied so here."""

@@ -302,8 +302,6 @@ def long_signatures(root: Path = ROOT, packages=PACKAGES, limit: int = 10) -> li
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="3 remain, in code others are changing: plan/runner.py's Runner.__init__, "
-                   "the pipeline schedules' __init__ (hyper_parallel) and cost_models.memory.rank_memory")
 def test_few_internal_functions_take_more_than_ten_parameters():
     found = long_signatures()
     assert len(found) <= MAX_LONG_SIGNATURES, (

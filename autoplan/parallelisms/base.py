@@ -8,7 +8,11 @@ expert and context parallel) is one object that owns, in one file:
    (``schema``, ``check``), so a plan stores decisions per parallelism instead of fixed fields,
 3. how the runtime applies it on this rank (``apply_to_model`` before a pipeline split,
    ``apply_to_roots`` after it, in the registry's order: TP -> CP -> AC -> FSDP, PP around them),
-4. the mesh dimensions whose traffic verify attributes to it (``traffic_dims``).
+4. its part of a training step on this rank: the rows or sequence chunk of a batch it keeps
+   (``batch_ways``, ``share_batch``), a loss it must replace (``step_loss``) and the gradient work
+   it adds between backward and the optimizer (``after_backward``) -- so both runners and verify's
+   dry runs walk the registry instead of naming parallelisms,
+5. the mesh dimensions whose traffic verify attributes to it (``traffic_dims``).
 
 The planner's candidates for a parallelism are priced by ``autoplan.search`` from the runtime's own
 styles (collectives derived from the styles hyper_parallel applies, checked by the probe).
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
+import torch
 import torch.nn as nn
 
 from autoplan.errors import PlanSchemaError
@@ -97,6 +102,39 @@ class Parallelism:
 
     def apply_to_roots(self, plan, target: ApplyTarget) -> None:
         """Applied to ``target.roots`` / ``target.blocks`` after the split (recompute, FSDP)."""
+
+    # -- a training step on this rank (the runners and verify's dry runs walk these) ------------
+    def batch_ways(self, plan) -> int:
+        """Ways this parallelism splits the rows of a global batch (1: it does not split rows)."""
+        return 1
+
+    def share_batch(self, applied: dict, inputs: torch.Tensor, targets: torch.Tensor, who: str):
+        """This rank's part of ``inputs``/``targets`` along what this parallelism splits (batch rows,
+        or each sequence), from what its apply step left in ``applied`` (``ApplyTarget.state``);
+        unchanged by default. ``who`` names the caller in errors."""
+        return inputs, targets
+
+    def step_loss(self, applied: dict, loss_fn: Callable | None, who: str) -> Callable | None:
+        """A loss this parallelism needs instead of the caller's (context parallel's exact mean over
+        the global batch), or None to keep it. ``loss_fn``: the caller's own loss, None for the
+        runner's default; one this parallelism cannot honour is refused here, before any step."""
+        return None
+
+    def stage_kwargs(self, applied: dict, root: nn.Module, inputs: torch.Tensor) -> dict | None:
+        """Keywords every pipeline stage needs in a step because this parallelism changed what the
+        stage's input alone tells it (context parallel's global positions), passed whole to every
+        micro-batch; None: nothing to add."""
+        return None
+
+    def stage_kwarg_keys(self, applied: dict, root: nn.Module) -> tuple[str, ...]:
+        """The names :meth:`stage_kwargs` returns, known before the schedule is built (it passes
+        them whole instead of splitting them into micro-batches)."""
+        return ()
+
+    def after_backward(self, applied: dict, optimizer) -> bool:
+        """Gradient work between the step's last backward and the optimizer step (an all-reduce
+        the runtime issues itself); True when it stepped ``optimizer`` itself (ZeRO-1)."""
+        return False
 
     # -- verify -----------------------------------------------------------------------------
     def traffic_dims(self, plan) -> tuple[str, ...]:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
+from hyper_parallel import cp_cross_entropy
 from hyper_parallel.core.context_parallel import VARIANTS, apply_context_parallel, local_positions, shard_batch
 from hyper_parallel.core.context_parallel.style import _position_arg
 
@@ -100,6 +102,33 @@ class ContextParallelism(Parallelism):
         if dp is not None and names.index(dp) + 1 != names.index(name):
             raise section_error("cp", "dim", f"the dp dimension {dp!r} must sit right before {name!r} in the mesh "
                                 f"names {names}: gradients average over the flattened dp x cp mesh")
+
+    def share_batch(self, applied: dict, inputs, targets, who: str):
+        """This rank's head and tail chunks of every sequence (after the row splits)."""
+        return cp_share(inputs, targets, applied.get("cp_mesh"))
+
+    def step_loss(self, applied: dict, loss_fn, who: str):
+        """The token cross entropy's exact mean over the global batch, reduced over the gradient
+        mesh (dp x cp, or cp alone), with the gradient scaled for the averaging that follows."""
+        mesh = applied.get("cp_mesh")
+        if mesh is None:
+            return None
+        if loss_fn is not None:
+            name = getattr(loss_fn, "__name__", loss_fn)
+            raise InvalidArgumentError(f"{who}: loss_fn={name!r} with context parallelism; the loss of a cp plan is "
+                                       "the token cross entropy over the global batch (cp_cross_entropy); omit loss_fn")
+        over = applied.get("dp_mesh") if applied.get("dp_mesh") is not None else mesh
+
+        def cp_loss(logits, targets):
+            return cp_cross_entropy(logits, targets, over)
+        return cp_loss
+
+    def stage_kwargs(self, applied: dict, root, inputs) -> dict | None:
+        mesh = applied.get("cp_mesh")
+        return cp_step_kwargs(root, mesh, inputs.shape[1]) if mesh is not None else None
+
+    def stage_kwarg_keys(self, applied: dict, root) -> tuple[str, ...]:
+        return (cp_step_key(root),) if applied.get("cp_mesh") is not None else ()
 
     def apply_to_model(self, plan, target: ApplyTarget) -> None:
         """The ContextParallel style on the model's root, after tensor parallel's styles; the cp

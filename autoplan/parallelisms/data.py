@@ -242,6 +242,8 @@ class Zero1:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Reduce-scatter the gradients, step this rank's slice with ``optimizer``'s algorithm,
         all-gather the updated parameters."""
+        if not self.params:
+            return
         local = [_local(p) for p in self.params]
         total = self.padded_numel()
         shard = total // self.world
@@ -253,7 +255,10 @@ class Zero1:
                 flat[offset:offset + t.numel()].copy_(_local(p.grad).reshape(-1))
             offset += t.numel()
         grad = torch.empty(shard, dtype=torch.float32, device=device)
-        dist.reduce_scatter_single(grad, flat, group=self.group)
+        if self.world > 1:
+            dist.reduce_scatter_single(grad, flat, group=self.group)
+        else:   # one rank (the experts at dp 1 beside non-expert state sharded over ep): nothing to reduce
+            grad.copy_(flat)
         if self.master is None or self._outer is not optimizer:
             self._build(optimizer, local, total, shard)
         for k, v in optimizer.param_groups[0].items():   # follow lr schedules on the outer optimizer
@@ -262,7 +267,10 @@ class Zero1:
         self.master.grad = grad.div_(self.world)
         self.inner.step()
         gathered = torch.empty(total, dtype=dtype, device=device)
-        dist.all_gather_single(gathered, self.master.detach().to(dtype), group=self.group)
+        if self.world > 1:
+            dist.all_gather_single(gathered, self.master.detach().to(dtype), group=self.group)
+        else:
+            gathered.copy_(self.master.detach())
         offset = 0
         with torch.no_grad():
             for t in local:
@@ -281,6 +289,38 @@ class Zero1:
         settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         self.inner = type(optimizer)([self.master], **settings)
         self._outer = optimizer
+
+
+class Zero1Groups:
+    """ZeRO-1 of a plan with an ep dimension: the parameters outside the experts over the
+    flattened dp x ep mesh (their ranks hold the same parameters and different tokens, so one
+    reduce-scatter averages them over every batch shard -- Megatron-Core's distributed optimizer
+    over the whole data-parallel group, which contains ep), each rank's experts over dp (its ep
+    shard differs from its ep peers'). Each is a :class:`Zero1` of its own flat buffer; the
+    expert gradients were divided by ep before (``parallelisms.expert.ExpertGradSync``)."""
+
+    def __init__(self, parts: list[Zero1]):
+        self.parts = parts
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for part in self.parts:
+            part.step(optimizer)
+
+
+def zero1_of(plan, target: ApplyTarget, mesh, over_ep):
+    """The ZeRO-1 state of ``target``'s roots: one :class:`Zero1` over the gradient mesh, or with
+    ``over_ep`` (``state_mesh``: the flattened dp x ep mesh) a :class:`Zero1Groups` of the
+    non-expert parameters over it and the experts over ``mesh`` (dp; one rank at dp 1). Records
+    the parameters averaged over ep (``dense_over_ep``) so ExpertGradSync leaves them alone."""
+    params = unique_params(*target.roots)
+    if over_ep is None:
+        return Zero1(params, mesh.get_group(), mesh.size(), mesh.get_local_rank())
+    experts = {id(p) for root in target.roots for m in expert_containers(root, plan) for p in m.parameters()}
+    dense = [p for p in params if id(p) not in experts]
+    target.state["dense_over_ep"] = {id(p) for p in dense}
+    parts = [Zero1(dense, over_ep.get_group(), over_ep.size(), over_ep.get_local_rank()),
+             Zero1([p for p in params if id(p) in experts], mesh.get_group(), mesh.size(), mesh.get_local_rank())]
+    return Zero1Groups(parts)
 
 
 # ---- registry entries --------------------------------------------------------------------------
@@ -329,12 +369,42 @@ class DataParallel(Parallelism):
             dims += (flat_name(state_dims(plan)),)   # FSDP of the non-expert parameters over dp x ep
         return dims
 
+    def batch_ways(self, plan) -> int:
+        return dp_degree(plan)
+
+    def share_batch(self, applied: dict, inputs, targets, who: str):
+        """Rows by this rank's data-parallel coordinate (row-major over HSDP's 2-D mesh)."""
+        return dp_share(inputs, targets, applied.get("batch_mesh"), who)
+
+    def after_backward(self, applied: dict, optimizer) -> bool:
+        """ZeRO-1: reduce-scatter, step this rank's slice, all-gather (the optimizer has stepped);
+        replicated dp: one all-reduce of every gradient; FSDP: one all-reduce of the parameters it
+        left out (its own reductions ran inside backward)."""
+        mesh, roots = applied.get("dp_mesh"), applied.get("dp_roots", ())
+        if applied.get("zero1") is not None:   # (at dp 1 too where ep shards the non-expert state)
+            applied["zero1"].step(optimizer)
+            return True
+        if mesh is None or mesh.size() == 1:
+            return False
+        if applied.get("dp_mode") == "replicate":
+            allreduce_gradients(unique_params(*roots), mesh.get_group(), mesh.size())
+        elif applied.get("fsdp_replicated"):
+            allreduce_gradients(applied["fsdp_replicated"], dp_group(mesh), mesh.size())
+        return False
+
     def apply_to_roots(self, plan, target: ApplyTarget) -> None:
         # 2-D (dp_replicate, dp_shard) for HSDP: FSDP2's HSDP; the flattened dp x cp with context parallel
         mesh = grad_mesh(plan, target.mesh)
         mode = plan_dp_mode(plan)
-        target.state.update(dp_mesh=mesh, dp_mode=mode, batch_mesh=dp_mesh(plan, target.mesh))
-        if mode != "fsdp" or mesh is None or mesh.size() == 1:
+        target.state.update(dp_mesh=mesh, dp_mode=mode, batch_mesh=dp_mesh(plan, target.mesh),
+                            dp_roots=list(target.roots))
+        # with an ep dimension FSDP and ZeRO-1 shard the non-expert state over dp x ep, at dp 1 too
+        over_ep = state_mesh(plan, target.mesh) if mode in ("fsdp", "zero1") else None
+        if (mesh is None or mesh.size() == 1) and over_ep is None:
+            return
+        if mode == "zero1":   # the optimizer state sharded over dp (x ep); parameters stay whole
+            target.state["zero1"] = zero1_of(plan, target, mesh, over_ep)
+        if mode != "fsdp":
             return
         kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
         # parameters FSDP2 cannot shard (a packed projection's bias) stay replicated over dp: the
@@ -342,7 +412,6 @@ class DataParallel(Parallelism):
         unshardable = [p for root in target.roots for p in fsdp_unshardable(root)]
         target.state["fsdp_replicated"] = unshardable
         ignored = set(target.ignored_params) | set(unshardable)
-        over_ep = state_mesh(plan, target.mesh)
         dense = over_ep if over_ep is not None else mesh
         if over_ep is not None:
             # with an ep dimension: each experts container its own unit over dp (first, so the

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autoplan.parallelisms.base import ApplyTarget, Parallelism, section_error
-from autoplan.parallelisms.data import allreduce_gradients, dp_degree, expert_containers, unique_params
+from autoplan.parallelisms.data import allreduce_gradients, dp_share, expert_containers, unique_params
 from hyper_parallel import parallelize_module, style_from_dict
 from hyper_parallel.errors import PipelineError
 
@@ -55,11 +55,6 @@ def ep_degree(plan) -> int:
     if dim is None:
         return 1
     return int(dict(zip(plan.mesh["names"], plan.mesh["shape"]))[dim])
-
-
-def batch_shards(plan) -> int:
-    """Ways the global batch is split: data parallel x the ep dimension."""
-    return dp_degree(plan) * ep_degree(plan)
 
 
 def expert_parameters(model: nn.Module, plan) -> list[nn.Parameter]:
@@ -143,6 +138,18 @@ class ExpertParallelism(Parallelism):
 
     def active(self, plan) -> bool:
         return bool(ep_section(plan))
+
+    def batch_ways(self, plan) -> int:
+        return ep_degree(plan)
+
+    def share_batch(self, applied: dict, inputs, targets, who: str):
+        """Rows by this rank's ep coordinate: the ep dimension shards the batch (ep borrows from dp)."""
+        return dp_share(inputs, targets, applied.get("ep_mesh"), who)
+
+    def after_backward(self, applied: dict, optimizer) -> bool:
+        if applied.get("ep_sync") is not None:
+            applied["ep_sync"]()
+        return False
 
     def traffic_dims(self, plan) -> tuple[str, ...]:
         """The ep dimension, and the tp dimension where expert TP runs in a plan whose tensor

@@ -23,13 +23,12 @@ from torch.distributed.tensor import DTensor
 import hyper_parallel.core.pipeline_parallel as pipe
 from autoplan.capture.image_inputs import image_inputs
 from autoplan.parallelisms import ApplyTarget
-from autoplan.parallelisms.context import cp_share, cp_step_key, cp_step_kwargs
-from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_share, grad_mesh, plan_dp_mode, unique_params
-from autoplan.parallelisms.data import dp_mesh as plan_dp_mesh
-from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
+from autoplan.parallelisms.data import dp_group, grad_mesh, plan_dp_mode, unique_params
+from autoplan.parallelisms.registry import (after_backward, apply_to_model, apply_to_roots, local_batch,
+                                            stage_kwarg_keys, stage_kwargs, step_loss)
 from autoplan.plan.forward import lm_loss
 from autoplan.plan.held_weights import HeldWeights
-from hyper_parallel import cp_cross_entropy, loss_parallel
+from hyper_parallel import loss_parallel
 from hyper_parallel.core.compile import compile_parts
 from hyper_parallel.core.pipeline_parallel.microbatch import NO_SPLIT
 from hyper_parallel.parallel_dims import mesh_roles
@@ -63,62 +62,45 @@ class PipelineRunner(HeldWeights):
     """``step((inputs, targets)) -> float``: one training step of this rank's stages; the loss
     returned on every rank is the global one (mean over micro-batches and dp ranks)."""
 
-    def __init__(self, plan, stages, schedule, optimizer, pp_group, dp_mesh=None, batch_mesh=None, cp_mesh=None,
-                 root=None, applied: dict | None = None):
-        """``applied``: what the registry's entries left on this rank (``ApplyTarget.state``: the
-        ep sub-mesh and its gradient sync, ...)."""
+    def __init__(self, plan, stages, schedule, optimizer, pp_group, root: nn.Module, applied: dict):
+        """``root``: the model before the cut (what the stages' keywords are read from);
+        ``applied``: what the registry's entries left on this rank (``ApplyTarget.state``: the
+        dp, cp and ep sub-meshes, ZeRO-1, expert parallel's gradient sync, ...)."""
         self.plan, self.stages, self.schedule, self.optimizer = plan, stages, schedule, optimizer
         ir = schedule.ir   # the last stage's pipeline rank holds the loss every rank reports
-        self.pp_group, self.last_pp_rank, self.dp_mesh = pp_group, ir.stage_to_rank[ir.n_stages - 1], dp_mesh
-        # context parallel: dp_mesh is the gradient mesh (dp x cp), batch_mesh splits batch rows (dp),
-        # cp_mesh each sequence (head + tail chunks); root: the model before the cut (its position argument)
-        self.batch_mesh = dp_mesh if cp_mesh is None else batch_mesh
-        self.cp_mesh, self.root = cp_mesh, root
-        # expert parallel: the ep dimension shards each micro-batch's rows inside every stage, and
-        # ``ep_sync`` averages the gradients over it after the schedule (parallelisms.expert)
-        applied = applied or {}
-        self.ep_mesh, self.ep_sync = applied.get("ep_mesh"), applied.get("ep_sync")
+        self.pp_group, self.last_pp_rank = pp_group, ir.stage_to_rank[ir.n_stages - 1]
+        self.root, self.applied = root, applied
         idx = {s.stage_index for s in stages}
         self.first, self.last = 0 in idx, schedule.ir.n_stages - 1 in idx
+
+    # what the entries left, by the names callers and tests read
+    dp_mesh = property(lambda self: self.applied.get("dp_mesh"))   # gradients averaged over it (dp, or dp x cp)
+    cp_mesh = property(lambda self: self.applied.get("cp_mesh"))
+    ep_mesh = property(lambda self: self.applied.get("ep_mesh"))
+    zero1 = property(lambda self: self.applied.get("zero1"))
 
     @property
     def model_parts(self) -> list[nn.Module]:
         return [s.module for s in self.stages]
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's share of a global batch along dim 0 (its dp coordinate, then its ep
-        coordinate when the plan's ep dimension shards the batch, as ``Runner.local_batch``),
-        then (context parallel) its head and tail chunks of every sequence."""
-        inputs, targets = dp_share(inputs, targets, self.batch_mesh, "PipelineRunner")
-        inputs, targets = dp_share(inputs, targets, self.ep_mesh, "PipelineRunner")
-        return cp_share(inputs, targets, self.cp_mesh)
+        """This rank's share of a global batch, as ``Runner.local_batch``: rows by its dp (then ep)
+        coordinate, then its head and tail chunks of every sequence under context parallelism."""
+        return local_batch(self.plan, self.applied, inputs, targets, "PipelineRunner")
 
     def step_kwargs(self, inputs: torch.Tensor) -> dict:
-        """Keywords every stage gets in a step: cp, the global positions of this rank's tokens;
-        otherwise the sequence length, which a stage that receives a sequence shard (sequence
-        parallel) cannot read off its input but builds its positions and mask for (split.py),
-        and the token ids, which a forward may read beyond its embedding (forward_split.py)."""
-        if self.cp_mesh is not None:
-            return cp_step_kwargs(self.root, self.cp_mesh, inputs.shape[1])
-        return {"sequence_length": int(inputs.shape[1]), pipe.STAGE_TOKENS: inputs}
+        """Keywords every stage gets in a step: what a parallelism adds (context parallel: the
+        global positions of this rank's tokens); otherwise the sequence length, which a stage that
+        receives a sequence shard (sequence parallel) cannot read off its input but builds its
+        positions and mask for (split.py), and the token ids, which a forward may read beyond its
+        embedding (forward_split.py)."""
+        return stage_kwargs(self.applied, self.root, inputs) or \
+            {"sequence_length": int(inputs.shape[1]), pipe.STAGE_TOKENS: inputs}
 
     def data_parallel_step(self) -> bool:
-        """After the schedule: replicated dp all-reduces this rank's gradients; ZeRO-1 reduce-
-        scatters them, steps its slice, all-gathers the parameters (True: optimizer stepped).
-        Expert parallel's ep dimension first averages the gradients over its batch shards (after
-        the schedule has summed tied parameters across stages)."""
-        if self.ep_sync is not None:
-            self.ep_sync()
-        zero1 = getattr(self, "zero1", None)
-        if zero1 is not None:
-            zero1.step(self.optimizer)
-            return True
-        if getattr(self, "replicate_dp", False):
-            params = unique_params(*(st.module for st in self.stages))
-            allreduce_gradients(params, self.dp_mesh.get_group(), self.dp_mesh.size())
-        elif getattr(self, "fsdp_replicated", None):   # left out of FSDP (parallelisms.data)
-            allreduce_gradients(self.fsdp_replicated, dp_group(self.dp_mesh), self.dp_mesh.size())
-        return False
+        """After the schedule (which has summed tied parameters across stages): every parallelism's
+        gradient work, as ``Runner.data_parallel_step``; True when the optimizer has stepped."""
+        return after_backward(self.applied, self.optimizer)
 
     def step(self, batch, **kwargs) -> float:
         """``kwargs``: the step's other inputs for this rank's rows (a VL model's ``pixel_values``,
@@ -245,10 +227,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
     target.block_finder = [st.module.get_submodule(u) for st in stages for u in st.module.units
                            if any(u.startswith(b + ".") for b in blocks)]
     mode = plan_dp_mode(plan)
-    cp_mesh = target.state.get("cp_mesh")
-    batch_mesh = plan_dp_mesh(plan, mesh)
-    # 2-D (dp_replicate, dp_shard) for HSDP; with context parallelism the flattened dp x cp mesh
-    dp_mesh = grad_mesh(plan, mesh) if cp_mesh is not None else batch_mesh
+    dp_mesh = grad_mesh(plan, mesh)   # 2-D (dp_replicate, dp_shard) for HSDP; dp x cp flattened with cp
     use_dp = dp_mesh is not None and dp_mesh.size() > 1
     if use_dp and mode == "fsdp":
         # parameters shared across stages (tied embedding / head) are reduced by the schedule, not FSDP
@@ -256,23 +235,12 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
                 for s, fqn in g.items() if s == st.stage_index for prm in [st.module.get_parameter(fqn)]}
         target.ignored_params = {prm for st in stages for prm in st.module.parameters() if id(prm) in tied}
     apply_to_roots(plan, target)
-    replicate_dp = use_dp and mode == "replicate"
-    zero1_dp = use_dp and mode == "zero1"
-    use_dp = use_dp and mode == "fsdp"
-    pre = plan_preprocess(pipe_cfg.get("preprocess"), model, mode if dp_mesh is not None and dp_mesh.size() > 1
-                          else None)
+    pre = plan_preprocess(pipe_cfg.get("preprocess"), model, mode if use_dp else None)
     sharded_loss = bool(plan.loss_parallel) and tp_mesh is not None
-    if cp_mesh is not None:   # the exact mean over the global batch's tokens (runner.py's cp loss)
-        if loss_fn is not None and loss_fn is not lm_loss:
-            raise MeshError("plan.apply: loss_fn with context parallelism; the loss of a cp plan is the token "
-                            "cross entropy over the global batch (cp_cross_entropy); omit loss_fn")
-        loss_mesh = dp_mesh if dp_mesh is not None else cp_mesh
-
-        def loss_fn(logits, targets):
-            return cp_cross_entropy(logits, targets, loss_mesh)
-    loss = (_sharded_logits_loss if sharded_loss else _full_logits_loss)(loss_fn or lm_loss)
-    step_keys = (cp_step_key(model),) if cp_mesh is not None else ()
-    schedule = cls(stages, m, loss, dp_group=dp_group(dp_mesh) if use_dp else None,
+    own = step_loss(target.state, None if loss_fn is None or loss_fn is lm_loss else loss_fn, "plan.apply")
+    loss = (_sharded_logits_loss if sharded_loss else _full_logits_loss)(own or lm_loss)
+    step_keys = stage_kwarg_keys(target.state, model)
+    schedule = cls(stages, m, loss, dp_group=dp_group(dp_mesh) if use_dp and mode == "fsdp" else None,
                    loss_context=loss_parallel if sharded_loss else None, preprocess=pre,
                    **({"kwarg_specs": {k: NO_SPLIT for k in step_keys}} if step_keys else {}), **kwargs)
     params = rank_parameters(stages, pre)
@@ -280,13 +248,7 @@ def apply_pipeline_plan(plan, model: nn.Module, mesh, *, optimizer=None, lr: flo
         optimizer = torch.optim.AdamW(params, lr=lr)
     elif callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(params)
-    runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group,
-                            dp_mesh if (use_dp or replicate_dp or zero1_dp) else None,
-                            batch_mesh=batch_mesh, cp_mesh=cp_mesh, root=model, applied=target.state)
-    runner.replicate_dp = replicate_dp
-    runner.fsdp_replicated = target.state.get("fsdp_replicated", []) if use_dp else []
-    runner.zero1 = Zero1(unique_params(*(st.module for st in stages)), dp_mesh.get_group(),
-                         dp_mesh.size(), dp_mesh.get_local_rank()) if zero1_dp else None
+    runner = PipelineRunner(plan, stages, schedule, optimizer, pp_group, root=model, applied=target.state)
     runner.compiled = compile_parts(compile, target.block_finder,
                                     [st.module for st in stages] + ([pre.module] if pre is not None else []),
                                     where="plan.apply (pipeline)")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.errors import InvalidArgumentError, PlanSchemaError, PlanSealedError
+from autoplan.plan.frozen import freeze, thaw
 from autoplan.plan.runner import apply_plan
 from autoplan.parallelisms import default_sections
 from autoplan.plan.schema import SCHEMA_VERSION, upgrade_plan_data, validate_plan_data
@@ -36,16 +37,6 @@ from autoplan.review import (
     to_torch,
 )
 from hyper_parallel import style_from_dict
-
-
-def _plain(value: Any) -> Any:
-    """JSON's own types (tuples become lists, dicts are copied), so ``to_dict`` equals what
-    ``from_json(to_json())`` gives back and never aliases the plan's fields."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _reject_constant(name: str):
@@ -218,7 +209,7 @@ class Plan:
         }
         if timing:
             data["timing"] = self.timing
-        return _plain(data)
+        return thaw(data)
 
     def to_json(self, path: str | Path | None = None, *, timing: bool = False) -> str:
         text = json.dumps(self.to_dict(timing), indent=1, sort_keys=True, allow_nan=False) + "\n"
@@ -230,7 +221,7 @@ class Plan:
     def from_dict(cls, data: Any) -> "Plan":
         data = upgrade_plan_data(data)   # a schema-2 file: its fixed fields moved into sections
         validate_plan_data(data)
-        data = _plain(data)  # the plan owns its data: later edits of ``data`` do not reach it
+        data = thaw(data)  # the plan owns its data: later edits of ``data`` do not reach it
         kw = {k: data[k] for k in ("mesh", "parallel", "decisions", "predictions", "alternatives", "solver", "model",
                                    "batch")}
         return sealed(cls(**kw, notes=list(data.get("notes", [])), timing=dict(data.get("timing", {})),
@@ -353,14 +344,19 @@ def plan_fields() -> frozenset[str]:
 
 
 def draft(plan: Plan) -> Plan:
-    """An editable copy of ``plan`` (a deep copy: the original is untouched)."""
-    new = copy.deepcopy(plan)
+    """An editable copy of ``plan`` (a deep copy with plain containers: the original is untouched)."""
+    new = copy.copy(plan)
     new.__dict__.pop("_sealed", None)
+    for name in plan.__dataclass_fields__:
+        object.__setattr__(new, name, thaw(getattr(plan, name)))
     return new
 
 
 def sealed(plan: Plan) -> Plan:
-    """``plan``, from now on refusing any assignment to its fields (PlanSealedError)."""
+    """``plan``, from now on refusing any assignment to its fields and any change inside them
+    (PlanSealedError): every section becomes read-only (``autoplan.plan.frozen``)."""
+    for name in plan.__dataclass_fields__:
+        object.__setattr__(plan, name, freeze(getattr(plan, name)))
     plan.__dict__["_sealed"] = True
     return plan
 

@@ -18,70 +18,56 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms import ApplyTarget
-from autoplan.parallelisms.context import cp_share
-from autoplan.parallelisms.data import Zero1, allreduce_gradients, dp_group, dp_share, unique_params
-from autoplan.parallelisms.registry import apply_to_model, apply_to_roots
+from autoplan.parallelisms.registry import after_backward, apply_to_model, apply_to_roots, local_batch, step_loss
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.pipeline_runner import apply_pipeline_plan
 from autoplan.plan.held_weights import HeldWeights
 from autoplan.plan.weights import ModelInit
-from hyper_parallel import cp_cross_entropy, loss_parallel
+from hyper_parallel import loss_parallel
+from hyper_parallel.core.async_tp import enable_async_tp
 from hyper_parallel.core.compile import CompileSpec, compile_parts
 from hyper_parallel.core.pipeline_parallel import split_microbatches
-from hyper_parallel.errors import CompileError, MeshError, MicrobatchError
+from hyper_parallel.errors import AsyncTPError, CompileError, MeshError, MicrobatchError
 from hyper_parallel.platform import current_device
 
 log = logging.getLogger(__name__)
 
 
 class Runner(HeldWeights):
-    def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable, dp_mesh=None,
-                 replicate_dp: bool = False, zero1: Zero1 | None = None, batch_mesh=None, cp_mesh=None,
-                 ep_mesh=None, ep_sync=None, fsdp_replicated=(), microbatches: int = 1):
+    """One training step of a plan without a pipeline (or with one stage that accumulates).
+
+    What each parallelism does inside a step -- its share of the batch, a loss it replaces, its
+    gradient work after backward -- comes from the registry entries (``autoplan.parallelisms``)
+    through ``applied``, what their apply steps left on this rank (``ApplyTarget.state``); the
+    runner names none of them."""
+
+    def __init__(self, model: nn.Module, plan, optimizer: torch.optim.Optimizer, loss_fn: Callable | None,
+                 applied: dict, microbatches: int = 1):
         self.model = model
         self.plan = plan
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.dp_mesh = dp_mesh            # gradients are averaged over it (dp, or dp x cp flattened)
-        self.batch_mesh = dp_mesh if batch_mesh is None and cp_mesh is None else batch_mesh  # splits batch rows
-        self.cp_mesh = cp_mesh            # context parallel: splits each sequence (head + tail chunks)
-        self.replicate_dp = replicate_dp  # replicated data parallel: average gradients after backward
-        self.zero1 = zero1                # ZeRO-1: sharded optimizer step after backward
-        self.ep_mesh = ep_mesh            # expert parallel: the ep dimension shards the batch too
-        self.ep_sync = ep_sync            # ... and averages gradients over it (parallelisms.expert)
-        self.fsdp_replicated = list(fsdp_replicated)   # left out of FSDP: gradients averaged over dp
+        self.applied = applied
+        self.loss_fn = step_loss(applied, loss_fn, "plan.apply") or lm_loss   # a refusal fails before any step
         self.microbatches = microbatches  # gradient accumulation: forward + backward per micro-batch
 
+    # what the entries left, by the names callers and tests read
+    dp_mesh = property(lambda self: self.applied.get("dp_mesh"))   # gradients averaged over it (dp, or dp x cp)
+    cp_mesh = property(lambda self: self.applied.get("cp_mesh"))
+    ep_mesh = property(lambda self: self.applied.get("ep_mesh"))
+    zero1 = property(lambda self: self.applied.get("zero1"))
+
     def data_parallel_step(self) -> bool:
-        """What follows backward on the dp group: replicated dp all-reduces the gradients;
-        ZeRO-1 reduce-scatters them, steps this rank's slice and all-gathers the parameters
-        (returns True: the optimizer has stepped). FSDP did its part inside backward. Expert
-        parallel's ep dimension first averages the gradients over its batch shards."""
-        if self.ep_sync is not None:
-            self.ep_sync()
-        if self.zero1 is not None:
-            self.zero1.step(self.optimizer)
-            return True
-        if self.replicate_dp:
-            allreduce_gradients(unique_params(self.model), self.dp_mesh.get_group(), self.dp_mesh.size())
-        elif self.fsdp_replicated:
-            allreduce_gradients(self.fsdp_replicated, dp_group(self.dp_mesh), self.dp_mesh.size())
-        return False
+        """Every parallelism's gradient work after backward (expert parallel's sync over ep, then
+        replicated dp's all-reduce or ZeRO-1's sharded step); True when the optimizer has stepped."""
+        return after_backward(self.applied, self.optimizer)
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's share of a global batch: rows by its dp coordinate (then by its ep
-        coordinate when the plan's ep dimension shards the batch), then (context parallel) its
-        head and tail chunks of each sequence."""
-        inputs, targets = dp_share(inputs, targets, self.batch_mesh, "Runner")
-        inputs, targets = dp_share(inputs, targets, self.ep_mesh, "Runner")
-        return cp_share(inputs, targets, self.cp_mesh)
+        """This rank's share of a global batch: rows by its dp (then ep) coordinate, then its
+        head and tail chunks of each sequence under context parallelism."""
+        return local_batch(self.plan, self.applied, inputs, targets, "Runner")
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The step's loss on this rank's tokens. Context parallel: ``cp_cross_entropy`` over the
-        gradient mesh -- the exact mean over the global batch, with a gradient scaled for the
-        averaging reduction over dp x cp that follows (FSDP's or the flat all-reduce)."""
-        if self.cp_mesh is not None:
-            return cp_cross_entropy(logits, targets, self.dp_mesh)
+        """The step's loss on this rank's tokens (context parallel: the exact global mean)."""
         return self.loss_fn(logits, targets)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, on_phase: Callable | None = None,
@@ -165,6 +151,18 @@ def _check_model(plan, model: nn.Module) -> None:
                                    "this model (autoplan / plan_cluster) and apply that plan")
 
 
+def _enable_async_tp(plan, mesh) -> None:
+    """Async TP for ``plan`` on ``mesh``, or its refusal -- before any parallelism touches the
+    model. It fuses the sequence-parallel all-gathers and reduce-scatters with their matmuls, so a
+    plan without a sequence-parallel stream has nothing for it to do and is refused too."""
+    if plan.stream_layout != "S":
+        raise AsyncTPError(f"plan.apply: compile async_tp=True, but the plan's stream layout is "
+                           f"{plan.stream_layout!r}: its tensor-parallel collectives are all-reduces, which async TP "
+                           "does not fuse; it needs a sequence-parallel plan (stream layout 'S')")
+    names = tuple(mesh.mesh_dim_names or ())
+    enable_async_tp(mesh[plan.tp_dim] if plan.tp_dim in names else None, "plan.apply")
+
+
 def block_modules(model: nn.Module, plan) -> list[nn.Module]:
     """The repeated blocks (what torchtitan wraps for FSDP and checkpoints), from the plan's
     decisions: every child of each block container."""
@@ -194,6 +192,8 @@ def apply_plan(plan, model: nn.Module, mesh, *, optimizer: torch.optim.Optimizer
     _check_mesh(plan, mesh)
     _check_model(plan, model)
     spec = CompileSpec.of(compile)   # a bad setting fails before the model is touched
+    if spec.async_tp:
+        _enable_async_tp(plan, mesh)
     if spec.enabled and plan.recompute_mode == "selective":
         raise CompileError(f"plan.apply: compile={spec.mode!r} with selective recomputation (parallel.ac.mode="
                            "'selective'): its policy tells the attention core's ops from the projections' by "
@@ -213,18 +213,6 @@ def _apply_one_stage(plan, model: nn.Module, mesh, *, optimizer, lr: float, loss
     target = ApplyTarget(model=model, mesh=mesh, roots=[model], block_finder=lambda: block_modules(model, plan))
     apply_to_model(plan, target)
     apply_to_roots(plan, target)
-    dp_mesh, mode = target.state.get("dp_mesh"), target.state.get("dp_mode")
-    cp_mesh = target.state.get("cp_mesh")
-    if cp_mesh is not None and loss_fn is not lm_loss:
-        raise InvalidArgumentError(f"plan.apply: loss_fn={getattr(loss_fn, '__name__', loss_fn)!r} with context "
-                                   "parallelism; the loss of a cp plan is the token cross entropy over the global "
-                                   "batch (cp_cross_entropy); omit loss_fn")
-    use_dp = dp_mesh is not None and dp_mesh.size() > 1
-    zero1 = Zero1(unique_params(model), dp_mesh.get_group(), dp_mesh.size(), dp_mesh.get_local_rank()) \
-        if mode == "zero1" and use_dp else None
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
-    return Runner(model, plan, optimizer, loss_fn, dp_mesh, replicate_dp=use_dp and mode == "replicate", zero1=zero1,
-                  batch_mesh=target.state.get("batch_mesh"), cp_mesh=cp_mesh,
-                  ep_mesh=target.state.get("ep_mesh"), ep_sync=target.state.get("ep_sync"),
-                  fsdp_replicated=target.state.get("fsdp_replicated", ()) if mode == "fsdp" and use_dp else (),
+    return Runner(model, plan, optimizer, None if loss_fn is lm_loss else loss_fn, target.state,
                   microbatches=int((plan.pipeline or {}).get("microbatches", 1)))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from autoplan.parallelisms.expert import batch_shards
+from autoplan.parallelisms.registry import batch_shards
 from autoplan.precision.eligible import float8_sites
 from autoplan.precision.section import float8_section
 from cost_models.hardware import load_hardware

@@ -71,14 +71,18 @@ def compute_dtype(plan: Plan) -> torch.dtype:
     return plan_dtype(plan)
 
 
-def dry_batch(plan: Plan, dp: int, inputs=None):
-    """(inputs, targets) of one dp rank: token ids of the plan's batch shape unless given.
-    Call under FakeTensorMode: the values never matter, only the shapes."""
+def dry_batch(plan: Plan, ways: int, inputs=None):
+    """(inputs, targets) of the plan's whole global batch, for ``runner.local_batch`` to share out
+    exactly as a step does: token ids of the plan's batch shape, or -- given ``inputs``, one rank's
+    rows -- those rows repeated ``ways`` times (the batch shards, ``registry.batch_shards``), so a
+    rank's share has their shape. Call under FakeTensorMode: only the shapes matter."""
     if inputs is None:
         gb, seq = plan.batch.get("global_batch"), plan.batch.get("seq_len")
         if not gb or not seq:
             raise AutoplanError("verify: the plan has no batch shape; pass inputs=")
-        inputs = torch.zeros(gb // dp, seq, dtype=torch.long)
+        inputs = torch.zeros(gb // ways * ways, seq, dtype=torch.long)
+    else:
+        inputs = inputs.repeat(ways, *([1] * (inputs.dim() - 1)))
     return inputs, torch.zeros(inputs.shape, dtype=torch.long)
 
 

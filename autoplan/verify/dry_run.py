@@ -19,8 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError
-from autoplan.parallelisms.context import cp_share
-from autoplan.parallelisms.expert import batch_shards
+from autoplan.parallelisms.registry import batch_shards
 from autoplan.plan.plan import Plan
 from autoplan.verify.even_counts import EvenCounts
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
@@ -52,15 +51,14 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
         # flattened meshes the plan runs on (FSDP over dp x cp): named as the plan names them
         groups.update({m.get_group().group_name: n for n, m in getattr(mesh, "_flatten_mapping", {}).items()})
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in meta.parameters())
-        dp = batch_shards(plan)  # dp_replicate x dp_shard for HSDP, x ep where ep shards the batch
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             meta.to_empty(device="cpu")
         if hasattr(meta, "_get_fsdp_state"):
             meta._get_fsdp_state()._lazy_init()
         with fake:
-            inputs, targets = dry_batch(plan, dp, inputs)
-            inputs, targets = cp_share(inputs, targets, runner.cp_mesh)   # this rank's chunks, as Runner.local_batch
+            # rank 0's share of the global batch, as a step takes it (rows, then sequence chunks)
+            inputs, targets = runner.local_batch(*dry_batch(plan, batch_shards(plan), inputs))
             # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
             # (modules routing by counts they read: the balanced router's counts, EvenCounts; modules
             # whose own expert loop indexes by the routing mask, DBRX's: its balanced values, OwnRouting)

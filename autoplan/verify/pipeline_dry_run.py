@@ -35,8 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoplan.capture.image_inputs import value_checks_off
 from autoplan.errors import AutoplanError
 from autoplan.parallelisms import ApplyTarget, parallelism
-from autoplan.parallelisms.context import cp_share
-from autoplan.parallelisms.expert import batch_shards
+from autoplan.parallelisms.registry import batch_shards
 from autoplan.plan.pipeline_runner import microbatch_image_inputs, rank_parameters
 from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, meta_copy,
                                         plan_dtype)
@@ -111,9 +110,8 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
         # shapes only: transformers' checks of input values have none to read (VL models' image-token
         # counts), and the derived inputs are consistent by construction
         with fake, balanced_routing(), OwnRouting(), value_checks_off(meta, every_family=True):
-            # one dp x ep rank's rows (the ep dimension shards the batch), as PipelineRunner.local_batch
-            inputs, targets = dry_batch(plan, batch_shards(plan), inputs)
-            inputs, targets = cp_share(inputs, targets, runner.cp_mesh)
+            # rank 0's share of the global batch, as a step takes it (rows, then sequence chunks)
+            inputs, targets = runner.local_batch(*dry_batch(plan, batch_shards(plan), inputs))
             inputs, extra = _image_inputs(plan, meta, inputs)
             step_kwargs = runner.step_kwargs(inputs)
             if shapes_model is not None:

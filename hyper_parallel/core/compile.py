@@ -27,13 +27,13 @@ import torch._dynamo
 import torch.nn as nn
 from torch._dynamo.utils import counters as _dynamo_counters
 
-from hyper_parallel.errors import CompileError
+from hyper_parallel.errors import AsyncTPError, CompileError
 
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("none", "blocks", "model")
 TORCH_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_ARGS = ("mode", "backend", "torch_mode", "fullgraph")
+_ARGS = ("mode", "backend", "torch_mode", "fullgraph", "async_tp")
 
 
 def backends() -> list[str]:
@@ -44,12 +44,15 @@ def backends() -> list[str]:
 @dataclass(frozen=True)
 class CompileSpec:
     """What to compile (``mode``), with which ``backend`` and torch ``torch_mode``; ``fullgraph``
-    makes any graph break inside a compiled part an error."""
+    makes any graph break inside a compiled part an error; ``async_tp`` turns on inductor's
+    micro-pipeline TP pass for the plan's TP group (``hyper_parallel.core.async_tp``: needs a
+    compiled mode, inductor, and CUDA with NCCL where it is applied)."""
 
     mode: str = "none"
     backend: str = "inductor"
     torch_mode: str | None = None
     fullgraph: bool = False
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in COMPILE_MODES:
@@ -61,6 +64,12 @@ class CompileSpec:
             raise CompileError(f"compile: torch_mode={self.torch_mode!r} is not one of {list(TORCH_MODES)}")
         if not isinstance(self.fullgraph, bool):
             raise CompileError(f"compile: fullgraph={self.fullgraph!r} must be a bool")
+        if not isinstance(self.async_tp, bool):
+            raise CompileError(f"compile: async_tp={self.async_tp!r} must be a bool")
+        if self.async_tp and (not self.enabled or self.backend != "inductor"):
+            raise AsyncTPError(f"compile: async_tp=True with mode={self.mode!r}, backend={self.backend!r}: the fusing "
+                               "is inductor's micro-pipeline TP pass, so it needs mode 'blocks' or 'model' and backend "
+                               "'inductor'")
 
     @property
     def enabled(self) -> bool:
@@ -85,7 +94,7 @@ class CompileSpec:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "backend": self.backend, "torch_mode": self.torch_mode,
-                "fullgraph": self.fullgraph}
+                "fullgraph": self.fullgraph, "async_tp": self.async_tp}
 
 
 def default_compile_mode(device_type: str) -> str:

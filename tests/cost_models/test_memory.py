@@ -79,8 +79,9 @@ def test_inflight_microbatches_per_schedule():
 
 def test_rank_memory_breakdown_adds_up():
     specs = [ParamSpec("w", (64, 64), tp_dim=0)]
-    mem = rank_memory(specs, layer_activation_bytes=1000.0, n_layers=2, tp=2, fsdp=2, pp=4,
-                      n_microbatches=8, largest_layer_params=2048, precision="fsdp2_bf16")
+    mem = rank_memory(specs, layer_activation_bytes=1000.0, n_layers=2, tp=2, fsdp=2,
+                      inflight=inflight_microbatches("1F1B", 4, 8), largest_layer_params=2048,
+                      precision="fsdp2_bf16")
     assert mem["activations"] == 1000.0 * 2 * 4
     assert mem["params"] == 16 * 64 * 4
     assert mem["fsdp_gathered"] == 2048 * 2 * 2

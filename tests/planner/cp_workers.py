@@ -11,7 +11,7 @@ def with_variant(plan_json: str, variant: str) -> str:
     """The same plan running the other attention variant (numerics only: its predicted rows are
     those of the planner's choice)."""
     plan = Plan.from_json(plan_json)
-    plan.parallel["cp"] = dict(plan.parallel["cp"], variant=variant)
+    plan = plan.replace(parallel=dict(plan.parallel, cp=dict(plan.parallel["cp"], variant=variant)))
     return plan.to_json()
 
 

@@ -106,3 +106,25 @@ def test_assembler_functions_copy_a_sealed_plan(plan):
     best = fastest_of([other, plan], "label")
     assert best.predictions["step_s"] == plan.predictions["step_s"] and len(best.alternatives) == \
         len(plan.alternatives) + 1 and is_sealed(best)
+
+
+def test_a_sealed_plans_sections_are_read_only_all_the_way_down():
+    """Sealing freezes the sections too: an in-place edit through any alias of a nested dict or
+    list raises, and the plan still reads, serialises, pickles and copies as before."""
+    import copy
+    import pickle
+
+    plan = autoplan(tiny_llama(), MeshSpec((2,), ("tp",), "cpu"), batch=(2, 16))
+    section, rows = plan.parallel["tp"], plan.decisions
+    for write in (lambda: plan.model.__setitem__("source", "x"), lambda: section["styles"].update({}),
+                  lambda: rows.append({}), lambda: rows[0].__setitem__("chosen", "x"),
+                  lambda: plan.predictions.setdefault("k", 1), lambda: plan.notes.extend(["n"])):
+        with pytest.raises(PlanSealedError):
+            write()
+    again = Plan.from_json(plan.to_json())
+    assert again.to_json() == plan.to_json() == pickle.loads(pickle.dumps(plan)).to_json()
+    with pytest.raises(PlanSealedError):   # a pickled plan (what a spawned rank receives) stays sealed
+        pickle.loads(pickle.dumps(plan)).model.__setitem__("source", "x")
+    named = plan.replace(model=dict(plan.model, source="mine"))   # the way to change one
+    assert named.model["source"] == "mine" and "source" not in plan.model
+    assert copy.deepcopy(plan).to_json() == plan.to_json()

@@ -19,7 +19,7 @@ BATCH = (64, 8192)
 def plans():
     model = build_preset("titan-llama3-70b", num_layers=2)
     auto = autoplan(model, MESH, batch=BATCH)
-    auto.model["plan_name"] = "autoplan"
+    auto = auto.replace(model=dict(auto.model, plan_name="autoplan"))
     mega = import_plan(model, MESH, megatron_plan(), name="megatron", batch=BATCH)
     return auto, mega
 

@@ -32,7 +32,7 @@ def plans(tmp_path_factory) -> dict[str, str]:
     for name, cons in PLANS.items():
         plan = plan_cluster(meta, 4, hardware="cpu", batch=(8, 32), devices_per_node=4, constraints=cons,
                             allow_replicated_units=False, dtype=torch.float32)
-        plan.model["source"] = "titan-llama-debug"
+        plan = plan.replace(model=dict(plan.model, source="titan-llama-debug"))
         plan.to_json(d / f"{name}.json")
         out[name] = str(d / f"{name}.json")
     return out

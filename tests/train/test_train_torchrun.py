@@ -54,7 +54,7 @@ def work(tmp_path_factory):
     for name, (world, cons, shard_all) in PLANS.items():
         plan = plan_cluster(meta, world, hardware="cpu", batch=(8, 32), devices_per_node=4, constraints=cons,
                             allow_replicated_units=not shard_all, dtype=torch.float32)
-        plan.model["source"] = "titan-llama-debug"
+        plan = plan.replace(model=dict(plan.model, source="titan-llama-debug"))
         plan.to_json(d / f"{name}.json")
     return d
 

@@ -194,7 +194,7 @@ def test_every_rank_of_a_started_job_plans_the_offline_plan_and_disagreement_is_
                   seq=32)
     assert not dist.is_initialized()
     offline = plan_for(TrainConfig(**kwargs), 2, torch.device("cpu"))
-    offline.model["source"] = kwargs["model"]
+    offline = offline.replace(model=dict(offline.model, source=kwargs["model"]))
     assert offline.styles, offline
     for got in pool2.run(train_workers.plan_in_job, kwargs):
         assert got["plan"] == offline.to_json()

@@ -44,7 +44,7 @@ def plans(tmp_path_factory) -> dict[str, dict]:
         meta = build_model(base["model"], overrides=base.get("model_args"), device="meta")
         plan = plan_cluster(meta, 4, hardware="cpu", batch=(base["batch"], base["seq"]), devices_per_node=4,
                             constraints=cons, allow_replicated_units=name == "ep4", dtype=torch.float32)
-        plan.model["source"] = base["model"]
+        plan = plan.replace(model=dict(plan.model, source=base["model"]))
         plan.to_json(d / f"{name}.json")
         out[name] = dict(base, plan=str(d / f"{name}.json"))
     return out

@@ -98,13 +98,13 @@ def plan_in_job(cfg_kwargs: dict) -> dict:
     """``plan_for`` on a rank whose process group is up (every rank plans), then the agreement
     check on a plan made to differ by rank: its plan JSON and the check's error."""
     plan = plan_for(TrainConfig(**cfg_kwargs), dist.get_world_size(), torch.device("cpu"))
-    plan.model["source"] = f"rank {dist.get_rank()}"
+    plan = plan.replace(model=dict(plan.model, source=f"rank {dist.get_rank()}"))
     try:
         check_ranks_agree(plan)
         error = None
     except TrainConfigError as e:
         error = str(e)
-    plan.model["source"] = cfg_kwargs["model"]
+    plan = plan.replace(model=dict(plan.model, source=cfg_kwargs["model"]))
     return {"plan": plan.to_json(), "error": error}
 
 
@@ -112,7 +112,7 @@ def trainer_with_rank_plans(cfg_kwargs: dict) -> dict:
     """A Trainer given a plan that differs by rank (as ranks that planned before the group was up
     with different host measurements would hold): the error it raises, before any model is built."""
     plan = plan_for(TrainConfig(**cfg_kwargs), dist.get_world_size(), torch.device("cpu"))
-    plan.model["source"] = f"rank {dist.get_rank()}"
+    plan = plan.replace(model=dict(plan.model, source=f"rank {dist.get_rank()}"))
     try:
         Trainer(TrainConfig(**cfg_kwargs), plan=plan)
     except TrainConfigError as e:

@@ -59,6 +59,8 @@ def test_a_wrong_prediction_is_caught():
     model = _llama()
     plan = autoplan(model, MeshSpec((4,), ("tp",), "h100_sxm"), batch=(2, 128), dtype=F32, sequence_parallel=True,
                     allow_replicated_units=False)
-    plan.predictions["collectives"][0]["count"] += 1
+    rows = [dict(r) for r in plan.predictions["collectives"]]
+    rows[0]["count"] += 1
+    plan = plan.replace(predictions=dict(plan.predictions, collectives=rows))
     result = verify(plan, model)
     assert not result.passed and len(result.mismatches()) == 1

@@ -40,8 +40,10 @@ def test_modes_predicted_equals_issued(name, shape, names, batch, opts):
 def test_zero1_wrong_bytes_are_caught():
     model = _llama()
     plan = mode_plan(model, (4,), ("dp",), (8, 64), dp_mode="zero1")
-    row = next(r for r in plan.predictions["collectives"] if r["kind"] == "reduce_scatter")
+    rows = [dict(r) for r in plan.predictions["collectives"]]
+    row = next(r for r in rows if r["kind"] == "reduce_scatter")
     row["bytes"] //= 2   # as if the gradients were reduced in the parameters' 16 bits
+    plan = plan.replace(predictions=dict(plan.predictions, collectives=rows))
     assert not verify(plan, model).passed
 
 
