@@ -168,6 +168,5 @@ def sharding_plan(checkpoint: Path, out: Path, width: int = 16) -> Path:
     wide.write_text(json.dumps(cfg))
     plan = autoplan(build_model(str(wide), device="meta"), MeshSpec((2, 2), ("dp", "tp")), batch=(4, 512),
                     hardware="h100_sxm", dtype=torch.float32)
-    plan.model["source"] = str(checkpoint)
-    plan.to_json(out)
+    plan.replace(model=dict(plan.model, source=str(checkpoint))).to_json(out)
     return out
