@@ -53,10 +53,14 @@ def florence2_with_images() -> torch.nn.Module:
     return model
 
 
-def _sections(plan) -> tuple[bool, bool]:
-    units = [d["unit"] for d in plan.decisions if d["strategy"] != "replicate"]
-    return (any(("vision" in u or "visual" in u) and u.endswith(("/attention", "/mlp")) for u in units),
-            any("language_model" in u and u.endswith(("/attention", "/mlp")) for u in units))
+def _sections(plan, model) -> tuple[bool, bool]:
+    """Whether the plan shards an attention or MLP unit of the vision tower, and of the language
+    model (the module the model's own ``get_decoder`` returns: ``language_model``, ``text_model``)."""
+    decoder = model.get_decoder()
+    prefix = next((n for n, m in model.named_modules() if m is decoder and n), "language_model")
+    units = [d["unit"] for d in plan.decisions
+             if d["strategy"] != "replicate" and d["unit"].endswith(("/attention", "/mlp"))]
+    return (any("vision" in u or "visual" in u for u in units), any(u.startswith(prefix + ".") for u in units))
 
 
 def run_family(family: str, pool4: RankPool, hook: bool = False) -> dict:
@@ -72,7 +76,7 @@ def run_family(family: str, pool4: RankPool, hook: bool = False) -> dict:
     except Exception as exc:  # noqa: BLE001 - an untyped failure is a result here
         row.update(outcome="UNTYPED", detail=f"{type(exc).__name__}: {str(exc)[:300]}")
     else:
-        row["tower"], row["decoder"] = _sections(plan)
+        row["tower"], row["decoder"] = _sections(plan, wide)
         untraced = next((n for n in plan.notes if n.startswith("capture could not trace")), None)
         if untraced is not None:   # the planner's answer to a model capture cannot run: data parallel only
             row.update(outcome="DP ONLY", detail=untraced[:300])

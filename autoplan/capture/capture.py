@@ -3,8 +3,10 @@
 Order of attempts: export with each block group cut to its representative (fast: the cost does
 not grow with depth); export of the full model (a model that indexes its layers by count);
 export with fake CPU tensors instead of meta (a forward that creates tensors without a device);
-forward hooks (a model export cannot trace), on meta then on fake CPU tensors. Each step down
-logs a warning naming why.
+for a model with image inputs, export on fake CPU weights with inputs that hold values (a tower
+that filters images by content, a decoder indexing by a mask of image tokens, sizes made from
+Python ints: torch's real-tensor propagation measures them; ``fake.py``); forward hooks (a model
+export cannot trace), on meta then on fake CPU tensors. Each step down logs a warning naming why.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
-from autoplan.capture.fake import fake_device
+from autoplan.capture.fake import fake_device, tracing
 from autoplan.capture.fallback import capture_with_hooks
-from autoplan.capture.image_inputs import value_checks_off
+from autoplan.capture.image_inputs import image_inputs, inputs_with_values, value_checks_off
 from autoplan.capture.patch_grid import has_real_sizes, sizes_from_values
 from autoplan.capture.quiet import quiet_torch
 from autoplan.capture.graph_cache import graph_key, load_graph, store_graph
@@ -87,7 +89,7 @@ def _capture_model(model: nn.Module, args: tuple, kwargs: dict, dtype, max_copy_
         mm.train()  # training-time graph: dropout present, caches off
         try:
             # a VL model's image-token count check has no values on meta; its image grid has
-            with value_checks_off(mm), sizes_from_values(kwargs):
+            with value_checks_off(mm, every_family=True), sizes_from_values(kwargs):
                 return _capture_meta(mm, args, kwargs, dedupe_blocks, fallback)
         except AutoplanError:
             raise
@@ -105,30 +107,36 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
     assign_blocks(infos, groups)
     root_type = type_name(mm)
     shorten = bool(dedupe and groups)
-    attempts = [("export", True, False)] if shorten else []
-    attempts += [("export-full", False, False), ("export-fake", shorten, True)]
+    attempts = [("export", True, "meta")] if shorten else []
+    attempts += [("export-full", False, "meta"), ("export-fake", shorten, "fake")]
+    if image_inputs(mm) is not None:   # sizes the inputs' values decide (an image filter, a token mask)
+        attempts.append(("export-values", shorten, "values"))
     errors: list[str] = []
-    for method, short, fake in attempts:
-        if errors and errors[-1].startswith(_DATA_DEPENDENT):
-            break  # every export sees the same data-dependent sizes: go to the hooks
+    for method, short, where in attempts:
+        if errors and errors[-1].startswith(_DATA_DEPENDENT) and where != "values":
+            continue  # an export without values sees the same data-dependent sizes
+        keep = where == "values"
+        valued = inputs_with_values(mm, kwargs) if keep else kwargs
+        if valued is None:
+            continue
         try:
             with contextlib.ExitStack() as stack:
                 rename = stack.enter_context(only_representatives(mm, groups)) if short else {}
                 a, kw = args, kwargs
-                if fake:  # tensors the forward creates land on the CPU: be there too, as fakes
-                    _, a, kw = stack.enter_context(fake_device(mm, args, kwargs))
+                if where != "meta":  # tensors the forward creates land on the CPU: be there too, as fakes
+                    mode, a, kw = stack.enter_context(fake_device(mm, args, valued, keep_values=keep))
+                    stack.enter_context(tracing(mode, keep))
                 ep = export(mm, a, kw)
-        except Exception as exc:
-            msg = f"{method} of {root_type} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            log.debug("%s", msg)   # one attempt of several: the outcome is said by the caller
-            errors.append(msg)
-            continue
-        try:
-            return graph_of_export(ep, rename, groups, root_type, (infos, tied, nparams), method, errors)
+            with contextlib.ExitStack() as stack:
+                if keep:   # the graph's sizes read the values measured
+                    stack.enter_context(tracing(mode, keep))
+                return graph_of_export(ep, rename, groups, root_type, (infos, tied, nparams), method, errors)
         except GuardOnDataDependentSymNode as exc:  # MoE routing by data-dependent counts (JetMoE)
             msg = f"{_DATA_DEPENDENT} in the {method} of {root_type} ({str(exc).splitlines()[0]})"
-            log.debug("%s", msg)
-            errors.append(msg)
+        except Exception as exc:
+            msg = f"{method} of {root_type} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.debug("%s", msg)   # one attempt of several: the outcome is said by the caller
+        errors.append(msg)
     if not fallback:
         raise CaptureError("; ".join(errors))
     try:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
@@ -41,8 +42,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from autoplan.capture.patch_grid import SIZE_INPUTS, PatchGrid, complete_grid_inputs, patch_grid, takes_grid
 from autoplan.errors import CaptureError
 
-__all__ = ["HookInputs", "ImageBatch", "SIZE_INPUTS", "derive", "image_inputs", "is_vision_language", "param_dtype",
-           "value_checks_off"]
+__all__ = ["HookInputs", "ImageBatch", "SIZE_INPUTS", "derive", "image_inputs", "inputs_with_values",
+           "is_vision_language", "param_dtype", "value_checks_off"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,10 @@ class ImageBatch:
                                                      device=pixels.device)
         else:
             out["pixel_values"] = pixels
-        if self.layout == "anyres":   # sizes as ints: the model computes its tiling from them in Python
+        if self.layout in ("anyres", "pixels+sizes"):
+            # sizes as ints: the model slices and tiles by them in Python, which a meta tensor
+            # cannot answer and a real one answers the same
             out["image_sizes"] = [list(self.pixel_shape[-2:])] * rows
-        if self.layout == "pixels+sizes":
-            out["image_sizes"] = torch.tensor([list(self.pixel_shape[-2:])] * rows, device=pixels.device)
         return out
 
 
@@ -99,8 +100,8 @@ class HookInputs:
     (:data:`SIZE_INPUTS`) with their values, on the CPU, the rest shapes only on the tokens'
     device; a grid model's inputs are completed with what the model would compute from values
     (``patch_grid.complete_grid_inputs``: the tower's positions and segments, the M-RoPE
-    positions by the model's own ``get_rope_index``), and a tiled model's ``image_sizes`` become
-    Python ints, as the derived "anyres" layout gives them."""
+    positions by the model's own ``get_rope_index``), and ``image_sizes`` become Python ints, as
+    the derived layouts give them."""
 
     def __init__(self, model: nn.Module, hook: Callable[[torch.Tensor], dict]):
         self.model, self.hook = model, hook
@@ -114,8 +115,8 @@ class HookInputs:
             if takes_grid(self.model) and isinstance(given.get("image_grid_thw"), torch.Tensor) \
                     and token_id is not None and given["image_grid_thw"].device.type != "meta":
                 given = complete_grid_inputs(self.model, given, token_id, torch.device("cpu"))
-            if _tiled(self.model) and isinstance(given.get("image_sizes"), torch.Tensor):
-                # as plain ints, as derived: the model computes its tiling from them in Python
+            if isinstance(given.get("image_sizes"), torch.Tensor):
+                # as plain ints, as derived: the model slices and tiles by them in Python
                 given["image_sizes"] = given["image_sizes"].tolist()
         out = {}
         for k, v in given.items():
@@ -123,6 +124,31 @@ class HookInputs:
                 v = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=tokens.device)
             out[k] = v
         return out
+
+
+def inputs_with_values(model: nn.Module, kwargs: dict) -> dict | None:
+    """``kwargs`` (a capture's inputs, shapes only) with values on the CPU: the image inputs
+    :func:`image_inputs` makes for real tokens (zeros) of the shape of ``input_ids``, every other
+    tensor without values as zeros. For a tower that filters images by their content, or a decoder
+    that indexes by a mask of image tokens: run with these, such sizes are measured, not unknown.
+    None for a model without image inputs, or when what they make does not match ``kwargs``
+    (example inputs of other shapes)."""
+    make, ids = image_inputs(model), kwargs.get("input_ids")
+    if make is None or not isinstance(ids, torch.Tensor):
+        return None
+    with unset_fake_temporarily(), torch.device("cpu"):
+        given = make(torch.zeros(tuple(ids.shape), dtype=ids.dtype))
+        out = {}
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor) and (v.is_meta or is_fake(v)):
+                real = given.get(k)
+                if real is None:
+                    real = torch.zeros(tuple(v.shape), dtype=v.dtype)
+                if not isinstance(real, torch.Tensor) or tuple(real.shape) != tuple(v.shape):
+                    return None
+                v = real.to("cpu", v.dtype)
+            out[k] = v
+    return out
 
 
 def _row_image(row: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -257,6 +283,8 @@ def derive(model: nn.Module) -> ImageBatch | None:
                            f"{type(exc).__name__}: {exc}") from exc
     hidden = _first_int(config.get_text_config(), ("hidden_size", "d_model"))
     count = _feature_rows(features, hidden)
+    if isinstance(count, torch.SymInt):   # sized by the image's values: their count, when propagated
+        count = _known_int(count)
     if count is not None and not isinstance(count, int):
         raise CaptureError(f"{name}: the number of image features depends on the pixel values ({count}: the tower "
                            f"filters images by their content), which a model on meta cannot measure; give the model "
@@ -277,14 +305,22 @@ def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.d
             kwargs.pop("input_ids")
             return model.get_image_features(**kwargs)
     stand_in = copy.deepcopy(model)
-    # on the CPU whatever device context the caller is in: fake tensors of one device
-    with torch.device("cpu"), FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), torch.no_grad():
-        stand_in.to_empty(device="cpu")
+    with torch.device("cpu"):   # one real image: a tower that filters images by content reads it
         kwargs = one_image(torch.ones((1, 1), dtype=torch.long))
-        kwargs.pop("input_ids")
-        if "image_sizes" in kwargs:   # as plain ints: a fake tensor keeps no values to slice by
-            kwargs["image_sizes"] = [list(one_image.pixel_shape[-2:])]
+    kwargs.pop("input_ids")
+    # on the CPU whatever device context the caller is in: fake tensors of one device, the
+    # image's values propagated (torch's real-tensor propagation) where an op reads only them
+    with torch.device("cpu"), functorch_config.patch(fake_tensor_propagate_real_tensors=True), \
+            FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), torch.no_grad():
+        stand_in.to_empty(device="cpu")
         return stand_in.get_image_features(**kwargs)
+
+
+def _known_int(value: torch.SymInt) -> int | torch.SymInt:
+    """``value`` as an int when its symbols have values (from propagated real tensors), else as is."""
+    shape_env = value.node.shape_env
+    known = value.node.expr.xreplace(shape_env.real_tensor_prop_unbacked_vals)
+    return int(known) if known.is_number else value
 
 
 def _tiles(model: nn.Module) -> Callable[[list[int]], int] | None:

@@ -15,7 +15,7 @@ from autoplan.plan.forward import forward_tokens, output_logits
 from tests.capture.vl_families import build, build_with_hook
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_next"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava_next", "mistral3"])
 def test_a_processor_hook_captures_like_the_derived_inputs(family):
     with torch.device("meta"):
         hooked, derived = build_with_hook(family, 2, 2), build(family, 2, 2)

@@ -90,12 +90,26 @@ def test_families_whose_images_are_not_one_tensor_are_refused_by_name():
         forward_tokens(build("mllama"), torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(CaptureError, match="Florence2.*no image_size"):
         derive(build("florence2"))
-    with torch.device("meta"):
-        model = build("idefics3")
-    with pytest.raises(CaptureError, match="Idefics3.*depends on the pixel values"):
-        derive(model)
     with pytest.raises(CaptureError, match="cannot hold one image of 4 image tokens"):
         derive(build("llava"))(torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("family", ["idefics3", "qwen3_vl"])
+def test_sizes_decided_by_input_values_are_measured_on_meta(family):
+    """Idefics 3's tower drops images by their content, Qwen3-VL's decoder indexes its hidden
+    states by a mask of image tokens: neither size exists on meta. Derive measures the image's
+    tokens on one real image, capture exports on fake weights with inputs that hold values
+    (export-values), so the tower and the decoder are traced, not left to the hooks."""
+    with torch.device("meta"):
+        model = build(family, 1, 2)
+    per_image = derive(model).per_image
+    assert isinstance(per_image, int) and per_image > 0
+    graph = capture(model, batch=(2, per_image + 16))
+    assert graph.method == "export-values", graph.warnings
+    tower = [m for m in graph.modules if m.startswith(("model.vision_model.", "model.visual."))]
+    assert tower and any(graph.nodes_in(m) for m in tower)
+    assert any(graph.nodes_in(m) for m in graph.modules if m.startswith("model.text_model.layers")
+               or m.startswith("model.language_model.layers"))
 
 
 def test_mllama_language_model_is_planned_and_left_out_parts_are_said():
