@@ -11,7 +11,7 @@ import torch
 
 from autoplan.train import DataError, TrainConfig, TrainConfigError
 from autoplan.train.images import (
-    GlobalTokenMeanLoss, ImageTextBatches, data_format, load_processor, open_image_text, read_pairs,
+    GlobalTokenMeanLoss, ImageTextBatches, check_plan, data_format, load_processor, open_image_text, read_pairs,
 )
 from autoplan.train.model import build_model
 from tests.train import image_sets
@@ -93,6 +93,17 @@ def test_a_model_without_processor_or_tower_is_refused(made):
         open_image_text(cfg, build_model(cfg.model, overrides=cfg.model_args, device="meta"))
     with pytest.raises(DataError, match="--seq 8; give --seq 1[0-9] or more"):
         _batches(made, "llava", [0], seq=8).next()
+
+
+def test_pipelines_and_context_parallel_are_refused():
+    """A stage or a sequence chunk would need its own share of the image inputs."""
+    from types import SimpleNamespace
+
+    with pytest.raises(TrainConfigError, match=r"pipelined plan \(pp=2\).*valid: plans of one stage"):
+        check_plan(SimpleNamespace(mesh={"names": ["pp", "tp"], "shape": [2, 2]}, pipeline={"pp": 2}))
+    with pytest.raises(TrainConfigError, match=r"context parallelism \(cp=2\)"):
+        check_plan(SimpleNamespace(mesh={"names": ["cp", "tp"], "shape": [2, 2]}, pipeline=None))
+    check_plan(SimpleNamespace(mesh={"names": ["dp", "tp"], "shape": [2, 2]}, pipeline={"pp": 1}))
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
