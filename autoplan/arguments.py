@@ -16,9 +16,7 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
-from autoplan.search.experts.search import stated_runtime
 from autoplan.search.pricing.costing import RECOMPUTE
-from cost_models.attention_kernels import KERNELS
 from autoplan.search.pipeline.tower_placement import PLACEMENTS as TOWER_PLACEMENTS
 from cost_models.fusion import COMPILE_MODES, UnknownCompileModeError, compile_mode
 from cost_models.hardware import list_hardware
@@ -167,8 +165,7 @@ def check_styles(styles: Any, who: str) -> dict | None:
 # ------------------------------------------------------------------ plan_cluster's own arguments
 CONSTRAINT_KEYS = ("dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute", "expert_parallel",
-                   "tower_placement", "cuts", "expert_runtime", "attention_kernel", "loss_bytes_per_logit")
-PIPELINE_CUTS = ("even", "balanced")   # blocks spread evenly (Megatron-Core, AutoModel) | the planner's by cost
+                   "tower_placement")
 
 
 def check_sequence(value: Any, name: str, who: str) -> list:
@@ -252,33 +249,10 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
             cons[key] = given
     return cons
 
-    if "cuts" in cons and cons["cuts"] not in PIPELINE_CUTS:
-        raise InvalidConstraintError(f"{who}: constraints['cuts']={cons['cuts']!r}; valid: {list(PIPELINE_CUTS)}")
 
 def check_pipeline_depth(constraints: dict, n_units: int, who: str) -> None:
     """A fixed pp needs at least one pipeline unit (embedding, block, norm, head) per stage."""
-    check_runtime_facts(cons, who)
     pp = constraints.get("pp")
     if pp is not None and pp > n_units:
         raise InvalidConstraintError(f"{who}: constraints['pp']={pp} exceeds the model's {n_units} pipeline units "
                                    f"(embedding, blocks, norm, head); valid: pp <= {n_units}")
-def check_runtime_facts(cons: dict, who: str) -> None:
-    """The constraints that state facts of the runtime a plan is priced for, where it is not
-    hyper_parallel's (a published run's framework): ``expert_runtime`` (how it moves and keeps the
-    experts' tokens: an ``ExpertRuntime`` or one of ``EXPERT_RUNTIMES``), ``attention_kernel`` (its
-    fused attention, ``cost_models.attention_kernels``) and ``loss_bytes_per_logit`` (its loss's HBM
-    bytes per logit)."""
-    if "expert_runtime" in cons:
-        try:
-            stated_runtime(cons["expert_runtime"])
-        except ValueError as e:
-            raise InvalidConstraintError(f"{who}: constraints['expert_runtime']: {e}") from None
-    if "attention_kernel" in cons and cons["attention_kernel"] not in KERNELS:
-        raise InvalidConstraintError(f"{who}: constraints['attention_kernel']={cons['attention_kernel']!r}; valid: "
-                                     f"{sorted(KERNELS)}")
-    value = cons.get("loss_bytes_per_logit", 1.0)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise InvalidConstraintError(f"{who}: constraints['loss_bytes_per_logit']={value!r} must be a positive "
-                                     "number of bytes")
-
-

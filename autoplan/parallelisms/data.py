@@ -369,14 +369,42 @@ class DataParallel(Parallelism):
             dims += (flat_name(state_dims(plan)),)   # FSDP of the non-expert parameters over dp x ep
         return dims
 
+    def batch_ways(self, plan) -> int:
+        return dp_degree(plan)
+
+    def share_batch(self, applied: dict, inputs, targets, who: str):
+        """Rows by this rank's data-parallel coordinate (row-major over HSDP's 2-D mesh)."""
+        return dp_share(inputs, targets, applied.get("batch_mesh"), who)
+
+    def after_backward(self, applied: dict, optimizer) -> bool:
+        """ZeRO-1: reduce-scatter, step this rank's slice, all-gather (the optimizer has stepped);
+        replicated dp: one all-reduce of every gradient; FSDP: one all-reduce of the parameters it
+        left out (its own reductions ran inside backward)."""
+        mesh, roots = applied.get("dp_mesh"), applied.get("dp_roots", ())
+        if applied.get("zero1") is not None:   # (at dp 1 too where ep shards the non-expert state)
+            applied["zero1"].step(optimizer)
+            return True
+        if mesh is None or mesh.size() == 1:
+            return False
+        if applied.get("dp_mode") == "replicate":
+            allreduce_gradients(unique_params(*roots), mesh.get_group(), mesh.size())
+        elif applied.get("fsdp_replicated"):
+            allreduce_gradients(applied["fsdp_replicated"], dp_group(mesh), mesh.size())
+        return False
+
     def apply_to_roots(self, plan, target: ApplyTarget) -> None:
         # 2-D (dp_replicate, dp_shard) for HSDP: FSDP2's HSDP; the flattened dp x cp with context parallel
         mesh = grad_mesh(plan, target.mesh)
         mode = plan_dp_mode(plan)
-        target.state.update(dp_mesh=mesh, dp_mode=mode, batch_mesh=dp_mesh(plan, target.mesh))
-        # with an ep dimension FSDP shards the non-expert state over dp x ep, at dp 1 too
-        over_ep = state_mesh(plan, target.mesh) if mode == "fsdp" else None
-        if mode != "fsdp" or (mesh is None or mesh.size() == 1) and over_ep is None:
+        target.state.update(dp_mesh=mesh, dp_mode=mode, batch_mesh=dp_mesh(plan, target.mesh),
+                            dp_roots=list(target.roots))
+        # with an ep dimension FSDP and ZeRO-1 shard the non-expert state over dp x ep, at dp 1 too
+        over_ep = state_mesh(plan, target.mesh) if mode in ("fsdp", "zero1") else None
+        if (mesh is None or mesh.size() == 1) and over_ep is None:
+            return
+        if mode == "zero1":   # the optimizer state sharded over dp (x ep); parameters stay whole
+            target.state["zero1"] = zero1_of(plan, target, mesh, over_ep)
+        if mode != "fsdp":
             return
         kw = fsdp_kwargs(plan.fsdp)   # mixed precision exactly as priced
         # parameters FSDP2 cannot shard (a packed projection's bias) stay replicated over dp: the
