@@ -54,7 +54,8 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
              memory_limit: float | None = None, dtype: torch.dtype | None = None, fsdp: bool | None = None,
              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
              sequence_parallel: bool | None = None,
-             graph=None, styles: dict | None = None, compile: bool | str = False, **cluster_options: Any) -> Plan:
+             graph=None, styles: dict | None = None, compile: bool | str = False, overlap: str | None = None,
+             **cluster_options: Any) -> Plan:
     """Choose every module's tensor-parallel style for ``model`` on ``mesh``.
 
     Args:
@@ -78,6 +79,10 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         compile: price what compiled code runs (True / "blocks": each repeated block compiled on
             its own, as torchtitan does; "model": the whole model; False / "none": eager), its
             elementwise chains fused (cost_models.fusion); ``plan.predictions["compile"]`` says which.
+        overlap: "async_tp" prices a sequence-parallel plan's tensor-parallel collectives fused with
+            their matmuls, as inductor's micro-pipeline TP runs them (docs/overlap.md); the plan
+            then trains fastest with ``compile={"mode": "blocks", "async_tp": True}`` on CUDA.
+            None / "none": every tensor-parallel collective exposed.
         cluster_options: with a device count instead of a mesh, ``autoplan`` is
             :func:`autoplan.cluster.plan_cluster` and takes its keywords too (``constraints``,
             ``schedules``, ...); with a mesh they are a TypeError, as is any unknown keyword.
@@ -93,7 +98,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         return plan_cluster(model, int(mesh), inputs=inputs, batch=batch, hardware=hardware, memory_limit=memory_limit,
                             dtype=dtype, fsdp=fsdp, allow_replicated_units=allow_replicated_units,
                             activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
-                            graph=graph, styles=styles, compile=compile, **cluster_options)
+                            graph=graph, styles=styles, compile=compile, overlap=overlap, **cluster_options)
     if cluster_options:
         raise TypeError(f"autoplan() got unexpected keyword argument(s) {sorted(cluster_options)} for a mesh; "
                         "plan_cluster's options (constraints, schedules, ...) apply only with a device count")
@@ -111,5 +116,5 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     request = PlanRequest.for_mesh(who, hardware=spec.hardware, inputs=inputs, batch=batch, memory_limit=memory_limit,
                                    dtype=dtype, fsdp=fsdp, allow_replicated_units=allow_replicated_units,
                                    activation_checkpointing=activation_checkpointing,
-                                   sequence_parallel=sequence_parallel, compile=compile)
+                                   sequence_parallel=sequence_parallel, compile=compile, overlap=overlap)
     return plan_mesh(model, spec, request, graph=graph, styles=A.check_styles(styles, who))

@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError, MissingInputsError
+from autoplan.search.experts.search import stated_runtime
 from autoplan.search.pricing.costing import RECOMPUTE
+from cost_models.attention_kernels import KERNELS
 from autoplan.search.pipeline.tower_placement import PLACEMENTS as TOWER_PLACEMENTS
 from cost_models.fusion import COMPILE_MODES, UnknownCompileModeError, compile_mode
 from cost_models.hardware import list_hardware
@@ -154,6 +156,20 @@ def check_compile(value: Any, who: str) -> str:
                                    f"{list(COMPILE_MODES)}") from None
 
 
+OVERLAPS = ("none", "async_tp")
+
+
+def check_overlap(value: Any, who: str) -> str:
+    """What the plan is priced as overlapping beyond each runtime's own default: "none", or
+    "async_tp" (sequence-parallel collectives fused with their matmuls; the plan then needs a
+    compiled, inductor, CUDA run: ``hyper_parallel.core.async_tp``)."""
+    if value is None:
+        return "none"
+    if value not in OVERLAPS:
+        raise InvalidArgumentError(f"{who}: overlap={value!r} must be one of {list(OVERLAPS)}")
+    return value
+
+
 def check_styles(styles: Any, who: str) -> dict | None:
     """A hand-written plan to price: a non-empty {pattern: ParallelStyle or style dict}."""
     if styles is not None and (not isinstance(styles, dict) or not styles):
@@ -165,7 +181,8 @@ def check_styles(styles: Any, who: str) -> dict | None:
 # ------------------------------------------------------------------ plan_cluster's own arguments
 CONSTRAINT_KEYS = ("dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute", "expert_parallel",
-                   "tower_placement")
+                   "tower_placement", "cuts", "expert_runtime", "attention_kernel", "loss_bytes_per_logit")
+PIPELINE_CUTS = ("even", "balanced")   # blocks spread evenly (Megatron-Core, AutoModel) | the planner's by cost
 
 
 def check_sequence(value: Any, name: str, who: str) -> list:
@@ -235,9 +252,12 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
     for key, valid in (("dp_mode", DP_MODES), ("recompute", RECOMPUTE)):
         if key in cons and cons[key] not in valid:
             raise InvalidConstraintError(f"{who}: constraints[{key!r}]={cons[key]!r}; valid: {list(valid)}")
+    if "cuts" in cons and cons["cuts"] not in PIPELINE_CUTS:
+        raise InvalidConstraintError(f"{who}: constraints['cuts']={cons['cuts']!r}; valid: {list(PIPELINE_CUTS)}")
     if "tower_placement" in cons and cons["tower_placement"] not in TOWER_PLACEMENTS:
         raise InvalidConstraintError(f"{who}: constraints['tower_placement']={cons['tower_placement']!r}; valid: "
                                      f"{list(TOWER_PLACEMENTS)}")
+    check_runtime_facts(cons, who)
     if "expert_parallel" in cons:   # True: ExpertParallel only, False: replicated experts (ep as dp)
         strict_bool(cons["expert_parallel"], "constraints['expert_parallel']", who, InvalidConstraintError)
     for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):
@@ -248,6 +268,26 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
                 raise InvalidConstraintError(f"{who}: {key}={given} contradicts constraints[{key!r}]={cons[key]}")
             cons[key] = given
     return cons
+
+
+def check_runtime_facts(cons: dict, who: str) -> None:
+    """The constraints that state facts of the runtime a plan is priced for, where it is not
+    hyper_parallel's (a published run's framework): ``expert_runtime`` (how it moves and keeps the
+    experts' tokens: an ``ExpertRuntime`` or one of ``EXPERT_RUNTIMES``), ``attention_kernel`` (its
+    fused attention, ``cost_models.attention_kernels``) and ``loss_bytes_per_logit`` (its loss's HBM
+    bytes per logit)."""
+    if "expert_runtime" in cons:
+        try:
+            stated_runtime(cons["expert_runtime"])
+        except ValueError as e:
+            raise InvalidConstraintError(f"{who}: constraints['expert_runtime']: {e}") from None
+    if "attention_kernel" in cons and cons["attention_kernel"] not in KERNELS:
+        raise InvalidConstraintError(f"{who}: constraints['attention_kernel']={cons['attention_kernel']!r}; valid: "
+                                     f"{sorted(KERNELS)}")
+    value = cons.get("loss_bytes_per_logit", 1.0)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise InvalidConstraintError(f"{who}: constraints['loss_bytes_per_logit']={value!r} must be a positive "
+                                     "number of bytes")
 
 
 def check_pipeline_depth(constraints: dict, n_units: int, who: str) -> None:

@@ -45,8 +45,8 @@ class PlanRequest:
 
     ``None`` means "the planner chooses" for the tri-state choices (``fsdp``,
     ``activation_checkpointing``, ``sequence_parallel``) and "the hardware's" for ``hardware``,
-    ``dtype`` and ``memory_limit``. ``precision`` and ``overlap`` are held for the choices to come
-    and are not read yet."""
+    ``dtype`` and ``memory_limit``. ``precision`` is held for the choice to come and is not read yet;
+    ``overlap`` says what the plan is priced as overlapping ("none" or "async_tp")."""
 
     batch: tuple[int, int] | None = None       # (global batch in sequences, sequence length)
     inputs: Any = None                         # example inputs of one rank, instead of batch (mesh plans)
@@ -61,7 +61,7 @@ class PlanRequest:
     devices_per_node: int | None = None
     compile: str = "none"                      # cost_models.fusion's compile modes
     precision: str | None = None
-    overlap: str | None = None
+    overlap: str = "none"                      # arguments.OVERLAPS: "async_tp" prices fused SP collectives
     search: SearchSpace = field(default_factory=SearchSpace)
 
     def __post_init__(self) -> None:
@@ -120,7 +120,8 @@ def _common(who: str, keywords: dict) -> dict:
            "activation_checkpointing": A.optional_bool(keywords.pop("activation_checkpointing", None),
                                                        "activation_checkpointing", who),
            "sequence_parallel": A.optional_bool(keywords.pop("sequence_parallel", None), "sequence_parallel", who),
-           "compile": A.check_compile(keywords.pop("compile", False), who)}
+           "compile": A.check_compile(keywords.pop("compile", False), who),
+           "overlap": A.check_overlap(keywords.pop("overlap", None), who)}
     if keywords:
         raise TypeError(f"{who}() got unexpected keyword argument(s) {sorted(keywords)}")
     return out

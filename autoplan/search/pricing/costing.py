@@ -31,7 +31,7 @@ from hyper_parallel.core.collective import Collective
 from autoplan.search.units.work import Work
 from cost_models.collectives import collective_terms
 from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, attention_time, gemm_efficiency, sharded_gemm_dims
-from cost_models.overlap import DP_MODES, dp_overlap
+from cost_models.overlap import DP_MODES, dp_overlap, fused_collective_matmul
 from cost_models.runtime import load_runtime
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class CostContext:
     # cost_models.runtime.RuntimeOverheads of eager ranks on this host; "auto": the cached
     # calibration for the mesh's world size when the hardware is the measured cpu profile
     runtime: object = _AUTO
+    # async tensor parallelism (inductor's micro-pipeline TP): a sequence-parallel unit's
+    # collectives fused with their matmuls where torch's pass fuses them (fused_tp_time)
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         if not self.dp_mode:
@@ -178,6 +181,24 @@ class CostContext:
         if latency:
             return c.count * (terms.time(rt.link) + rt.collective_s)
         return c.count * terms.wire_bytes / rt.link.bandwidth
+
+    def fused_tp_time(self, c: Collective, gemms: list, shard: int) -> float:
+        """Seconds collective ``c`` (all its calls) still costs fused with ``gemms`` -- the one pass
+        (a third of the forward + backward FLOPs each entry holds) of the matmuls beside it, at
+        their per-rank shape -- under async TP (``cost_models.overlap.fused_collective_matmul``,
+        each chunk priced at M / tp). No GEMMs beside it: fully exposed, as without async TP."""
+        comm = self.collective_time(c)
+        if not gemms or shard <= 1 or c.count <= 0:
+            return comm
+        peak = self.hardware.peak(self.dtype)
+        whole = chunk = 0.0
+        for f, m, n, k, *split in gemms:
+            pm, pn, pk = sharded_gemm_dims(m, n, k, split[0] if split else "", shard)
+            one = f / 3 / shard   # one pass of this rank's share
+            whole += one / (peak * gemm_efficiency(self.hardware, pm, pn, pk))
+            chunk += one / shard / (peak * gemm_efficiency(self.hardware, pm / shard, pn, pk))
+        per_call = fused_collective_matmul(comm / c.count, whole, chunk, shard)
+        return c.count * per_call
 
     def fsdp_latency_time(self, fsdp_units: int) -> float:
         """The per-call part of FSDP's collectives: ``fsdp_units`` wrapped modules (each repeated
