@@ -331,7 +331,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                  schedules: Sequence[str] = SCHEDULE_NAMES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), graphs: dict | None = None, alternatives: int = 10,
                  max_simulations: int = 400, time_budget_s: float | None = None,
-                 compile: bool | str = False) -> Plan:
+                 compile: bool | str = False, overlap: str | None = None) -> Plan:
     """The best whole plan for ``devices`` devices.
 
     Takes :func:`autoplan.autoplan`'s keywords (``autoplan(model, N, ...)`` is this function) and
@@ -372,7 +372,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         allow_replicated_units=allow_replicated_units, activation_checkpointing=activation_checkpointing,
         sequence_parallel=sequence_parallel, devices_per_node=devices_per_node, constraints=constraints,
         schedules=schedules, microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
-        alternatives=alternatives, max_simulations=max_simulations, time_budget_s=time_budget_s, compile=compile)
+        alternatives=alternatives, max_simulations=max_simulations, time_budget_s=time_budget_s, compile=compile,
+        overlap=overlap)
     check_batch_fits_model(model, request.batch[1], who)
     constraints, space = dict(request.constraints), request.search
     # the search reads the model in its dtype many times: cast in place for the call (no copy of a
@@ -389,6 +390,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # again on the whole mesh can pick another head or stream, and the rows would then not match.
         # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
         # by the same objects the search priced them with (autoplan/search/mesh/dims.py)
+        overlap: "async_tp": tensor-parallel collectives of sequence-parallel units priced fused
+            with their matmuls (inductor's micro-pipeline TP); ``predictions["overlap"]`` says so.
         searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp, best.ep)
         winner = request.replace(memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
                                  activation_checkpointing=best.recompute == "full")
@@ -444,7 +447,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             "bubble_s": max(0.0, c.sim_step_s - busy),
             "memory_bytes": dict({k: int(round(v)) for k, v in sorted(worst_mem.items())},
                                  total=sum(int(round(v)) for v in worst_mem.values())),
-            "collectives": collectives, "compile": request.compile,
+            "collectives": collectives, "compile": request.compile, "overlap": request.overlap,
         }
         notes += _cluster_notes(search, best)
         plan = assembler.with_cluster_parts(

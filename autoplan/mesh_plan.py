@@ -237,7 +237,8 @@ def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanReq
     element_bytes = structure.dtype_bytes   # of a parameter
     ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
                       dp_dim=grad_dim, dp=grad_ranks, fsdp=fsdp and grad_ranks > 1, param_bytes_per_element=element_bytes,
-                      optimizer_bytes_per_element=8 + (4 if element_bytes < 4 else 0))
+                      optimizer_bytes_per_element=8 + (4 if element_bytes < 4 else 0),
+                      async_tp=request.overlap == "async_tp")
     cp_shape = None
     if cp > 1:
         ctx = dataclasses.replace(ctx, topology=cp_topology(spec))
@@ -391,7 +392,7 @@ def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanReq
         decisions=decisions,
         predictions={"step_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
                      "memory_bytes": dict(memory, total=sum(memory.values())),
-                     "collectives": coll_rows, "compile": request.compile},
+                     "collectives": coll_rows, "compile": request.compile, "overlap": request.overlap},
         alternatives=alternatives,
         solver={"name": info.solver, "status": info.status, "variables": info.variables,
                 "constraints": info.constraints},

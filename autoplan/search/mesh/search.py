@@ -234,7 +234,7 @@ class ClusterSearch:
         return CostContext(hardware=self.hw, topology=topo, dtype=str(self.dtype), tp_dim="tp",
                            dp_dim=red_dim, dp=red, fsdp=mode == "fsdp", param_bytes_per_element=pbytes,
                            optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), dp_mode=mode,
-                           recompute=recompute)
+                           recompute=recompute, async_tp=self.request.overlap == "async_tp")
 
     def prober(self, tp: int, b: int, cp: int = 1):
         """One strategy prober per tensor-parallel degree: its verdicts hold for every
