@@ -353,6 +353,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         compile: price the step as compiled code runs it (True / "blocks": each repeated block
             compiled on its own, as torchtitan does; "model": the whole model and its loss;
             False / "none": eager); the plan's ``predictions["compile"]`` says which.
+        overlap: "async_tp": tensor-parallel collectives of sequence-parallel units priced fused
+            with their matmuls (inductor's micro-pipeline TP); ``predictions["overlap"]`` says so.
     Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
     hardware's memory) per device; InvalidArgumentError for a bad argument, before any capture.
     """
@@ -390,8 +392,6 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         # again on the whole mesh can pick another head or stream, and the rows would then not match.
         # With cp / ep the mesh planner also writes their sections (variant, expert styles), priced
         # by the same objects the search priced them with (autoplan/search/mesh/dims.py)
-        overlap: "async_tp": tensor-parallel collectives of sequence-parallel units priced fused
-            with their matmuls (inductor's micro-pipeline TP); ``predictions["overlap"]`` says so.
         searched, solver = search.tp_styles(best.tp, best.b, best.recompute, best.cp, best.ep)
         winner = request.replace(memory_limit=UNBOUNDED, dtype=search.dtype, fsdp=best.fsdp,
                                  activation_checkpointing=best.recompute == "full")
