@@ -87,8 +87,9 @@ def with_dp_mode(plan: Plan, graph, structure: ModelStructure, mode: str, optimi
     plan, seal = _open(plan)
     dp_dim = plan.dp_dim
     dp = dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(dp_dim, 1) if dp_dim else 1
-    if mode != "zero1" or dp <= 1:
-        plan.fsdp = dict(plan.fsdp, mode=mode if dp > 1 else plan.fsdp.get("mode", "replicate"))
+    if mode != "zero1" or dp <= 1:   # (an FSDP plan at dp 1 shards over ep: parallelisms.data.state_mesh)
+        plan.fsdp = dict(plan.fsdp, mode=mode if dp > 1 or plan.fsdp.get("enabled") else
+                         plan.fsdp.get("mode", "replicate"))
         return _close(plan, seal)
     if plan.fsdp.get("enabled"):
         raise PlanningError("with_dp_mode: make the plan with fsdp=False before turning it into zero1")
@@ -102,6 +103,27 @@ def with_dp_mode(plan: Plan, graph, structure: ModelStructure, mode: str, optimi
     mem["optimizer"] = -(-n // dp) * optimizer_bytes_per_element
     plan.predictions["memory_bytes"] = _exact(mem)
     plan.fsdp = {"enabled": False, "dim": dp_dim, "mode": "zero1"}
+    return _close(plan, seal)
+
+
+def with_zero1_rows(plan: Plan, rows: list[dict], optimizer_bytes: int) -> Plan:
+    """A one-stage plan with an ep dimension made with replicated dp, turned into ZeRO-1 over
+    dp x ep: ``rows`` (the runtime's reduce-scatters and all-gathers, ``cluster.zero1_ep_rows``)
+    replace its dp rows and the all-reduce over ep of the non-expert gradients (ZeRO-1's
+    reduce-scatter over dp x ep averages them there); ``optimizer_bytes``: this rank's sharded state."""
+    plan, seal = _open(plan)
+    if plan.fsdp.get("enabled"):
+        raise PlanningError("with_zero1_rows: make the plan with fsdp=False before turning it into zero1")
+    ep_dim = (plan.parallel.get("ep") or {}).get("dim")
+    kept = [r for r in plan.predictions["collectives"] if r["mesh_dim"] != plan.dp_dim
+            and not (r["mesh_dim"] == ep_dim and r["kind"] == "all_reduce")]
+    plan.predictions["collectives"] = sorted(kept + list(rows), key=lambda r: (r["kind"], r["mesh_dim"], r["phase"],
+                                                                               r["bytes"]))
+    mem = dict(plan.predictions["memory_bytes"])
+    mem.pop("total", None)
+    mem["optimizer"] = optimizer_bytes
+    plan.predictions["memory_bytes"] = _exact(mem)
+    plan.fsdp = {"enabled": False, "dim": plan.dp_dim, "mode": "zero1"}
     return _close(plan, seal)
 
 

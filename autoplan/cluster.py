@@ -28,6 +28,7 @@ from autoplan.search.context.cost import LOSS_BYTES
 from autoplan.capture.inputs import meta_view
 from autoplan.search.mesh.candidates import MESH_NAMES, Candidate, ranked_alternatives
 from autoplan.search.mesh.search import ClusterSearch, search_dtype
+from autoplan.search.experts.memory import memory_breakdown
 from autoplan.search.experts.pipeline import ep_layer_rows, ep_sync_row, expert_shards
 from autoplan.search.pipeline.search import fsdp_gathers, stage_bounds
 from autoplan.search.data.modes import REDUCE_BYTES, zero1_rows
@@ -66,13 +67,13 @@ def _stage_params(search: ClusterSearch, best: Candidate) -> tuple[dict[str, set
     return tied, homes
 
 
-def _fsdp_state(search: ClusterSearch, best: Candidate) -> tuple[str, str, int]:
+def _fsdp_state(search: ClusterSearch, best: Candidate, mode: str = "fsdp") -> tuple[str, str, int]:
     """(FSDP's gradient dimension: dp, or dp_cp under cp; the dimension of its non-expert units;
-    the ep degree those are sharded over too). With an ep dimension under FSDP the runners shard
-    every non-expert parameter over the flattened dp (x cp) x ep mesh, the experts over dp
-    (``parallelisms.data.state_mesh``)."""
+    the ep degree those are sharded over too). With an ep dimension under FSDP (or ZeRO-1:
+    ``mode``) the runners shard every non-expert parameter over the flattened dp (x cp) x ep
+    mesh, the experts over dp (``parallelisms.data.state_mesh``)."""
     dim = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep).dp_dim
-    if best.ep == 1 or not best.fsdp:
+    if best.ep == 1 or best.dp_mode != mode:
         return dim, dim, 1
     names = list(search.spec(best.dp, best.pp, best.tp, best.cp, best.ep).names)
     return dim, flat_name(tuple(n for n in names if n in ("dp", "cp", "ep"))), best.ep
@@ -105,6 +106,8 @@ def _fsdp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict, 
     gathers = fsdp_gathers(c.schedule, c.p, c.m, c.v)
     rows = []
     for (is_block, unit, d), nbytes in sorted(units.items()):
+        if d == dim and best.dp * best.cp == 1:   # an experts container over one dp rank: nothing to send
+            continue
         stage = unit_stage[unit] if is_block else int(unit[5:])
         # a block (and an experts container in it) is resharded after each forward (gathered
         # again when next needed); the stage root stays unsharded for the whole step
@@ -147,9 +150,33 @@ def _param_bytes_under(search: ClusterSearch, best: Candidate, styles: dict, ep:
                if sh.fqn in named or any(sh.fqn.startswith(p + ".") for p in prefixes))
 
 
-def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict) -> list[dict]:
+def zero1_ep_rows(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None, units: list[str] | None = None,
+                  also: Sequence[str] = ()) -> tuple[list[dict], int]:
+    """ZeRO-1 of a plan with an ep dimension as the runtime issues it (``parallelisms.data.zero1_of``):
+    the non-expert parameters in one padded flat buffer over the flattened dp x ep mesh, this
+    rank's expert shards in another over dp (none at dp 1): (rows, optimizer elements on this
+    rank). ``units`` / ``also``: a pipeline rank's units and the tied copies it holds (None: all)."""
+    shards = _shards(search, best, styles, ep)
+    if units is not None:
+        shards = [s for s in shards if s.fqn in also or any(s.fqn.startswith(u + ".") for u in units)]
+    dense = sum(s.fsdp_local_numel(1) for s in shards if not s.experts)
+    experts = sum(s.fsdp_local_numel(1) for s in shards if s.experts)
+    element = shards[0].dtype_bytes if shards else 4
+    rows, held = [], 0
+    for n, ways, dim in ((dense, best.dp * best.ep, _fsdp_state(search, best, "zero1")[1]), (experts, best.dp, "dp")):
+        padded = -(-n // ways) * ways
+        held += padded // ways
+        if ways > 1 and n:
+            rows += [Collective("reduce_scatter", "backward", padded * REDUCE_BYTES, dim=dim).to_row(),
+                     Collective("all_gather", "backward", padded * element, dim=dim).to_row()]
+    return rows, held
+
+
+def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict, ep: dict | None = None
+                  ) -> list[dict]:
     """Replicated dp (one flat all-reduce) or ZeRO-1 (reduce-scatter + all-gather of one padded
-    flat buffer) of the parameters pipeline rank ``rank`` holds, as the pipeline runner issues them."""
+    flat buffer; with ep two: ``zero1_ep_rows``) of the parameters pipeline rank ``rank`` holds,
+    as the pipeline runner issues them."""
     c = best.choice
     names = search.unit_names
     s2r = schedule_facts(c.schedule).ir(c.p, c.m, c.v).stage_to_rank
@@ -160,6 +187,8 @@ def _flat_dp_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dic
     tied, homes = _stage_params(search, best)
     copies = [f for f, stages in tied.items() if any(s2r[s] == rank for s in stages)]
     copies += [f for f, home in homes.items() if home in mine]   # params under no unit
+    if best.ep > 1 and best.dp_mode == "zero1":
+        return zero1_ep_rows(search, best, styles, ep, mine, copies)[0]
     rows, n = zero1_rows(graph, styles, best.tp, [g.prefix for g in st.blocks], best.dp, "dp", mine, copies)
     if best.dp_mode == "zero1":
         return rows
@@ -257,8 +286,9 @@ def _rank_rows(search: ClusterSearch, best: Candidate, rank: int, styles: dict |
                 agg[("all_reduce", ctx.dp_dim, "backward", nbytes)] += 1
         if best.cp > 1:
             _add_cp_rows(agg, search, best, rank, mine, stage_of, twice)
-        if best.dp * best.cp > 1:
-            rows = _fsdp_rows(search, best, rank, styles, ep) if best.fsdp else _flat_dp_rows(search, best, rank, styles)
+        if best.dp * best.cp > 1 or (best.ep > 1 and best.dp_mode != "replicate"):   # (over ep at dp 1 too)
+            rows = _fsdp_rows(search, best, rank, styles, ep) if best.fsdp else \
+                _flat_dp_rows(search, best, rank, styles, ep)
             for row in rows:
                 agg[(row["kind"], row["mesh_dim"], row["phase"], row["bytes"])] += row["count"]
         if best.ep > 1:
@@ -293,6 +323,8 @@ def _add_ep_rows(agg: dict, search: ClusterSearch, best: Candidate, mine: list[s
         for col in rows:
             w = 2 if twice and col.phase == "backward" and stage_of[index[u]] > 0 else 1
             agg[(col.kind, col.dim, col.phase, int(col.nbytes))] += col.count * w * c.m
+    if best.dp_mode == "zero1":   # ZeRO-1 over dp x ep has averaged every non-expert gradient
+        return
     tied = _stage_params(search, best)[0] if best.pp > 1 else {}
     sync = ep_sync_row(_shards(search, best, styles, ep), search.moe_groups, ep, mine,
                        best.dp * best.cp if best.fsdp else 1, "ep", fsdp=best.fsdp, tied=tied,
@@ -347,7 +379,11 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             activation_checkpointing, virtual_stages, dp_mode, recompute`` (e.g. ``{"pp": 2}``), and
             ``expert_parallel`` (True: the ep dimension splits the experts, False: it is data parallel
             with replicated experts; unset: priced), and ``tower_placement`` (a VL model's vision
-            tower in a pipeline: "stage0" or "mpipe"; unset: the faster the runtime runs).
+            tower in a pipeline: "stage0" or "mpipe"; unset: the faster the runtime runs), ``cuts``
+            ("even": blocks spread evenly over the stages, as Megatron-Core and AutoModel cut;
+            "balanced": the planner's by cost; unset: either). Facts of the runtime a plan is priced
+            for where it is not hyper_parallel's (a published run's framework): ``expert_runtime`` (an
+            ``ExpertRuntime`` or "deepep" / "deepseek_v3"), ``attention_kernel``, ``loss_bytes_per_logit``.
         microbatch_sizes: sequences per micro-batch to consider (one capture each).
         graphs: ``{micro-batch size: ModelGraph}`` already captured at ``(b, seq_len)``.
         compile: price the step as compiled code runs it (True / "blocks": each repeated block
@@ -398,7 +434,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         draft = mesh_plan_draft(model, spec, winner, graph=search.graph(best.b, best.cp), styles=searched,
                                 prober=search.prober(best.tp, best.b, best.cp), microbatch_size=best.b)
         ctx = search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.cp, best.ep)
-        if best.cp == 1:
+        if best.ep > 1 and best.dp_mode == "zero1":   # ZeRO-1 over dp x ep (parallelisms.data.zero1_of)
+            rows, held = zero1_ep_rows(search, best, draft.styles, draft.parallel.get("ep"))
+            draft = assembler.with_zero1_rows(draft, rows, held * ctx.optimizer_bytes_per_element)
+        elif best.cp == 1:
             draft = assembler.with_dp_mode(draft, search.graph(best.b, best.cp), search.structure(best.b, best.cp),
                                            best.dp_mode, ctx.optimizer_bytes_per_element)
         elif draft.fsdp.get("enabled"):   # cp plans run FSDP over dp x cp (the search prices no other mode for them)
@@ -417,6 +456,10 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         _, worst_mem = _rank_rows(search, best, rank, styles, ep_section) if rank else (None, mem)
         if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
             worst_mem = {k: v for k, v in draft.predictions["memory_bytes"].items() if k != "total"}
+        elif best.ep > 1:   # ep x pp: the busiest rank's memory as the search counted it (one figure per rank)
+            units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b, best.cp,
+                                         best.ep)
+            worst_mem = memory_breakdown(c, units, ctx).terms()
         busy = max(c.busy_s)
         pipeline = {
             "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,

@@ -352,13 +352,15 @@ def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanReq
     shards = param_shards(graph, styles, tp, [b.prefix for b in structure.blocks])
     if experts is not None:
         shards = experts.shard(shards)
-    use_fsdp = bool(fsdp and grad_ranks > 1)   # under cp FSDP shards over dp x cp (or cp alone)
-    # with an ep dimension FSDP shards the non-expert parameters over dp (x cp) x ep too
+    # under cp FSDP shards over dp x cp (or cp alone); with an ep dimension FSDP shards the
+    # non-expert parameters over dp (x cp) x ep too, at dp 1 over ep alone
     # (parallelisms.data.state_mesh); the experts over dp (x cp)
+    use_fsdp = bool(fsdp and (grad_ranks > 1 or ep > 1 and dp_dim is not None))
     fsdp_ep = ep if use_fsdp and ep > 1 else 1
     state_dim = grad_dim if fsdp_ep == 1 else flat_name(tuple(sorted(
         [d for d in (dp_dim, cp_dim if cp > 1 else None) if d] + [ep_dim], key=list(spec.names).index)))
-    fsdp_rows = fsdp_collectives(shards, grad_ranks, grad_dim, fsdp_ep, state_dim) if use_fsdp else []
+    fsdp_rows = [r for r in fsdp_collectives(shards, grad_ranks, grad_dim, fsdp_ep, state_dim)
+                 if grad_ranks > 1 or r["mesh_dim"] != grad_dim] if use_fsdp else []
     if grad_ranks > 1 and not use_fsdp:  # replicated DP (and cp): one all-reduce of the flattened local gradients
         fsdp_rows = [Collective("all_reduce", "backward", int(rank_param_bytes(shards, grad_ranks, False)),
                                 dim=grad_dim).to_row()]

@@ -63,15 +63,3 @@ def test_every_tensor_parallel_linear_of_a_planned_block_fuses_in_the_forward():
     assert result.cannot_run and "patterns checked" in result.summary()
     with pytest.raises(ValueError, match="stream layout"):
         check_async_tp(_plan(False), _recipe())
-
-
-def test_train_refuses_async_tp_on_an_eager_run_by_its_flags():
-    from autoplan.train.config import TrainConfig
-    from autoplan.train.errors import TrainConfigError
-    from autoplan.train.loop import compile_spec
-
-    cfg = TrainConfig(model="titan-llama-debug", compile="none", async_tp=True)
-    with pytest.raises(TrainConfigError, match="--async-tp with --compile none"):
-        compile_spec(cfg, torch.device("cpu"))
-    assert compile_spec(TrainConfig(model="titan-llama-debug", compile="blocks", async_tp=True),
-                        torch.device("cpu")).async_tp is True

@@ -228,23 +228,23 @@ def test_routing_glue_prices_the_passes_the_runtime_makes(mixtral_8x7b):
 
 
 def test_fsdp_over_ep_alone_prices_fsdp_traffic_every_micro_batch(mixtral_8x7b):
-    """At dp 1 a runtime that shards the non-expert state over dp x ep under FSDP (AutoModel's
-    "FSDP 64" at ep 64: fully_shard over the ep ranks) gathers and reduce-scatters each unit over
-    ep -- a single stage pays that every micro-batch -- where ours replicates those weights over ep
-    and all-reduces their gradients once after backward."""
+    """At dp 1 FSDP shards the non-expert state over ep -- ours (fully_shard over the flattened
+    dp x ep mesh, parallelisms.data.state_mesh) as AutoModel's "FSDP 64" at ep 64 -- and gathers and
+    reduce-scatters each unit over ep, which a single stage pays every micro-batch; with replicated
+    dp ours keeps those weights whole on every ep rank and all-reduces their gradients once after
+    backward."""
     ours = ClusterSearch.of(mixtral_8x7b, 8, hardware="h100_sxm", batch=(32, 1024), microbatch_sizes=(1,))
-    theirs = ClusterSearch.of(mixtral_8x7b, 8, hardware="h100_sxm", batch=(32, 1024), microbatch_sizes=(1,),
-                           graphs=ours.graphs, expert_runtime=DEEPEP_RUNTIME)
-    mine, _ = ours.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=8)
-    fsdp, _ = theirs.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=8)
-    assert not any(u.fsdp for u in mine) and sum(u.dp_comm_s for u in mine) == 0.0
+    whole, _ = ours.unit_costs(1, 1, 1, "replicate", "none", 1, ep=8)
+    fsdp, _ = ours.unit_costs(1, 1, 1, "fsdp", "none", 1, ep=8)
+    assert not any(u.fsdp for u in whole) and sum(u.dp_comm_s for u in whole) == 0.0
     assert all(u.fsdp for u in fsdp)
+    assert sum(u.state_bytes for u in fsdp) < sum(u.state_bytes for u in whole)
     attn = next(i for i, u in enumerate(fsdp) if u.name.endswith("layers.0"))
-    ctx = theirs.ctx(1, 1, 1, "fsdp", "none", 1, 8)
+    ctx = ours.ctx(1, 1, 1, "fsdp", "none", 1, 8)
     assert fsdp[attn].dp_comm_s > 0 and fsdp[attn].dp_gather_s == pytest.approx(fsdp[attn].dp_comm_s / 4)
     # the all-reduce after backward is gone: its optimizer row is the step on 1/ep of the elements
-    assert sum(u.optimizer_s for u in fsdp) < sum(u.optimizer_s for u in mine)
-    one = theirs.evaluate(dict(dp=1, pp=1, tp=1, ep=8), "1F1B", 1, "fsdp", "none")
+    assert sum(u.optimizer_s for u in fsdp) < sum(u.optimizer_s for u in whole)
+    one = ours.evaluate(dict(dp=1, pp=1, tp=1, ep=8), "1F1B", 1, "fsdp", "none")
     assert one.step_s > 0 and ctx.dp == 1
 
 

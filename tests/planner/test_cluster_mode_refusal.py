@@ -1,6 +1,7 @@
 """A dp mode the constraints fix but the asked mesh cannot run is refused with the reason (not a
-bare "nothing fits", which reads as a memory problem); with one data-parallel rank the mode is
-moot and the plan is made."""
+bare "nothing fits", which reads as a memory problem): cp plans run FSDP over dp x cp. With ep,
+ZeRO-1 is a mode like the others (the non-expert optimizer state over dp x ep, the experts' over
+dp), also at one data-parallel rank, where it shards over ep alone."""
 import pytest
 
 from autoplan import plan_cluster
@@ -14,13 +15,16 @@ def _moe():
     return model
 
 
-def test_zero1_with_ep_names_the_reason():
-    with pytest.raises(InfeasiblePlanError, match="dp_mode='zero1' with ep or cp: those meshes run FSDP"):
+def test_zero1_with_cp_names_the_reason():
+    with pytest.raises(InfeasiblePlanError, match="dp_mode='zero1' with cp: those meshes run FSDP"):
         plan_cluster(_moe(), 8, hardware="cpu", batch=(8, 8), devices_per_node=8,
-                     constraints={"dp": 2, "ep": 2, "pp": 1, "tp": 2, "dp_mode": "zero1", "expert_parallel": True})
+                     constraints={"dp": 2, "cp": 2, "pp": 1, "tp": 2, "dp_mode": "zero1"})
 
 
-def test_one_dp_rank_makes_the_mode_moot():
-    plan = plan_cluster(_moe(), 4, hardware="cpu", batch=(8, 8), devices_per_node=4,
-                        constraints={"dp": 1, "ep": 2, "pp": 1, "tp": 2, "dp_mode": "zero1", "expert_parallel": True})
+@pytest.mark.parametrize("dp", [1, 2])
+def test_zero1_with_ep_is_planned(dp):
+    plan = plan_cluster(_moe(), 4 * dp, hardware="cpu", batch=(8, 8), devices_per_node=4 * dp,
+                        constraints={"dp": dp, "ep": 2, "pp": 1, "tp": 2, "dp_mode": "zero1", "expert_parallel": True})
     assert dict(zip(plan.mesh["names"], plan.mesh["shape"]))["ep"] == 2
+    assert plan.fsdp["mode"] == "zero1"
+    assert any(r["mesh_dim"] == "dp_ep" and r["kind"] == "reduce_scatter" for r in plan.predictions["collectives"])

@@ -271,6 +271,11 @@ class MemoryBreakdown:
     def total(self) -> float:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
+    def terms(self) -> dict[str, float]:
+        """The bytes a plan's ``predictions.memory_bytes`` holds (buffers are reported beside it)."""
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations}
+
     def gib(self) -> dict[str, float]:
         g = 2.0 ** 30
         return {"mem_params_gib": self.params / g, "mem_grads_gib": self.grads / g,

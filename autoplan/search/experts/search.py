@@ -67,12 +67,12 @@ class ExpertRuntime:
     - ``dedup``: one copy per destination node without a routing limit (DeepEP's dispatch / combine
       kernels: each token crosses InfiniBand once per node holding one of its experts, NVLink forwards
       it; deepseek-ai/DeepEP README, "normal kernels ... NVLink to RDMA asymmetric-domain forwarding").
-    - ``dense_state_over_ep``: the optimizer (ZeRO-1) or all state (FSDP) of the parameters outside
-      the experts is sharded over dp x ep in every data-parallel mode and at dp = 1 too (Megatron-Core's
-      distributed optimizer over the whole data-parallel group, AutoModel's FSDP2 over dp_shard x ep
-      at dp_shard 1). Ours does so under FSDP with dp > 1 only (FSDP2 over the flattened dp x ep mesh,
-      ``parallelisms.data.state_mesh``), which every runtime is priced with; with ZeRO-1, replicated
-      dp or dp = 1 ours replicates the non-expert state over ep and all-reduces its gradients there.
+    - ``dense_state_over_ep``: the state of the parameters outside the experts is sharded over dp x ep
+      with replicated dp too. Under FSDP and ZeRO-1 every runtime priced shards it there, at dp = 1
+      too -- ours (FSDP2 over the flattened dp x ep mesh, ``parallelisms.data.state_mesh``; ZeRO-1's
+      flat buffer over it, ``data.zero1_of``), Megatron-Core's distributed optimizer over the whole
+      data-parallel group, AutoModel's FSDP2 over dp_shard x ep at dp_shard 1; with replicated dp
+      ours replicates it over ep and all-reduces its gradients there.
     - ``overlap``: the fraction of the all-to-alls hidden behind the other micro-batch's compute
       (DualPipe's forward/backward chunk pairs, tech report sec. 3.2.1; Megatron-Core's EP A2A
       overlap of two micro-batches): at most the layer's own compute can hide them. 0: none.
@@ -223,6 +223,19 @@ DEEPEP_RUNTIME = ExpertRuntime(
            "node over RDMA and then over NVLink; NVIDIA-NeMo/Automodel docs/performance-summary.md: TE + DeepEP, "
            "FSDP2 (dp_shard) x EP; nemo_automodel/components/moe/layers.py GroupedExpertsDeepEP._apply_bias "
            "(8d9bfb90e): expert biases added per expert and concatenated")
+
+# the runtimes a caller can name (``constraints={"expert_runtime": name}``); any other is stated as
+# an ExpertRuntime with its source
+EXPERT_RUNTIMES = {"hyper_parallel": OUR_EXPERT_RUNTIME, "deepep": DEEPEP_RUNTIME, "deepseek_v3": DEEPSEEK_V3_RUNTIME}
+
+
+def stated_runtime(value) -> ExpertRuntime:
+    """The ExpertRuntime a constraint states: one, or a name in ``EXPERT_RUNTIMES``; ValueError otherwise."""
+    if isinstance(value, ExpertRuntime):
+        return value
+    if isinstance(value, str) and value in EXPERT_RUNTIMES:
+        return EXPERT_RUNTIMES[value]
+    raise ValueError(f"{value!r} is neither an ExpertRuntime nor one of {sorted(EXPERT_RUNTIMES)}")
 
 
 @dataclass

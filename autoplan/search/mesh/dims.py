@@ -154,17 +154,18 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
     dp_gather, optimizer): per MoE layer the chosen option's compute beyond the replicated experts
     the TP search counted, its all-to-alls and expert-TP all-reduces (forward / backward), its
     expert state instead of the replicated one, the experts' data-parallel traffic and optimizer
-    step at their sharded size; and per step the all-reduce over ep of every gradient outside the
-    experts (serial, after backward: ``parallelisms.expert.ExpertGradSync``) -- under FSDP instead
-    their FSDP traffic and state over dp x ep (``parallelisms.data.state_mesh``).
+    step at their sharded size; and per step, for the gradients outside the experts, what the
+    runtime does with them: under FSDP their FSDP traffic and state over dp x ep
+    (``parallelisms.data.state_mesh``), under ZeRO-1 the ep stage of its reduce-scatter and
+    all-gather over dp x ep and the optimizer state / ep (``data.zero1_of``), with replicated dp one
+    all-reduce over ep (serial, after backward: ``parallelisms.expert.ExpertGradSync``).
     ``options``/``targets``: the TP solution's options and the unit indices each one covers.
     ``dp_mode``: the data-parallel mode the plan asked for (default: the context's). With dp = 1 the
-    context prices "replicate" (nothing to shard over dp), but a runtime that shards the non-expert
-    state over dp x ep (``runtime.dense_state_over_ep``) still shards it ep ways: AutoModel's
-    "FSDP 64" at dp 1 x ep 64 is FSDP2 over the 64 ranks for every non-expert weight -- its state
-    and its traffic: each unit all-gathered (forward and backward) and reduce-scattered over ep as
-    at dp > 1. Returns whether the non-expert units run FSDP (so a single stage pays their traffic
-    every micro-batch, as ``pipeline_search`` prices an FSDP unit)."""
+    context prices "replicate" (nothing to shard over dp), but FSDP and ZeRO-1 still shard the
+    non-expert state ep ways (AutoModel's "FSDP 64" at dp 1 x ep 64 is FSDP2 over the 64 ranks for
+    every non-expert weight, as ours is): each unit all-gathered (forward and backward) and
+    reduce-scattered over ep as at dp > 1. Returns whether the non-expert units run FSDP (so a single
+    stage pays their traffic every micro-batch, as ``pipeline_search`` prices an FSDP unit)."""
     ctx, runtime = experts.ctx, experts.runtime   # the runtime the experts were priced for
     index = {n: i for i, n in enumerate(names)}
     expert_units: dict[int, float] = {}   # unit -> expert weight bytes it holds (whole)
@@ -220,14 +221,14 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
             local[t] += o.count * o.param_bytes / o.strategy.param_shard / len(tg)
     for i, nbytes in expert_units.items():
         local[i] = max(local[i] - nbytes, 0.0)
-    # FSDP (dp > 1) shards the non-expert state over dp x ep in every runtime priced, ours included
-    # (parallelisms.data.state_mesh); a runtime stated with ``dense_state_over_ep`` does so in
-    # every mode (ZeRO-1: the distributed optimizer over the whole data-parallel group) and at dp 1
-    over_ep = runtime.dense_state_over_ep or ctx.fsdp
-    fsdp_over_ep = ctx.fsdp or (runtime.dense_state_over_ep and dp_mode == "fsdp")
+    # FSDP and ZeRO-1 shard the non-expert state over dp x ep, at dp 1 too, in every runtime
+    # priced, ours included (parallelisms.data.state_mesh / zero1_of); a runtime stated with
+    # ``dense_state_over_ep`` does so with replicated dp as well
+    mode = dp_mode or ctx.dp_mode
+    over_ep = runtime.dense_state_over_ep or mode in ("fsdp", "zero1")
+    fsdp_over_ep = mode == "fsdp"
     if over_ep:
-        sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(
-            "fsdp" if fsdp_over_ep else dp_mode or ctx.dp_mode, ())
+        sharded = {"fsdp": ("params", "grads", "optimizer"), "zero1": ("optimizer",)}.get(mode, ())
         for i, nbytes in enumerate(local):
             if nbytes > 0:
                 st = ctx.state_bytes(nbytes, 1)
@@ -250,11 +251,22 @@ def add_ep(acc: list[list[float]], names: list[str], options, targets, experts: 
             acc[i][7] -= ctx.optimizer_time(0, ctx.optimizer_elements(nbytes, 1), True) * (1.0 - 1.0 / experts.ep)
         return True
     for i, nbytes in enumerate(local):
-        if nbytes > 0:
+        if nbytes <= 0:
+            continue
+        if mode == "zero1":
+            # ZeRO-1 over dp x ep: the ep stage of its reduce-scatter and all-gather (on the unit's
+            # 1/dp slice, after backward), and 1/ep of the optimizer step
+            b = int(nbytes / ctx.dp)
+            ep_part = [Collective("reduce_scatter", "backward", int(b * ctx.reduce_scale), 1, experts.ep_dim),
+                       Collective("all_gather", "backward", b, 1, experts.ep_dim)]
+            acc[i][7] += ctx.comm_time(ep_part, latency=False)
+            acc[i][7] -= ctx.optimizer_time(0, ctx.optimizer_elements(nbytes, 1), True) * (1.0 - 1.0 / experts.ep)
+        else:
             acc[i][7] += ctx.collective_time(Collective("all_reduce", "backward", int(nbytes / fsdp), 1,
                                                         experts.ep_dim), latency=False)
-    if names:
-        acc[0][7] += ctx.collective_time(Collective("all_reduce", "backward", 1, 1, experts.ep_dim))
+    if names:   # the calls' latency, once per step
+        calls = 2 if mode == "zero1" else 1
+        acc[0][7] += calls * ctx.collective_time(Collective("all_reduce", "backward", 1, 1, experts.ep_dim))
     return False
 
 

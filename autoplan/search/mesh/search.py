@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -32,16 +32,17 @@ from autoplan.search.mesh.dims import (
 from autoplan.search.context.cost import CPShape, cp_structure, cp_topology, grad_dims
 from autoplan.search.pricing.costing import RECOMPUTE, CostContext
 from autoplan.search.experts.planning import ExpertPlanning, expert_parallel_constraint
-from autoplan.search.experts.search import OUR_EXPERT_RUNTIME, ExpertRuntime
+from autoplan.search.experts.search import OUR_EXPERT_RUNTIME, ExpertRuntime, stated_runtime
+from cost_models.attention_kernels import with_attention_kernel
 from autoplan.parallelisms.data import flat_name
 from hyper_parallel.parallel_dims import ParallelDims
 from autoplan.search.pipeline.stage_params import add_tied_copy
 from autoplan.search.pipeline.search import (
-    PipelineChoice, UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates,
-    time_choice,
+    UnitCost, estimate, even_starts, full_lower_bound, pipeline_candidates, time_choice,
 )
 from autoplan.search.experts.memory import restate_activations, restate_our_experts
 from autoplan.capture.views import module_summary
+from autoplan.search.mesh.fixed import evaluate_layout
 from autoplan.search.mesh.candidates import (
     Candidate, dp_mode_of, mesh_factorizations, recompute_of,
 )
@@ -98,8 +99,10 @@ class ClusterSearch:
         # how the runtime moves the experts' tokens (experts.search.ExpertRuntime) and what its loss
         # reads and writes per logit (structure.model_structure): hyper_parallel's unless a caller
         # prices another runtime's published run (benchmarks/moe_published_runs.py)
-        self.expert_runtime = expert_runtime
-        self.loss_bytes_per_logit = loss_bytes_per_logit
+        # (or as the constraints state them: arguments.check_runtime_facts)
+        cons = request.constraints
+        self.expert_runtime = stated_runtime(cons.get("expert_runtime", expert_runtime))
+        self.loss_bytes_per_logit = cons.get("loss_bytes_per_logit", loss_bytes_per_logit)
         self.request = request
         # what runs compiled, its elementwise chains priced fused (cost_models.fusion)
         self.compile = compile_mode(request.compile, "ClusterSearch")
@@ -107,6 +110,8 @@ class ClusterSearch:
         self.recompute_modes = [recompute_of(x) for x in recompute_modes]
         self.model, self.devices, self.hardware = model, int(devices), request.hardware
         self.hw = load_hardware(request.hardware)
+        if cons.get("attention_kernel"):
+            self.hw = with_attention_kernel(self.hw, cons["attention_kernel"])
         self.dpn = int(request.devices_per_node or self.hw.devices_per_node)
         self.gb, self.seq = request.batch
         self.limit = float(request.memory_limit if request.memory_limit is not None else self.hw.usable_memory())
@@ -414,7 +419,8 @@ class ClusterSearch:
     def modes(self, dp: int, fsdp_only: bool = False) -> list[tuple[str, str]]:
         """(dp mode, recompute) pairs to search; constraints ``dp_mode`` / ``recompute`` (or the
         older bools ``fsdp`` / ``activation_checkpointing``) fix them. ``fsdp_only``: plans with
-        cp or ep run FSDP over their data-parallel ranks (the mode their fixed-mesh plans apply)."""
+        cp run FSDP over dp x cp (the mode their plans apply); ``dp``: the ranks state can be
+        sharded over (with ep its ranks too: FSDP and ZeRO-1 shard the non-expert state over dp x ep)."""
         if "dp_mode" in self.cons:
             fs = [dp_mode_of(self.cons["dp_mode"])]
         elif "fsdp" in self.cons:
@@ -424,7 +430,7 @@ class ClusterSearch:
         if fsdp_only:
             kept = [f for f in fs if f == "fsdp"] if dp > 1 else ["fsdp"]   # one dp rank: no mode to pick
             if not kept:
-                self.mode_skipped.add(f"dp_mode={fs[0]!r} with ep or cp: those meshes run FSDP over their "
+                self.mode_skipped.add(f"dp_mode={fs[0]!r} with cp: those meshes run FSDP over their "
                                       f"data-parallel ranks (the mode the runtime applies them with); ask "
                                       f"dp_mode='fsdp' or leave the mode to the planner")
             fs = kept
@@ -497,7 +503,7 @@ class ClusterSearch:
             for b, m in self.microbatch_options(dp * ep):
                 if cp > 1 and b > 1:
                     continue   # with cp a micro-batch is one sequence (cluster_dims)
-                for fsdp, ac in self.modes(dp * cp, fsdp_only=cp > 1 or ep > 1):
+                for fsdp, ac in self.modes(dp * cp * ep, fsdp_only=cp > 1):
                     uc = self.unit_costs(dp, pp, tp, fsdp, ac, b, cp, ep)
                     if uc is None:
                         continue
@@ -534,8 +540,10 @@ class ClusterSearch:
             cands = pipeline_candidates(units, pp, [m], self.limit, scheds, self.virtual, bound=best,
                                         extra=lb - max(m * sum(u.time for u in units) / pp,
                                                        sum(u.forward + u.backward_input for u in units)))
+            if "cuts" in self.cons:   # the cuts a framework makes (Megatron-Core's, AutoModel's: even)
+                cands = [c for c in cands if (c.starts == even_starts(len(units), c.p * c.v)) == (self.cons["cuts"] == "even")]
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
-            exposed = self.exposed(fsdp if dp * cp > 1 else "fsdp")
+            exposed = self.exposed(fsdp if dp * cp * ep > 1 else "fsdp")
             for c in cands:
                 if full_lower_bound(c, units, exposed) >= best:
                     continue
@@ -562,46 +570,5 @@ class ClusterSearch:
                  self.simulations, time.perf_counter() - t0)
         return done
 
-    def evaluate(self, degrees: Mapping[str, int], schedule: str = "1F1B", b: int = 1, fsdp=True,
-                 ac=None, cuts: str = "even", v: int = 1) -> Candidate:
-        """Price one fixed plan (e.g. an expert's) with the same costs: even or balanced cuts;
-        ``ac=None`` takes the faster fitting of with/without activation checkpointing.
-        ``degrees``: ``dp``, ``pp`` and ``tp``, and ``cp`` / ``ep`` (1 when left out); any cp / ep
-        / pp combination is priced."""
-        unknown = sorted(set(degrees) - {"dp", "pp", "tp", "cp", "ep"})
-        if unknown or any(k not in degrees for k in ("dp", "pp", "tp")):
-            raise PlanningError(f"evaluate: degrees {dict(degrees)} must name dp, pp and tp (and may name cp, ep); "
-                                f"unknown: {unknown}")
-        dp, pp, tp = int(degrees["dp"]), int(degrees["pp"]), int(degrees["tp"])
-        cp, ep = int(degrees.get("cp", 1)), int(degrees.get("ep", 1))
-        if self.gb % (dp * ep * b):
-            raise InfeasiblePlanError(f"evaluate: global batch {self.gb} not divisible by dp*ep*b = {dp * ep * b}")
-        m = self.gb // (dp * ep * b)
-        best = None
-        for a in ([False, True] if ac is None else [ac]):
-            self.settle(tp, b, a, cp, ep)   # priced as it would run
-            uc = self.unit_costs(dp, pp, tp, fsdp, a, b, cp, ep)
-            if uc is None:
-                continue
-            units, p2p = uc
-            vv = schedule_facts(schedule).stages_per_rank(v)
-            if cuts == "even":
-                starts = even_starts(len(units), pp * vv)
-            else:
-                c0 = [c for c in pipeline_candidates(units, pp, [m], self.limit, [schedule], [v], False)]
-                starts = c0[0].starts if c0 else None
-            if starts is None:
-                continue
-            c = time_choice(PipelineChoice(schedule, pp, vv, m, starts, cut_method=cuts), units, p2p,
-                            self.exposed(fsdp if dp * cp > 1 else "fsdp"))
-            fits = max(c.rank_memory) <= self.limit
-            cand = Candidate(dp, pp, tp, fsdp, a, b, c, cp, ep)
-            if best is None or (fits, -c.step_s) > (best[0], -best[1].step_s):
-                best = (fits, cand)
-        if best is None:
-            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} cp{cp} ep{ep} {schedule} cannot be cut")
-        cand = best[1]
-        if not best[0]:
-            raise InfeasiblePlanError(f"evaluate: dp{dp} pp{pp} tp{tp} cp{cp} ep{ep} {schedule} b={b} does not fit "
-                                      f"({max(cand.choice.rank_memory) / 2**30:.1f} GiB > {self.limit / 2**30:.1f})")
-        return cand
+    # one fixed layout priced with the same costs (autoplan/search/mesh/fixed.py)
+    evaluate = evaluate_layout
