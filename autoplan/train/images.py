@@ -151,8 +151,9 @@ def load_processor(cfg):
     folder = Path(source)
     folder = folder.parent if folder.suffix == ".json" and folder.is_file() else folder
     if not folder.is_dir():
-        raise DataError(f"train: --data {cfg.data!r} is image-text, which needs the model's processor: --model "
-                        f"{cfg.model!r} is not a save_pretrained directory; give one holding the processor "
+        flag = f"--tokenizer {cfg.tokenizer!r}" if cfg.tokenizer != "bytes" else f"--model {cfg.model!r}"
+        raise DataError(f"train: --data {cfg.data!r} is image-text, which needs the model's processor: {flag} "
+                        "is not a save_pretrained directory; give one holding the processor "
                         "(processor.save_pretrained(dir)) or --tokenizer PROCESSOR_DIR")
     import transformers
     from transformers.utils import logging as hf_logging

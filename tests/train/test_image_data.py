@@ -83,6 +83,8 @@ def test_a_broken_set_is_refused_naming_the_place(made):
 def test_a_model_without_processor_or_tower_is_refused(made):
     with pytest.raises(DataError, match="--model 'hf:llava' is not a save_pretrained directory"):
         load_processor(TrainConfig(model="hf:llava", data=str(made["folder"])))
+    with pytest.raises(DataError, match="--tokenizer 'tok.json' is not a save_pretrained directory"):
+        load_processor(TrainConfig(model=str(made["root"] / "llava"), tokenizer="tok.json", data=str(made["folder"])))
     bare = made["root"] / "bare"   # the weights' config without the processor
     bare.mkdir()
     shutil.copy(made["root"] / "llava/config.json", bare / "config.json")
