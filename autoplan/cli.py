@@ -216,6 +216,8 @@ def _cmd_verify(args) -> int:
               f"{result.param_bytes['issued']:,}")
     if result.numerics is not None:
         print(f"numerics on a small copy: {result.numerics.summary()}")
+    if result.async_tp is not None:
+        print(result.async_tp if isinstance(result.async_tp, str) else result.async_tp.summary())
     print("PASS: predicted == issued" + (" and numerics equal one device" if args.numerics else "")
           if result.passed else "FAIL: see above")
     return 0 if result.passed else 1

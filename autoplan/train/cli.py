@@ -63,6 +63,7 @@ def config_from_args(args) -> TrainConfig:
         log_every=args.log_every, progress=args.progress, overwrite=args.overwrite, max_loss=args.max_loss,
         clip_grad_norm=args.clip_grad_norm, init=args.init, export_hf=args.export_hf,
         precision=args.precision, compile=args.compile, compile_backend=args.compile_backend, compile_mode=args.compile_mode,
+        async_tp=args.async_tp,
         checkpoint_key=args.checkpoint_key)
 
 
@@ -152,6 +153,9 @@ def register(sub) -> None:
     t.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune",
                                                             "max-autotune-no-cudagraphs"),
                    help="torch.compile mode")
+    t.add_argument("--async-tp", action="store_true",
+                   help="async tensor parallelism (inductor's micro-pipeline TP; needs --compile blocks|model, "
+                        "inductor and CUDA with NCCL; refused by name elsewhere)")
     t.add_argument("--checkpoint-dir", default=None)
     t.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     t.add_argument("--resume", default=None,

@@ -51,6 +51,7 @@ class TrainConfig:
     compile: str = "auto"
     compile_backend: str = "inductor"
     compile_mode: str | None = None  # torch.compile's mode (default, reduce-overhead, max-autotune, ...)
+    async_tp: bool = False           # inductor's micro-pipeline TP on the plan's TP group (docs/overlap.md)
     # checkpoints and output
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0        # 0: only at the end when checkpoint_dir is set

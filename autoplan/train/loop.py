@@ -33,6 +33,7 @@ from autoplan.train.guard import GradClipper, check_loss
 from autoplan.train import images
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from hyper_parallel.core.compile import CompileSpec, default_compile_mode
+from hyper_parallel.errors import CompileError
 from autoplan.train.model import build_model, flops_per_token, pretrained_weights
 from autoplan.train.plan_source import check_ranks_agree, plan_for
 from autoplan.train.progress import Progress
@@ -85,7 +86,11 @@ def compile_spec(cfg: TrainConfig, device: torch.device) -> CompileSpec:
         raise TrainConfigError("train: --compile model with --compile-backend inductor on several ranks is not "
                                "supported yet (its first step fails to resolve a process group); valid: --compile "
                                "blocks (per block, the default on accelerators), or --compile-backend aot_eager")
-    return CompileSpec(mode=mode, backend=cfg.compile_backend, torch_mode=cfg.compile_mode)
+    try:
+        return CompileSpec(mode=mode, backend=cfg.compile_backend, torch_mode=cfg.compile_mode, async_tp=cfg.async_tp)
+    except CompileError as e:   # --async-tp with an eager (or non-inductor) run: said as the flags
+        raise TrainConfigError(f"train: --async-tp with --compile {cfg.compile} (here {mode!r}) and --compile-backend "
+                               f"{cfg.compile_backend}: {e}; valid: --compile blocks|model with inductor") from None
 
 
 class Trainer:

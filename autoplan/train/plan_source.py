@@ -93,7 +93,8 @@ def _plan(cfg: TrainConfig, world: int, device: torch.device) -> Plan:
     try:
         plan = plan_cluster(meta, world, hardware=hardware, batch=(cfg.batch, cfg.seq), devices_per_node=per_node,
                             constraints=dict(cfg.constraints), allow_replicated_units=not cfg.shard_all,
-                            dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+                            dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
+                            overlap="async_tp" if cfg.async_tp else None)   # priced as it will run
     finally:
         fake_log.removeFilter(probes)
     notes = [f"planning: {probes.count} layout probe(s) failed under fake tensors, as expected for a sharding the "

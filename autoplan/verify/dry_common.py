@@ -27,6 +27,7 @@ class VerifyResult:
     passed: bool
     numerics: object | None = None  # NumericsResult when verify(numerics=True)
     error: str | None = None        # the plan failed to apply or run in the dry run
+    async_tp: object | None = None  # AsyncTPCheck of a plan priced with overlap="async_tp" (or why not checked)
 
     def mismatches(self) -> pd.DataFrame:
         return self.collectives[~self.collectives["match"]]

@@ -18,9 +18,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, PlanningError
 from autoplan.parallelisms.registry import batch_shards
 from autoplan.plan.plan import Plan
+from autoplan.verify.async_tp import check_async_tp
 from autoplan.verify.even_counts import EvenCounts
 from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
 from autoplan.verify.numerics import check_numerics
@@ -93,12 +94,21 @@ def verify(plan: Plan, model: torch.nn.Module, inputs=None, *, numerics: bool = 
         why = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         result = VerifyResult(pd.DataFrame(columns=KEY + ["parallelism", "predicted", "issued", "match"]), {}, False,
                               error=why)
-    if numerics:
-        degrees = [d for d in plan.mesh["shape"] if d > 1]
-        recipe = ModelRecipe(factory=factory, kwargs=dict(factory_kwargs or {})) if factory else \
+    degrees = [d for d in plan.mesh["shape"] if d > 1]
+
+    def recipe() -> ModelRecipe:
+        return ModelRecipe(factory=factory, kwargs=dict(factory_kwargs or {})) if factory else \
             recipe_for(model, degrees)
-        result.numerics = check_numerics(plan, recipe, pool=pool)
+    if numerics:
+        result.numerics = check_numerics(plan, recipe(), pool=pool)
         result.passed = bool(result.passed and result.numerics.passed)
+    if plan.predictions.get("overlap") == "async_tp" and result.error is None:
+        # the plan priced its sequence-parallel collectives fused: check torch's pass fuses them
+        try:
+            result.async_tp = check_async_tp(plan, recipe())
+            result.passed = bool(result.passed and result.async_tp.ok)
+        except PlanningError as e:   # no small copy to compile (a model without an HF config, no factory)
+            result.async_tp = f"not checked: {e}"
     return result
 
 

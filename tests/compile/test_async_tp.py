@@ -63,3 +63,28 @@ def test_every_tensor_parallel_linear_of_a_planned_block_fuses_in_the_forward():
     assert result.cannot_run and "patterns checked" in result.summary()
     with pytest.raises(ValueError, match="stream layout"):
         check_async_tp(_plan(False), _recipe())
+
+
+def test_train_refuses_async_tp_on_an_eager_run_by_its_flags():
+    from autoplan.train.config import TrainConfig
+    from autoplan.train.errors import TrainConfigError
+    from autoplan.train.loop import compile_spec
+
+    cfg = TrainConfig(model="titan-llama-debug", compile="none", async_tp=True)
+    with pytest.raises(TrainConfigError, match="--async-tp with --compile none"):
+        compile_spec(cfg, torch.device("cpu"))
+    assert compile_spec(TrainConfig(model="titan-llama-debug", compile="blocks", async_tp=True),
+                        torch.device("cpu")).async_tp is True
+
+
+def test_verify_checks_the_fusions_a_plan_priced_with_async_tp():
+    from autoplan.verify import verify
+
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    plan = autoplan(meta, ParallelDims((2,), ("tp",), "cpu"), hardware="cpu", allow_replicated_units=False,
+                    batch=(4, 16), sequence_parallel=True, overlap="async_tp")
+    result = verify(plan, meta)
+    assert result.passed, (result.error, result.async_tp)
+    assert result.async_tp.ok and result.async_tp.expected == 7, result.async_tp.summary()
+    assert verify(plan.replace(predictions=dict(plan.predictions, overlap="none")), meta).async_tp is None
