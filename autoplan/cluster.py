@@ -454,12 +454,15 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         if c.p == 1:  # one stage: the TP planner's exact rows, x micro-batches (dry_run.verify checks them)
             collectives = draft.predictions["collectives"]
         _, worst_mem = _rank_rows(search, best, rank, styles, ep_section) if rank else (None, mem)
-        if c.p == 1 and (best.cp > 1 or best.ep > 1):   # the mesh planner's memory: cp's K/V, ep's expert shards
+        if c.p == 1 and best.cp > 1:   # the mesh planner's memory: cp's K/V
             worst_mem = {k: v for k, v in draft.predictions["memory_bytes"].items() if k != "total"}
-        elif best.ep > 1:   # ep x pp: the busiest rank's memory as the search counted it (one figure per rank)
+        elif best.ep > 1:   # the busiest rank's memory as the search counted it (one figure per rank) ...
             units, _ = search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode, best.recompute, best.b, best.cp,
                                          best.ep)
             worst_mem = memory_breakdown(c, units, ctx).terms()
+            if c.p == 1:   # ... with one stage's exact state (the plan's shards, which verify checks)
+                worst_mem.update({k: v for k, v in draft.predictions["memory_bytes"].items()
+                                  if k in ("params", "grads", "optimizer")})
         busy = max(c.busy_s)
         pipeline = {
             "pp": c.p, "schedule": c.schedule, "virtual_stages": c.v, "microbatches": c.m, "microbatch_size": best.b,

@@ -1,15 +1,18 @@
 """Published mixture-of-experts training runs priced by the planner's cost model at their own layouts.
 
 Every run below is bf16, with a stated layout (dp, ep, pp, tp, virtual stages, micro-batch) and a
-measured step time or throughput, each with its source. Each is priced with ``ClusterSearch.evaluate``
-at the published layout, with what the source's recipe states (recomputation, pipeline cuts, the loss's
-precision; what it does not state is taken at its fastest). The predicted step is split by term (busy
-compute + exposed TP/EP traffic, pipeline bubble, data-parallel + optimizer; and of the busy part, what ep changes: all-to-alls and expert compute), and autoplan's own
-pick for the same model, devices and batch is reported with its claimed speed-up. No constant is
-fitted to these runs, so the leave-one-source-out ratio is the ratio (see docs/costs.md). Where a
-source states how its runtime moves the experts' tokens (DeepEP's per-node de-duplication; DeepSeek-V3's
-node-limited routing and DualPipe overlap), the run is priced with that runtime
-(``experts.search.ExpertRuntime``, cited there): their runtime, not ours, which exposes every routed copy.
+measured step time or throughput, each with its source. Each is priced through the public planner:
+``plan_cluster(model, devices, batch=..., hardware=..., constraints=...)`` with the published layout
+(dp, ep, pp, tp, micro-batch size, dp mode, schedule, virtual stages) and what the source states of its
+runtime as constraints (recomputation; ``expert_runtime``: how it moves and keeps the experts' tokens
+-- DeepEP's per-node de-duplication, DeepSeek-V3's node-limited routing and DualPipe overlap, fused
+kernels' saved activations; ``attention_kernel``; ``loss_bytes_per_logit``), at the device's memory:
+a layout that ran must fit. The plan's predicted step is split by term (busy compute + exposed TP/EP
+traffic, pipeline bubble, data-parallel + optimizer), and autoplan's own pick for the same model,
+devices and batch (hyper_parallel's runtime) is reported with its claimed speed-up and the terms it
+comes from. No constant is fitted to these runs, so the leave-one-source-out ratio is the ratio (see
+docs/costs.md). Pipeline cuts as the recipe makes them (``cuts="even"``) where it states them; where
+those do not fit the device the planner's cuts are taken and the row says so (``error``).
 
 Sources: NeMo AutoModel's performance summary (H100, FSDP2 + EP, step times), Megatron-Bridge's
 performance summary (H100 and B200, Megatron-Core, tokens/s/GPU), DeepSeek-V3's technical report
@@ -23,27 +26,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from autoplan.cluster import mfu_bound_note
+from autoplan import plan_cluster
 from autoplan.errors import InfeasiblePlanError
 from autoplan.presets import build_preset, use_fused_attention
-from autoplan.search.experts.search import (
-    DEEPEP_RUNTIME, DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime, expert_options,
-)
-from autoplan.search.mesh.search import ClusterSearch
-from autoplan.search.experts.memory import memory_breakdown
-from cost_models.attention_kernels import with_attention_kernel
+from autoplan.review.compare import compare_plans
+from autoplan.search.experts.search import DEEPEP_RUNTIME, DEEPSEEK_V3_RUNTIME, OUR_EXPERT_RUNTIME, ExpertRuntime
 from cost_models.hardware import load_hardware
 
 OUT = Path(__file__).parent / "results" / "moe_published_runs"
@@ -98,17 +95,6 @@ class Run:
     # the fused-attention kernel the source's runtime runs where it is not the profile's flash class
     # (cost_models.attention_kernels: AutoModel's GPT-OSS recipes state ``attn: flex``)
     attention_kernel: str | None = None
-
-    def priced_hardware(self) -> str:
-        """The profile the run is priced on: its hardware's, or -- with ``attention_kernel`` -- that
-        profile with the kernel's attention efficiency, written to a JSON file (what
-        ``ClusterSearch.of(hardware=...)`` takes for a profile that is not shipped)."""
-        if not self.attention_kernel:
-            return self.hardware
-        hw = with_attention_kernel(load_hardware(self.hardware), self.attention_kernel)
-        path = Path(tempfile.gettempdir()) / f"autoplan_{hw.name}_{self.attention_kernel}.json"
-        path.write_text(json.dumps(hw.to_dict()))
-        return str(path)
 
     def runtime(self) -> ExpertRuntime:
         """The expert runtime with the memory facts this run's source states."""
@@ -310,81 +296,101 @@ def _build(run: Run):
     return build_preset(preset, **over)
 
 
-def terms(c) -> dict:
-    ch = c.choice
-    busy = max(ch.busy_s)
-    return {"busy_s": busy, "bubble_s": max(ch.sim_step_s - busy, 0.0), "dp_and_optimizer_s": ch.step_s - ch.sim_step_s}
+def constraints(run: Run) -> dict:
+    """The published layout and what its source states of its runtime, as ``plan_cluster``'s
+    constraints: what a user of the planner writes for this run."""
+    cons = dict(dp=run.dp, ep=run.ep, pp=run.pp, tp=run.tp, microbatch_size=run.mbs, dp_mode=run.dp_mode,
+                expert_runtime=run.runtime())
+    if run.ep > 1:
+        cons["expert_parallel"] = True
+    if run.recompute:
+        cons["recompute"] = run.recompute
+    if run.pp > 1:
+        cons.update(schedule=run.schedule, virtual_stages=run.v)
+        if run.cuts == "even":
+            cons["cuts"] = "even"
+    if run.attention_kernel:
+        cons["attention_kernel"] = run.attention_kernel
+    if run.loss_bytes_per_logit:
+        cons["loss_bytes_per_logit"] = run.loss_bytes_per_logit
+    return cons
+
+
+def plan_terms(plan) -> dict:
+    """A plan's step split as its predictions state it (busy = compute + exposed TP / EP traffic on
+    the busiest pipeline rank, the bubble, data-parallel + optimizer) and its memory per rank."""
+    pred, pipe = plan.predictions, plan.pipeline or {}
+    mem = pred["memory_bytes"]
+    g = 2.0 ** 30
+    out = {"predicted_s": pred["step_s"], "busy_s": pred["compute_s"], "bubble_s": pred["bubble_s"],
+           "dp_and_optimizer_s": pred["comm_s"], "m": pipe.get("microbatches", 1),
+           "recompute": plan.recompute.get("mode") if plan.recompute else
+           ("full" if plan.activation_checkpointing else "none"),
+           "experts_as": (f"ExpertParallel ep{dict(zip(plan.mesh['names'], plan.mesh['shape'])).get('ep')}"
+                          if (plan.parallel.get("ep") or {}).get("styles") else "replicated (no ep)"),
+           "predicted_mem_gib": mem["total"] / g}
+    out.update({f"mem_{k}_gib": mem.get(k, 0) / g for k in ("params", "grads", "optimizer", "activations")})
+    out["mem_total_gib"] = mem["total"] / g
+    inflight = pipe.get("peak_inflight") or [1]
+    out["mem_inflight"] = max(inflight)
+    return out
 
 
 def price(run: Run, free: bool) -> dict:
+    """The run priced through the public planner: ``plan_cluster`` with the published layout as
+    constraints (the device's memory as the limit: a layout that ran must fit), and -- ``free`` --
+    the planner's own pick for the same model, devices and batch, compared term by term."""
     model = build(run)
     row = {"case": run.name, "source": run.source, "hardware": run.hardware, "devices": run.devices,
            "published": f"dp{run.dp}-ep{run.ep}-pp{run.pp}-tp{run.tp} {run.dp_mode} b{run.mbs}"
                         + (f" {run.schedule}(v{run.v})" if run.pp > 1 else ""),
            "measured_s": run.measured_s, "their_runtime": "; ".join(run.their_runtime)}
     t0 = time.perf_counter()
-    search = ClusterSearch.of(model, run.devices, hardware=run.priced_hardware(), batch=(run.gbs, run.seq),
-                           microbatch_sizes=(run.mbs,), memory_limit=1e30, expert_runtime=run.runtime(),
-                           loss_bytes_per_logit=run.loss_bytes_per_logit)
-    best = None
-    for ac in ((run.recompute,) if run.recompute else ("none", "selective", "full")):
+    cons = constraints(run)
+    try:
+        plan = plan_cluster(model, run.devices, batch=(run.gbs, run.seq), hardware=run.hardware, constraints=cons)
+    except InfeasiblePlanError as e:
+        row["error"] = str(e)[:300]
+        if "cuts" not in cons:
+            return row
+        # the recipe's even cuts do not fit: the layout with the planner's cuts (said in the row)
+        cons.pop("cuts")
         try:
-            c = search.evaluate(dict(dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep), run.schedule, run.mbs,
-                                run.dp_mode, ac, cuts=run.cuts, v=run.v)
-        except InfeasiblePlanError as e:
-            row.setdefault("error", str(e)[:200])
-            continue
-        best = c if best is None or c.step_s < best.step_s else best
-    if best is None:
-        return row
-    row.update({"predicted_s": best.step_s, "ratio": best.step_s / run.measured_s, "recompute": best.recompute,
-                "m": best.choice.m, "price_s": time.perf_counter() - t0, **terms(best),
-                "ep_term_s": ep_seconds(search, best) if run.ep > 1 else 0.0,
-                "experts_as": experts_as(search, best, run),
-                "predicted_mem_gib": max(best.choice.rank_memory) / 2**30,
-                "recompute_modules": ",".join(run.recompute_modules), "memory_cite": run.memory_cite,
-                "device_gib": search.hw.usable_memory() / 2**30,
-                **memory_breakdown(best.choice, search.unit_costs(best.dp, best.pp, best.tp, best.dp_mode,
-                                                                  best.recompute, best.b, ep=best.ep)[0],
-                                   search.ctx(best.dp, best.pp, best.tp, best.dp_mode, best.recompute,
-                                              best.cp, best.ep)).gib()})
+            plan = plan_cluster(model, run.devices, batch=(run.gbs, run.seq), hardware=run.hardware,
+                                constraints=cons)
+        except InfeasiblePlanError:
+            return row
+        row["error"] = "even cuts do not fit; priced with the planner's cuts"
+    row.update(plan_terms(plan), price_s=time.perf_counter() - t0,
+               recompute_modules=",".join(run.recompute_modules), memory_cite=run.memory_cite,
+               device_gib=load_hardware(run.hardware).usable_memory() / 2**30)
+    row["ratio"] = row["predicted_s"] / run.measured_s
     if free:
         t1 = time.perf_counter()
         try:
-            auto = ClusterSearch.of(model, run.devices, hardware=run.hardware, batch=(run.gbs, run.seq),
-                                 microbatch_sizes=(1, 2, 4), virtual_stages=(2,))
-            pick = auto.search(time_budget_s=90, max_simulations=60)[0]
-            row.update({"autoplan_pick": f"dp{pick.dp}-ep{pick.ep}-pp{pick.pp}-tp{pick.tp} {pick.dp_mode} "
-                                         f"{pick.recompute} b{pick.b} {pick.choice.schedule}",
-                        "autoplan_s": pick.step_s, "claimed_speedup": best.step_s / pick.step_s,
-                        "plan_s": time.perf_counter() - t1, "mfu_note": mfu_bound_note(auto, pick) or ""})
+            pick = plan_cluster(build(run), run.devices, batch=(run.gbs, run.seq), hardware=run.hardware,
+                                microbatch_sizes=(1, 2, 4), virtual_stages=(2,), time_budget_s=90, max_simulations=60)
         except InfeasiblePlanError as e:
             row["autoplan_pick"] = f"infeasible: {str(e)[:160]}"
+            return row
+        both = compare_plans({"published": plan, "autoplan": pick})
+        p = pick.pipeline or {}
+        row.update({"autoplan_pick": f"{both.loc['autoplan', 'mesh']} {pick.fsdp.get('mode')} "
+                                     f"{plan_terms(pick)['recompute']} b{p.get('microbatch_size')} {p.get('schedule')}",
+                    "autoplan_s": pick.predictions["step_s"], "claimed_speedup": plan.predictions["step_s"] /
+                    pick.predictions["step_s"], "plan_s": time.perf_counter() - t1,
+                    "speedup_terms": speedup_terms(plan, pick), "autoplan_mem_gib":
+                    pick.predictions["memory_bytes"]["total"] / 2**30,
+                    "mfu_note": next((n for n in pick.notes if "MFU" in n), "")})
     return row
 
 
-def experts_as(search, cand, run: Run) -> str:
-    """How the expert layers were priced: ExpertParallel at the published ep, or replicated
-    (and why: an ExpertParallel option the pricing refuses)."""
-    if run.ep == 1:
-        return "replicated (no ep)"
-    g = search.moe_groups[0]
-    ctx = search.ctx(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.cp, cand.ep)
-    opts = expert_options(g, ctx, tokens=cand.b * run.seq, dtype_bytes=search.structure(cand.b).dtype_bytes,
-                          ep_name="ep", ep=run.ep, tp_name=None, tp=1, imbalance=1.0, runtime=run.runtime())
-    ep_opt = next(o for o in opts if o.style is not None)
-    return f"ExpertParallel ep{run.ep}" if ep_opt.excluded is None else f"replicated: {ep_opt.excluded}"
-
-
-def ep_seconds(search, cand) -> float:
-    """Seconds per step on the busiest pipeline rank that ep changes against the same plan with
-    ep folded into dp: the expert layers' all-to-alls plus the expert compute change (fewer local
-    experts' weights to read: negative when that outweighs the all-to-alls)."""
-    units, _ = search.unit_costs(cand.dp, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.b, ep=cand.ep)
-    dense, _ = search.unit_costs(cand.dp * cand.ep, cand.pp, cand.tp, cand.dp_mode, cand.recompute, cand.b)
-    per_mb = sum(u.forward + u.backward_input + u.backward_weight for u in units) - \
-        sum(u.forward + u.backward_input + u.backward_weight for u in dense)
-    return per_mb * cand.choice.m / cand.pp
+def speedup_terms(published, pick) -> str:
+    """Where the claimed speed-up comes from: each term of the step (busy compute + exposed TP / EP
+    traffic, bubble, data-parallel + optimizer) of the published layout minus the pick's."""
+    a, b = plan_terms(published), plan_terms(pick)
+    return ", ".join(f"{k.removesuffix('_s')} {a[k]:.3g}->{b[k]:.3g}" for k in ("busy_s", "bubble_s",
+                                                                              "dp_and_optimizer_s"))
 
 
 AUTO_NOTE = ("autoplan's pick is priced for hyper_parallel's runtime (all-to-alls of every routed copy, exposed), "
@@ -401,19 +407,16 @@ def write(df: pd.DataFrame) -> None:
     inside = (ok.ratio >= 0.85) & (ok.ratio <= 1.15)
     lg = ok.ratio.map(lambda r: abs(math.log2(r)))
     cols = [c for c in ["case", "source", "hardware", "devices", "published", "recompute", "m", "measured_s",
-                        "predicted_s", "ratio", "experts_as", "busy_s", "ep_term_s", "bubble_s", "dp_and_optimizer_s",
+                        "predicted_s", "ratio", "experts_as", "busy_s", "bubble_s", "dp_and_optimizer_s",
                         "predicted_mem_gib", "error"] if c in df]
     lines = ["# Published MoE training runs: predicted vs measured step time", "", __doc__.split("\n\n")[1], "",
              "Regenerate with `PYTHONPATH=$PWD .venv/bin/python benchmarks/moe_published_runs.py`.", "",
              f"**{int(inside.sum())} of {len(ok)}** runs priced at their published layout within 15 % "
-             f"({len(df) - len(ok)} not priced at it: see experts_as); "
+             f"({len(df) - len(ok)} without a plan at it: see error / experts_as); "
              f"{int(((ok.ratio < 0.75) | (ok.ratio > 1.25)).sum())} outside 25 %; ratio range "
              f"{ok.ratio.min():.3f}-{ok.ratio.max():.3f}; median |log2(ratio)| "
              f"{statistics.median(lg) if len(lg) else float('nan'):.3f}. No constant is fitted to these runs: "
              "leaving a source out refits nothing, so the leave-one-source-out ratios are these.", "",
-             "`busy_s` includes `ep_term_s`: what ep changes on the busiest pipeline rank against the same plan "
-             "with ep folded into dp (the expert layers' all-to-alls, plus the expert compute change: a rank with "
-             "fewer local experts reads fewer weights, so it can be negative).", "",
              df[cols].to_markdown(index=False, floatfmt=".4g"), ""]
     by = ok.assign(inside=inside).groupby("source").agg(cases=("case", "count"), within_15pct=("inside", "sum"),
                                                        median_ratio=("ratio", "median"))
@@ -432,30 +435,29 @@ def write(df: pd.DataFrame) -> None:
         lines += memory_lines(df)
     if "autoplan_pick" in df:
         fc = [c for c in ["case", "published", "predicted_s", "autoplan_pick", "autoplan_s", "claimed_speedup",
-                          "plan_s", "mfu_note"] if c in df]
+                          "speedup_terms", "autoplan_mem_gib", "plan_s", "mfu_note"] if c in df]
         lines += ["", "## autoplan's own choice (same cost model)", "", AUTO_NOTE, "",
                   df[fc].to_markdown(index=False, floatfmt=".4g"), ""]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 MEMORY_NOTE = (
-    "Each run at its published layout with the memory settings its source states (recompute, "
-    "Megatron-Core recompute_modules, fused kernels' saved activations, non-expert state over dp x ep; "
-    "citations below), on its busiest pipeline rank (autoplan.search.experts.memory.memory_breakdown): "
-    "parameters, gradients and optimizer state after TP, ep, FSDP / ZeRO-1 and the runtime's dp x ep "
-    "sharding; the saved activations of the micro-batches the schedule holds in flight (`inflight` chunks); "
-    "buffers = one FSDP unit gathered for compute (0 where dp = 1: FSDP over ep alone gathers the "
-    "non-expert weights only, not priced). `fits`: total <= the profile's usable memory (`device_gib`). "
-    "hyper_parallel's own runtime holds more than these runs' fused runtimes: it replicates the non-expert "
-    "state over ep (parallelisms.expert.ExpertGradSync all-reduces those gradients over ep) and saves "
-    "what the transformers modules save (HF RMSNorm's fp32 chain).")
+    "Each run's plan at its published layout with the memory settings its source states (recompute, "
+    "Megatron-Core recompute_modules, fused kernels' saved activations; citations below): "
+    "`predictions.memory_bytes` of the plan `plan_cluster` returns -- the busiest pipeline rank's "
+    "figure the search checked against the device (autoplan.search.experts.memory.memory_breakdown): "
+    "parameters, gradients and optimizer state after TP, ep, FSDP / ZeRO-1 (the non-expert state over dp x "
+    "ep, as every runtime here and hyper_parallel's shard it), the saved activations of the micro-batches "
+    "the schedule holds in flight (`inflight` chunks). `fits`: total <= the profile's usable memory "
+    "(`device_gib`). The params / grads / optimizer split is in the proportion one parameter byte has "
+    "under the plan's dp mode (the total is exact).")
 
 
 def memory_lines(df: pd.DataFrame) -> list[str]:
     m = df.dropna(subset=["mem_total_gib"]).copy()
     m["fits"] = m.mem_total_gib <= m.device_gib
     cols = ["case", "hardware", "published", "recompute", "recompute_modules", "mem_inflight", "mem_params_gib",
-            "mem_grads_gib", "mem_optimizer_gib", "mem_activations_gib", "mem_buffers_gib", "mem_total_gib",
+            "mem_grads_gib", "mem_optimizer_gib", "mem_activations_gib", "mem_total_gib",
             "device_gib", "fits"]
     out = ["", "## Memory at the published layout", "", MEMORY_NOTE, "",
            f"**{int(m.fits.sum())} of {len(m)}** published layouts fit their device's memory.", "",
@@ -471,7 +473,7 @@ def committed_picks() -> pd.DataFrame | None:
     old = OUT.with_suffix(".csv")
     if not old.exists():
         return None
-    cols = ["autoplan_pick", "autoplan_s", "plan_s", "mfu_note"]
+    cols = ["autoplan_pick", "autoplan_s", "plan_s", "mfu_note", "speedup_terms", "autoplan_mem_gib"]
     prev = pd.read_csv(old)
     return prev[["case"] + [c for c in cols if c in prev]]
 
