@@ -1,7 +1,7 @@
 """``compare_plans(plans)``: candidate plans side by side, one row each, for notebooks and the CLI.
 
 The columns are what decides between plans: predicted step time (and its compute /
-communication split), throughput in tokens per second (total and per device), memory per rank
+communication split, and what it was priced as running: compiled, float8, overlapped), throughput in tokens per second (total and per device), memory per rank
 by kind, the layout choices, and how far each is from the best. Optionally one column per unit
 with its strategy, so one sees *where* two plans differ.
 """
@@ -14,6 +14,15 @@ from autoplan.errors import AutoplanError
 
 def _name(plan, i: int) -> str:
     return str(plan.model.get("plan_name") or plan.model.get("source") or f"plan{i}")
+
+
+def _float8(plan) -> str:
+    """The float8 recipes of a plan's precision section and how many Linears each runs ("-": none)."""
+    modules = (plan.parallel.get("precision") or {}).get("modules") or {}
+    counts: dict[str, int] = {}
+    for recipe in modules.values():
+        counts[recipe] = counts.get(recipe, 0) + 1
+    return ", ".join(f"{r} x{n}" for r, n in sorted(counts.items())) or "-"
 
 
 def plan_row(plan) -> dict[str, Any]:
@@ -33,6 +42,8 @@ def plan_row(plan) -> dict[str, Any]:
         "stream": plan.stream_layout, "loss_parallel": plan.loss_parallel,
         "fsdp": bool(plan.fsdp.get("enabled")), "act_ckpt": bool(plan.activation_checkpointing),
         "pp": int(pipe.get("pp", 1)), "schedule": pipe.get("schedule", "-"),
+        # how the step was priced as running: compiled, float8 linears, communication hidden
+        "compile": pred.get("compile", "none"), "float8": _float8(plan), "overlap": pred.get("overlap", "none"),
         "step_s": step, "compute_s": float(pred["compute_s"]), "comm_s": float(pred["comm_s"]),
         "comm_fraction": float(pred["comm_s"]) / step if step else float("nan"),
         "tokens_per_s": tokens / step if tokens and step else float("nan"),
