@@ -147,6 +147,8 @@ def with_accumulation(plan: Plan, m: int) -> Plan:
     def once_per_step(r: dict) -> bool:
         if mode in ("replicate", "zero1") and r["mesh_dim"] == plan.dp_dim:
             return True
+        if mode == "zero1" and r["mesh_dim"] == flat_name(state_dims(plan)):   # ZeRO-1 over dp x ep
+            return True
         return r["kind"] == "all_reduce" and r["phase"] == "backward" and (
             r["mesh_dim"] == ep_dim or (mode == "fsdp" and r["mesh_dim"] == flat))
 

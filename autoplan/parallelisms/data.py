@@ -84,8 +84,8 @@ def expert_containers(model: torch.nn.Module, plan) -> list[torch.nn.Module]:
 
 
 def state_dims(plan) -> tuple[str, ...]:
-    """The mesh dimensions FSDP shards the parameters outside the experts over: the gradient
-    dimensions (``grad_dims``) and, with an ep dimension, ep too, in the mesh's order. The ep
+    """The mesh dimensions FSDP (and ZeRO-1) shard the parameters outside the experts over: the
+    gradient dimensions (``grad_dims``) and, with an ep dimension, ep too, in the mesh's order. The ep
     dimension shards the batch (ep borrows from dp), so its ranks hold the same non-expert
     parameters and see different tokens -- as cp does; FSDP2 over the flattened dp x ep mesh
     (torchtitan's ``dp_shard_mod_ep`` / NeMo AutoModel's ``dp_shard x ep``) averages their gradients
@@ -297,12 +297,23 @@ class Zero1Groups:
     reduce-scatter averages them over every batch shard -- Megatron-Core's distributed optimizer
     over the whole data-parallel group, which contains ep), each rank's experts over dp (its ep
     shard differs from its ep peers'). Each is a :class:`Zero1` of its own flat buffer; the
-    expert gradients were divided by ep before (``parallelisms.expert.ExpertGradSync``)."""
+    expert gradients were divided by ep before (``parallelisms.expert.ExpertGradSync``). The
+    split is made at the first step, from the parameters the roots hold then (a plan applied on
+    meta and materialised later -- verify's dry run -- holds other Parameter objects by then)."""
 
-    def __init__(self, parts: list[Zero1]):
-        self.parts = parts
+    def __init__(self, plan, target: ApplyTarget, mesh, over_ep):
+        self.plan, self.target, self.mesh, self.over_ep = plan, target, mesh, over_ep
+        self.parts: list[Zero1] | None = None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.parts is None:
+            roots = self.target.roots
+            experts = {id(p) for root in roots for m in expert_containers(root, self.plan) for p in m.parameters()}
+            params = unique_params(*roots)
+            self.parts = [Zero1([p for p in params if id(p) not in experts], self.over_ep.get_group(),
+                                self.over_ep.size(), self.over_ep.get_local_rank()),
+                          Zero1([p for p in params if id(p) in experts], self.mesh.get_group(), self.mesh.size(),
+                                self.mesh.get_local_rank())]
         for part in self.parts:
             part.step(optimizer)
 
@@ -310,17 +321,13 @@ class Zero1Groups:
 def zero1_of(plan, target: ApplyTarget, mesh, over_ep):
     """The ZeRO-1 state of ``target``'s roots: one :class:`Zero1` over the gradient mesh, or with
     ``over_ep`` (``state_mesh``: the flattened dp x ep mesh) a :class:`Zero1Groups` of the
-    non-expert parameters over it and the experts over ``mesh`` (dp; one rank at dp 1). Records
-    the parameters averaged over ep (``dense_over_ep``) so ExpertGradSync leaves them alone."""
-    params = unique_params(*target.roots)
+    non-expert parameters over it and the experts over ``mesh`` (dp; one rank at dp 1). Says so in
+    ``target.state["dense_over_ep"]`` (True: every non-expert parameter), so ExpertGradSync leaves
+    them alone."""
     if over_ep is None:
-        return Zero1(params, mesh.get_group(), mesh.size(), mesh.get_local_rank())
-    experts = {id(p) for root in target.roots for m in expert_containers(root, plan) for p in m.parameters()}
-    dense = [p for p in params if id(p) not in experts]
-    target.state["dense_over_ep"] = {id(p) for p in dense}
-    parts = [Zero1(dense, over_ep.get_group(), over_ep.size(), over_ep.get_local_rank()),
-             Zero1([p for p in params if id(p) in experts], mesh.get_group(), mesh.size(), mesh.get_local_rank())]
-    return Zero1Groups(parts)
+        return Zero1(unique_params(*target.roots), mesh.get_group(), mesh.size(), mesh.get_local_rank())
+    target.state["dense_over_ep"] = True
+    return Zero1Groups(plan, target, mesh, over_ep)
 
 
 # ---- registry entries --------------------------------------------------------------------------
@@ -365,8 +372,8 @@ class DataParallel(Parallelism):
         dims = super().traffic_dims(plan)
         if dims and plan.parallel.get("cp"):
             dims += (flat_name(grad_dims(plan)),)
-        if dims and plan_dp_mode(plan) == "fsdp" and state_dims(plan) != grad_dims(plan):
-            dims += (flat_name(state_dims(plan)),)   # FSDP of the non-expert parameters over dp x ep
+        if dims and plan_dp_mode(plan) in ("fsdp", "zero1") and state_dims(plan) != grad_dims(plan):
+            dims += (flat_name(state_dims(plan)),)   # FSDP / ZeRO-1 of the non-expert parameters over dp x ep
         return dims
 
     def batch_ways(self, plan) -> int:

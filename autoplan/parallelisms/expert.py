@@ -75,8 +75,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class ExpertGradSync:
     """What follows backward on the ep dimension (see the module docstring): one all-reduce over
     ep of every non-expert gradient (averaged) that FSDP over dp x ep has not already averaged
-    (under FSDP only those it leaves out: tied across pipeline stages, unshardable), expert
-    gradients divided by ep.
+    (under FSDP only those it leaves out: tied across pipeline stages, unshardable; under ZeRO-1
+    over dp x ep none: its reduce-scatter averages them), expert gradients divided by ep.
 
     ``target``: the ApplyTarget the plan was applied to; its ``roots`` (the model, or this rank's
     pipeline stages -- they keep the model's module paths, so the plan's patterns match them
@@ -90,10 +90,13 @@ class ExpertGradSync:
     def __call__(self) -> None:
         roots = self.target.roots or [self.target.model]
         experts = {id(p) for root in roots for p in expert_parameters(root, self.plan)}
-        # FSDP over dp x ep (parallelisms.data.state_mesh) has averaged these over ep already
+        # FSDP over dp x ep (parallelisms.data.state_mesh) has averaged these over ep already; ZeRO-1
+        # over dp x ep (data.zero1_of: True) averages every one of them in its reduce-scatter next
         done = self.target.state.get("dense_over_ep", set())
         params = unique_params(*roots)
-        allreduce_gradients([p for p in params if id(p) not in experts and id(p) not in done], self.group, self.ep)
+        if done is not True:
+            allreduce_gradients([p for p in params if id(p) not in experts and id(p) not in done], self.group,
+                                self.ep)
         with torch.no_grad():
             for p in params:
                 if id(p) in experts and p.grad is not None:

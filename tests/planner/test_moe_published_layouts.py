@@ -8,6 +8,7 @@ import pytest
 
 from autoplan import plan_cluster
 from autoplan.errors import InvalidConstraintError
+from autoplan.verify.dry_run import verify
 from autoplan.search.experts.search import DEEPEP_RUNTIME
 from tests.runtime.ep_workers import build
 
@@ -97,3 +98,23 @@ def test_runtime_facts_are_checked(qwen3, key, value, valid):
     with pytest.raises(InvalidConstraintError, match=valid) as e:
         _plan(qwen3, 4, dp=1, ep=4, **{key: value})
     assert key in str(e.value)
+
+
+@pytest.mark.parametrize("name,cons", [
+    ("mixtral", dict(dp=1, ep=16, pp=1, tp=4, dp_mode="zero1")),                      # 2 micro-batches accumulated
+    ("qwen3_moe", dict(dp=4, ep=4, pp=2, tp=2, dp_mode="zero1", schedule="1F1B")),   # tied head across stages
+    ("mixtral", dict(dp=1, ep=8, pp=2, tp=4, dp_mode="fsdp", schedule="1F1B")),      # FSDP over ep alone
+])
+def test_state_over_ep_dry_runs_as_predicted_at_world_64(name, cons):
+    """ZeRO-1 over dp x ep (one flat reduce-scatter and all-gather of the non-expert parameters on
+    dp_ep, the experts' on dp, once per step, no all-reduce over ep) and FSDP over ep at dp 1: every
+    pipeline rank issues exactly the predicted collectives and holds the predicted parameter bytes."""
+    model = build(name)[0].to("meta")
+    model.config.use_cache = False
+    model.tie_weights()
+    plan = plan_cluster(model, 64, hardware="cpu", batch=(32, 8), devices_per_node=64,
+                        constraints=dict(cons, expert_parallel=True, microbatch_size=1))
+    res = verify(plan, model)
+    assert res.passed, (res.error, res.mismatches().to_string())
+    dims = set(res.collectives[res.collectives["issued"] > 0]["mesh_dim"])
+    assert "dp_ep" in dims, dims
