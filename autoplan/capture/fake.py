@@ -18,9 +18,9 @@ from typing import Any, Iterator
 
 import torch
 import torch._functorch.config as functorch_config
+import torch.fx.experimental._config as fx_config
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-import torch.fx.experimental._config as fx_config
 from torch._guards import TracingContext
 from torch._guards import tracing as _tracing
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -38,12 +38,7 @@ def fake_device(
     """Give ``model`` fake parameters and buffers on ``device`` until exit (ties kept, originals
     restored); yields the fake mode and the inputs as fake tensors on ``device`` -- with
     ``keep_values``, those with values on ``device`` as they are (see the module docstring)."""
-    if keep_values:   # the mode's shape environment names the sizes the values resolve
-        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
-            mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
-        mode.propagate_real_tensors = False   # the weights are made without values
-    else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = valued_mode() if keep_values else FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict, str, Any]] = []
 
@@ -63,8 +58,6 @@ def fake_device(
                         swapped.append((table, name, t))
                         table[name] = fake_of(t, as_param)
 
-            mode.propagate_real_tensors = keep_values
-
             def convert(x):
                 if not isinstance(x, torch.Tensor):
                     return x
@@ -79,6 +72,33 @@ def fake_device(
             table[name] = t
 
 
+def valued_mode() -> FakeTensorMode:
+    """A fake mode with a shape environment (naming the sizes values resolve) that can propagate
+    real tensors, switched off: what is made in it before :func:`values_on` (the weights) has no
+    values."""
+    with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(tracked_fakes=[]))
+    mode.propagate_real_tensors = False
+    return mode
+
+
+@contextlib.contextmanager
+def values_on(mode: FakeTensorMode):
+    """Real-tensor propagation on in ``mode`` (a :func:`valued_mode`) for the block. A size the
+    values fixed may be a constant where torch expected a fresh symbol (a boolean mask indexing
+    twice): known is as good as bound, so that is a note in torch's debug log, not an error; and
+    where a kernel's fake output aliases otherwise than its real one (a collective on a tensor the
+    forward made from nothing), the real one's metadata is taken."""
+    mode.propagate_real_tensors = True
+    try:
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True,
+                                    generate_fake_kernels_from_real_mismatches=True), \
+                fx_config.patch(soft_pending_unbacked_not_found_error=True):
+            yield
+    finally:
+        mode.propagate_real_tensors = False
+
+
 @contextlib.contextmanager
 def tracing(mode: FakeTensorMode, keep_values: bool):
     """Export inside this: with ``keep_values``, in ``mode`` (its weights are this mode's fakes,
@@ -86,8 +106,5 @@ def tracing(mode: FakeTensorMode, keep_values: bool):
     if not keep_values:
         yield
         return
-    # a size the values fixed may be a constant where torch expected a fresh symbol (a boolean mask
-    # indexing twice): known is as good as bound, so that is a note in the debug log, not an error
-    with functorch_config.patch(fake_tensor_propagate_real_tensors=True), \
-            fx_config.patch(soft_pending_unbacked_not_found_error=True), _tracing(TracingContext(mode)):
+    with values_on(mode), _tracing(TracingContext(mode)):
         yield

@@ -112,6 +112,17 @@ def test_sizes_decided_by_input_values_are_measured_on_meta(family):
                or m.startswith("model.language_model.layers"))
 
 
+def test_a_decoder_indexing_by_its_image_tokens_is_sharded():
+    """Qwen3-VL's DeepStack adds tower features at a boolean mask of image tokens: the soundness
+    probe on fake tensors could not size it and rejected every sharded style (nothing sharded).
+    It now runs once more with the tokens' values (probe.py, capture.fake.values_on)."""
+    with torch.device("meta"):
+        model = build("qwen3_vl", 32, 8)
+    plan = autoplan(model, MeshSpec((4,), ("tp",)), batch=(2, 512))
+    sharded = {d["unit"] for d in plan.decisions if d["strategy"] != "replicate"}
+    assert {"model.language_model.layers/attention", "model.visual.blocks/mlp"} <= sharded, plan.notes
+
+
 def test_mllama_language_model_is_planned_and_left_out_parts_are_said():
     """Mllama's text layers (self-attention around a cross-attention layer) form block groups, so
     the language model is in the plan; what no unit plans is a note, and a refusal when every unit

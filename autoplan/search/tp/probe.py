@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from autoplan.capture.blocks import only_representatives
+from autoplan.capture.fake import valued_mode, values_on
+from autoplan.capture.image_inputs import image_inputs
 from autoplan.capture.inputs import meta_model
 from autoplan.capture.quiet import quiet_torch
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
@@ -162,9 +164,15 @@ class Prober:
                 if not out.error:
                     return out
                 log.debug("probe run on meta failed (%s); running on fake tensors", out.error)
-            return self._run(styles, mesh, record, backward, on_meta=False)
+            out = self._run(styles, mesh, record, backward, on_meta=False)
+            if out.error and "DataDependent" in out.error and image_inputs(self.small) is not None:
+                # a size the tokens' values decide (a VL decoder indexing by its image tokens' mask)
+                log.debug("probe run on fake tensors failed (%s); running with the tokens' values", out.error)
+                out = self._run(styles, mesh, record, backward, on_meta=False, values=True)
+            return out
 
-    def _run(self, styles: dict[str, ParallelStyle], mesh, record: bool, backward: bool, on_meta: bool) -> ProbeRun:
+    def _run(self, styles: dict[str, ParallelStyle], mesh, record: bool, backward: bool, on_meta: bool,
+             values: bool = False) -> ProbeRun:
         model = copy.deepcopy(self.small)
         out = ProbeRun()
         stack: list[str] = []
@@ -194,15 +202,23 @@ class Prober:
                     out.plain_param_modules[name] = [p.numel() * p.element_size() for p in own]
             # fake tensors with a shape environment: a check on data (a VL model's "as many image
             # tokens as image features") becomes a deferred assertion instead of a failed run
-            tensors = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True,
-                                                                              shape_env=ShapeEnv())
+            # (``values``: the tokens and what is made from them hold values, the weights none; capture.fake)
+            tensors = contextlib.nullcontext() if on_meta else valued_mode() if values else \
+                FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
             # experts split by ExpertParallel route fake tokens by the balanced assignment
-            with tensors, cores, balanced_routing():
+            with tensors, cores, balanced_routing(), contextlib.ExitStack() as after_weights:
                 if not on_meta:
                     model.to_empty(device="cpu")
+                if values:
+                    after_weights.enter_context(values_on(tensors))
                 tokens = torch.zeros(self.batch, dtype=torch.long, device="meta" if on_meta else None)
+                extra = {}
+                if values:   # real tokens, and the image inputs made from them outside the fake mode
+                    with unset_fake_temporarily():
+                        tokens = torch.zeros(self.batch, dtype=torch.long, device="cpu")
+                        extra = image_inputs(model)(tokens)
                 if not record:
-                    logits = output_logits(forward_tokens(model, tokens))
+                    logits = output_logits(forward_tokens(model, tokens, **extra))
                     if backward:
                         self._backward(logits, tokens)
                     return out
@@ -219,7 +235,7 @@ class Prober:
 
                     for name, mod in model.named_modules():  # attribute forward collectives on exit
                         hooks.append(mod.register_forward_hook(lambda *_: attribute()))
-                    logits = output_logits(forward_tokens(model, tokens))
+                    logits = output_logits(forward_tokens(model, tokens, **extra))
                     attribute()
                     rec.phase = "backward"
                     if backward:
