@@ -33,12 +33,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch._functorch.config as functorch_config
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from autoplan.capture.fake import valued_mode, values_on
 from autoplan.capture.patch_grid import SIZE_INPUTS, PatchGrid, complete_grid_inputs, patch_grid, takes_grid
 from autoplan.errors import CaptureError
 
@@ -309,11 +308,12 @@ def _one_image_features(model: nn.Module, one_image: ImageBatch, device: torch.d
         kwargs = one_image(torch.ones((1, 1), dtype=torch.long))
     kwargs.pop("input_ids")
     # on the CPU whatever device context the caller is in: fake tensors of one device, the
-    # image's values propagated (torch's real-tensor propagation) where an op reads only them
-    with torch.device("cpu"), functorch_config.patch(fake_tensor_propagate_real_tensors=True), \
-            FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), torch.no_grad():
+    # image's values propagated where an op reads only them (the weights are made without values)
+    mode = valued_mode()
+    with torch.device("cpu"), mode, torch.no_grad():
         stand_in.to_empty(device="cpu")
-        return stand_in.get_image_features(**kwargs)
+        with values_on(mode):
+            return stand_in.get_image_features(**kwargs)
 
 
 def _known_int(value: torch.SymInt) -> int | torch.SymInt:
