@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from autoplan.capture.blocks import assign_blocks, find_blocks, module_tree, only_representatives, type_name
 from autoplan.capture.fake import fake_device, tracing
 from autoplan.capture.fallback import capture_with_hooks
-from autoplan.capture.image_inputs import image_inputs, inputs_with_values, value_checks_off
+from autoplan.capture.image_inputs import inputs_with_values, is_vision_language, value_checks_off
 from autoplan.capture.patch_grid import has_real_sizes, sizes_from_values
 from autoplan.capture.quiet import quiet_torch
 from autoplan.capture.graph_cache import graph_key, load_graph, store_graph
@@ -109,7 +109,8 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
     shorten = bool(dedupe and groups)
     attempts = [("export", True, "meta")] if shorten else []
     attempts += [("export-full", False, "meta"), ("export-fake", shorten, "fake")]
-    if image_inputs(mm) is not None:   # sizes the inputs' values decide (an image filter, a token mask)
+    if is_vision_language(mm) or callable(getattr(mm, "extra_inputs", None)):
+        # sizes the inputs' values decide (an image filter, a token mask)
         attempts.append(("export-values", shorten, "values"))
     errors: list[str] = []
     for method, short, where in attempts:

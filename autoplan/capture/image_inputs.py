@@ -130,9 +130,13 @@ def inputs_with_values(model: nn.Module, kwargs: dict) -> dict | None:
     :func:`image_inputs` makes for real tokens (zeros) of the shape of ``input_ids``, every other
     tensor without values as zeros. For a tower that filters images by their content, or a decoder
     that indexes by a mask of image tokens: run with these, such sizes are measured, not unknown.
-    None for a model without image inputs, or when what they make does not match ``kwargs``
-    (example inputs of other shapes)."""
-    make, ids = image_inputs(model), kwargs.get("input_ids")
+    None for a model without image inputs (or one they cannot be derived for: the reason is the
+    earlier attempts'), or when what they make does not match ``kwargs`` (example inputs of other
+    shapes)."""
+    try:
+        make, ids = image_inputs(model), kwargs.get("input_ids")
+    except CaptureError:
+        return None
     if make is None or not isinstance(ids, torch.Tensor):
         return None
     with unset_fake_temporarily(), torch.device("cpu"):
