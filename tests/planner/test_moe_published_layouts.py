@@ -118,3 +118,17 @@ def test_state_over_ep_dry_runs_as_predicted_at_world_64(name, cons):
     assert res.passed, (res.error, res.mismatches().to_string())
     dims = set(res.collectives[res.collectives["issued"] > 0]["mesh_dim"])
     assert "dp_ep" in dims, dims
+
+
+def test_the_public_call_prices_a_layout_as_the_search_does(qwen3):
+    """What plan_cluster returns for a fixed layout is what the search's own pricing of that layout
+    says (``ClusterSearch.evaluate``, the path benchmarks used before): one price, two doors."""
+    from autoplan.search.mesh.search import ClusterSearch
+
+    plan = _plan(qwen3, 4, dp=1, ep=2, pp=2, dp_mode="fsdp", schedule="1F1B", cuts="even", recompute="none",
+                 expert_runtime="deepep")
+    search = ClusterSearch.of(qwen3, 4, hardware="cpu", batch=BATCH, devices_per_node=4, microbatch_sizes=(1,),
+                              expert_runtime=DEEPEP_RUNTIME, constraints={"expert_parallel": True})
+    cand = search.evaluate(dict(dp=1, pp=2, tp=1, ep=2), "1F1B", 1, "fsdp", "none", cuts="even")
+    assert plan.predictions["step_s"] == pytest.approx(cand.step_s, rel=1e-9)
+    assert plan.predictions["memory_bytes"]["total"] == pytest.approx(max(cand.choice.rank_memory), abs=4)
