@@ -541,7 +541,8 @@ class ClusterSearch:
                                         extra=lb - max(m * sum(u.time for u in units) / pp,
                                                        sum(u.forward + u.backward_input for u in units)))
             if "cuts" in self.cons:   # the cuts a framework makes (Megatron-Core's, AutoModel's: even)
-                cands = [c for c in cands if (c.starts == even_starts(len(units), c.p * c.v)) == (self.cons["cuts"] == "even")]
+                even = self.cons["cuts"] == "even"
+                cands = [c for c in cands if (c.starts == even_starts(len(units), c.p * c.v)) == even]
             cands.sort(key=lambda c: (estimate(c, units, p2p), c.schedule, c.starts))
             exposed = self.exposed(fsdp if dp * cp * ep > 1 else "fsdp")
             for c in cands:
