@@ -12,6 +12,8 @@ one SGD step compared with one device
 - REFUSED: autoplan raised a typed error (the reason is listed);
 - DP ONLY: capture could not run the model on meta, so the planner planned data parallelism only
   (its note, listed, names the module and the reason; nothing is sharded, nothing trains wrong);
+  REFUSED instead when the same plan for a model that needs sharding
+  (``allow_replicated_units=False``) raises the typed UnshardedPlanError naming the construct;
 - WRONG / CRASH / UNTYPED: bugs.
 
 Florence-2 (no image size in its config) is refused without a hook; with a hook it is also run
@@ -36,7 +38,7 @@ import torch
 
 from autoplan import MeshSpec, autoplan
 from autoplan.capture.image_inputs import ImageBatch
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, UnshardedPlanError
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.shrink import ModelRecipe
 from hyper_parallel.local import RankPool
@@ -80,6 +82,10 @@ def run_family(family: str, pool4: RankPool, hook: bool = False) -> dict:
         untraced = next((n for n in plan.notes if n.startswith("capture could not trace")), None)
         if untraced is not None:   # the planner's answer to a model capture cannot run: data parallel only
             row.update(outcome="DP ONLY", detail=untraced[:300])
+            try:   # and to the same model when it needs sharding: a typed refusal naming the construct
+                autoplan(wide, MeshSpec((4,), ("tp",)), batch=(2, 512), allow_replicated_units=False)
+            except UnshardedPlanError as exc:
+                row.update(outcome="REFUSED", detail=f"{type(exc).__name__}: {str(exc)[:300]}")
             row["seconds"] = round(time.perf_counter() - t0, 1)
             return row
         recipe = ModelRecipe(factory=f"tests.capture.vl_families:{make.__name__}",
@@ -93,7 +99,7 @@ def run_family(family: str, pool4: RankPool, hook: bool = False) -> dict:
 
 def run_florence2(pool2: RankPool) -> dict:
     t0 = time.perf_counter()
-    plan = autoplan(florence2_with_images(), 2, batch=(2, 40))
+    plan = autoplan(florence2_with_images(), MeshSpec((2,), ("dp",)), batch=(2, 40))
     recipe = ModelRecipe(factory="benchmarks.vl_families:florence2_with_images", seed=5)
     result = check_numerics(plan, recipe, pool=pool2, global_batch=2, seq=40)
     return dict(family="florence2 (hook, dp=2)", outcome="EQUAL" if result.passed else "WRONG", tower=False,

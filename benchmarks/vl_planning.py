@@ -11,7 +11,9 @@ config (autoplan/capture/image_inputs.py, patch_grid.py).
 Rows: ``plan_cluster`` free to choose every degree (the 7B on 64 GPUs picks data parallelism with
 FSDP: nothing to shard at that size), and with the tensor-parallel degree fixed (``constraints=
 {"tp": t}``, the rest searched) -- the plan must then shard both the tower and the decoder
-(``tower`` / ``decoder``: an attention or MLP unit of each is sharded). Each run is a fresh
+(``tower`` / ``decoder``: an attention or MLP unit of each is sharded), or be refused with a typed
+error (the 72B's weights, gradients and Adam state alone are over 1 TB: 8 H100s cannot train it).
+Each run is a fresh
 ``python`` process with an empty planner disk cache (``AUTOPLAN_CACHE_DIR``), as a user's first
 call pays it; the call is timed apart from the import and the build (wall and CPU seconds).
 
@@ -42,6 +44,7 @@ import gc, json, sys, time
 t0 = time.perf_counter()
 import torch, transformers
 from autoplan.cluster import plan_cluster
+from autoplan.errors import InfeasiblePlanError
 import_s = time.perf_counter() - t0
 size, devices, tp = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 text = {"7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -61,8 +64,14 @@ with torch.device("meta"):
 build_s = time.perf_counter() - t0
 gc.collect(); gc.freeze()
 w0, c0 = time.perf_counter(), time.process_time()
-plan = plan_cluster(model, devices, hardware="h100_sxm", batch=(256, 4096),
-                    constraints={"tp": tp} if tp else None)
+try:
+    plan = plan_cluster(model, devices, hardware="h100_sxm", batch=(256, 4096),
+                        constraints={"tp": tp} if tp else None)
+except InfeasiblePlanError as exc:   # a typed refusal is this row's answer (the 72B's training state on 8)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    print(json.dumps(dict(import_s=import_s, build_s=build_s, wall_s=wall, cpu_s=cpu, parallel={}, sharded=[],
+                          refused=f"{type(exc).__name__}: {exc}")))
+    sys.exit(0)
 wall, cpu = time.perf_counter() - w0, time.process_time() - c0
 sharded = sorted({d["unit"] for d in plan.decisions if d["strategy"] != "replicate"})
 print(json.dumps(dict(import_s=import_s, build_s=build_s, wall_s=wall, cpu_s=cpu,
@@ -97,7 +106,7 @@ def case_row(size: str, devices: int, tp: int | None, runs: int) -> dict:
                 import_s=round(statistics.median(r["import_s"] for r in done), 2),
                 build_s=round(statistics.median(r["build_s"] for r in done), 2),
                 load=round(os.getloadavg()[0], 2),
-                plan=", ".join(f"{k}={v}" for k, v in done[0]["parallel"].items()),
+                plan=done[0].get("refused") or ", ".join(f"{k}={v}" for k, v in done[0]["parallel"].items()),
                 tower=any(u.startswith("model.visual.") for u in units),
                 decoder=any(u.startswith("model.language_model.") for u in units),
                 sharded="; ".join(units))
