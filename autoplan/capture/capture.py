@@ -120,6 +120,7 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
         valued = inputs_with_values(mm, kwargs) if keep else kwargs
         if valued is None:
             continue
+        mode = None
         try:
             with contextlib.ExitStack() as stack:
                 rename = stack.enter_context(only_representatives(mm, groups)) if short else {}
@@ -128,16 +129,19 @@ def _capture_meta(mm: nn.Module, args: tuple, kwargs: dict, dedupe: bool, fallba
                     mode, a, kw = stack.enter_context(fake_device(mm, args, valued, keep_values=keep))
                     stack.enter_context(tracing(mode, keep))
                 ep = export(mm, a, kw)
-            with contextlib.ExitStack() as stack:
-                if keep:   # the graph's sizes read the values measured
-                    stack.enter_context(tracing(mode, keep))
+        except Exception as exc:
+            msg = f"{method} of {root_type} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.debug("%s", msg)   # one attempt of several: the outcome is said by the caller
+            errors.append(msg)
+            continue
+        try:
+            # the graph's sizes read the values measured
+            with tracing(mode, keep) if keep else contextlib.nullcontext():
                 return graph_of_export(ep, rename, groups, root_type, (infos, tied, nparams), method, errors)
         except GuardOnDataDependentSymNode as exc:  # MoE routing by data-dependent counts (JetMoE)
             msg = f"{_DATA_DEPENDENT} in the {method} of {root_type} ({str(exc).splitlines()[0]})"
-        except Exception as exc:
-            msg = f"{method} of {root_type} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        log.debug("%s", msg)   # one attempt of several: the outcome is said by the caller
-        errors.append(msg)
+            log.debug("%s", msg)
+            errors.append(msg)
     if not fallback:
         raise CaptureError("; ".join(errors))
     try:
