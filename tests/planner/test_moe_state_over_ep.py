@@ -44,3 +44,30 @@ def test_zero1_over_ep_inside_a_pipeline_equals_one_device_on_4_ranks(pool4):
         for label, r in rep.items():
             assert r["par"] == pytest.approx(r["ref"], rel=1e-5), (rank, label, r)
             assert not r["bad_params"] and r["experts_split"] > 0, (rank, label, r)
+
+
+def test_deepseek_v3_and_qwen3_moe_state_over_ep_equal_one_device_on_4_ranks(pool4):
+    """The same layouts on DeepSeek-V3's shape (latent attention, shared expert, a dense first
+    layer, grouped routing) and on Qwen3-MoE, one stage and inside a two-stage pipeline."""
+    cases = [("fsdp/dp1xep4", _plan("deepseek_v3", dp=1, ep=4, dp_mode="fsdp"), "deepseek_v3"),
+             ("zero1/dp2xep2", _plan("deepseek_v3", dp=2, ep=2, dp_mode="zero1"), "deepseek_v3"),
+             ("fsdp/dp2xep2", _plan("qwen3_moe", dp=2, ep=2, dp_mode="fsdp"), "qwen3_moe")]
+    jobs = [(label, plan.to_json(), name) for label, plan, name in cases]
+    for rank, rep in enumerate(pool4.run(ep_plan_workers.run_all, jobs)):
+        for label, *_ in jobs:
+            r = rep[label]
+            assert "error" not in r, (rank, label, r)
+            assert abs(r["ref"] - r["par"]) <= 1e-5 * abs(r["ref"]), (rank, label, r)
+            assert not r["bad_params"] and r["ep_sharded"] > 0, (rank, label, r)
+            if label.startswith("fsdp"):
+                assert not r["bad_grads"], (rank, label, r)
+    for name, mode in (("deepseek_v3", "fsdp"), ("qwen3_moe", "zero1")):
+        plan = _plan(name, dp=1, ep=2, pp=2, dp_mode=mode, schedule="1F1B")
+        assert plan.fsdp.get("mode") == mode and int(plan.pipeline["pp"]) == 2
+        split = 0
+        for rank, rep in enumerate(pool4.run(run_ep_pipeline, [(plan.to_json(), name)])):
+            for label, r in rep.items():
+                assert r["par"] == pytest.approx(r["ref"], rel=1e-5), (rank, name, mode, label, r)
+                assert not r["bad_params"], (rank, name, mode, label, r)
+                split += r["experts_split"]
+        assert split > 0, (name, mode)   # (DeepSeek-V3's first layer is dense: stage 0 holds no experts)
