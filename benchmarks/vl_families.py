@@ -102,8 +102,10 @@ def run_florence2(pool2: RankPool) -> dict:
     plan = autoplan(florence2_with_images(), MeshSpec((2,), ("dp",)), batch=(2, 40))
     recipe = ModelRecipe(factory="benchmarks.vl_families:florence2_with_images", seed=5)
     result = check_numerics(plan, recipe, pool=pool2, global_batch=2, seq=40)
-    return dict(family="florence2 (hook, dp=2)", outcome="EQUAL" if result.passed else "WRONG", tower=False,
-                decoder=False, detail=result.summary()[:300], seconds=round(time.perf_counter() - t0, 1))
+    outcome = "EQUAL" if result.passed else ("CRASH" if result.error else "WRONG")
+    detail = result.error.strip().splitlines()[-1] if result.error else result.summary()
+    return dict(family="florence2 (hook, dp=2)", outcome=outcome, tower=False, decoder=False, detail=detail[:300],
+                seconds=round(time.perf_counter() - t0, 1))
 
 
 def main(families=FAMILIES, hook: bool = False) -> pd.DataFrame:
