@@ -28,6 +28,7 @@ Writes benchmarks/results/vl_families{,_hook}.csv and .md (all families only).
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 import traceback
@@ -103,7 +104,9 @@ def run_florence2(pool2: RankPool) -> dict:
     recipe = ModelRecipe(factory="benchmarks.vl_families:florence2_with_images", seed=5)
     result = check_numerics(plan, recipe, pool=pool2, global_batch=2, seq=40)
     outcome = "EQUAL" if result.passed else ("CRASH" if result.error else "WRONG")
-    detail = result.error.strip().splitlines()[-1] if result.error else result.summary()
+    lines = (result.error or "").strip().splitlines()   # the exception's own line, not a repr's tail
+    detail = next((ln for ln in reversed(lines) if re.match(r"[\w.]+(Error|Exception): ", ln)),
+                  lines[-1] if lines else result.summary())
     return dict(family="florence2 (hook, dp=2)", outcome=outcome, tower=False, decoder=False, detail=detail[:300],
                 seconds=round(time.perf_counter() - t0, 1))
 
