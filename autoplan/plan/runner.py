@@ -163,14 +163,28 @@ def _enable_async_tp(plan, mesh) -> None:
     enable_async_tp(mesh[plan.tp_dim] if plan.tp_dim in names else None, "plan.apply")
 
 
+def _runs(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (a ModuleList / ModuleDict only holds others)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _blocks_in(container: nn.Module) -> list[nn.Module]:
+    """The modules that run among ``container``'s children: a child that only holds others (a
+    stage of Florence-2's DaViT tower is a ModuleList of blocks) stands for its own children,
+    since FSDP and checkpointing wrap what runs, and refuse a container without a forward."""
+    out: list[nn.Module] = []
+    for child in container.children():
+        out.extend([child] if _runs(child) else _blocks_in(child))
+    return out
+
+
 def block_modules(model: nn.Module, plan) -> list[nn.Module]:
     """The repeated blocks (what torchtitan wraps for FSDP and checkpoints), from the plan's
-    decisions: every child of each block container."""
+    decisions: every module that runs among each block container's children."""
     units = []
     prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix") is not None})
     for prefix in prefixes:
-        parent = model.get_submodule(prefix)
-        units.extend(parent.children())
+        units.extend(_blocks_in(model.get_submodule(prefix)))
     return units
 
 
