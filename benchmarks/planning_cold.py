@@ -15,7 +15,8 @@ with the load average; the markdown is rebuilt from the CSV. Every run writes it
 check compares them byte for byte with benchmarks/results/planning_cold_plans/ (plans saved from the
 tree before the speed work: e2fe67b for the first round; regenerated from 06e039c, where later
 features had changed the plans (``reduce_grads`` in the styles, DeepSeek-V3's cuts), before the
-second) and a difference fails the run.
+second; from f1b726f, where the cost model's pricing of casts and views and the MoE search's ep x pp
+alternatives had changed them) and a difference fails the run.
 
     .venv/bin/python benchmarks/planning_cold.py --label HEAD [--runs 5] [--only 70b-mesh,405b-128k]
     .venv/bin/python benchmarks/planning_cold.py --label 06e039c --save-plans   # write the reference plans
