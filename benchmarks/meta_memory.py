@@ -8,7 +8,7 @@ the growth of its peak RSS during ``Trainer(...)`` (the peak is reset first thro
 parameter bytes. A tiny Trainer of the same family runs first on every rank, so the process
 group, the imports and the allocator's first arenas -- what any run pays whatever its model --
 are not counted. The run fails when a rank grows by more than 35 % of the whole model's bytes
-(issue 28), or by more than its shard plus the largest module's tensors plus 64 MiB: what the
+or by more than its shard plus the largest module's tensors plus 64 MiB: what the
 design promises (a rank holds its shards and, while initialising, one module at full size).
 
     .venv/bin/python benchmarks/meta_memory.py          # writes results/meta_memory.{csv,md}

@@ -1,4 +1,4 @@
-"""For which tower/decoder cost ratios the planner picks MPipe (issue 20): simulated step times.
+"""For which tower/decoder cost ratios the planner picks MPipe: simulated step times.
 
 The decoder is 32 uniform layers (forward 1, backward 2 time units per micro-batch each); the vision
 tower is 8 uniform blocks whose total time per micro-batch is ``ratio`` x the decoder's. The tower

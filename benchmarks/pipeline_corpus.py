@@ -1,4 +1,4 @@
-"""Pipelines for every corpus family (issue 29), planned by ``plan_cluster`` with pp=2 x tp=2 and
+"""Pipelines for every corpus family, planned by ``plan_cluster`` with pp=2 x tp=2 and
 pp=2 x dp=2 fixed, each run on a small copy on 4 gloo ranks against one device (loss rtol 1e-5,
 every gradient rtol 1e-4 / atol 1e-6). The stages run the model's own forward between their cuts
 (hyper_parallel/core/pipeline_parallel/forward_split.py); no family has an adapter.

@@ -1,5 +1,5 @@
 """Verify's pipeline dry run at world 64 (pp=4 x dp=2 x tp=8, FSDP) for transformers models the
-stages cut by running their own forward (issue 29): every pipeline rank's issued collectives equal
+stages cut by running their own forward: every pipeline rank's issued collectives equal
 the plan's predictions, on torch's fake process group with the model on meta.
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_verify_64.py

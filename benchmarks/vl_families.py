@@ -1,5 +1,5 @@
-"""transformers' vision-language families planned with tensor parallelism, as a new user would
-(issue 31): a tiny config per family (tests/capture/vl_families.py), no ``extra_inputs`` hook.
+"""transformers' vision-language families planned with tensor parallelism, as a new user would:
+a tiny config per family (tests/capture/vl_families.py), no ``extra_inputs`` hook.
 
 Each family is planned on meta at 32x the small widths with 224-pixel images (448 for the pooling
 families, 112-pixel tiles for LLaVA-NeXT) on a (tp=4) mesh with a 512-token batch, then the plan's
@@ -17,7 +17,7 @@ one SGD step compared with one device
 - WRONG / CRASH / UNTYPED: bugs.
 
 Florence-2 (no image size in its config) is refused without a hook; with a hook it is also run
-data-parallel on 2 ranks (its encoder-decoder forward used to drop the images, issue 31).
+data-parallel on 2 ranks (its encoder-decoder forward used to drop the images).
 
 With ``--hook`` every family gets a user's ``extra_inputs`` hook instead (a processor's outputs:
 image tokens, pixels, the grid or the image sizes, on the tokens' device;

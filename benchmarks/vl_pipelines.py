@@ -1,4 +1,4 @@
-"""transformers' vision-language families pipelined, as a new user would (issue 31): a tiny
+"""transformers' vision-language families pipelined, as a new user would: a tiny
 config per family (tests/capture/vl_families.py), no hook, planned with ``autoplan(model, 4,
 batch=..., constraints={...})`` and trained one SGD step on 4 gloo ranks against one device.
 
