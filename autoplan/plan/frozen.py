@@ -21,38 +21,40 @@ def _refuse(*_args: Any, **_kwargs: Any) -> NoReturn:
                           "(e.g. plan.replace(model=dict(plan.model, source=...))), or build it in autoplan.assembler")
 
 
-class FrozenDict(dict):
+class _Value:
+    """What a read-only container shares: it is its own copy (nothing can change it), and it
+    pickles as its plain base type, rebuilt frozen (unpickling a dict subclass would otherwise
+    fill it item by item through the refused ``__setitem__``)."""
+
+    __slots__ = ()
+    _plain: type
+
+    def __reduce__(self):
+        return (type(self), (self._plain(self),))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo: dict):
+        return self
+
+
+class FrozenDict(_Value, dict):
     """A ``dict`` whose contents cannot change."""
 
     __slots__ = ()
+    _plain = dict
     __setitem__ = __delitem__ = __ior__ = _refuse
     clear = pop = popitem = setdefault = update = _refuse
 
-    def __reduce__(self):
-        return (FrozenDict, (dict(self),))
 
-    def __copy__(self) -> "FrozenDict":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "FrozenDict":
-        return self
-
-
-class FrozenList(list):
+class FrozenList(_Value, list):
     """A ``list`` whose contents cannot change."""
 
     __slots__ = ()
+    _plain = list
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
     append = extend = insert = pop = remove = clear = sort = reverse = _refuse
-
-    def __reduce__(self):
-        return (FrozenList, (list(self),))
-
-    def __copy__(self) -> "FrozenList":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "FrozenList":
-        return self
 
 
 def freeze(value: Any) -> Any:

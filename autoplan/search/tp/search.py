@@ -20,6 +20,7 @@ from hyper_parallel.core.collective import Collective
 
 from autoplan.capture.ir import ModelGraph
 from autoplan.errors import InfeasiblePlanError
+from autoplan.search.pricing.async_tp import async_tp_exposed
 from autoplan.search.pricing.costing import CostContext
 from autoplan.search.tp.strategies import (
     Strategy,
@@ -104,37 +105,17 @@ class Option:
 
     def tp_exposed(self, ctx: CostContext) -> tuple[float, float]:
         """(forward, backward) seconds of this option's tensor-parallel collectives that no compute
-        hides: all of them, except under async TP on a sequence-sharded stream, where torch's
-        micro-pipeline pass fuses each with the matmuls beside it (verify.async_tp counts what it
-        fuses on the plan's own block). Which matmuls, as that check finds on Llama-shaped
-        blocks: the forward all-gather with the column-parallel GEMMs that read the gathered input,
-        the forward reduce-scatter with the row-parallel GEMM that feeds it (so also in a recomputed
-        forward), the backward all-gather of the output gradient with the row-parallel GEMM's input
-        gradient; the backward reduce-scatter of the input gradient only when one column GEMM makes
-        it -- q/k/v (or gate/up) gradients are summed first, which the pass does not fuse."""
+        hides: all of them, except under async TP on a sequence-sharded stream, where each is fused
+        with the matmuls beside it (``pricing.async_tp``)."""
         if not (ctx.async_tp and self.stream == "S" and self.work.gemms):
             coll = [c for c in self.collectives(ctx) if c.dim == "tp"]
-            fwd = [c for c in coll if c.phase == "forward"]
-            bwd = [c for c in coll if c.phase != "forward"]
-            return ctx.comm_time(fwd), ctx.comm_time(bwd)
-        shard = self.strategy.compute_shard
-        cols = [g for g in self.work.gemms if len(g) > 4 and g[4] == "n"]
-        rows = [g for g in self.work.gemms if len(g) > 4 and g[4] == "k"]
-        beside = {("all_gather", "forward"): cols, ("reduce_scatter", "forward"): rows,
-                  ("all_gather", "backward"): rows, ("reduce_scatter", "backward"): cols if len(cols) == 1 else []}
+            return (ctx.comm_time([c for c in coll if c.phase == "forward"]),
+                    ctx.comm_time([c for c in coll if c.phase != "forward"]))
         own = [c.scaled(self.count) for c in self.strategy.collectives if c.dim == "tp"]
-        redo = [Collective(c.kind, "forward", c.nbytes, c.count * self.count, c.dim) for c in self.strategy.collectives
+        redo = [c.scaled(self.count) for c in self.strategy.collectives
                 if c.dim == "tp" and c.phase == "forward" and not self._not_recomputed(c)] \
-            if ctx.checkpoint_blocks and self.in_block else []   # a recomputed forward, run in backward
-
-        def cost(c: Collective) -> float:
-            if c.kind not in ("all_gather", "reduce_scatter"):
-                return ctx.collective_time(c)
-            return ctx.fused_tp_time(c, beside.get((c.kind, c.phase), []), shard)
-
-        fwd = [c for c in own if c.phase == "forward"]
-        bwd = [c for c in own if c.phase != "forward"] + redo
-        return sum(cost(c) for c in fwd), sum(cost(c) for c in bwd)
+            if ctx.checkpoint_blocks and self.in_block else []
+        return async_tp_exposed(ctx, self.work.gemms, self.strategy.compute_shard, own, redo)
 
     def dp_comm_s(self, ctx: CostContext) -> float:
         """Data-parallel (FSDP/DDP) communication, which overlaps with compute. Under FSDP only
