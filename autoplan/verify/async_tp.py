@@ -7,8 +7,10 @@ if that fusion happens, so verify checks it on the plan's own styles: a small co
 gets the plan applied on a fake process group of the plan's world, one repeated block is compiled
 with a backend that keeps AOT autograd's forward and backward graphs, and torch's own post-grad
 passes with micro-pipeline TP run on them (``hyper_parallel.core.async_tp.fused_matmul_collectives``).
-Every tensor-parallel linear of the block must sit inside a fused op, in the forward and in the
-backward. The fused kernels themselves need CUDA, NCCL and symmetric memory; where they are
+Every tensor-parallel module of the block whose forward is a plain matmul must sit inside a fused
+op in the forward (what the planner prices fused); a module that adds its bias in the same op (an
+``addmm``) is not fused by the pass and is priced exposed. The fused kernels themselves need CUDA,
+NCCL and symmetric memory; where they are
 missing the check still runs (the pass is graph rewriting) and says what it could not run.
 """
 from __future__ import annotations
@@ -38,31 +40,38 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AsyncTPCheck:
-    """``expected``: tensor-parallel linears in the checked block; ``forward`` / ``backward``: what
-    the pass fused over that direction's AOT graphs (``all_gather``, ``reduce_scatter``, ``matmuls``
-    inside them, ``left``: sequence-parallel collectives it left unfused); ``cannot_run``: why the
-    fused kernels would not run on this machine (the patterns were checked anyway)."""
+    """``expected``: the tensor-parallel weight modules of the checked block whose forward is a
+    plain matmul (no bias added in the same op: what the pass can fuse and the planner prices
+    fused, ``search/pricing/async_tp.py``); ``biased``: those that add a bias (an ``addmm``, priced
+    exposed); ``forward`` / ``backward``: what the pass fused over that direction's AOT graphs
+    (``all_gather``, ``reduce_scatter``, ``matmuls`` inside them, ``left``: sequence-parallel
+    collectives it left unfused); ``cannot_run``: why the fused kernels would not run on this
+    machine (the patterns were checked anyway)."""
 
     block: str
     expected: int
+    biased: int = 0
     forward: dict = field(default_factory=dict)
     backward: dict = field(default_factory=dict)
     cannot_run: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Every TP linear of the block inside a fused op in the forward, no collective left there.
+        """What the planner priced fused is fused: every plain-matmul TP module of the block inside
+        a fused op in the forward, and no collective left there unless a biased module explains it.
         The backward is reported, not required: a gradient summed over several column-parallel
         linears (q, k and v read one input) reaches its reduce-scatter through an add, which the
-        pass does not fuse -- torch's limit, the same for torchtitan's plans."""
-        return self.forward.get("matmuls", 0) >= self.expected and self.forward.get("left", 1) == 0
+        pass does not fuse -- torch's limit, the same for torchtitan's plans, and priced so."""
+        return self.forward.get("matmuls", 0) >= self.expected and (self.biased > 0 or self.forward.get("left", 1) == 0)
 
     def summary(self) -> str:
         parts = [f"{d}: {g.get('matmuls', 0)} matmuls in {g.get('all_gather', 0)} all-gather + "
                  f"{g.get('reduce_scatter', 0)} reduce-scatter fusions, {g.get('left', 0)} collectives left"
                  for d, g in (("forward", self.forward), ("backward", self.backward))]
         where = f"; not runnable here ({'; '.join(self.cannot_run)}), patterns checked" if self.cannot_run else ""
-        return f"async TP on {self.block}: {self.expected} tensor-parallel linears; " + "; ".join(parts) + where
+        return (f"async TP on {self.block}: {self.expected} tensor-parallel plain-matmul modules"
+                + (f" ({self.biased} with a bias, not fusible)" if self.biased else "") + "; "
+                + "; ".join(parts) + where)
 
 
 def _total(counts: list[dict]) -> dict:
@@ -72,11 +81,15 @@ def _total(counts: list[dict]) -> dict:
     return dict(out)
 
 
-def _tp_linears(model: nn.Module, plan: Plan, block: nn.Module) -> int:
-    """The linears of ``block`` a style of ``plan`` shards (their weights become DTensors on tp)."""
+def _tp_weights(model: nn.Module, plan: Plan, block: nn.Module) -> tuple[int, int]:
+    """(plain, biased): the modules of ``block`` a style of ``plan`` shards whose weight is a matrix
+    (a Linear, GPT-2's Conv1D), split by whether they add a bias."""
     inside = {id(m) for m in block.modules()}
     styled = {id(m) for pattern in plan.styles for _, m in match_modules(model, pattern)}
-    return sum(1 for m in block.modules() if isinstance(m, nn.Linear) and id(m) in styled and id(m) in inside)
+    mods = [m for m in block.modules() if id(m) in styled and id(m) in inside
+            and getattr(m, "weight", None) is not None and m.weight.dim() == 2 and not isinstance(m, nn.Embedding)]
+    biased = sum(1 for m in mods if getattr(m, "bias", None) is not None)
+    return len(mods) - biased, biased
 
 
 def check_async_tp(plan: Plan, recipe: ModelRecipe, *, seq: int = 32) -> AsyncTPCheck:
@@ -108,7 +121,7 @@ def check_async_tp(plan: Plan, recipe: ModelRecipe, *, seq: int = 32) -> AsyncTP
             raise ValueError("check_async_tp: the plan names no repeated blocks to compile")
         block = blocks[0]
         name = next(n for n, m in model.named_modules() if m is block)
-        expected = _tp_linears(model, small, block)
+        expected, biased = _tp_weights(model, small, block)
         block.compile(backend=backend)
         vocab = _vocab(model)
         # two rows per batch shard: with one, the gathered (1, S, H) sequence is a reshape of the
@@ -121,5 +134,5 @@ def check_async_tp(plan: Plan, recipe: ModelRecipe, *, seq: int = 32) -> AsyncTP
             runner.step((x, y))
         fused = {d: _total([fused_matmul_collectives(g) for g in gs]) for d, gs in graphs.items()}
         blockers = async_tp_blockers(mesh[plan.tp_dim])
-    return AsyncTPCheck(block=name, expected=expected, forward=fused["forward"], backward=fused["backward"],
+    return AsyncTPCheck(block=name, expected=expected, biased=biased, forward=fused["forward"], backward=fused["backward"],
                         cannot_run=blockers)

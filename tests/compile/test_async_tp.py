@@ -88,3 +88,18 @@ def test_verify_checks_the_fusions_a_plan_priced_with_async_tp():
     assert result.passed, (result.error, result.async_tp)
     assert result.async_tp.ok and result.async_tp.expected == 7, result.async_tp.summary()
     assert verify(plan.replace(predictions=dict(plan.predictions, overlap="none")), meta).async_tp is None
+
+
+def test_a_biased_projection_is_not_fused_and_not_expected_to_be():
+    """GPT-2's Conv1D adds its bias in the matmul (addmm), which torch's pass does not rewrite: its
+    forward collectives stay, the planner prices them exposed, and the check agrees."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    with torch.device("meta"):
+        meta = GPT2LMHeadModel(cfg)
+    plan = autoplan(meta, ParallelDims((2,), ("tp",), "cpu"), hardware="cpu", allow_replicated_units=False,
+                    batch=(4, 16), sequence_parallel=True)
+    result = check_async_tp(plan, ModelRecipe(hf_config={**cfg.to_dict(), "model_class": "GPT2LMHeadModel"}, seed=3))
+    assert (result.expected, result.biased) == (0, 4), result.summary()
+    assert result.forward["matmuls"] == 0 and result.forward["left"] > 0 and result.ok is True, result.summary()

@@ -41,3 +41,43 @@ def test_the_planner_prices_async_tp_only_where_the_pass_fuses(llama):
     assert r_on.predictions["step_s"] == pytest.approx(r_off.predictions["step_s"])
     with pytest.raises(InvalidArgumentError, match="overlap='ring'"):
         autoplan(llama, mesh, overlap="ring", **kw)
+
+
+class _Pairs:
+    """A cost context that records which GEMMs each collective is priced beside."""
+
+    def __init__(self):
+        self.seen = []
+
+    def collective_time(self, c):
+        return 1.0
+
+    def fused_tp_time(self, c, gemms, shard):
+        self.seen.append((c.kind, c.phase, tuple(g[0] for g in gemms)))
+        return 0.0 if gemms else 1.0
+
+
+def _unit(*names_biased):
+    """Weight GEMM entries in graph order: (flops as a name tag, M, N, K, split, biased)."""
+    return [(name, 8, 8, 8, "n", biased) for name, biased in names_biased]
+
+
+def test_collectives_pair_with_the_gemms_torchs_pass_fuses():
+    from autoplan.search.pricing.async_tp import async_tp_exposed
+    from hyper_parallel.core.collective import Collective
+
+    own = [Collective("all_gather", "forward", 64), Collective("reduce_scatter", "forward", 64),
+           Collective("all_gather", "backward", 64), Collective("reduce_scatter", "backward", 64)]
+    attention = [("attn", 8, 8, 8, "causal", 0.5)]   # an attention entry is never a weight GEMM
+    # Llama attention: q, k, v read the gathered stream, o makes the output; q/k/v gradients summed
+    ctx = _Pairs()
+    assert async_tp_exposed(ctx, _unit(("q", False), ("k", False), ("v", False)) + attention + _unit(("o", False)),
+                            8, own, []) == (0.0, 1.0)
+    assert ctx.seen == [("all_gather", "forward", ("q", "k", "v")), ("reduce_scatter", "forward", ("o",)),
+                        ("all_gather", "backward", ("o",)), ("reduce_scatter", "backward", ())]
+    # Phi-3's packed qkv: one GEMM makes the input gradient, so its reduce-scatter fuses too
+    assert async_tp_exposed(_Pairs(), _unit(("qkv", False), ("o", False)), 8, own, []) == (0.0, 0.0)
+    # biased projections (addmm: Qwen2's q/k/v, GPT-2's Conv1D) fuse nothing in the forward
+    ctx = _Pairs()
+    assert async_tp_exposed(ctx, _unit(("qkv", True), ("o", True)), 8, own, own[:2]) == (2.0, 2.0)
+    assert ("all_gather", "forward", ()) in ctx.seen and ("reduce_scatter", "forward", ()) in ctx.seen

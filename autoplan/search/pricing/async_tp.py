@@ -1,13 +1,18 @@
 """A sequence-parallel unit's tensor-parallel collectives under async TP: which matmul each one
 is fused with, and what it still costs.
 
-Which pairs fuse is what torch's micro-pipeline pass fuses on our styles (``autoplan.verify.async_tp``
-counts it on the plan's own block; measured on Llama-shaped blocks): the forward all-gather with
-the column-parallel GEMMs that read the gathered input; the forward reduce-scatter with the
-row-parallel GEMM that feeds it (so also in a recomputed forward); the backward all-gather of the
-output gradient with the row-parallel GEMM's input gradient; the backward reduce-scatter of the
-input gradient only when one column GEMM makes it -- q/k/v (or gate/up) gradients are summed
-first, which the pass does not fuse. What a fused pair costs: ``CostContext.fused_tp_time``.
+Which pairs fuse is what torch's micro-pipeline pass fuses (``autoplan.verify.async_tp`` counts it
+on the plan's own block). It rewrites ``all_gather -> mm`` and ``mm -> reduce_scatter``, nothing
+else, so on a unit whose weight GEMMs run in graph order -- the ones reading the gathered stream
+(q/k/v, gate/up), then the one making the unit's output (o, down):
+- the forward all-gather hides behind the input GEMMs that add no bias in the same op (a biased
+  Linear is an ``addmm``: Qwen2's q/k/v, GPT-2's Conv1D);
+- the forward reduce-scatter (also in a recomputed forward) behind the output GEMM, if unbiased;
+- the backward all-gather of the output gradient behind the output GEMM's input gradient;
+- the backward reduce-scatter of the input gradient only when one input GEMM makes it: q/k/v
+  (gate/up) gradients are summed first, which the pass does not fuse; a packed qkv (Phi-3) fuses.
+Checked against the pass on Llama, Qwen3, Mistral, Phi-3 and GPT-2 blocks. What a fused pair
+costs: ``CostContext.fused_tp_time``.
 """
 from __future__ import annotations
 
@@ -24,10 +29,14 @@ def async_tp_exposed(ctx: CostContext, gemms: Sequence, shard: int, own: Sequenc
     """(forward, backward) seconds of a unit's tensor-parallel collectives under async TP.
     ``gemms``: the unit's GEMMs (``Work.gemms``); ``own``: its collectives (all its calls);
     ``recomputed``: the forward ones a recomputed forward issues again, in backward."""
-    cols = [g for g in gemms if len(g) > 4 and g[4] == "n"]
-    rows = [g for g in gemms if len(g) > 4 and g[4] == "k"]
-    beside = {("all_gather", "forward"): cols, ("reduce_scatter", "forward"): rows,
-              ("all_gather", "backward"): rows, ("reduce_scatter", "backward"): cols if len(cols) == 1 else []}
+    # (flops, M, N, K, split, biased) of the weight GEMMs, in graph order
+    weights = [g for g in gemms if len(g) > 5 and g[4] in ("n", "k")]
+    inputs, output = weights[:-1], weights[-1:]
+    plain = [g for g in inputs if not g[5]]
+    beside = {("all_gather", "forward"): plain,
+              ("reduce_scatter", "forward"): [g for g in output if not g[5]],
+              ("all_gather", "backward"): output,
+              ("reduce_scatter", "backward"): inputs if len(inputs) == 1 else []}
 
     def cost(c: Collective, phase: str) -> float:
         if c.kind not in FUSABLE:

@@ -147,7 +147,8 @@ def _attention_tag(n, dims, causal_model: bool, span: tuple = ()) -> tuple[str, 
 def _op_classes(nodes, causal_model: bool = False, modules: dict | None = None,
                 fusion: Fusion = EAGER) -> tuple[tuple, float]:
     """(GEMM entries (flops, M, N, K, split), bytes of the other non-view ops, backward counted as
-    twice the forward as for ``Work.bytes``). A fused attention op's split is its attention tag
+    twice the forward as for ``Work.bytes``). A weight GEMM's entry ends with whether its forward
+    adds a bias in the same op (``addmm``: async TP's pass fuses plain matmuls only). A fused attention op's split is its attention tag
     (``cost_models.compute.ATTENTION`` / ``ATTENTION_CAUSAL``) followed by the fraction of its
     score matrix it computes (by its module's key span, from ``modules``: FQN -> ModuleInfo),
     priced by ``attention_time``."""
@@ -160,8 +161,10 @@ def _op_classes(nodes, causal_model: bool = False, modules: dict | None = None,
             if is_attention_op(short):
                 info = modules.get(n.module) if modules else None
                 gemms.append((f, *dims, *_attention_tag(n, dims, causal_model, info.key_span if info else ())))
-            else:
-                gemms.append((f, *dims, gemm_split(*dims, bool(n.params))))
+            else:   # a weight GEMM also says whether its forward adds a bias in the same op
+                split = gemm_split(*dims, bool(n.params))
+                gemms.append((f, *dims, split, short in ("addmm", "baddbmm") or (short == "linear" and len(n.inputs) > 2))
+                             if split else (f, *dims, split))
         elif fusion.fused(n.name):   # a compiled chain's op: its share of the chain's traffic
             other += 3.0 * fusion.bytes[n.name]
         elif not moves_nothing(n):   # every op the capture gives bytes: index_select, _to_copy, cat too
