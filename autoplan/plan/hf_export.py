@@ -28,6 +28,7 @@ from autoplan.plan.safetensors_slices import SafetensorsFile
 from autoplan.plan.weights import ModelInit
 from hyper_parallel.core.dtensor.blocks import as_plain_shards, holds_one_block
 from hyper_parallel.core.materialize import named_tensors
+from hyper_parallel.core.float8 import high_precision
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def export_hf(runner, out: str | Path, *, dtype: torch.dtype | None = None) -> P
     for name, t in named_tensors(held_module(runner)).items():
         key = facts.file_name(name)
         if name in facts.state_shapes and key not in state:
-            t = t.detach()
+            t = high_precision(t.detach())   # a float8-gathered weight: its high-precision values
             if isinstance(t, DTensor) and not holds_one_block(t.placements):   # DCP would write it permuted
                 t = as_plain_shards(t)
             state[key] = t.to(dtype) if dtype is not None else t

@@ -45,6 +45,7 @@ from autoplan.train.errors import (
     CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointUntrustedError,
 )
 from hyper_parallel.core.dtensor.blocks import copy_back, dcp_mappable
+from hyper_parallel.core.float8 import high_precision_state
 from hyper_parallel.platform import device_type
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,14 @@ class PendingSave:
         return self.final
 
 
+def _state_dicts(module: nn.Module, optimizer) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts as DCP writes and reads them: float8-gathered
+    weights (and the optimizer state made from them) as their plain high-precision tensors, same
+    storage, same names -- so a float8 run's checkpoint is a high-precision checkpoint."""
+    msd, osd = get_state_dict(module, optimizer, options=OPTIONS)
+    return high_precision_state(msd), high_precision_state(osd)
+
+
 def begin_save(runner, root: str | Path, step: int, train_state: dict[str, Any], info: dict[str, Any] | None = None,
                integrity: bool = True, key: bytes | None = None) -> PendingSave:
     """Write this step's checkpoint files (collective: every rank calls it) and start hashing them;
@@ -202,7 +211,7 @@ def begin_save(runner, root: str | Path, step: int, train_state: dict[str, Any],
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    msd, osd = get_state_dict(state_module(runner), runner.optimizer, options=OPTIONS)
+    msd, osd = _state_dicts(state_module(runner), runner.optimizer)
     # packed projections' strided shards are written as plain ones (DCP: "overlapping chunks")
     dcp.save({"model": dcp_mappable(msd)[0], "optim": dcp_mappable(osd)[0]}, checkpoint_id=str(tmp))
     if rank == 0:
@@ -297,7 +306,7 @@ def load(runner, model: nn.Module, path: str | Path, key: bytes | None = None) -
         log.debug("checkpoint %s: model fingerprint %s differs from this model's", path, opened.manifest["model"])
     check_compatible(model, path, opened.metadata)
     module = state_module(runner)
-    msd, osd = get_state_dict(module, runner.optimizer, options=OPTIONS)
+    msd, osd = _state_dicts(module, runner.optimizer)
     unstepped = _agreed(lambda: _unstepped(osd, opened.metadata.state_dict_metadata, path))
     rng = _wrapped(path, safe_load.RNG_STATE, "reading the RNG state", opened.rng_state)
     (m_plain, m_back), (o_plain, o_back) = dcp_mappable(msd), dcp_mappable(osd)
@@ -360,7 +369,7 @@ def gathered_state(runner) -> dict[str, Any]:
     """Every parameter and optimizer entry of the whole model as full CPU tensors, keyed like the
     checkpoint (``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ...); collective, the same dict on
     every rank. For checks and small models: it holds the whole model on each rank."""
-    msd, osd = get_state_dict(state_module(runner), runner.optimizer, options=OPTIONS)
+    msd, osd = _state_dicts(state_module(runner), runner.optimizer)
     local = {}
     for prefix, sd in (("model", msd), ("optim", osd)):
         for k, v in sd.items():

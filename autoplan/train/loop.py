@@ -33,6 +33,7 @@ from autoplan.train.guard import GradClipper, check_loss
 from autoplan.train import images
 from autoplan.train.metrics import MetricsWriter, memory_gib, peak_flops
 from hyper_parallel.core.compile import CompileSpec, default_compile_mode
+from hyper_parallel.core.float8 import float8_summary
 from hyper_parallel.errors import CompileError
 from autoplan.train.model import build_model, flops_per_token, pretrained_weights
 from autoplan.train.plan_source import check_ranks_agree, plan_for
@@ -135,6 +136,9 @@ class Trainer:
             self.runner.materialize(seed=cfg.seed)
             if start is None:
                 log.info("weights: initialised from seed %d (the same under every plan)", cfg.seed)
+        float8 = float8_summary(self.model)   # what runs, so a plan's float8 that did not apply shows
+        if float8:
+            log.info("%s", float8)
         self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type != "cpu")
         self.peak = peak_flops(self.plan.mesh.get("hardware"), torch.bfloat16 if self.bf16 else torch.float32) \
             if self.rank == 0 else None  # rank 0 reports

@@ -17,12 +17,14 @@ with a typed error naming the module and the reason, before changing anything.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from hyper_parallel.core.float8.errors import Float8Error, Float8ShapeError
+from hyper_parallel.core.float8.fsdp import float8_gathered
 from hyper_parallel.core.float8.quiet import quiet_torchao_import
 from hyper_parallel.core.float8.recipes import DIM_MULTIPLE, check_recipe, linear_config, resolve_emulate
 from hyper_parallel.core.fqn_pattern import fqn_matches
@@ -123,3 +125,31 @@ def convert_to_float8(model: nn.Module, modules: dict[str, str], *, device: torc
     log.debug("float8: %d Linears converted (%s)", len(targets), ", ".join(sorted(recipes)))
     return Float8Conversion({fqn: r for fqn, (_, r) in targets.items()}, emulate=any(emulated.values()),
                             fsdp_float8_all_gather=fsdp_float8_all_gather and "tensorwise" in recipes)
+
+
+def float8_linears(model: nn.Module) -> dict[str, str]:
+    """{fqn: recipe} of the float8 Linears ``model`` holds now -- what runs, not what a plan asked
+    for (a run's log says it, so a float8 run that silently trains in high precision shows)."""
+    torchao_linear = sys.modules.get("torchao.float8.float8_linear")
+    if torchao_linear is None:   # torchao never imported: nothing was converted
+        return {}
+    out = {}
+    for fqn, m in model.named_modules():
+        if isinstance(m, torchao_linear.Float8Linear):
+            granularity = m.config.cast_config_input.scaling_granularity.value
+            out[fqn] = "rowwise" if granularity == "axiswise" else granularity
+        elif type(m).__name__ == "MXFP8Linear":
+            out[fqn] = "mxfp8"
+    return out
+
+
+def float8_summary(model: nn.Module) -> str:
+    """One line on the float8 Linears ``model`` holds ("" when none): how many, which recipes,
+    emulated or native, how many weights FSDP gathers in float8."""
+    linears = float8_linears(model)
+    if not linears:
+        return ""
+    emulated = sum(bool(getattr(getattr(model.get_submodule(f), "config", None), "emulate", False)) for f in linears)
+    recipes = ", ".join(f"{r} {sum(v == r for v in linears.values())}" for r in sorted(set(linears.values())))
+    how = "emulated" if emulated == len(linears) else ("native" if not emulated else f"{emulated} emulated")
+    return f"float8: {len(linears)} Linears on this rank ({recipes}; {how}), {float8_gathered(model)} weights gathered in float8"

@@ -10,9 +10,20 @@ would compute. torchtitan calls it after each optimizer step; here a forward pre
 root calls it before the root's own gathers, so it holds after any change of the weights (an
 optimizer step, a checkpoint load, ``materialize``) without the caller's loop knowing about it.
 Each micro-batch's forward pays it again (one all-reduce of one float per weight).
+
+Those weights -- and the optimizer state made from them (``zeros_like`` keeps the subclass) --
+are torchao wrapper tensors around the high-precision values. Torch DCP writes a tensor it does
+not know by pickling the object (a checkpoint that imports torchao when read, which the guarded
+loads rightly refuse) and its Hugging Face writer cannot reach a wrapper's storage at all, so
+whatever writes or reads state takes :func:`high_precision_state` of it: the same storage as
+plain tensors, under the same names -- checkpoints and exports hold the master weights as a run
+without float8 would.
 """
 from __future__ import annotations
 
+import sys
+
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -54,3 +65,34 @@ def scale_before_gather(root: nn.Module) -> bool:
         return False
     root.register_forward_pre_hook(_precompute, prepend=True)
     return True
+
+
+def _wrapper_type():
+    """torchao's float8 weight wrapper, or None when torchao's FSDP support was never imported (then
+    no tensor of the process can be one; a checkpoint of a run without float8 imports nothing)."""
+    module = sys.modules.get("torchao.float8.fsdp_utils")
+    return getattr(module, "WeightWithDynamicFloat8CastTensor", None)
+
+
+def high_precision(t, wrapper=None):
+    """``t``, or where it (or its DTensor's local shard) is a float8-gathered weight, the same values
+    as a plain tensor over the same storage (writes through it land in the weight)."""
+    wrapper = wrapper or _wrapper_type()
+    if wrapper is None or not isinstance(t, torch.Tensor):
+        return t
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        if not isinstance(local, wrapper):
+            return t
+        return DTensor.from_local(local._tensor.detach(), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t._tensor.detach() if isinstance(t, wrapper) else t
+
+
+def high_precision_state(state: dict) -> dict:
+    """A state dict with every float8-gathered tensor as :func:`high_precision` gives it (the dict
+    itself when there is none)."""
+    wrapper = _wrapper_type()
+    if wrapper is None:
+        return state
+    return {k: high_precision(v, wrapper) for k, v in state.items()}
