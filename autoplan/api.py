@@ -55,7 +55,7 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
              allow_replicated_units: bool = True, activation_checkpointing: bool | None = None,
              sequence_parallel: bool | None = None,
              graph=None, styles: dict | None = None, compile: bool | str = False, overlap: str | None = None,
-             **cluster_options: Any) -> Plan:
+             precision: str | None = None, **cluster_options: Any) -> Plan:
     """Choose every module's tensor-parallel style for ``model`` on ``mesh``.
 
     Args:
@@ -83,6 +83,10 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
             their matmuls, as inductor's micro-pipeline TP runs them (docs/overlap.md); the plan
             then trains fastest with ``compile={"mode": "blocks", "async_tp": True}`` on CUDA.
             None / "none": every tensor-parallel collective exposed.
+        precision: what the Linears train in (docs/float8.md): None / "bf16" the model's own
+            dtype; "auto" float8 for each Linear where the hardware makes it pay (never on hardware
+            without a float8 GEMM); "fp8-tensorwise" / "fp8-rowwise" float8 wherever it can run.
+            The plan's ``parallel["precision"]`` lists each module's choice and why.
         cluster_options: with a device count instead of a mesh, ``autoplan`` is
             :func:`autoplan.cluster.plan_cluster` and takes its keywords too (``constraints``,
             ``schedules``, ...); with a mesh they are a TypeError, as is any unknown keyword.
@@ -98,7 +102,8 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
         return plan_cluster(model, int(mesh), inputs=inputs, batch=batch, hardware=hardware, memory_limit=memory_limit,
                             dtype=dtype, fsdp=fsdp, allow_replicated_units=allow_replicated_units,
                             activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
-                            graph=graph, styles=styles, compile=compile, overlap=overlap, **cluster_options)
+                            graph=graph, styles=styles, compile=compile, overlap=overlap, precision=precision,
+                            **cluster_options)
     if cluster_options:
         raise TypeError(f"autoplan() got unexpected keyword argument(s) {sorted(cluster_options)} for a mesh; "
                         "plan_cluster's options (constraints, schedules, ...) apply only with a device count")
@@ -116,5 +121,6 @@ def autoplan(model: torch.nn.Module, mesh, *, inputs: Any = None, batch: Any = N
     request = PlanRequest.for_mesh(who, hardware=spec.hardware, inputs=inputs, batch=batch, memory_limit=memory_limit,
                                    dtype=dtype, fsdp=fsdp, allow_replicated_units=allow_replicated_units,
                                    activation_checkpointing=activation_checkpointing,
-                                   sequence_parallel=sequence_parallel, compile=compile, overlap=overlap)
+                                   sequence_parallel=sequence_parallel, compile=compile, overlap=overlap,
+                                   precision=precision)
     return plan_mesh(model, spec, request, graph=graph, styles=A.check_styles(styles, who))

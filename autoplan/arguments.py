@@ -170,6 +170,23 @@ def check_overlap(value: Any, who: str) -> str:
     return value
 
 
+# a planning request's precision: "bf16" the model's own dtype everywhere (the default: float8
+# changes a run's numerics, so it is asked for, as torchtitan's float8 converter and Megatron's
+# --fp8-format are); "auto" float8 for each Linear where the plan's hardware makes it pay;
+# "fp8-<recipe>" every Linear that can take that recipe
+PRECISIONS = ("auto", "bf16", "fp8-tensorwise", "fp8-rowwise")
+FLOAT8_PRICING = {"bf16": "", "auto": "auto", "fp8-tensorwise": "tensorwise", "fp8-rowwise": "rowwise"}
+
+
+def check_precision(value: Any, who: str, name: str = "precision", error: type = InvalidArgumentError) -> str:
+    """One of ``PRECISIONS`` (None: "bf16")."""
+    if value is None:
+        return "bf16"
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise error(f"{who}: {name}={value!r} is not a precision; valid: {list(PRECISIONS)}")
+    return value
+
+
 def check_styles(styles: Any, who: str) -> dict | None:
     """A hand-written plan to price: a non-empty {pattern: ParallelStyle or style dict}."""
     if styles is not None and (not isinstance(styles, dict) or not styles):
@@ -181,7 +198,8 @@ def check_styles(styles: Any, who: str) -> dict | None:
 # ------------------------------------------------------------------ plan_cluster's own arguments
 CONSTRAINT_KEYS = ("dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute", "expert_parallel",
-                   "tower_placement", "cuts", "expert_runtime", "attention_kernel", "loss_bytes_per_logit")
+                   "tower_placement", "cuts", "expert_runtime", "attention_kernel", "loss_bytes_per_logit",
+                   "precision")
 PIPELINE_CUTS = ("even", "balanced")   # blocks spread evenly (Megatron-Core, AutoModel) | the planner's by cost
 
 
@@ -258,6 +276,8 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
         raise InvalidConstraintError(f"{who}: constraints['tower_placement']={cons['tower_placement']!r}; valid: "
                                      f"{list(TOWER_PLACEMENTS)}")
     check_runtime_facts(cons, who)
+    if "precision" in cons:
+        check_precision(cons["precision"], who, "constraints['precision']", InvalidConstraintError)
     if "expert_parallel" in cons:   # True: ExpertParallel only, False: replicated experts (ep as dp)
         strict_bool(cons["expert_parallel"], "constraints['expert_parallel']", who, InvalidConstraintError)
     for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):

@@ -30,6 +30,7 @@ from typing import Any
 from autoplan.errors import PlanningError
 from autoplan.parallelisms.data import flat_name, grad_dims, state_dims
 from autoplan.plan.plan import Plan, draft, is_sealed, sealed
+from autoplan.precision.request import decide_precision
 from autoplan.search.data.hsdp_splits import DP_REPLICATE, hsdp_replicate_rows, hsdp_replicate_time
 from autoplan.search.data.modes import MIXED_PRECISION, REDUCE_BYTES, attention_patterns, zero1_rows
 from autoplan.search.units.structure import ModelStructure
@@ -37,7 +38,7 @@ from hyper_parallel.core.collective import Collective, merged_rows
 from hyper_parallel.parallel_dims import ParallelDims
 
 __all__ = ["build", "finish", "with_recompute", "with_dp_mode", "with_accumulation", "with_mixed_precision",
-           "with_cluster_parts", "with_notes", "to_hsdp", "fastest_of"]
+           "with_cluster_parts", "with_precision", "with_notes", "to_hsdp", "fastest_of"]
 
 
 def _open(plan: Plan) -> tuple[Plan, bool]:
@@ -214,6 +215,17 @@ def with_cluster_parts(plan: Plan, *, pipeline: dict, predictions: dict, alterna
     plan.notes = list(plan.notes) + list(notes)
     plan = with_mixed_precision(plan)   # 16-bit FSDP plans: FSDP2 policy, fp32 master weights and reduction
     plan.timing = timing
+    return _close(plan, seal)
+
+
+def with_precision(plan: Plan, model, precision: str, tokens: float | None = None) -> Plan:
+    """The Linears' precision as the request asks it (``autoplan.precision.request.decide_precision``:
+    each module's recipe, or why it stays in high precision), decided at the ``tokens`` rows a
+    call the search priced; the plan's notes say what is kept and why."""
+    section, notes = decide_precision(plan, model, precision, tokens=tokens)
+    plan, seal = _open(plan)
+    plan.parallel["precision"] = section
+    plan.notes = [n for n in plan.notes if not n.startswith("precision: ")] + notes
     return _close(plan, seal)
 
 

@@ -363,7 +363,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
                  schedules: Sequence[str] = SCHEDULE_NAMES, microbatch_sizes: Sequence[int] = (1, 2, 4),
                  virtual_stages: Sequence[int] = (2,), graphs: dict | None = None, alternatives: int = 10,
                  max_simulations: int = 400, time_budget_s: float | None = None,
-                 compile: bool | str = False, overlap: str | None = None) -> Plan:
+                 compile: bool | str = False, overlap: str | None = None, precision: str | None = None) -> Plan:
     """The best whole plan for ``devices`` devices.
 
     Takes :func:`autoplan.autoplan`'s keywords (``autoplan(model, N, ...)`` is this function) and
@@ -391,6 +391,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             False / "none": eager); the plan's ``predictions["compile"]`` says which.
         overlap: "async_tp": tensor-parallel collectives of sequence-parallel units priced fused
             with their matmuls (inductor's micro-pipeline TP); ``predictions["overlap"]`` says so.
+        precision: as :func:`autoplan.autoplan`'s; ``constraints["precision"]`` is the same setting
+            (e.g. ``{"precision": "bf16"}`` keeps every Linear in the model's dtype).
     Raises InfeasiblePlanError when no factorization fits ``memory_limit`` (default: the
     hardware's memory) per device; InvalidArgumentError for a bad argument, before any capture.
     """
@@ -411,7 +413,7 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         sequence_parallel=sequence_parallel, devices_per_node=devices_per_node, constraints=constraints,
         schedules=schedules, microbatch_sizes=microbatch_sizes, virtual_stages=virtual_stages,
         alternatives=alternatives, max_simulations=max_simulations, time_budget_s=time_budget_s, compile=compile,
-        overlap=overlap)
+        overlap=overlap, precision=precision)
     check_batch_fits_model(model, request.batch[1], who)
     constraints, space = dict(request.constraints), request.search
     # the search reads the model in its dtype many times: cast in place for the call (no copy of a
@@ -503,6 +505,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             solver={"name": solver.solver, "status": solver.status, "variables": solver.variables,
                     "constraints": solver.constraints, "simulations": search.simulations, "candidates": len(cands)},
             notes=notes, timing={"search_s": t_search - t0, "total_s": time.perf_counter() - t0})
+        # each Linear's precision decided at the rows a call that the search priced it at
+        plan = assembler.with_precision(plan, model, request.precision, tokens=best.b * search.seq / best.cp)
         return assembler.finish(plan)
 
 

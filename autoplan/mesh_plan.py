@@ -193,7 +193,8 @@ def _add_cp(ev: Evaluation, search: TPSearch, chosen: dict, cp_shape: CPShape | 
 def plan_mesh(model: torch.nn.Module, spec: ParallelDims, request: PlanRequest, *, graph=None,
               styles: dict | None = None) -> Plan:
     """:func:`autoplan` on a mesh, its request already checked: the plan, built."""
-    return assembler.finish(mesh_plan_draft(model, spec, request, graph=graph, styles=styles))
+    draft = mesh_plan_draft(model, spec, request, graph=graph, styles=styles)
+    return assembler.finish(assembler.with_precision(draft, model, request.precision))
 
 
 def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanRequest, *, graph=None,
@@ -238,7 +239,8 @@ def mesh_plan_draft(model: torch.nn.Module, spec: ParallelDims, request: PlanReq
     ctx = CostContext(hardware=hw, topology=mesh_topology(spec), dtype=str(dtype), tp_dim=tp_dim or "tp",
                       dp_dim=grad_dim, dp=grad_ranks, fsdp=fsdp and grad_ranks > 1, param_bytes_per_element=element_bytes,
                       optimizer_bytes_per_element=8 + (4 if element_bytes < 4 else 0),
-                      async_tp=request.overlap == "async_tp")
+                      async_tp=request.overlap == "async_tp", float8=A.FLOAT8_PRICING[request.precision],
+                      compiled=request.compile != "none")
     cp_shape = None
     if cp > 1:
         ctx = dataclasses.replace(ctx, topology=cp_topology(spec))

@@ -45,8 +45,9 @@ class PlanRequest:
 
     ``None`` means "the planner chooses" for the tri-state choices (``fsdp``,
     ``activation_checkpointing``, ``sequence_parallel``) and "the hardware's" for ``hardware``,
-    ``dtype`` and ``memory_limit``. ``precision`` is held for the choice to come and is not read yet;
-    ``overlap`` says what the plan is priced as overlapping ("none" or "async_tp")."""
+    ``dtype`` and ``memory_limit``. ``precision`` is what the Linears train in (``arguments.PRECISIONS``:
+    "bf16" the model's own dtype, "auto" float8 where it pays, "fp8-<recipe>" float8 wherever it
+    can run); ``overlap`` says what the plan is priced as overlapping ("none" or "async_tp")."""
 
     batch: tuple[int, int] | None = None       # (global batch in sequences, sequence length)
     inputs: Any = None                         # example inputs of one rank, instead of batch (mesh plans)
@@ -60,7 +61,7 @@ class PlanRequest:
     constraints: Mapping[str, Any] = field(default_factory=dict)   # plan_cluster's: dp, pp, tp, schedule, ...
     devices_per_node: int | None = None
     compile: str = "none"                      # cost_models.fusion's compile modes
-    precision: str | None = None
+    precision: str = "bf16"
     overlap: str = "none"                      # arguments.OVERLAPS: "async_tp" prices fused SP collectives
     search: SearchSpace = field(default_factory=SearchSpace)
 
@@ -91,7 +92,7 @@ class PlanRequest:
                    inputs=keywords.pop("inputs", None), hardware=hardware,
                    fsdp=True if fsdp is None else A.optional_bool(fsdp, "fsdp", who),
                    constraints={} if experts is None else {"expert_parallel": experts},
-                   **_common(who, keywords))
+                   **_mesh_common(who, keywords))
 
     @classmethod
     def for_devices(cls, who: str, devices: int, **keywords: Any) -> "PlanRequest":
@@ -107,8 +108,24 @@ class PlanRequest:
         common = _common(who, keywords)
         constraints = A.check_constraints(constraints, devices, batch, who, fsdp=fsdp,
                                           activation_checkpointing=common["activation_checkpointing"])
+        if "precision" in constraints:   # the constraint and the keyword are one setting
+            stated = constraints.pop("precision")
+            if common["precision"] is not None and stated != common["precision"]:
+                raise InvalidArgumentError(f"{who}: precision={common['precision']!r} contradicts "
+                                           f"constraints['precision']={stated!r}")
+            common["precision"] = stated
+        common["precision"] = common["precision"] or "bf16"
         return cls(batch=batch, hardware=hardware, devices_per_node=dpn, constraints=constraints, search=space,
                    **common)
+
+
+def _precision(value: Any, who: str) -> str | None:
+    return None if value is None else A.check_precision(value, who)
+
+
+def _mesh_common(who: str, keywords: dict) -> dict:
+    common = _common(who, keywords)
+    return dict(common, precision=common["precision"] or "bf16")
 
 
 def _common(who: str, keywords: dict) -> dict:
@@ -121,7 +138,9 @@ def _common(who: str, keywords: dict) -> dict:
                                                        "activation_checkpointing", who),
            "sequence_parallel": A.optional_bool(keywords.pop("sequence_parallel", None), "sequence_parallel", who),
            "compile": A.check_compile(keywords.pop("compile", False), who),
-           "overlap": A.check_overlap(keywords.pop("overlap", None), who)}
+           "overlap": A.check_overlap(keywords.pop("overlap", None), who),
+           # None: not given (plan_cluster's constraints may state it; else "bf16")
+           "precision": _precision(keywords.pop("precision", None), who)}
     if keywords:
         raise TypeError(f"{who}() got unexpected keyword argument(s) {sorted(keywords)}")
     return out

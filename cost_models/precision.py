@@ -10,9 +10,11 @@ for T tokens through an (in K, out N) weight on one rank:
   GEMMs, which then anchors it the same way).
 - Casts: torchao's ``matmul_with_hp_or_float8_args`` casts six operands per step: input and weight
   for the output GEMM, gradient and weight for the input gradient, gradient and input for the weight
-  gradient (``float8_linear.py``: each ``hp_tensor_to_float8_dynamic``). Each cast reads the high
-  precision tensor once for its amax and once to scale it, and writes one byte per element: 2 + 2 + 1
-  bytes per element at bf16, memory-bound at the profile's HBM bandwidth and efficiency.
+  gradient (``float8_linear.py``: each ``hp_tensor_to_float8_dynamic``). Eager, each cast reads the
+  high precision tensor once for its amax and once to scale it, and writes one byte per element:
+  2 + 2 + 1 bytes per element at bf16, in two kernels; compiled, inductor computes the amax in the
+  kernel that produced the tensor, so a cast is one read, one write and one kernel. Memory-bound at
+  the profile's HBM bandwidth and efficiency.
 - Float8 all-gather: FSDP2 gathers a tensorwise weight in one byte per element instead of two
   (torchao's ``fsdp_pre_all_gather``); the scales cost one all-reduce of one float per weight.
 - Memory: the gathered (unsharded) weight is held in float8 under that all-gather: one byte per
@@ -30,8 +32,12 @@ from cost_models.compute import gemm_efficiency
 from cost_models.hardware.profile import HardwareProfile
 
 CASTS_PER_STEP = 6                 # operands torchao casts per Linear per step (see the module doc)
-CAST_BYTES_PER_ELEMENT = 2 + 2 + 1  # amax read, scaling read, float8 write (bf16 in, float8 out)
+# An eager cast is two passes (read for the amax, read again to scale, write float8) and two kernels;
+# compiled, inductor folds the amax reduction into the kernel that produced the tensor (the norm or
+# the previous GEMM's epilogue), leaving one read and one write and one kernel per cast.
+CAST_PASSES = {False: 2, True: 1}
 RECIPE_PEAK = {"tensorwise": "fp8", "rowwise": "fp8", "mxfp8": "mxfp8"}
+SHAPE_MULTIPLE = 16                # float8 GEMMs (torch._scaled_mm) need K and N multiples of 16
 
 
 def float8_peak(hardware: HardwareProfile, recipe: str = "tensorwise") -> float | None:
@@ -58,20 +64,42 @@ class LinearPrecisionCost:
         return self.gemm_bf16_s - self.float8_s
 
 
-def linear_cost(hardware: HardwareProfile, tokens: float, k: float, n: float,
-                recipe: str = "tensorwise") -> LinearPrecisionCost | None:
-    """The cost of one Linear of (K in, N out) over ``tokens`` rows on one rank, per step (the
-    dimensions a rank sees: a tensor-parallel shard's K or N); None where the hardware has no float8."""
+def cast_s(hardware: HardwareProfile, elements: float, hp_bytes: int = 2, compiled: bool = False) -> float:
+    """Seconds of float8 casts over ``elements`` high-precision elements in all (HBM-bound), with
+    their kernels' launches: eager, every element is read twice (amax, then scale) and written once
+    in one byte; compiled, the amax rides on the producer's kernel (``CAST_PASSES``)."""
+    passes = CAST_PASSES[bool(compiled)]
+    nbytes = (passes * hp_bytes + 1) * elements
+    return (nbytes / (hardware.memory_bandwidth * hardware.efficiency.memory)
+            + CASTS_PER_STEP * passes * hardware.efficiency.kernel_overhead)
+
+
+def float8_gemm_s(hardware: HardwareProfile, flops: float, m: float, n: float, k: float, *,
+                  recipe: str = "tensorwise", hp_bytes: int = 2, compiled: bool = False) -> float | None:
+    """Seconds one rank spends on a Linear's three GEMMs (``flops``: forward + backward, this
+    rank's share) at its per-rank shape (M rows, N out, K in) in float8, its six casts included;
+    None where the hardware has no such GEMM or the shape cannot take it (K or N not a multiple
+    of 16). The GEMMs run at the shape's efficiency (``gemm_efficiency``) against the float8 peak."""
     peak8 = float8_peak(hardware, recipe)
-    if not peak8:
+    if not peak8 or any(abs(d - SHAPE_MULTIPLE * round(d / SHAPE_MULTIPLE)) > 1e-6 for d in (n, k)):
         return None
+    eff = gemm_efficiency(hardware, m, n, k)
+    elements = 2 * (m * k) + 2 * (k * n) + 2 * (m * n)   # the six casts' operands
+    return flops / (peak8 * eff) + cast_s(hardware, elements, hp_bytes, compiled)
+
+
+def linear_cost(hardware: HardwareProfile, tokens: float, k: float, n: float,
+                recipe: str = "tensorwise", compiled: bool = False) -> LinearPrecisionCost | None:
+    """The cost of one Linear of (K in, N out) over ``tokens`` rows on one rank, per call (the
+    dimensions a rank sees: a tensor-parallel shard's K or N); None where the hardware has no
+    float8 or the shape cannot take it. The same terms the cluster search prices (``float8_gemm_s``)."""
     flops = 3 * 2.0 * tokens * k * n
+    total = float8_gemm_s(hardware, flops, tokens, n, k, recipe=recipe, compiled=compiled)
+    if total is None:
+        return None
     eff = gemm_efficiency(hardware, tokens, n, k)
-    bf16 = flops / (hardware.peak("bf16") * eff)
-    fp8 = flops / (peak8 * eff)
-    elements = 2 * (tokens * k) + 2 * (k * n) + 2 * (tokens * n)   # the six casts' operands
-    cast = CAST_BYTES_PER_ELEMENT * elements / (hardware.memory_bandwidth * hardware.efficiency.memory)
-    return LinearPrecisionCost(bf16, fp8, cast)
+    fp8 = flops / (float8_peak(hardware, recipe) * eff)
+    return LinearPrecisionCost(flops / (hardware.peak("bf16") * eff), fp8, total - fp8)
 
 
 def float8_gather_saving_bytes(k: float, n: float, dp: int) -> float:

@@ -24,7 +24,7 @@ import torch
 from autoplan.capture import capture
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import InfeasiblePlanError, PlanningError
-from autoplan.arguments import CONSTRAINT_KEYS
+from autoplan.arguments import CONSTRAINT_KEYS, FLOAT8_PRICING
 from autoplan.search.mesh.dims import (
     CP_MIN_SEQ, add_cp, add_ep, add_expert_compute, cluster_spec, cp_degrees, cp_layer_rows, ep_degrees,
     experts_split, model_moe_groups,
@@ -239,7 +239,8 @@ class ClusterSearch:
         return CostContext(hardware=self.hw, topology=topo, dtype=str(self.dtype), tp_dim="tp",
                            dp_dim=red_dim, dp=red, fsdp=mode == "fsdp", param_bytes_per_element=pbytes,
                            optimizer_bytes_per_element=8 + (4 if pbytes < 4 else 0), dp_mode=mode,
-                           recompute=recompute, async_tp=self.request.overlap == "async_tp")
+                           recompute=recompute, async_tp=self.request.overlap == "async_tp",
+                           float8=FLOAT8_PRICING[self.request.precision], compiled=self.compile != "none")
 
     def prober(self, tp: int, b: int, cp: int = 1):
         """One strategy prober per tensor-parallel degree: its verdicts hold for every

@@ -32,11 +32,13 @@ from autoplan.search.units.work import Work
 from cost_models.collectives import collective_terms
 from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, attention_time, gemm_efficiency, sharded_gemm_dims
 from cost_models.overlap import DP_MODES, dp_overlap, fused_collective_matmul
+from cost_models.precision import float8_gemm_s
 from cost_models.runtime import load_runtime
 
 log = logging.getLogger(__name__)
 _AUTO = "auto"
 RECOMPUTE = ("none", "selective", "full")
+FLOAT8_MODES = ("", "auto", "tensorwise", "rowwise")
 
 
 @dataclass
@@ -61,6 +63,11 @@ class CostContext:
     # async tensor parallelism (inductor's micro-pipeline TP): a sequence-parallel unit's
     # collectives fused with their matmuls where torch's pass fuses them (fused_tp_time)
     async_tp: bool = False
+    # float8 Linears (cost_models.precision): "" none; "auto" each capable weight GEMM in float8
+    # (tensorwise) where that is cheaper at the shape a rank runs; "tensorwise" / "rowwise": every
+    # capable one in that recipe. ``compiled``: the casts run compiled (one pass each, not two)
+    float8: str = ""
+    compiled: bool = False
     # collective_time per (collective, latency): the cluster search prices the same rows on one
     # context hundreds of thousands of times (DeepSeek-V3 at 2,048 devices: 0.8 M calls); a
     # context's mesh and link model do not change after it is made (dataclasses.replace makes a new one)
@@ -80,6 +87,8 @@ class CostContext:
             self.checkpoint_blocks = self.recompute == "full"
         if self.runtime == _AUTO:
             self.runtime = self._auto_runtime()
+        if self.float8 not in FLOAT8_MODES:
+            raise ValueError(f"CostContext: float8={self.float8!r} is not one of {FLOAT8_MODES}")
 
     def _auto_runtime(self):
         hw = self.hardware
@@ -127,7 +136,7 @@ class CostContext:
         N = 768, 12 % slower per FLOP than at full width on the profile's shape curve."""
         hw = self.hardware
         peak = hw.peak(self.dtype)
-        t, gflops = 0.0, 0.0
+        t, gflops, float8_t = 0.0, 0.0, 0.0
         for f, m, n, k, *split in work.gemms:
             gflops += f
             if split and split[0] in (ATTENTION, ATTENTION_CAUSAL):   # heads are its batch: a shard divides f
@@ -136,10 +145,39 @@ class CostContext:
                                     split[1] if len(split) > 1 else None)
                 continue
             dims = (m / shard, n, k) if split_tokens else sharded_gemm_dims(m, n, k, split[0] if split else "", shard)
+            if self.float8 and len(split) > 2 and split[2]:   # a Linear that may run in float8: its casts are per rank
+                float8_t += self.weight_gemm(f / shard, dims)[0]
+                continue
             t += f / (peak * gemm_efficiency(hw, *dims))
         t += max(work.flops - gflops, 0.0) / (peak * hw.efficiency.compute)
         t += work.other_bytes / (hw.memory_bandwidth * hw.efficiency.memory)
-        return t / shard + work.kernels * hw.efficiency.kernel_overhead
+        return t / shard + float8_t + work.kernels * hw.efficiency.kernel_overhead
+
+    def weight_gemm(self, flops: float, dims: tuple) -> tuple[float, bool]:
+        """(seconds, in float8?) of one float8-capable Linear's three GEMMs on one rank (``flops``:
+        this rank's share, ``dims``: its per-rank M, N, K) under this context's ``float8``: the
+        float8 price with its casts (``cost_models.precision.float8_gemm_s``) where the recipe is
+        forced or, under "auto", where it is cheaper than the high-precision GEMM."""
+        hw = self.hardware
+        high = flops / (hw.peak(self.dtype) * gemm_efficiency(hw, *dims))
+        recipe = "tensorwise" if self.float8 == "auto" else self.float8
+        low = float8_gemm_s(hw, flops, *dims, recipe=recipe, hp_bytes=4 if "32" in self.dtype else 2,
+                            compiled=self.compiled) if self.float8 else None
+        if low is None or (self.float8 == "auto" and low >= high):
+            return high, False
+        return low, True
+
+    def float8_gathered(self, work: Work, shard: int, split_tokens: bool = False) -> float:
+        """Weight elements of ``work`` (unsharded) that FSDP gathers in float8: the tensorwise float8
+        Linears (torchao's float8 all-gather; rowwise weights gather in high precision)."""
+        if not (self.float8 in ("auto", "tensorwise") and self.fsdp):
+            return 0.0
+        out = 0.0
+        for f, m, n, k, *split in work.gemms:
+            if len(split) > 2 and split[2]:
+                dims = (m / shard, n, k) if split_tokens else sharded_gemm_dims(m, n, k, split[0], shard)
+                out += n * k if self.weight_gemm(f / shard, dims)[1] else 0.0
+        return out
 
     def recompute_time(self, work: Work, shard: int, split_tokens: bool = False) -> float:
         """Extra seconds per call that recomputation adds in backward: the whole forward (full:
@@ -248,14 +286,16 @@ class CostContext:
         """Data-parallel seconds compute cannot hide, for this context's dp mode."""
         return dp_overlap(self.dp_mode).exposed(dp_comm, compute)
 
-    def fsdp_collectives(self, param_bytes: float, param_shard: int) -> list[Collective]:
+    def fsdp_collectives(self, param_bytes: float, param_shard: int, float8_elements: float = 0.0) -> list[Collective]:
         """FSDP over the dp dimension for one wrapped unit: all-gather in forward and again in
-        backward (reshard after forward), reduce-scatter of gradients."""
+        backward (reshard after forward), reduce-scatter of gradients. ``float8_elements`` of its
+        weights (unsharded) are gathered in one byte each (``float8_gathered``)."""
         if not self.fsdp or self.dp <= 1 or param_bytes <= 0:
             return []
         b = int(param_bytes / param_shard)
-        return [Collective("all_gather", "forward", b, dim=self.dp_dim),
-                Collective("all_gather", "backward", b, dim=self.dp_dim),
+        g = int(max(param_bytes - float8_elements * (self.param_bytes_per_element - 1), 0) / param_shard)
+        return [Collective("all_gather", "forward", g, dim=self.dp_dim),
+                Collective("all_gather", "backward", g, dim=self.dp_dim),
                 Collective("reduce_scatter", "backward", int(b * self.reduce_scale), dim=self.dp_dim)]
 
     @property

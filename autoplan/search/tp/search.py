@@ -68,7 +68,8 @@ class Option:
         if ctx.checkpoint_blocks and self.in_block:  # recomputed forward repeats its collectives
             own += [Collective(c.kind, "backward", c.nbytes, c.count * self.count, c.dim)
                     for c in self.strategy.collectives if c.phase == "forward" and not self._not_recomputed(c)]
-        dp = ctx.fsdp_collectives(self.param_bytes, self.strategy.param_shard) + \
+        gathered8 = ctx.float8_gathered(self.work, self.strategy.compute_shard, self.strategy.split_tokens)
+        dp = ctx.fsdp_collectives(self.param_bytes, self.strategy.param_shard, gathered8) + \
             ctx.ddp_collectives(self.param_bytes, self.strategy.param_shard)
         return own + [c.scaled(self.count) for c in dp]
 

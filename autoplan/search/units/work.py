@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.nn as nn
+
 from autoplan.capture.ir import ModelGraph, dtype_size
 from autoplan.capture.views import module_summary
 from cost_models.fusion import EAGER, Fusion, moves_nothing
@@ -144,11 +146,29 @@ def _attention_tag(n, dims, causal_model: bool, span: tuple = ()) -> tuple[str, 
     return ATTENTION_CAUSAL, causal_density(dims[0], dims[1], span)
 
 
+FLOAT8_KEPT_ROLES = ("lm_head", "moe.router")
+PLAIN_LINEAR = f"{nn.Linear.__module__}.{nn.Linear.__qualname__}"   # ModuleInfo.type of an exact nn.Linear
+
+
+def float8_capable(fqn: str, modules: dict | None) -> bool:
+    """Whether the module at ``fqn`` is one the runtime may swap for a float8 Linear: a plain
+    ``nn.Linear`` (torchao converts nothing else), not the output head or an MoE router, not inside
+    an experts container (experts run torch's grouped GEMM in high precision) --
+    ``autoplan.precision.eligible`` keeps the same modules, on the module tree, with reasons."""
+    info = modules.get(fqn) if modules else None
+    if info is None or info.type != PLAIN_LINEAR or info.role in FLOAT8_KEPT_ROLES:
+        return False
+    parts = fqn.split(".")
+    return not any((modules.get(".".join(parts[:i])) is not None and modules[".".join(parts[:i])].role == "moe.experts")
+                   for i in range(1, len(parts)))
+
+
 def _op_classes(nodes, causal_model: bool = False, modules: dict | None = None,
                 fusion: Fusion = EAGER) -> tuple[tuple, float]:
     """(GEMM entries (flops, M, N, K, split), bytes of the other non-view ops, backward counted as
     twice the forward as for ``Work.bytes``). A weight GEMM's entry ends with whether its forward
-    adds a bias in the same op (``addmm``: async TP's pass fuses plain matmuls only). A fused attention op's split is its attention tag
+    adds a bias in the same op (``addmm``: async TP's pass fuses plain matmuls only) and whether
+    its module may run in float8 (``float8_capable``). A fused attention op's split is its attention tag
     (``cost_models.compute.ATTENTION`` / ``ATTENTION_CAUSAL``) followed by the fraction of its
     score matrix it computes (by its module's key span, from ``modules``: FQN -> ModuleInfo),
     priced by ``attention_time``."""
@@ -161,9 +181,11 @@ def _op_classes(nodes, causal_model: bool = False, modules: dict | None = None,
             if is_attention_op(short):
                 info = modules.get(n.module) if modules else None
                 gemms.append((f, *dims, *_attention_tag(n, dims, causal_model, info.key_span if info else ())))
-            else:   # a weight GEMM also says whether its forward adds a bias in the same op
+            else:   # a weight GEMM also says whether its forward adds a bias in the same op, and
+                # whether its module could train in float8
                 split = gemm_split(*dims, bool(n.params))
-                gemms.append((f, *dims, split, short in ("addmm", "baddbmm") or (short == "linear" and len(n.inputs) > 2))
+                biased = short in ("addmm", "baddbmm") or (short == "linear" and len(n.inputs) > 2)
+                gemms.append((f, *dims, split, biased, float8_capable(n.module, modules))
                              if split else (f, *dims, split))
         elif fusion.fused(n.name):   # a compiled chain's op: its share of the chain's traffic
             other += 3.0 * fusion.bytes[n.name]
