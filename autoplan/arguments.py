@@ -21,7 +21,8 @@ from autoplan.search.pricing.costing import RECOMPUTE
 from cost_models.attention_kernels import KERNELS
 from autoplan.search.pipeline.tower_placement import PLACEMENTS as TOWER_PLACEMENTS
 from cost_models.fusion import COMPILE_MODES, UnknownCompileModeError, compile_mode
-from cost_models.hardware import list_hardware
+from cost_models.hardware import list_hardware, load_hardware
+from cost_models.precision import float8_peak
 from cost_models.overlap import DP_MODES
 from hyper_parallel.core.pipeline_parallel import SCHEDULE_NAMES
 
@@ -185,6 +186,18 @@ def check_precision(value: Any, who: str, name: str = "precision", error: type =
     if not isinstance(value, str) or value not in PRECISIONS:
         raise error(f"{who}: {name}={value!r} is not a precision; valid: {list(PRECISIONS)}")
     return value
+
+
+def check_precision_on(precision: str, hardware: str | None, who: str) -> str:
+    """A float8 recipe asked by name needs a float8 GEMM on the plan's hardware: a plan that says
+    float8 where none runs would be priced as one thing and run as another (``autoplan train``
+    emulates float8 on a CPU to check numerics, never to plan for it). "auto" there keeps bf16."""
+    if precision.startswith("fp8-") and hardware is not None:
+        profile = load_hardware(hardware)
+        if float8_peak(profile, precision.removeprefix("fp8-")) is None:
+            raise InvalidArgumentError(f"{who}: precision={precision!r} on {hardware}, which has no float8 GEMM "
+                                       f"(no peak_flops.fp8 in its profile); valid there: 'bf16' or 'auto'")
+    return precision
 
 
 def check_styles(styles: Any, who: str) -> dict | None:

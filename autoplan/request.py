@@ -92,7 +92,7 @@ class PlanRequest:
                    inputs=keywords.pop("inputs", None), hardware=hardware,
                    fsdp=True if fsdp is None else A.optional_bool(fsdp, "fsdp", who),
                    constraints={} if experts is None else {"expert_parallel": experts},
-                   **_mesh_common(who, keywords))
+                   **_mesh_common(who, keywords, hardware))
 
     @classmethod
     def for_devices(cls, who: str, devices: int, **keywords: Any) -> "PlanRequest":
@@ -114,7 +114,7 @@ class PlanRequest:
                 raise InvalidArgumentError(f"{who}: precision={common['precision']!r} contradicts "
                                            f"constraints['precision']={stated!r}")
             common["precision"] = stated
-        common["precision"] = common["precision"] or "bf16"
+        common["precision"] = A.check_precision_on(common["precision"] or "bf16", hardware, who)
         return cls(batch=batch, hardware=hardware, devices_per_node=dpn, constraints=constraints, search=space,
                    **common)
 
@@ -123,9 +123,9 @@ def _precision(value: Any, who: str) -> str | None:
     return None if value is None else A.check_precision(value, who)
 
 
-def _mesh_common(who: str, keywords: dict) -> dict:
+def _mesh_common(who: str, keywords: dict, hardware: str | None) -> dict:
     common = _common(who, keywords)
-    return dict(common, precision=common["precision"] or "bf16")
+    return dict(common, precision=A.check_precision_on(common["precision"] or "bf16", hardware, who))
 
 
 def _common(who: str, keywords: dict) -> dict:

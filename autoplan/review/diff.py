@@ -1,12 +1,14 @@
 """``diff(plan_a, plan_b)``: what differs between two plans, as one DataFrame.
 
 Reviewing a change (a new planner version, another mesh, the expert plan) is reading the
-differences only: settings, styles per module pattern, strategy per unit, predictions and
-collectives. Each row is (section, key, a, b, change); identical plans give an empty frame.
+differences only: settings, styles per module pattern, float8 recipe per module pattern, what the
+step was priced as running (compiled, overlapped), strategy per unit, predictions and collectives. Each row is (section, key, a, b, change); identical plans give an empty frame.
 """
 from __future__ import annotations
 
 from typing import Any
+
+from autoplan.parallelisms.precision import float8_modules
 
 COLUMNS = ["section", "key", "a", "b", "change"]
 _SETTINGS = ("tp_dim", "dp_dim", "stream_layout", "loss_parallel", "activation_checkpointing")
@@ -65,6 +67,11 @@ def diff(plan_a, plan_b, *, rel_tol: float = 1e-6):
         add("pipeline", k, pa.get(k), pb.get(k))
     for pattern in sorted(set(plan_a.styles) | set(plan_b.styles)):
         add("style", pattern, _style_text(plan_a.styles.get(pattern)), _style_text(plan_b.styles.get(pattern)))
+    fa, fb = float8_modules(plan_a), float8_modules(plan_b)   # pattern -> float8 recipe
+    for pattern in sorted(set(fa) | set(fb)):
+        add("precision", pattern, fa.get(pattern), fb.get(pattern))
+    for k in ("compile", "overlap"):
+        add("priced_as", k, plan_a.predictions.get(k, "none"), plan_b.predictions.get(k, "none"))
     da = {d["unit"]: f"{d['strategy']} [{d.get('stream', '-')}]" for d in plan_a.decisions}
     db = {d["unit"]: f"{d['strategy']} [{d.get('stream', '-')}]" for d in plan_b.decisions}
     for unit in sorted(set(da) | set(db)):

@@ -170,6 +170,7 @@ def _plan_section(plan, name: str, row: dict[str, Any], i: int) -> str:
         "<h3>Pipeline stages and timeline</h3>", _pipeline(plan, pid, name),
         "<h3>Decisions per unit, and every alternative's cost</h3>", _decisions(plan, pid),
         "<h3>Styles per module</h3>", _table(module_table(plan), f"{pid}-styles"),
+        "<h3>Precision per module</h3>", _precision(plan, pid),
         "<h3>Predicted collectives</h3>", _collectives(plan, pid, name),
         "<h3>Alternatives priced</h3>",
         _table(alts, f"{pid}-alternatives") if len(alts) else "<p>none recorded</p>",
@@ -182,6 +183,20 @@ def _plan_section(plan, name: str, row: dict[str, Any], i: int) -> str:
         "</section>",
     ]
     return "".join(sections)
+
+
+def _precision(plan, pid: str) -> str:
+    """Each float8 pattern with its recipe and each kept one with its reason (the plan's
+    ``parallel.precision``); a plan without float8 says so."""
+    import pandas as pd
+
+    section = (plan.parallel or {}).get("precision")
+    if not section:
+        return "<p>every Linear in the model's dtype (no float8)</p>"
+    rows = [{"modules": p, "precision": f"float8 ({r})", "why": ""} for p, r in section["modules"].items()]
+    rows += [{"modules": p, "precision": "high", "why": why} for p, why in section.get("kept", {}).items()]
+    gather = "<p>FSDP gathers the tensorwise weights in float8</p>" if section.get("fsdp_float8_all_gather") else ""
+    return _table(pd.DataFrame(rows), f"{pid}-precision") + gather
 
 
 def _capacity(plan) -> float | None:

@@ -7,6 +7,7 @@ import pytest
 from autoplan import autoplan, plan_cluster
 from autoplan.errors import InvalidArgumentError, InvalidConstraintError
 from autoplan.presets import build_preset
+from autoplan.review.report import plan_report
 from autoplan.search.pricing.costing import CostContext
 from autoplan.search.units.work import Work
 from cost_models import load_hardware, mesh_links
@@ -36,6 +37,11 @@ def test_auto_takes_float8_on_h100_where_it_pays_and_is_faster(llama70b):
     assert section["fsdp_float8_all_gather"]
     assert auto.predictions["step_s"] < 0.9 * bf16.predictions["step_s"]
     assert any(n.startswith("precision: ") for n in auto.notes)
+    # reviewed as any other decision: diff and the report show each module's precision
+    d = bf16.diff(auto).set_index(["section", "key"])
+    assert d.loc[("precision", "model.layers.*.mlp.up_proj"), "b"] == "tensorwise"
+    html = plan_report([auto], ["auto"])
+    assert "Precision per module" in html and "float8 (tensorwise)" in html and "does not pay" in html
 
 
 def test_never_on_a100_and_the_plan_does_not_move(llama70b):
@@ -57,6 +63,8 @@ def test_precision_arguments_are_checked(llama70b):
         _plan(llama70b, "h100_sxm", precision="fp16")
     with pytest.raises(InvalidConstraintError, match=r"constraints\['precision'\]"):
         _plan(llama70b, "h100_sxm", constraints={"precision": "e4m3"})
+    with pytest.raises(InvalidArgumentError, match="a100_80gb, which has no float8 GEMM"):
+        _plan(llama70b, "a100_80gb", precision="fp8-tensorwise")
     with pytest.raises(InvalidArgumentError, match="contradicts"):
         _plan(llama70b, "h100_sxm", precision="auto", constraints={"precision": "bf16"})
 
