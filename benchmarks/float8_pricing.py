@@ -125,6 +125,18 @@ def layout_rows() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _async_lines(titan: pd.DataFrame) -> list[str]:
+    """Async TP on / off in float8 (Table 4's two rows): the step ratio measured and predicted."""
+    rows = titan[titan["row"].str.startswith("70B")]
+    rows = rows.set_index(rows["row"].str.contains("async"))
+    if len(rows) != 2:
+        return []
+    measured = rows.loc[True, "measured_s"] / rows.loc[False, "measured_s"]
+    predicted = rows.loc[True, "predicted_s"] / rows.loc[False, "predicted_s"]
+    return [f"Async TP on / off in float8 (70B, Table 4): measured step ratio {measured:.3f}, predicted "
+            f"{predicted:.3f} ({abs(predicted - measured) * 100:.1f} points apart).", ""]
+
+
 def write(titan: pd.DataFrame, layouts: pd.DataFrame) -> None:
     ratio = titan["predicted/measured"]
     lines = ["# Float8 pricing: torchtitan's float8 rows, and where the best layout moves", "",
@@ -137,6 +149,7 @@ def write(titan: pd.DataFrame, layouts: pd.DataFrame) -> None:
              titan.to_markdown(index=False, floatfmt=".4g"), "",
              f"predicted / measured: {ratio.min():.3f} to {ratio.max():.3f}; within 15 %: "
              f"{int(((ratio - 1).abs() <= 0.15).sum())} of {len(ratio)}.", "",
+             *_async_lines(titan),
              "## Where the best layout moves: bf16 vs `precision=\"auto\"` (free search, compiled per block)", "",
              layouts.to_markdown(index=False, floatfmt=".4g"), ""]
     OUT.write_text("\n".join(lines))

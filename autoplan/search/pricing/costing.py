@@ -32,7 +32,7 @@ from autoplan.search.units.work import Work
 from cost_models.collectives import collective_terms
 from cost_models.compute import ATTENTION, ATTENTION_CAUSAL, attention_time, gemm_efficiency, sharded_gemm_dims
 from cost_models.overlap import DP_MODES, dp_overlap, fused_collective_matmul
-from cost_models.precision import float8_gemm_s
+from cost_models.precision import float8_gemm_s, float8_peak
 from cost_models.runtime import load_runtime
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,13 @@ class CostContext:
             return high, False
         return low, True
 
+    def gemm_peak(self, flops: float, dims: tuple, capable: bool) -> float:
+        """The peak one weight GEMM runs at: the float8 one where this context runs it in float8
+        (``weight_gemm``), else the compute dtype's."""
+        if capable and self.float8 and self.weight_gemm(flops, dims)[1]:
+            return float8_peak(self.hardware, "tensorwise" if self.float8 == "auto" else self.float8)
+        return self.hardware.peak(self.dtype)
+
     def float8_gathered(self, work: Work, shard: int, split_tokens: bool = False) -> float:
         """Weight elements of ``work`` (unsharded) that FSDP gathers in float8: the tensorwise float8
         Linears (torchao's float8 all-gather; rowwise weights gather in high precision)."""
@@ -239,10 +246,11 @@ class CostContext:
         comm = self.collective_time(c)
         if not gemms or shard <= 1 or c.count <= 0:
             return comm
-        peak = self.hardware.peak(self.dtype)
         whole = chunk = 0.0
         for f, m, n, k, *split in gemms:
             pm, pn, pk = sharded_gemm_dims(m, n, k, split[0] if split else "", shard)
+            # a float8 GEMM is half as long, so it hides half as much (its casts are kernels of their own)
+            peak = self.gemm_peak(f / shard, (pm, pn, pk), len(split) > 2 and split[2])
             one = f / 3 / shard   # one pass of this rank's share
             whole += one / (peak * gemm_efficiency(self.hardware, pm, pn, pk))
             chunk += one / shard / (peak * gemm_efficiency(self.hardware, pm / shard, pn, pk))
