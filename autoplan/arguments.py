@@ -212,7 +212,7 @@ def check_styles(styles: Any, who: str) -> dict | None:
 CONSTRAINT_KEYS = ("dp", "pp", "tp", "cp", "ep", "schedule", "microbatches", "microbatch_size", "fsdp",
                    "activation_checkpointing", "virtual_stages", "dp_mode", "recompute", "expert_parallel",
                    "tower_placement", "cuts", "expert_runtime", "attention_kernel", "loss_bytes_per_logit",
-                   "precision")
+                   "precision", "reshard_after_forward", "prefetch")
 PIPELINE_CUTS = ("even", "balanced")   # blocks spread evenly (Megatron-Core, AutoModel) | the planner's by cost
 
 
@@ -291,6 +291,7 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
     check_runtime_facts(cons, who)
     if "precision" in cons:
         check_precision(cons["precision"], who, "constraints['precision']", InvalidConstraintError)
+    _check_fsdp_options(cons, who)
     if "expert_parallel" in cons:   # True: ExpertParallel only, False: replicated experts (ep as dp)
         strict_bool(cons["expert_parallel"], "constraints['expert_parallel']", who, InvalidConstraintError)
     for key, given in (("fsdp", fsdp), ("activation_checkpointing", activation_checkpointing)):
@@ -301,6 +302,24 @@ def check_constraints(constraints: Any, devices: int, batch: tuple[int, int], wh
                 raise InvalidConstraintError(f"{who}: {key}={given} contradicts constraints[{key!r}]={cons[key]}")
             cons[key] = given
     return cons
+
+
+def _check_fsdp_options(cons: dict, who: str) -> None:
+    """FSDP2's overlap options (``reshard_after_forward``: bool, ``prefetch``: blocks gathered
+    ahead) make sense for FSDP only: they fix ``dp_mode`` to "fsdp", and contradict any other."""
+    given = [k for k in ("reshard_after_forward", "prefetch") if k in cons]
+    if not given:
+        return
+    if "reshard_after_forward" in cons:
+        strict_bool(cons["reshard_after_forward"], "constraints['reshard_after_forward']", who, InvalidConstraintError)
+    if "prefetch" in cons and (isinstance(cons["prefetch"], bool) or not isinstance(cons["prefetch"], int)
+                               or cons["prefetch"] < 0):
+        raise InvalidConstraintError(f"{who}: constraints['prefetch']={cons['prefetch']!r}; valid: an int >= 0 "
+                                     "(blocks FSDP gathers ahead; 0: FSDP2's own order)")
+    if cons.get("dp_mode", "fsdp") != "fsdp" or cons.get("fsdp") is False:
+        raise InvalidConstraintError(f"{who}: constraints[{given[0]!r}] is an FSDP option, but the constraints ask "
+                                     f"for dp_mode={cons.get('dp_mode', 'replicate')!r}; valid: with FSDP")
+    cons["dp_mode"] = "fsdp"
 
 
 def check_runtime_facts(cons: dict, who: str) -> None:

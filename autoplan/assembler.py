@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from autoplan.errors import PlanningError
-from autoplan.parallelisms.data import flat_name, grad_dims, state_dims
+from autoplan.parallelisms.data import flat_name, grad_dims, plan_dp_mode, state_dims
 from autoplan.plan.plan import Plan, draft, is_sealed, sealed
 from autoplan.precision.request import decide_precision
 from autoplan.search.data.hsdp_splits import DP_REPLICATE, hsdp_replicate_rows, hsdp_replicate_time
@@ -38,7 +38,7 @@ from hyper_parallel.core.collective import Collective, merged_rows
 from hyper_parallel.parallel_dims import ParallelDims
 
 __all__ = ["build", "finish", "with_recompute", "with_dp_mode", "with_accumulation", "with_mixed_precision",
-           "with_cluster_parts", "with_precision", "with_notes", "to_hsdp", "fastest_of"]
+           "with_cluster_parts", "with_precision", "with_fsdp_options", "with_notes", "to_hsdp", "fastest_of"]
 
 
 def _open(plan: Plan) -> tuple[Plan, bool]:
@@ -227,6 +227,54 @@ def with_precision(plan: Plan, model, precision: str, tokens: float | None = Non
     plan.parallel["precision"] = section
     plan.notes = [n for n in plan.notes if not n.startswith("precision: ")] + notes
     return _close(plan, seal)
+
+
+def with_fsdp_options(plan: Plan, *, reshard_after_forward: bool | None = None, prefetch: int | None = None) -> Plan:
+    """FSDP2's overlap options on an FSDP plan (``parallelisms.data``): ``prefetch`` blocks gathered
+    ahead, and ``reshard_after_forward=False`` -- every block's parameters stay gathered from its
+    forward to its backward: the backward all-gathers go from the plan's collectives (the FSDP
+    dimensions are those its gradients reduce-scatter on) and what they gathered is held instead,
+    the memory term ``gathered_params`` (one gather per unit, less the shard the rank holds)."""
+    if reshard_after_forward is None and prefetch is None:
+        return plan
+    if plan_dp_mode(plan) != "fsdp" or not plan.fsdp.get("enabled"):
+        raise PlanningError(f"FSDP options (reshard_after_forward={reshard_after_forward}, prefetch={prefetch}) on a "
+                            f"plan whose data parallel is {plan_dp_mode(plan)}; valid: an FSDP plan")
+    pipe = plan.pipeline or {}
+    if reshard_after_forward is False and int(pipe.get("pp") or 1) > 1:
+        # a pipeline's FSDP actions (hyper_parallel.core.pipeline_parallel.fsdp_actions) decide when its
+        # stages gather on their own schedule; kept-gathered stages are not priced or counted yet
+        raise PlanningError(f"reshard_after_forward=False with pp={pipe['pp']}: a pipeline's stages gather on its "
+                            "schedule's own UNSHARD/RESHARD actions; valid: pp=1, or keep reshard_after_forward")
+    plan, seal = _open(plan)
+    options = {k: v for k, v in (("reshard_after_forward", reshard_after_forward), ("prefetch", prefetch))
+               if v is not None}
+    plan.fsdp = dict(plan.fsdp, **options)
+    if reshard_after_forward is False:
+        m = max(1, int(pipe.get("microbatches") or 1))
+        shape = dict(zip(plan.mesh["names"], plan.mesh["shape"]))
+
+        def regathers(rows: list[dict]) -> tuple[list[dict], float]:
+            dims = {r["mesh_dim"] for r in rows if r["kind"] == "reduce_scatter" and r["phase"] == "backward"
+                    and r["mesh_dim"] != plan.tp_dim}
+            gone = [r for r in rows if r["kind"] == "all_gather" and r["phase"] == "backward" and r["mesh_dim"] in dims]
+            held = sum(r["bytes"] * r["count"] * (1 - 1 / _degree(shape, r["mesh_dim"])) for r in gone) / m
+            return [r for r in rows if r not in gone], held
+
+        plan.predictions["collectives"], held = regathers(plan.predictions["collectives"])
+        mem = {k: v for k, v in plan.predictions["memory_bytes"].items() if k != "total"}
+        plan.predictions["memory_bytes"] = _exact(dict(mem, gathered_params=held))
+    return _close(plan, seal)
+
+
+def _degree(shape: dict, dim: str) -> int:
+    """The size of mesh dimension ``dim``, or of a flattened one (``dp_cp``: the product of its parts)."""
+    if dim in shape:
+        return int(shape[dim])
+    out = 1
+    for part in dim.split("_"):
+        out *= int(shape.get(part, 1))
+    return out
 
 
 def with_notes(plan: Plan, notes: list[str]) -> Plan:

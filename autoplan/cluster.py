@@ -377,6 +377,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
         hardware: hardware profile (default h100_sxm).
         constraints: fix any of ``dp, pp, tp, cp, ep, schedule, microbatches, microbatch_size, fsdp,
             activation_checkpointing, virtual_stages, dp_mode, recompute`` (e.g. ``{"pp": 2}``), and
+            ``reshard_after_forward`` / ``prefetch`` (FSDP2's: keep each block gathered from forward to
+            backward; gather that many blocks ahead), ``precision``,
             ``expert_parallel`` (True: the ep dimension splits the experts, False: it is data parallel
             with replicated experts; unset: priced), and ``tower_placement`` (a VL model's vision
             tower in a pipeline: "stage0" or "mpipe"; unset: the faster the runtime runs), ``cuts``
@@ -505,6 +507,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             solver={"name": solver.solver, "status": solver.status, "variables": solver.variables,
                     "constraints": solver.constraints, "simulations": search.simulations, "candidates": len(cands)},
             notes=notes, timing={"search_s": t_search - t0, "total_s": time.perf_counter() - t0})
+        plan = assembler.with_fsdp_options(plan, reshard_after_forward=constraints.get("reshard_after_forward"),
+                                           prefetch=constraints.get("prefetch"))
         # each Linear's precision decided at the rows a call that the search priced it at
         plan = assembler.with_precision(plan, model, request.precision, tokens=best.b * search.seq / best.cp)
         return assembler.finish(plan)

@@ -202,6 +202,17 @@ def fsdp_kwargs(fsdp: dict | None) -> dict:
     return dict(kw, mp_policy=mp) if mp is not None else kw
 
 
+def prefetch_blocks(blocks: list, depth: int) -> None:
+    """FSDP2 explicit prefetch: each block's forward issues the all-gathers of the next ``depth``
+    blocks and its backward those of the ``depth`` blocks before it, so a gather runs while
+    earlier compute does (``depth`` 0: FSDP2's implicit order, one block ahead as each runs)."""
+    if depth <= 0:
+        return
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + depth])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - depth):i][::-1])
+
+
 def plan_dp_mode(plan) -> str:
     """The plan's data-parallel mode: ``fsdp`` | ``zero1`` | ``replicate`` (``fsdp.mode``; plans
     written before it existed say only ``fsdp.enabled``)."""
@@ -334,7 +345,12 @@ def zero1_of(plan, target: ApplyTarget, mesh, over_ep):
 _FSDP = {"type": "object", "required": ["enabled"], "additionalProperties": False,
          "properties": {"enabled": {"type": "boolean"}, "dim": {"type": ["string", "null"]},
                         "mode": {"enum": ["fsdp", "zero1", "replicate"]},
-                        "mixed_precision": {"type": ["object", "null"], "additionalProperties": {"type": "string"}}}}
+                        "mixed_precision": {"type": ["object", "null"], "additionalProperties": {"type": "string"}},
+                        # FSDP2's overlap knobs: keep a block's gathered parameters from its forward to
+                        # its backward (no re-gather, more memory), and gather the next ``prefetch``
+                        # blocks ahead of the one running (explicit prefetch; 0: FSDP2's own order)
+                        "reshard_after_forward": {"type": "boolean"},
+                        "prefetch": {"type": "integer", "minimum": 0}}}
 
 
 class DataParallel(Parallelism):
@@ -359,6 +375,10 @@ class DataParallel(Parallelism):
                                 f"expected {roles.get('dp')!r} or null)")
         if fsdp.get("dim") is not None and fsdp["dim"] != dim:
             raise section_error("dp", "fsdp/dim", f"{fsdp['dim']!r} is not the dp dimension {dim!r}")
+        tuned = [k for k in ("reshard_after_forward", "prefetch") if k in fsdp]
+        if tuned and not (fsdp["enabled"] and fsdp.get("mode", "fsdp") == "fsdp"):
+            raise section_error("dp", f"fsdp/{tuned[0]}", f"{fsdp[tuned[0]]!r} is an FSDP option, but the plan's "
+                                f"data parallel is {fsdp.get('mode') or 'replicate'}; valid: drop it, or FSDP")
         if fsdp["enabled"] and dim is None and not data["parallel"].get("cp"):
             # (with context parallelism FSDP shards over cp alone, as torchtitan's dp_shard x cp with dp_shard=1)
             raise section_error("dp", "fsdp/enabled", "true, but the plan has no dp (or cp) dimension to shard over")
@@ -427,9 +447,12 @@ class DataParallel(Parallelism):
             # (ExpertGradSync skips them)
             for experts in (m for root in target.roots for m in expert_containers(root, plan)):
                 if any(p not in ignored for p in experts.parameters()):
-                    fully_shard(experts, mesh=mesh, ignored_params=ignored or None, **kw)
+                    fully_shard(experts, mesh=mesh, ignored_params=ignored or None,
+                                reshard_after_forward=plan.fsdp.get("reshard_after_forward", True), **kw)
+        reshard = plan.fsdp.get("reshard_after_forward", True)
         for block in target.blocks:
-            fully_shard(block, mesh=dense, ignored_params=ignored or None, **kw)
+            fully_shard(block, mesh=dense, ignored_params=ignored or None, reshard_after_forward=reshard, **kw)
+        prefetch_blocks(target.blocks, int(plan.fsdp.get("prefetch", 0)))
         for root in target.roots:
             fully_shard(root, mesh=dense, ignored_params=ignored or None, **kw)
         if over_ep is not None:   # after FSDP replaced them: the parameters its dense units hold

@@ -183,9 +183,13 @@ def to_python(plan) -> str:
             lines.append("replicated = set(fsdp_unshardable(model))  # average their gradients over dp after "
                          "backward")
         prefixes = sorted({d["block_prefix"] for d in plan.decisions if d.get("block_prefix") is not None})
+        block_kw = kw + (", reshard_after_forward=False" if plan.fsdp.get("reshard_after_forward") is False else "")
         for prefix in prefixes:
             lines += [f"for block in model.get_submodule({prefix!r}).children():",
-                      f"    fully_shard(block, mesh=mesh[{dp!r}]{kw})"]
+                      f"    fully_shard(block, mesh=mesh[{dp!r}]{block_kw})"]
+        if plan.fsdp.get("prefetch"):
+            lines.append(f"# then each block.set_modules_to_forward_prefetch / set_modules_to_backward_prefetch with "
+                         f"the {plan.fsdp['prefetch']} block(s) after / before it")
         lines.append(f"fully_shard(model, mesh=mesh[{dp!r}]{kw})")
     pipe = getattr(plan, "pipeline", None)
     if pipe and int(pipe.get("pp", 1)) > 1:
