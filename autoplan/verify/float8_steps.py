@@ -13,6 +13,19 @@ A fourth copy, one device in float8 with every weight one float32 ulp off, measu
 floor: float8 turns a last-bit difference into a whole float8 step of one element whenever the
 element sits on a rounding boundary, and a sharded GEMM's summation order makes exactly such
 differences. A plan farther from one device than that floor is wrong; one within it is not.
+
+A fifth copy, one device in float8 that splits each batch as the plan does (its data-parallel
+ranks' rows, then its micro-batches: gradient accumulation over the same row blocks), separates a
+second effect: a float8 cast takes its scale from the tensor it casts, and a plan that splits the
+batch casts each block's activations and gradients with that block's own amax -- rowwise scales
+of the weight-gradient GEMM run along the tokens, so they are a block's, not the batch's. Every
+float8 data-parallel run does this (torchao and torchtitan reduce the weights' amax over the mesh,
+never the activations'); one device on the whole batch is a different float8 computation, and the
+split copy is the same one. Under pure tensor parallelism the split copy is the one-device copy.
+
+``optimizer``: ``"sgd"`` or ``"adamw"`` (torch's defaults but ``lr``). SGD at lr 0.1 moves weights
+far more per step than training does (AdamW at 1e-4 to 3e-4 for pretraining and fine-tuning), and
+every weight float8 moves further changes every later step's rounding.
 """
 from __future__ import annotations
 
@@ -23,17 +36,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms.precision import float8_modules
 from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.numerics import _vocab, small_plan
 from autoplan.verify.shrink import ModelRecipe
-from hyper_parallel.core.float8 import convert_to_float8, float8_gathered
+from hyper_parallel.core.float8 import convert_to_float8, float8_gathered, float8_linears
 from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.local import RankPool, cached_mesh
 
 RTOL_LOSS = 1e-4
 LR = 0.1
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
 
 @dataclass
@@ -45,6 +60,10 @@ class Float8StepsResult:
     float8: list[float] = field(default_factory=list)
     high: list[float] = field(default_factory=list)
     noise: list[float] = field(default_factory=list)   # one device in float8, every weight one ulp off
+    split: list[float] = field(default_factory=list)   # one device in float8, the batch split as the plan's
+    chunks: int = 1              # row blocks per batch: dp ranks x micro-batches
+    linears: list[str] = field(default_factory=list)        # float8 Linears the plan's ranks hold (union)
+    linears_one: list[str] = field(default_factory=list)    # float8 Linears of one device in float8
     float8_modules: int = 0
     gathered: int = 0            # weights FSDP gathers in float8 on rank 0
     error: str | None = None
@@ -58,6 +77,17 @@ class Float8StepsResult:
         """How far one device in float8 moves from itself when every weight moves one ulp: the floor
         below which a plan's difference is float8 rounding of last-bit noise, not a fault."""
         return max((abs(p - r) / abs(r) for p, r in zip(self.noise, self.float8)), default=math.nan)
+
+    @property
+    def first_rel_float8(self) -> float:
+        """Step 1's relative loss difference: a forward before any update (accumulated rounding of
+        earlier steps cannot cause it)."""
+        return abs(self.par[0] - self.float8[0]) / abs(self.float8[0]) if self.par else math.nan
+
+    @property
+    def max_rel_split(self) -> float:
+        """How far the plan is from one device in float8 that splits each batch as the plan does."""
+        return max((abs(p - r) / abs(r) for p, r in zip(self.par, self.split)), default=math.nan)
 
     @property
     def max_rel_high(self) -> float:
@@ -74,40 +104,52 @@ def _one_ulp(model, seed: int) -> None:
             p.mul_(1 + sign * torch.finfo(p.dtype).eps)
 
 
-def _step(model, tokens, targets, opt) -> float:
+def _step(model, tokens, targets, opt, chunks: int = 1) -> float:
+    """One optimizer step over ``chunks`` equal row blocks of the batch (gradient accumulation of
+    the blocks' mean losses: the batch's mean loss and gradient, each block's own float8 scales)."""
     opt.zero_grad()
-    loss = lm_loss(output_logits(forward_tokens(model, tokens)), targets)
-    loss.backward()
+    total = 0.0
+    for t, y in zip(tokens.chunk(chunks), targets.chunk(chunks)):
+        loss = lm_loss(output_logits(forward_tokens(model, t)), y) / chunks
+        loss.backward()
+        total += float(loss.detach())
     opt.step()
-    return float(loss.detach())
+    return total
 
 
 def float8_steps_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: int, steps: int = 5,
-                      lr: float = 0.1, seed: int = 11) -> dict:
-    """On every rank of the current process group: ``steps`` SGD steps of the plan, of one device
-    in the plan's float8 and of one device in high precision; returns the three loss lists."""
+                      lr: float = 0.1, seed: int = 11, optimizer: str = "sgd") -> dict:
+    """On every rank of the current process group: ``steps`` optimizer steps of the plan, of one
+    device in the plan's float8 (on the whole batch, with one ulp of noise, and split as the plan
+    splits it) and of one device in high precision; returns the loss lists."""
     plan = Plan.from_json(plan_json)
     plan = small_plan(plan, recipe.build("meta"))
-    float8, high, par, noisy = recipe.build(), recipe.build(), recipe.build(), recipe.build()
+    float8, high, par, noisy, split = (recipe.build() for _ in range(5))
     _one_ulp(noisy, seed)
     modules = {p: r for p, r in float8_modules(plan).items() if match_modules(float8, p)}
     if modules:
         plan = plan.replace(parallel=dict(plan.parallel, precision=dict(plan.parallel["precision"], modules=modules)))
-    convert_to_float8(float8, modules, emulate=True)
-    convert_to_float8(noisy, modules, emulate=True)
+    for model in (float8, noisy, split):
+        convert_to_float8(model, modules, emulate=True)
     mesh = cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"]))
     runner = plan.apply(par, mesh)
-    runner.optimizer = torch.optim.SGD(par.parameters(), lr=lr)
-    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (float8, high, noisy)]
+    make = OPTIMIZERS[optimizer]
+    runner.optimizer = make(par.parameters(), lr=lr)
+    opts = [make(m.parameters(), lr=lr) for m in (float8, high, noisy, split)]
+    dp = runner.dp_mesh.size() if runner.dp_mesh is not None else 1
+    chunks = dp * int(plan.pipeline["microbatches"] if plan.pipeline else runner.microbatches)
     vocab = _vocab(high)
     g = torch.Generator().manual_seed(seed)
-    out = {"par": [], "float8": [], "high": [], "noise": [], "modules": len(modules), "gathered": float8_gathered(par)}
+    out = {"par": [], "float8": [], "high": [], "noise": [], "split": [], "modules": len(modules),
+           "gathered": float8_gathered(par), "chunks": chunks,
+           "linears": sorted(float8_linears(par)), "linears_one": sorted(float8_linears(float8))}
     for _ in range(steps):
         tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
         targets = torch.randint(0, vocab, (global_batch, seq), generator=g)
         out["float8"].append(_step(float8, tokens, targets, opts[0]))
         out["high"].append(_step(high, tokens, targets, opts[1]))
         out["noise"].append(_step(noisy, tokens, targets, opts[2]))
+        out["split"].append(_step(split, tokens, targets, opts[3], chunks))
         loss = torch.tensor(runner.step(runner.local_batch(tokens, targets)), dtype=torch.float64)
         if runner.dp_mesh is not None and runner.dp_mesh.size() > 1:
             dist.all_reduce(loss, group=runner.dp_mesh.get_group())
@@ -117,9 +159,11 @@ def float8_steps_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, se
 
 
 def check_float8_steps(plan: Plan, recipe: ModelRecipe, *, pool=None, global_batch: int | None = None,
-                       seq: int = 16, steps: int = 5, lr: float = LR) -> Float8StepsResult:
+                       seq: int = 16, steps: int = 5, lr: float = LR, optimizer: str = "sgd") -> Float8StepsResult:
     """Run :func:`float8_steps_rank` on ``pool`` (one of the plan's world size; started and closed
     when None). Passes when every step's loss equals one device in float8 (rtol 1e-4) on every rank."""
+    if optimizer not in OPTIMIZERS:
+        raise InvalidArgumentError(f"check_float8_steps: optimizer={optimizer!r} is not one; valid: {sorted(OPTIMIZERS)}")
     world = math.prod(plan.mesh["shape"])
     dp = int(dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(plan.dp_dim, 1)) if plan.dp_dim else 1
     micro = int((plan.pipeline or {}).get("microbatches", 1))
@@ -128,7 +172,7 @@ def check_float8_steps(plan: Plan, recipe: ModelRecipe, *, pool=None, global_bat
     try:
         if own:
             pool = RankPool(world)
-        results = pool.run(float8_steps_rank, plan.to_json(), recipe, global_batch, seq, steps, lr)
+        results = pool.run(float8_steps_rank, plan.to_json(), recipe, global_batch, seq, steps, lr, 11, optimizer)
     except Exception as exc:  # noqa: BLE001 - a failing plan is a result
         return Float8StepsResult(False, error="".join(traceback.format_exception_only(type(exc), exc))[-4000:])
     finally:
@@ -136,5 +180,7 @@ def check_float8_steps(plan: Plan, recipe: ModelRecipe, *, pool=None, global_bat
             pool.close()
     r0 = results[0]
     ok = all(abs(p - f) <= RTOL_LOSS * abs(f) for r in results for p, f in zip(r["par"], r["float8"]))
-    return Float8StepsResult(ok, r0["par"], r0["float8"], r0["high"], r0["noise"], r0["modules"], r0["gathered"])
+    linears = sorted({name for r in results for name in r["linears"]})
+    return Float8StepsResult(ok, r0["par"], r0["float8"], r0["high"], r0["noise"], r0["split"], r0["chunks"],
+                             linears, r0["linears_one"], r0["modules"], r0["gathered"])
 

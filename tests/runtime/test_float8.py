@@ -96,6 +96,7 @@ def test_float8_plan_equals_one_device_in_float8(family, shape, names, recipe, o
     assert r.error is None, r.error
     assert r.passed, (r.par, r.float8)
     assert r.max_rel_high > 1e-4, "float8 did not change the numbers"
+    assert r.linears and r.linears == r.linears_one   # the same Linears in float8 on both sides
     if names == ("dp", "tp"):
         assert plan.fsdp["enabled"] and r.gathered > 0
 
