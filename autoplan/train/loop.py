@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoplan.plan.held import held_module
 from autoplan.train import checkpoint, checkpoint_key, manifest, restart
 from autoplan.train.config import TrainConfig
 from autoplan.train.data import token_stream
@@ -136,7 +137,7 @@ class Trainer:
             self.runner.materialize(seed=cfg.seed)
             if start is None:
                 log.info("weights: initialised from seed %d (the same under every plan)", cfg.seed)
-        float8 = float8_summary(self.model)   # what runs, so a plan's float8 that did not apply shows
+        float8 = float8_summary(held_module(self.runner))   # what runs here: a plan's float8 that did not apply shows
         if float8:
             log.info("%s", float8)
         self.bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type != "cpu")

@@ -163,7 +163,8 @@ def check_float8_steps(plan: Plan, recipe: ModelRecipe, *, pool=None, global_bat
     """Run :func:`float8_steps_rank` on ``pool`` (one of the plan's world size; started and closed
     when None). Passes when every step's loss equals one device in float8 (rtol 1e-4) on every rank."""
     if optimizer not in OPTIMIZERS:
-        raise InvalidArgumentError(f"check_float8_steps: optimizer={optimizer!r} is not one; valid: {sorted(OPTIMIZERS)}")
+        raise InvalidArgumentError(f"check_float8_steps: optimizer={optimizer!r} is not one; "
+                                   f"valid: {sorted(OPTIMIZERS)}")
     world = math.prod(plan.mesh["shape"])
     dp = int(dict(zip(plan.mesh["names"], plan.mesh["shape"])).get(plan.dp_dim, 1)) if plan.dp_dim else 1
     micro = int((plan.pipeline or {}).get("microbatches", 1))

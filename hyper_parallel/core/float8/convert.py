@@ -152,4 +152,5 @@ def float8_summary(model: nn.Module) -> str:
     emulated = sum(bool(getattr(getattr(model.get_submodule(f), "config", None), "emulate", False)) for f in linears)
     recipes = ", ".join(f"{r} {sum(v == r for v in linears.values())}" for r in sorted(set(linears.values())))
     how = "emulated" if emulated == len(linears) else ("native" if not emulated else f"{emulated} emulated")
-    return f"float8: {len(linears)} Linears on this rank ({recipes}; {how}), {float8_gathered(model)} weights gathered in float8"
+    return (f"float8: {len(linears)} Linears on this rank ({recipes}; {how}), "
+            f"{float8_gathered(model)} weights gathered in float8")
