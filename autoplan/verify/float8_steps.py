@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import math
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from autoplan.errors import InvalidArgumentError
 from autoplan.parallelisms.precision import float8_modules
@@ -42,7 +44,7 @@ from autoplan.plan.forward import forward_tokens, lm_loss, output_logits
 from autoplan.plan.plan import Plan
 from autoplan.verify.numerics import _vocab, small_plan
 from autoplan.verify.shrink import ModelRecipe
-from hyper_parallel.core.float8 import convert_to_float8, float8_gathered, float8_linears
+from hyper_parallel.core.float8 import convert_to_float8, float8_gathered, float8_linears, quiet_torchao_import
 from hyper_parallel.core.tensor_parallel import match_modules
 from hyper_parallel.local import RankPool, cached_mesh
 
@@ -185,3 +187,64 @@ def check_float8_steps(plan: Plan, recipe: ModelRecipe, *, pool=None, global_bat
     return Float8StepsResult(ok, r0["par"], r0["float8"], r0["high"], r0["noise"], r0["split"], r0["chunks"],
                              linears, r0["linears_one"], r0["modules"], r0["gathered"])
 
+
+
+@contextmanager
+def _recorded_casts(casts: list):
+    """Every float8 cast torchao's Float8Linear makes inside the block (its inputs, weights and
+    output gradients), appended to ``casts`` as (whole high-precision tensor, whole scale, float8
+    dtype); a sharded tensor is gathered (a collective: every rank must make the same casts)."""
+    quiet_torchao_import()
+    import torchao.float8.float8_scaling_utils as scaling   # torchao on first use; patched for the block
+
+    original = scaling.hp_tensor_and_scale_to_float8
+
+    def whole(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().to(torch.float32).clone()
+
+    def record(hp, scale, float8_dtype, *args, **kwargs):
+        casts.append((whole(hp), whole(scale), float8_dtype))
+        return original(hp, scale, float8_dtype, *args, **kwargs)
+
+    scaling.hp_tensor_and_scale_to_float8 = record
+    try:
+        yield casts
+    finally:
+        scaling.hp_tensor_and_scale_to_float8 = original
+
+
+def float8_casts_rank(plan_json: str, recipe: ModelRecipe, global_batch: int, seq: int, seed: int = 11) -> dict:
+    """One forward and backward of a tensor-parallel plan and of one device in float8 on the same
+    batch, every float8 cast compared in order: whether its scale equals one device's, in how many
+    elements its high-precision operand and its float8 values differ. Why: a loss that differs
+    from one device says nothing of where; this says whether a scale was taken over a shard (a
+    fault) or last-bit differences crossed float8 rounding boundaries (the sum order). Tensor
+    parallel only: the same casts run in the same order on both sides, on the whole batch."""
+    from torchao.float8.float8_utils import to_fp8_saturated   # torchao on first use (convert imported it)
+
+    plan = small_plan(Plan.from_json(plan_json), recipe.build("meta"))
+    one, par = recipe.build(), recipe.build()
+    modules = {p: r for p, r in float8_modules(plan).items() if match_modules(one, p)}
+    convert_to_float8(one, modules, emulate=True)
+    runner = plan.apply(par, cached_mesh(tuple(plan.mesh["shape"]), tuple(plan.mesh["names"])))
+    vocab = _vocab(one)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (global_batch, seq), generator=g)
+    targets = torch.randint(0, vocab, (global_batch, seq), generator=g)
+    with _recorded_casts([]) as mine:
+        loss_one = lm_loss(output_logits(forward_tokens(one, tokens)), targets)
+        forward = len(mine)
+        loss_one.backward()
+    runner.optimizer = torch.optim.SGD(par.parameters(), lr=0.0)
+    with _recorded_casts([]) as theirs:
+        loss_par = runner.step(runner.local_batch(tokens, targets))
+    rows = []
+    for (x1, s1, dtype), (x2, s2, _) in zip(mine, theirs):
+        if x1.shape != x2.shape:
+            rows.append({"shape": tuple(x1.shape), "comparable": False})
+            continue
+        f1, f2 = to_fp8_saturated(x1 * s1, dtype).float(), to_fp8_saturated(x2 * s2, dtype).float()
+        rows.append({"shape": tuple(x1.shape), "comparable": True, "scale_equal": bool(torch.equal(s1, s2)),
+                     "inputs_differ": int((x1 != x2).sum()), "float8_differ": int((f1 != f2).sum())})
+    return {"casts": rows, "count": (len(mine), len(theirs)), "forward": forward,
+            "loss": (float(loss_one.detach()), float(loss_par))}

@@ -10,7 +10,7 @@ import torch.nn as nn
 from autoplan import MeshSpec, autoplan
 from autoplan.plan import Plan
 from autoplan.verify.float8_models import float8_recipe
-from autoplan.verify.float8_steps import check_float8_steps
+from autoplan.verify.float8_steps import check_float8_steps, float8_casts_rank
 from hyper_parallel.core.float8 import (
     Float8Error,
     Float8HardwareError,
@@ -68,6 +68,13 @@ def test_quiet_filter_drops_only_the_known_lines(caplog):
         logging.getLogger("torchao").warning("Failed to load /x/site-packages/torchao/_C_mxfp8.so: nope")
         logging.getLogger("torchao").warning("something else")
     assert [r.getMessage() for r in caplog.records] == ["something else"]
+    caplog.clear()
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    with caplog.at_level(logging.WARNING):
+        for op in ("max", "sum"):   # a max is exact in any order: its two-step warning says nothing
+            redistribute.warning(f"While redistributing from (Partial({op}), Partial({op})) to (Replicate(), "
+                                 f"Replicate()), 2 sequential all_reduce operations will be performed.")
+    assert [r.getMessage()[:40] for r in caplog.records] == ["While redistributing from (Partial(sum),"]
 
 
 def test_plans_without_precision_load():
@@ -121,3 +128,13 @@ def test_precision_by_name_on_a_plan():
         with_precision(plan, model, "fp8-e4m3")
     with pytest.raises(TrainConfigError, match="--precision"):
         TrainConfig(precision="fp16").check()
+
+
+def test_every_cast_scale_equals_one_device_under_tp(pool4):
+    """Qwen3 at tp=4 tensorwise, one step: the plan makes the casts one device makes, in order, each
+    with one device's scale (a scale over a shard would differ); benchmarks/float8_casts.py is the
+    table of all three families and both recipes."""
+    plan = _float8_plan("qwen3", (4,), ("tp",), "tensorwise", sequence_parallel=True)
+    ranks = pool4.run(float8_casts_rank, plan.to_json(), float8_recipe("qwen3"), 2, 16)
+    for r in ranks:
+        assert r["count"] == (84, 84) and all(c["comparable"] and c["scale_equal"] for c in r["casts"])
