@@ -15,10 +15,13 @@ import pytest
 import torch
 
 from autoplan import autoplan
+from autoplan.capture.image_inputs import image_inputs
 from autoplan.errors import InvalidConstraintError
 from autoplan.verify.dry_run import verify
 from autoplan.verify.numerics import check_numerics
 from autoplan.verify.shrink import ModelRecipe
+from hyper_parallel.core.pipeline_parallel.forward_split import STAGE_TOKENS
+from hyper_parallel.core.pipeline_parallel.split import split_model
 from tests.capture.vl_families import build
 from tests.train import train_workers
 
@@ -29,18 +32,49 @@ def _plan(family: str, **constraints):
     return autoplan(wide, 4, batch=(8, 512), constraints=constraints)
 
 
-@pytest.mark.parametrize("family,placement", [("llava", "stage0"), ("gemma3", "mpipe")])
+@pytest.mark.parametrize("family,placement", [("llava", "stage0"), ("gemma3", "mpipe"), ("qwen3_vl", "stage0"),
+                                              ("qwen3_vl", "mpipe")])
 def test_pipelined_vl_plan_equals_one_device(pool4, family, placement):
+    """Qwen3-VL: its DeepStack levels and their mask cross the stage boundary behind the hidden
+    state (carried.py), and under MPipe its levels of per-image lists cross from the tower's owner."""
     plan = _plan(family, pp=2, tp=2, tower_placement=placement)
     pre = plan.pipeline["preprocess"]
     assert (pre["module"], pre["placement"]) == ("get_image_features", placement)
-    assert any("vision" in d["unit"] and d["strategy"] != "replicate" for d in plan.decisions)
+    assert any(("vision" in d["unit"] or "visual" in d["unit"]) and d["strategy"] != "replicate"
+               for d in plan.decisions)
     # a stage boundary carries the decoder's stream (b, 512, 2048) in bf16, not the tower's (257 patches)
     sends = {r["bytes"] for r in plan.pipeline["rank_collectives"][0] if r["kind"] == "send_recv"}
     assert plan.pipeline["microbatch_size"] * 512 * 2048 * 2 in sends
     recipe = ModelRecipe(factory="tests.capture.vl_families:build", kwargs={"family": family, "image": 2}, seed=3)
     result = check_numerics(plan, recipe, pool=pool4, seq=40, global_batch=8)
     assert result.passed, result.summary()
+
+
+def test_deepstack_levels_cross_a_stage_boundary_with_their_gradients():
+    """A small Qwen3-VL cut before its first decoder layer: that layer, on stage 1, adds DeepStack
+    level 0 at the image tokens. Stage 0 sends the level and the mask behind its hidden state
+    (before: stage 1's forward had no tower output, skipped the add, and the guard measured a gap
+    of 6.6), and the chained stages give the model's logits and every gradient -- the DeepStack
+    merger's in the tower included -- as the whole model does."""
+    torch.manual_seed(0)
+    model = build("qwen3_vl", 1, 2)
+    images = image_inputs(model)
+    tokens = torch.randint(3, 256, (2, 8 + images.per_image), generator=torch.Generator().manual_seed(1))
+    extra = dict(images(tokens))
+    tokens = extra.pop("input_ids")
+    want = model(tokens, **extra, use_cache=False).logits
+    want.square().mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    first, second = split_model(model, ["model.language_model.layers.0"])
+    sent = first(tokens, **extra, **{STAGE_TOKENS: tokens})
+    assert [t.dtype for t in sent] == [torch.float32, torch.uint8, torch.uint8, torch.float32]   # h, header, mask, level
+    got = second(*sent, **extra, **{STAGE_TOKENS: tokens})
+    assert torch.equal(got, want)
+    got.square().mean().backward()
+    params = dict(model.named_parameters())
+    assert any("deepstack_merger" in n for n in ref)
+    assert [n for n, g in ref.items() if not torch.allclose(params[n].grad, g, rtol=1e-4, atol=1e-6)] == []
 
 
 @pytest.mark.parametrize("family,placement", [("llava_next", "stage0"), ("llava_next", "mpipe"),
@@ -58,6 +92,19 @@ def test_verify_predicts_vl_pipelines_exactly(family, placement):
     with torch.device("meta"):
         wide = build(family, 32, 8)
     plan = autoplan(wide, 4, batch=(8, 512), constraints={"pp": 2, "tp": 2, "tower_placement": placement})
+    result = verify(plan, wide)
+    assert result.passed, (result.param_bytes, result.mismatches())
+
+
+def test_verify_predicts_qwen3_vl_carried_values_exactly():
+    """Qwen3-VL at pp=4 under MPipe: stage 1 holds the layer that adds DeepStack level 0, so every
+    boundary into a block carries the layout header, the image-token mask and the level behind the
+    hidden state, forward and back (tower_plan.carried_rank_rows), and the tower's transposes hold
+    the level beside its features. verify's dry run issues exactly those."""
+    with torch.device("meta"):
+        wide = build("qwen3_vl", 32, 8)
+    plan = autoplan(wide, 4, batch=(8, 512), constraints={"pp": 4, "tower_placement": "mpipe"})
+    assert plan.pipeline["cuts"][0] == "model.language_model.layers.0"
     result = verify(plan, wide)
     assert result.passed, (result.param_bytes, result.mismatches())
 

@@ -3,9 +3,10 @@
 A pipelined plan applies only if ``hyper_parallel``'s split can cut the model (its forward traces
 into one block stack with units around it -- an encoder-decoder is refused, naming its two stacks)
 and the stages compute the model's function. A stage runs the model's own forward with the other
-stages' units stood in for; a forward whose data flow the stand-ins cannot carry (two values
-crossing a block boundary) would train something else once cut. So the model is cut at every
-boundary on a small copy and run both ways: the two outputs must be equal.
+stages' units stood in for; a forward whose data flow the stand-ins and the carried values
+(hyper_parallel's carried.py: Qwen3-VL's DeepStack levels) cannot carry would train something else
+once cut. So the model is cut at every boundary on a small copy and run both ways: the two outputs
+must be equal.
 
 The comparison must be able to see what a spine can get wrong: a sliding window or attention chunk
 the spine does not honour changes nothing on a sequence shorter than the window (EXAONE-4: gap 0.0
@@ -29,7 +30,7 @@ from autoplan.capture import image_inputs as image_inputs_module
 from autoplan.capture.image_inputs import ImageBatch, image_inputs
 from autoplan.verify import shrink
 from autoplan.verify.shrink import attention_extents, recipe_for
-from hyper_parallel.core.pipeline_parallel import forward_split, split
+from hyper_parallel.core.pipeline_parallel import carried, forward_split, split
 from hyper_parallel.core.pipeline_parallel.split import pipeline_units, spine_for, split_gap
 from hyper_parallel.errors import StageSplitError
 
@@ -54,8 +55,8 @@ def pipeline_layout(model: nn.Module) -> tuple[str | None, tuple[str, ...]]:
     split, guard and shrink code (the entry's version). A model a spine runs is not cached: the
     spine names its units without a trace, and spines can be registered at run time."""
     key = graph_cache.model_key(model) if spine_for(model) is None else None
-    version = disk_cache.code_version(__file__, split.__file__, forward_split.__file__, shrink.__file__,
-                                      graph_cache.__file__, image_inputs_module.__file__)
+    version = disk_cache.code_version(__file__, split.__file__, forward_split.__file__, carried.__file__,
+                                      shrink.__file__, graph_cache.__file__, image_inputs_module.__file__)
     raw = disk_cache.load("pipeline_layout", version, key) if key is not None else None
     if raw is not None:
         try:
@@ -91,7 +92,7 @@ def pipeline_refusal(model: nn.Module) -> str | None:
     gap = _GAPS[key]
     if gap > GAP_TOLERANCE:
         return (f"{how}, cut at every boundary of a small copy of {type(model).__name__}, differs from its forward "
-                f"by {gap:.3g} (more than one value crosses a stage boundary)")
+                f"by {gap:.3g} (a value besides the hidden state and the carried keywords crosses a stage boundary)")
     return None
 
 

@@ -34,6 +34,7 @@ from hyper_parallel.core.fqn_pattern import fqn_matches
 from hyper_parallel.core.pipeline_parallel import lower, mpipe, schedule_facts
 from hyper_parallel.core.pipeline_parallel.schedule_ir import preprocess_owner
 from hyper_parallel.core.pipeline_parallel.schedule_ir import ActionKind as K
+from hyper_parallel.core.pipeline_parallel.carried import CARRIED_HEADER_BYTES
 from hyper_parallel.core.pipeline_parallel.forward_split import trace_forward
 from hyper_parallel.core.pipeline_parallel.image_features import INTO as IMAGE_INTO
 from hyper_parallel.core.pipeline_parallel.image_features import (
@@ -165,7 +166,8 @@ def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> lis
     """(bytes, needs a gradient) of each tensor the tower of ``model`` returns for one micro-batch.
     A transformers tower that cannot run on fake tensors (Qwen-VL's attention splits by values) is
     priced by what ``ImageFeatures`` sends for it: its layout header, then the features the decoder
-    merges as one tensor -- one image's features per row at the decoder's width."""
+    merges as one tensor -- one image's features per row at the decoder's width -- and one more such
+    tensor per DeepStack level the vision config declares (Qwen3-VL's ``deepstack_visual_indexes``)."""
     try:
         out, _ = _tower_run(model, module, b, seq, dtype)
     except Exception as exc:  # noqa: BLE001 - any fake-tensor failure: the structural estimate below
@@ -176,7 +178,8 @@ def tower_outputs(model: nn.Module, module: str, b: int, seq: int, dtype) -> lis
         batch = image_inputs(model)
         hidden = model.config.get_text_config().hidden_size
         features = b * batch.per_image * hidden * torch.empty((), dtype=dtype).element_size()
-        return [(HEADER_BYTES, False), (features, True)]
+        levels = len(getattr(getattr(model.config, "vision_config", None), "deepstack_visual_indexes", None) or ())
+        return [(HEADER_BYTES, False)] + [(features, True)] * (1 + levels)
     return [(t.numel() * t.element_size(), t.requires_grad) for t in out]
 
 
@@ -221,6 +224,36 @@ def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[in
                     rows += [Collective("all_reduce", "backward", b, 1, dp_dim) for b in reduce_bytes]
         out.append(rows)
     return out
+
+
+def carried_rank_rows(model: nn.Module, cuts: list[str], stage_to_rank, b: int, seq: int, m: int,
+                      dtype) -> list[list[Collective]]:
+    """Per pipeline rank, the P2P of the values a decoder's forward makes from the tower's output
+    and stages carry behind the hidden state (forward_split.ForwardStage, carried.py): across every
+    boundary whose next stage starts at a block, per micro-batch, forward and backward (the runtime
+    returns a gradient, zeros where none, for every tensor a stage received). Which keywords cross
+    is the trace's; their sizes are estimated as the runtime lays them out for DeepStack (Qwen3-VL,
+    the one family that has them): the layout header, the image-token mask as bytes, and one level
+    per ``deepstack_visual_indexes`` entry of one image's tokens per row at the decoder's width.
+    A model that carries nothing adds no rows."""
+    p = max(stage_to_rank) + 1
+    trace = trace_forward(model) if spine_for(model) is None else None
+    levels = len(getattr(getattr(model.config, "vision_config", None), "deepstack_visual_indexes", None) or ()) \
+        if trace is not None and trace.carried and hasattr(model, "config") else 0
+    if not levels:
+        return [[] for _ in range(p)]
+    hidden = model.config.get_text_config().hidden_size
+    level = b * image_inputs(model).per_image * hidden * torch.empty((), dtype=dtype).element_size()
+    sizes = [CARRIED_HEADER_BYTES, b * seq] + [level] * levels
+    blocks = set(trace.blocks)
+    rows: list[list[Collective]] = [[] for _ in range(p)]
+    for s, cut in enumerate(cuts):   # the boundary between stage s and s + 1
+        a, z = stage_to_rank[s], stage_to_rank[s + 1]
+        if cut not in blocks or a == z:
+            continue
+        for rank in (a, z):
+            rows[rank] += [Collective("send_recv", phase, n, m, "pp") for n in sizes for phase in ("forward", "backward")]
+    return rows
 
 
 def plan_tower(search, best, model_inputs: list[str], module: str, group: str, styles: dict,
@@ -304,8 +337,10 @@ def add_tower(pipeline: dict, styles: dict, model: nn.Module, search, best,
                      f"priced faster ({theirs} vs {ours} per step)" + ("" if runs else " but has no runtime yet"))
     log.info("vision tower %s: placement %s (%s)", module, entry["placement"],
              [(ch["placement"], ch["step_s"]) for ch in entry["choices"]])
-    rank_collectives = [merged_rows([Collective.from_row(x) for x in old] + extra)
-                        for old, extra in zip(pipeline["rank_collectives"], rows)]
+    carried = carried_rank_rows(meta, list(pipeline.get("cuts") or []), schedule_facts(c.schedule).ir(
+        c.p, c.m, c.v).stage_to_rank, best.b, search.seq, c.m, search.dtype)
+    rank_collectives = [merged_rows([Collective.from_row(x) for x in old] + extra + more)
+                        for old, extra, more in zip(pipeline["rank_collectives"], rows, carried)]
     priced = ", ".join(f"{ch['placement']} {ch['step_s']:.4g} s{'' if ch['fits'] else ' (does not fit)'}"
                        for ch in entry["choices"]) or "not priced (several stages per rank)"
     notes.append(f"vision tower {module!r} ({group}): placement {entry['placement']}; priced placements, fastest "

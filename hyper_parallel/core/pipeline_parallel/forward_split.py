@@ -19,6 +19,8 @@ the forward; it *runs* it:
   activation as its hidden state; the first unit of the *next* stage ends the forward, and the
   hidden state it was about to get is the stage's output. Everything else -- masks, positions,
   scaling, soft-capping, tied heads -- is the model's code, run where it runs without a pipeline.
+  What the decoder's container gets that only stage 0 can make (Qwen3-VL's DeepStack levels and
+  their mask, made from the tower's output) travels behind the hidden state (carried.py).
 - The stage's own units are the real modules, registered on the stage under their original FQNs,
   so tensor-parallel styles, FSDP, recomputation and checkpoints address them as on the whole model.
 
@@ -26,7 +28,7 @@ A non-first stage feeds the forward a stand-in token tensor of the right shape (
 length from the step's ``sequence_length`` when the activation is a sequence shard); the stand-in
 units before the stage only forward shapes. :func:`~hyper_parallel.core.pipeline_parallel.split.split_gap`
 compares the chained stages with the model's forward on a small copy: a forward whose data flow
-the stand-ins cannot carry (two values crossing a block boundary) shows as a gap and is refused.
+the stand-ins and the carried keywords cannot carry shows as a gap and is refused.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hyper_parallel.core.pipeline_parallel import carried as carried_values
 from hyper_parallel.core.short_stack import short_stacks
 from hyper_parallel.local.own_routing import OwnRouting
 from hyper_parallel.errors import StageSplitError
@@ -102,6 +105,10 @@ class ForwardTrace:
     # model's vision tower and projector: they run when the step has images): stage 0's, or MPipe's
     side: list[str] = field(default_factory=list)
     side_params: list[str] = field(default_factory=list)   # the containers' own parameters beside a tower
+    # the block list's parent and the keywords of its call only a stage with the tower's output can
+    # fill (Qwen3-VL's DeepStack levels and mask): they cross stage boundaries (carried.py)
+    decoder: str = ""
+    carried: list[str] = field(default_factory=list)
 
     @property
     def units(self) -> list[str]:
@@ -293,8 +300,14 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
     calls: list[UnitCall] = []
     shared: list[str] = []
     seen: set[str] = set()
+    decoder = prefix.rpartition(".")[0]
+    decoder_id = id(model.get_submodule(decoder)) if decoder else id(model)
+    open_kwargs: list[str] = []
+    top_level = list(inspect.signature(model.forward).parameters)
 
     def pre(module, args, kwargs):
+        if id(module) == decoder_id and not open_kwargs:
+            open_kwargs.extend(carried_values.open_keywords(kwargs, top_level))
         top = all(i in containers for i in stack)
         stack.append(id(module))
         if top and id(module) not in containers:
@@ -362,7 +375,7 @@ def trace_forward(model: nn.Module) -> ForwardTrace:
                               "submodule; no stage would own them")
     # beside a tower, a container's own parameter is the tower's (LLaVA-NeXT's image_newline, which
     # its image features end with): the token-only forward called no module that could own it
-    trace = ForwardTrace(prefix, calls, blocks, shared, lead, side, list(held))
+    trace = ForwardTrace(prefix, calls, blocks, shared, lead, side, list(held), decoder, open_kwargs)
     _TRACES[key] = trace
     return trace
 
@@ -427,11 +440,15 @@ class ForwardStage:
     def __init__(self, model: nn.Module, trace: ForwardTrace, units: Sequence[str], stage_index: int,
                  next_unit: str | None):
         self.model = model
+        self.trace = trace
         self.index = {c.fqn: c for c in trace.calls}
         order = [c.fqn for c in trace.calls]
         self.start = units[0] if stage_index > 0 else None
         self.before = order[:order.index(units[0])] if stage_index > 0 else []
         self.next_unit = next_unit
+        # the decoder's carried keywords go on only to a stage that starts at a block (one after
+        # the last block runs none of the decoder's loop: its norm and head read no such value)
+        self.carry_on = next_unit in set(trace.blocks)
 
     def _swap(self, fqn: str, run) -> tuple[nn.Module, str, nn.Module]:
         parent_name, _, leaf = fqn.rpartition(".")
@@ -440,9 +457,11 @@ class ForwardStage:
         parent._modules[leaf] = _Proxy(real, run)
         return parent, leaf, real
 
-    def __call__(self, x: torch.Tensor, kwargs: dict) -> Any:
+    def __call__(self, x: torch.Tensor, kwargs: dict, carried: Sequence[torch.Tensor] = ()) -> Any:
         swaps = []
         received = x
+        found: dict[str, Any] = {}
+        hook, unread = self._carry_hook(carried, found)
         try:
             if self.start is not None:
                 batch, seq = received.shape[0], int(kwargs.get("sequence_length") or received.shape[1])
@@ -469,8 +488,15 @@ class ForwardStage:
                 inputs = given if given is not None else self._stand_in_tokens(received, kwargs)
             out = self.model(inputs, **self._model_kwargs(kwargs))
         except _StageOutput as done:
-            return done.value
+            if not self.carry_on:
+                return done.value
+            sent = carried_values.pack(found) if unread is None else unread
+            if not sent:
+                return done.value
+            return (done.value, *sent)
         finally:
+            if hook is not None:
+                hook.remove()
             for parent, leaf, real in reversed(swaps):
                 parent._modules[leaf] = real
         if self.next_unit is not None:
@@ -480,6 +506,30 @@ class ForwardStage:
         if logits is not None:
             return logits
         return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _carry_hook(self, carried: Sequence[torch.Tensor], found: dict):
+        """(a pre-hook on the decoder container for one stage forward, or None; the received values
+        to send on unread, or None). The hook gives the container the values the previous stage
+        carried (where this forward, without the tower's output, passed None) and records into
+        ``found`` what the container got, to send on (carried.py)."""
+        if not self.trace.carried:
+            if carried:
+                raise StageSplitError(f"split: {type(self.model).__name__}'s stage got {len(carried)} values besides "
+                                      "its hidden state, but its decoder's call takes none from another stage")
+            return None, None
+        if carried and not carried_values.readable(carried[0]):
+            # shape inference (zeros) or a dry run (fake tensors): only shapes matter, the values are
+            # sent on as they came and not given to the decoder (a mask without values cannot index)
+            return None, [t.view_as(t) if t.requires_grad else t for t in carried]
+        given = carried_values.unpack(carried)
+
+        def pre(module, args, kw):
+            kw = {**kw, **{k: v for k, v in given.items() if kw.get(k) is None}}
+            found.update({k: kw[k] for k in self.trace.carried if kw.get(k) is not None})
+            return args, kw
+
+        container = self.model.get_submodule(self.trace.decoder) if self.trace.decoder else self.model
+        return container.register_forward_pre_hook(pre, with_kwargs=True), None
 
     def _model_kwargs(self, kwargs: dict) -> dict:
         """What this stage's forward gets of the step's keywords. Image tensors reach only the

@@ -11,24 +11,24 @@ the merge, the placeholder checks, M-RoPE positions and masks stay the model's c
 
 What crosses the pipeline is tensors: the features a forward merges (``pooler_output``, the
 image features, and any ``*_features`` field such as DeepStack's levels) -- one tensor per field,
-a per-image list concatenated on its first dimension (Qwen-VL splits its features by image) --
-preceded by a ``uint8`` header of fixed size (:data:`HEADER_BYTES`) holding their layout (field
-names, and a list's row counts, as JSON), so the receiving rank rebuilds the same structure
-without having run the tower. Fixed and concatenated so that what crosses is known without running
+a per-image list concatenated on its first dimension (Qwen-VL splits its features by image),
+levels of per-image lists (Qwen3-VL's ``deepstack_features``) one tensor a level -- preceded by a
+``uint8`` header of fixed size (:data:`HEADER_BYTES`) holding their layout (field names, and a
+list's row counts, as JSON: carried.encode_header), so the receiving rank rebuilds the same
+structure without having run the tower. Fixed and concatenated so that what crosses is known without running
 the tower (a planner on fake tensors cannot run Qwen-VL's, whose attention splits by values): the
 header, then one tensor per field. Diagnostic fields (every layer's hidden states) stay on the owner.
 """
 from __future__ import annotations
 
 import inspect
-import json
 from types import SimpleNamespace
 from typing import Sequence
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import torch.nn as nn
 
+from hyper_parallel.core.pipeline_parallel.carried import decode_header, encode_header, holds_values
 from hyper_parallel.core.pipeline_parallel.forward_split import IMAGE_FEATURES, TOWER_INPUT_PREFIX, attach, trace_forward
 from hyper_parallel.errors import PipelineError
 
@@ -84,34 +84,43 @@ class ImageFeatures(nn.Module):
                 layout[key] = -1
                 tensors.append(value)
             elif isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
-                if value and all(v.dim() >= 1 and v.shape[1:] == value[0].shape[1:] and v.dtype == value[0].dtype
-                                 for v in value):   # one tensor, split back by each piece's rows
-                    layout[key] = [int(v.shape[0]) for v in value]
+                rows = _rows(value)
+                if rows is not None:   # one tensor, split back by each piece's rows
+                    layout[key] = rows
                     tensors.append(torch.cat(list(value), dim=0))
                 else:
                     layout[key] = len(value)
                     tensors.extend(value)
+            elif isinstance(value, (list, tuple)) and value and all(
+                    isinstance(v, (list, tuple)) and _rows(v) is not None and _rows(v) == _rows(value[0])
+                    for v in value):
+                # levels of per-image lists (Qwen3-VL's DeepStack features): one tensor a level
+                layout[key] = {"levels": len(value), "rows": _rows(value[0])}
+                tensors.extend(torch.cat(list(v), dim=0) for v in value)
         if not tensors:
             raise PipelineError(f"ImageFeatures: {type(self._model).__name__}.{METHOD} returned no pooler_output "
                                 f"or *_features tensors ({type(out).__name__})")
         object.__setattr__(self, "layout", layout)   # the last call's, for a caller holding no values (a dry run)
-        return (_header(layout, tensors[0].device), *tensors)
+        return (encode_header(layout, HEADER_BYTES, tensors[0].device, "ImageFeatures"), *tensors)
 
     def unpack(self, tensors: Sequence[torch.Tensor], layout: dict | None = None) -> SimpleNamespace:
         """The tower output stage 0 hands the forward (attribute access, as a ModelOutput), its layout
         read from the header. A header that holds no values (a dry run on fake or meta tensors) is
         read as this tower's last call laid its output out (every micro-batch's is the same)."""
         header = tensors[0]
-        if layout is None and (header.is_meta or is_fake(header)):
+        if layout is None and not holds_values(header):
             layout = getattr(self, "layout", None)
             if layout is None:
                 raise PipelineError("ImageFeatures.unpack: the header holds no values (fake or meta tensors) and "
                                     "this tower has not run yet to say how its output is laid out")
         if layout is None:
-            layout = json.loads(bytes(header.to("cpu").tolist()).decode())
+            layout = decode_header(header)
         fields, i = {}, 1
         for key, n in layout.items():
-            if isinstance(n, list):   # a per-image list sent as one tensor
+            if isinstance(n, dict):   # levels of per-image lists, one tensor a level
+                levels = tensors[i:i + n["levels"]]
+                fields[key], i = [tuple(torch.split(t, n["rows"], dim=0)) for t in levels], i + n["levels"]
+            elif isinstance(n, list):   # a per-image list sent as one tensor
                 fields[key], i = tuple(torch.split(tensors[i], n, dim=0)), i + 1
             elif n < 0:
                 fields[key], i = tensors[i], i + 1
@@ -120,13 +129,13 @@ class ImageFeatures(nn.Module):
         return SimpleNamespace(**fields)
 
 
-def _header(layout: dict, device) -> torch.Tensor:
-    """The layout as JSON in :data:`HEADER_BYTES` bytes (space-padded)."""
-    data = json.dumps(layout, separators=(",", ":")).encode()
-    if len(data) > HEADER_BYTES:
-        raise PipelineError(f"ImageFeatures: the tower output's layout needs {len(data)} bytes, more than the "
-                            f"{HEADER_BYTES} its header holds: {data[:120]!r}...")
-    return torch.tensor(list(data.ljust(HEADER_BYTES)), dtype=torch.uint8, device=device)
+def _rows(value: Sequence) -> list[int] | None:
+    """Each piece's rows, when a per-image list of tensors can cross as one (same trailing shape
+    and dtype); None otherwise."""
+    if value and all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[1:] == value[0].shape[1:]
+                     and v.dtype == value[0].dtype for v in value):
+        return [int(v.shape[0]) for v in value]
+    return None
 
 
 def tower_inputs(model: nn.Module, step_keys: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -188,9 +188,14 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.stage_index == self.n_stages - 1
 
-    def forward(self, x, **kwargs):
+    def forward(self, x, *carried, **kwargs):
+        """``carried``: what the previous stage sent besides its hidden state (a decoder's values
+        made from the tower's output, forward_split.ForwardStage; carried.py)."""
         if self.spine is None:
-            return self._forward_stage(x, kwargs)
+            return self._forward_stage(x, kwargs, carried)
+        if carried:
+            raise StageSplitError(f"stage {self.stage_index}: the {self.spine.name!r} spine takes one hidden state, "
+                                  f"got {1 + len(carried)} values")
         h, ctx = x, None
         for i, fqn in enumerate(self.units):
             if ctx is None and (self.spine.context_on_input or not (self.is_first and i == 0)):
@@ -286,8 +291,9 @@ def split_gap(model: nn.Module, tokens: torch.Tensor, extra: dict | None = None)
         want = model(tokens, **({} if spine is not None else model_kwargs(model, extra)))
         h = tokens
         for stage in split_model(model, cuts):
-            h = stage(h, sequence_length=tokens.shape[1], **({STAGE_TOKENS: tokens} if spine is None else {}),
-                      **extra)
+            # a stage's output is its hidden state, or that and the values it carries (carried.py)
+            h = stage(*(h if isinstance(h, tuple) else (h,)), sequence_length=tokens.shape[1],
+                      **({STAGE_TOKENS: tokens} if spine is None else {}), **extra)
     want = getattr(want, "logits", want)
     want = want[0] if isinstance(want, (tuple, list)) else want
     if not isinstance(want, torch.Tensor) or not isinstance(h, torch.Tensor) or want.shape != h.shape:
