@@ -455,10 +455,12 @@ class DataParallel(Parallelism):
         prefetch_blocks(target.blocks, int(plan.fsdp.get("prefetch", 0)))
         for root in target.roots:
             fully_shard(root, mesh=dense, ignored_params=ignored or None, **kw)
-        if over_ep is not None:   # after FSDP replaced them: the parameters its dense units hold
-            experts = {id(p) for root in target.roots for m in expert_containers(root, plan) for p in m.parameters()}
-            target.state["dense_over_ep"] = {id(p) for root in target.roots for p in root.parameters()
-                                             if id(p) not in experts and p not in ignored}
+        if over_ep is not None:
+            # the parameters FSDP over dp x ep leaves out (their gradients still need the all-reduce
+            # over ep), by name: a materialization after apply (to_empty) makes new parameter objects
+            left = {id(p) for p in ignored}
+            target.state["dense_left_out"] = {name for root in target.roots
+                                              for name, p in root.named_parameters() if id(p) in left}
 
 
 class HybridShardedDataParallel(Parallelism):

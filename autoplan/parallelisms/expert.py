@@ -92,11 +92,13 @@ class ExpertGradSync:
         experts = {id(p) for root in roots for p in expert_parameters(root, self.plan)}
         # FSDP over dp x ep (parallelisms.data.state_mesh) has averaged these over ep already; ZeRO-1
         # over dp x ep (data.zero1_of: True) averages every one of them in its reduce-scatter next
-        done = self.target.state.get("dense_over_ep", set())
         params = unique_params(*roots)
-        if done is not True:
-            allreduce_gradients([p for p in params if id(p) not in experts and id(p) not in done], self.group,
-                                self.ep)
+        if self.target.state.get("dense_over_ep") is not True:
+            # under FSDP over dp x ep only what it left out, by name (parameters are read now, not at apply)
+            left_out = self.target.state.get("dense_left_out")
+            named = {id(p): n for root in roots for n, p in root.named_parameters()}
+            allreduce_gradients([p for p in params if id(p) not in experts
+                                 and (left_out is None or named.get(id(p)) in left_out)], self.group, self.ep)
         with torch.no_grad():
             for p in params:
                 if id(p) in experts and p.grad is not None:

@@ -20,6 +20,36 @@ from autoplan.plan.plan import Plan
 KEY = ["kind", "mesh_dim", "phase", "bytes"]
 
 
+def mesh_groups(mesh, names) -> dict[str, list[str]]:
+    """{process group name: the mesh dimensions that run on it}, the named ones first, then the
+    flattened ones the plan made (FSDP over dp x cp or dp x ep). Several can share one group: at
+    dp 1 the flattened dp x ep is the ep group itself."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(mesh.get_group(n).group_name, []).append(n)
+    for n, m in getattr(mesh, "_flatten_mapping", {}).items():
+        dims = out.setdefault(m.get_group().group_name, [])
+        if n not in dims:
+            dims.append(n)
+    return out
+
+
+def named_events(events: list[dict], groups: dict[str, list[str]], plan: Plan, other: str | None = None) -> list[dict]:
+    """Each issued collective with the mesh dimension it ran on. Where dimensions share its group
+    the ranks cannot tell them apart, so it is the one the plan predicts a collective of that kind,
+    phase and size on (any pipeline rank's), else the first; a group of no dimension is ``other``
+    (default ``group:<name>``)."""
+    pipe = plan.pipeline or {}
+    predicted = list(plan.predictions.get("collectives", [])) + [r for rows in pipe.get("rank_collectives", [])
+                                                                  for r in rows]
+    keys = {(r["kind"], r["mesh_dim"], r["phase"], r["bytes"]) for r in predicted}
+    out = []
+    for e in events:
+        dims = groups.get(e["group"]) or [other or f"group:{e['group']}"]
+        out.append(dict(e, mesh_dim=next((d for d in dims if (e["kind"], d, e["phase"], e["bytes"]) in keys), dims[0])))
+    return out
+
+
 @dataclass
 class VerifyResult:
     collectives: pd.DataFrame     # KEY + parallelism, predicted, issued, match

@@ -23,7 +23,8 @@ from autoplan.parallelisms.registry import batch_shards
 from autoplan.plan.plan import Plan
 from autoplan.verify.async_tp import check_async_tp
 from autoplan.verify.even_counts import EvenCounts
-from autoplan.verify.dry_common import KEY, VerifyResult, compare, dry_batch, local_part, meta_copy, plan_dtype
+from autoplan.verify.dry_common import (KEY, VerifyResult, compare, dry_batch, local_part, mesh_groups, meta_copy,
+                                       named_events, plan_dtype)
 from autoplan.verify.numerics import check_numerics
 from hyper_parallel.local.own_routing import OwnRouting
 from autoplan.verify.pipeline_dry_run import verify_pipeline
@@ -45,12 +46,11 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
     meta = meta_copy(model, dtype)
     with fake_world(world):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        groups = {mesh.get_group(n).group_name: n for n in names}
         # shard on meta, then give this rank's shards fake CPU storage: the step runs under
         # FakeTensorMode, so no FLOPs, no parameter or activation memory
         runner = plan.apply(meta, mesh)
-        # flattened meshes the plan runs on (FSDP over dp x cp): named as the plan names them
-        groups.update({m.get_group().group_name: n for n, m in getattr(mesh, "_flatten_mapping", {}).items()})
+        # the named dimensions and the flattened ones the plan runs on (FSDP over dp x cp / dp x ep)
+        groups = mesh_groups(mesh, names)
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in meta.parameters())
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
@@ -68,7 +68,7 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
                 # collective attributed to the phase it ran in
                 runner.forward_backward(inputs, targets, on_phase=lambda name: setattr(rec, "phase", name))
                 runner.data_parallel_step()  # what Runner.step does after backward (all-reduce / ZeRO-1)
-    rows = [dict(e, mesh_dim=groups.get(e["group"], f"group:{e['group']}")) for e in rec.events]
+    rows = named_events(rec.events, groups, plan)
     df = pd.DataFrame(rows, columns=["kind", "phase", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])
     del runner

@@ -37,8 +37,8 @@ from autoplan.errors import AutoplanError
 from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.parallelisms.registry import batch_shards
 from autoplan.plan.pipeline_runner import microbatch_image_inputs, rank_parameters
-from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, meta_copy,
-                                        plan_dtype)
+from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, mesh_groups,
+                                       meta_copy, named_events, plan_dtype)
 from hyper_parallel.core.pipeline_parallel import ImageFeatures, split_microbatches
 from hyper_parallel.core.pipeline_parallel.image_features import METHOD
 from hyper_parallel.core.pipeline_parallel.stage import flatten
@@ -85,10 +85,9 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
     shapes_model = None if "metas" in boundaries else meta_copy(model, compute_dtype(plan))
     with fake_world(world, rank=_global_rank(plan, pp_rank)):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        groups = {mesh.get_group(n).group_name: n for n in names}
         runner = plan.apply(meta, mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
-        # flattened meshes the plan runs on (FSDP over dp x cp): named as the plan names them
-        groups.update({m.get_group().group_name: n for n, m in getattr(mesh, "_flatten_mapping", {}).items()})
+        # the named dimensions and the flattened ones the plan runs on (FSDP over dp x cp / dp x ep)
+        groups = mesh_groups(mesh, names)
         pre = runner.schedule.preprocess   # an MPipe plan's tower: on every rank, outside the stages
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in rank_parameters(runner.stages, pre))
         tp_mesh = None
@@ -138,7 +137,7 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             with CollectiveRecorder() as rec:
                 runner.schedule.step(*args, target=tgt, **step_kwargs, **extra)
                 runner.data_parallel_step()   # replicated dp's all-reduce / ZeRO-1, as PipelineRunner.step
-    rows = [dict(e, mesh_dim=groups.get(e["group"], "pp")) for e in rec.events]
+    rows = named_events(rec.events, groups, plan, other="pp")
     df = pd.DataFrame(rows, columns=["kind", "bytes", "mesh_dim"])
     issued = df.groupby(KEY).size().reset_index(name="issued") if len(df) else pd.DataFrame(columns=KEY + ["issued"])
     return issued, int(pbytes)

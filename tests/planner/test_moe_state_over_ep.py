@@ -7,6 +7,7 @@ under FSDP every gradient too -- ZeRO-1 reduces gradients into its flat buffer, 
 import pytest
 
 from autoplan import plan_cluster
+from autoplan.verify import verify
 from tests.planner import ep_plan_workers
 from tests.runtime.ep_workers import build
 from tests.search_pp.ep_workers import run_ep_pipeline
@@ -71,3 +72,17 @@ def test_deepseek_v3_and_qwen3_moe_state_over_ep_equal_one_device_on_4_ranks(poo
                 assert not r["bad_params"], (rank, name, mode, label, r)
                 split += r["experts_split"]
         assert split > 0, (name, mode)   # (DeepSeek-V3's first layer is dense: stage 0 holds no experts)
+
+
+def test_dry_run_names_a_shared_group_as_the_plan_does():
+    """At dp 1 the flattened dp x ep mesh FSDP runs on is the ep group itself: verify attributes
+    each collective to the dimension the plan predicts it on (the all-to-alls to ep, FSDP's gathers
+    to dp_ep), and the dense gradients FSDP averaged are not all-reduced again over ep after the
+    dry run materializes the model (its parameters are new objects then)."""
+    plan = _plan("mixtral", dp=1, ep=4, dp_mode="fsdp")
+    model = build("mixtral")[0].to("meta")
+    model.config.use_cache = False
+    result = verify(plan, model)
+    assert result.passed, result.mismatches()
+    dims = set(result.collectives["mesh_dim"])
+    assert {"ep", "dp_ep"} <= dims, dims
