@@ -1,5 +1,5 @@
 """Vision-language models from transformers: image inputs derived from the model, images through
-the runners, and the two silent outcomes of issue 31 (a tower planned but never run; a language
+the runners, and the two silent outcomes once seen (a tower planned but never run; a language
 model left out of the plan) turned into trained-right or said-so."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Random mutations of valid plan files, and the contract each mutant must meet.
 
-Contract (issue 19): a mutated plan file either raises PlanSchemaError when loaded, or loads to a
+Contract: a mutated plan file either raises PlanSchemaError when loaded, or loads to a
 plan equal to the mutated data (nothing dropped or changed on the way in) that the review and
 export functions, the style registry and the mesh description all accept -- never another
 exception, never a plan that fails later for a reason the file could have been refused for.

@@ -1,5 +1,5 @@
 """parallelize_module on a model that is already parallelized -- by us or by torch -- is refused
-before anything changes (issue 19, item 5); legitimate second calls on other modules still work;
+before anything changes; legitimate second calls on other modules still work;
 a Shard dimension the input lacks is a LayoutError naming the style's module at forward."""
 from __future__ import annotations
 

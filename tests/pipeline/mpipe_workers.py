@@ -1,4 +1,4 @@
-"""Rank functions for MPipe (issue 20): the tiny VL model's vision tower spread over the pipeline
+"""Rank functions for MPipe: the tiny VL model's vision tower spread over the pipeline
 ranks, one training step vs one device -- loss and every gradient, the tower's included."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Context parallelism composed with pipeline parallelism (issue 17): pp=2 x cp=2 on 4 gloo
+"""Context parallelism composed with pipeline parallelism: pp=2 x cp=2 on 4 gloo
 ranks, the repo Llama, a transformers Llama and Qwen3 (q/k norms), ring and all-gather attention, GPipe and 1F1B --
 loss and every gradient equal one device."""
 from tests.pipeline.cp_pipeline_workers import run_cp_pipeline

@@ -1,4 +1,4 @@
-"""The stage split's trace of a long stack through its first block (issue 35: 1.9 s of a first 70B
+"""The stage split's trace of a long stack through its first block (1.9 s of a first 70B
 plan) reads the same split as the whole forward."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MPipe (issue 20) on 4 gloo ranks: the tiny VL model's vision tower runs on the micro-batch's
+"""MPipe on 4 gloo ranks: the tiny VL model's vision tower runs on the micro-batch's
 owner rank, its output is transposed to stage 0 and its gradient back; one training step equals
 one device (loss rtol 1e-5, every gradient -- the tower's included -- rtol 1e-4 / atol 1e-6):
 pp=4 under 1F1B, ZeroBubble and Interleaved1F1B, and pp=2 x tp=2 (TP in the tower and the decoder),

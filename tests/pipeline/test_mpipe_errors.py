@@ -1,4 +1,4 @@
-"""MPipe's runtime pieces in one process (issue 20): a one-rank pipeline runs the tower through the same
+"""MPipe's runtime pieces in one process: a one-rank pipeline runs the tower through the same
 PRE_F / PRE_B / REDUCE_PRE actions and equals one device; bad arguments fail early with typed errors
 naming what is wrong."""
 import pytest

@@ -1,4 +1,4 @@
-"""MPipe in the schedule IR (issue 20), torch-free: the transform composes with every schedule, the
+"""MPipe in the schedule IR, torch-free: the transform composes with every schedule, the
 validator rejects malformed MPipe programs naming the fault, and the simulator's step time equals
 the formulas written in mpipe_ir.py exactly on uniform costs."""
 import itertools

@@ -1,4 +1,4 @@
-"""The integer schedule orders (hyper_parallel/core/pipeline_parallel/orders.py, issue 35) against
+"""The integer schedule orders (hyper_parallel/core/pipeline_parallel/orders.py) against
 the generators they replaced, kept here verbatim as the reference: every action of every rank
 equal on a grid of (schedule, p, m, v) -- uneven m, m below p, several stages per rank, and m
 large enough that the greedy scheduler's periodic shortcut copies whole periods -- and the facts

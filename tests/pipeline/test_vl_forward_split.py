@@ -1,4 +1,4 @@
-"""transformers' VL models cut by the general stage split (issue 31), on one process.
+"""transformers' VL models cut by the general stage split, on one process.
 
 The tower is what the token-only forward never calls (stage 0's, or MPipe's ImageFeatures); the
 chained stages with their images compute the model's function, and the guard that checks a split

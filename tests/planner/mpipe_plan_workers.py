@@ -1,4 +1,4 @@
-"""Rank functions for MPipe plans (issue 20): a plan from autoplan for the tiny VL model with a heavy
+"""Rank functions for MPipe plans: a plan from autoplan for the tiny VL model with a heavy
 tower, applied with plan.apply on every rank; one step vs one device, the tower's gradients included."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The planner's disk cache (issue 35): a plan made with a warm cache is byte-identical to one made
+"""The planner's disk cache: a plan made with a warm cache is byte-identical to one made
 with an empty cache; an entry is keyed so that another model, config or input never reads it; a
 damaged entry is a miss; entries are written whole (temporary file + rename)."""
 import pytest

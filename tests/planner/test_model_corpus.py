@@ -20,7 +20,7 @@ SLICE = [
     ("phi3", "tp4", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded")),
     ("gpt2", "dp2_tp2", "default", ()),
     # T5's one table shared by encoder.embed_tokens, decoder.embed_tokens and shared (and the head): sharded
-    # once, every table styled alike (issue 33). Its default plan is on S since each stack can enter it;
+    # once, every table styled alike. Its default plan is on S since each stack can enter it;
     # the MLP is then split on its hidden width or on the tokens (the cheaper, "mlp:" either way)
     ("t5", "tp4", "default", ("attention:heads_sharded_local", "cross_attention:heads_sharded_local",
                               "mlp:", "embedding:vocab_sharded", "head:loss_parallel")),
@@ -35,16 +35,16 @@ SLICE = [
     # BERT adds the attention input to its output inside the module (post-norm residual): the stream
     # enters the heads at attention.self, so on a sequence-sharded stream the residual and its norm see
     # the shard; its decoder (tied to the word embeddings, its bias also held by cls.predictions) is the
-    # LM head after a replicated dense + GELU + LayerNorm transform (issue 33)
+    # LM head after a replicated dense + GELU + LayerNorm transform
     ("bert", "tp4", "forced_S", ("attention:heads_sharded", "mlp:hidden_sharded", "embedding:vocab_sharded",
                                  "head:loss_parallel")),
     ("starcoder2", "tp4", "forced_S", ("attention:kv_replicated",)),   # 2 KV heads at tp=4
-    # issue 33: DBRX -- a clamped fused [q|k|v] of unequal widths (each rank its heads' rows), experts as
+    # DBRX -- a clamped fused [q|k|v] of unequal widths (each rank its heads' rows), experts as
     # flat (E*F, H) weights split on F (FlatExpertsParallel), captured at module level (routing by counts)
     ("dbrx", "dp2_tp2", "forced_S", ("attention:kv_replicated", "moe:experts_tp")),
-    # issue 33: Jamba's Mamba-1 mixers split on their channels (MambaMixerParallel), its experts over tp
+    # Jamba's Mamba-1 mixers split on their channels (MambaMixerParallel), its experts over tp
     ("jamba", "dp2_tp2", "forced_R", ("mamba:channels_sharded", "mlp:hidden_sharded", "moe:experts_tp")),
-    # issue 33: JetMoE routes by token counts read from the data (capture gives each expert an even share of
+    # JetMoE routes by token counts read from the data (capture gives each expert an even share of
     # the rows); its MLP experts, an up and a down module of 3-D weights, split on F (PairedExpertsParallel);
     # its mixture of attention heads sharded by heads (every expert's query/output columns of the rank's
     # KV heads and the shared kv_proj's, search/tp/moa_strategies.py)
@@ -52,13 +52,13 @@ SLICE = [
     # ... and on a sequence-sharded stream inside a GatheredRegion that also makes its head counts local;
     # there its MLP experts' container gathers the stream itself (PairedExpertsParallel(sequence_dim=1))
     ("jetmoe", "dp2_tp2", "forced_S", ("attention:heads_sharded", "entry:shard_sequence", "moe:experts_tp")),
-    # issue 33: Falcon-H1's Mamba-2 mixer split on its heads (one group at tp=2: each rank reads it whole)
+    # Falcon-H1's Mamba-2 mixer split on its heads (one group at tp=2: each rank reads it whole)
     # on a sequence-sharded stream: the mixer gathers the sequence and reduce-scatters its partial output
     ("falcon_h1", "dp2_tp2", "forced_S", ("mamba:channels_sharded", "attention:heads_sharded", "mlp:hidden_sharded")),
     # DeepSeek-V3's shared experts sit inside the MoE container, which gathers a sequence-sharded stream:
     # they take their replicated-stream forms there
     ("deepseek_v3", "tp4", "forced_S", ("moe:experts_tp", "mlp:hidden_sharded")),
-    # issue 33: a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
+    # a squared-ReLU MLP (relu(x) ** 2 between up and down) sharded on a sequence-sharded stream
     ("nemotron", "dp2_tp2", "forced_S", ("mlp:hidden_sharded",)),
     # Falcon: k/v reach the core through broadcast_to; its block adds into the MLP output in place
     ("falcon", "dp2_tp2", "default", ("attention:heads_sharded_local", "mlp:hidden_sharded_owned_output")),
@@ -76,7 +76,7 @@ SLICE = [
     ("qwen3_moe", "pp2_tp2", "forced_R", ("moe:experts_tp",)),
     # GPT-2 XL's 25 heads split whole and unevenly (6/6/6/7 at tp=4; tests/planner/test_uneven_heads.py)
     ("gpt2", "tp4", "forced_S", ("attention:heads_uneven",)),
-    # issue 29: per-layer-kind masks and RoPE, sliding windows shrunk below the checked 16 tokens
+    # per-layer-kind masks and RoPE, sliding windows shrunk below the checked 16 tokens
     # (Gemma-3) pipelined as the forward runs them; Gemma-2's forward scales and soft-caps outside
     # its units. EXAONE-4 and Nemotron (its weight pass crashed on ranks 2-3) run in
     # benchmarks/pipeline_corpus.py; tests/pipeline/test_weight_grad.py keeps Nemotron's split backward

@@ -1,4 +1,4 @@
-"""MPipe inside plans (issue 20): autoplan prices the VL model's captured vision tower (stage 0, own
+"""MPipe inside plans: autoplan prices the VL model's captured vision tower (stage 0, own
 stages, MPipe on the schedule IR), records the choice and the alternatives in ``pipeline.preprocess``,
 writes every rank's MPipe collectives; plan.apply runs it on 4 gloo ranks equal to one device (loss
 rtol 1e-5, grads rtol 1e-4 / atol 1e-6, tower grads included) and verify's dry run matches exactly."""

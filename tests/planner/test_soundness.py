@@ -167,7 +167,7 @@ def test_bert_attention_is_sharded_and_verifies_exactly():
     """BERT's attention adds its input to its output inside the module (BertSelfOutput): the stream
     enters its heads at ``attention.self`` (q/k/v, not o), so the residual there stays a plain
     tensor and the heads share one annotated input; its decoder, tied to the word embeddings, is
-    the LM head (issue 33). Predicted collectives and parameter bytes equal the issued ones."""
+    the LM head. Predicted collectives and parameter bytes equal the issued ones."""
     from autoplan import MeshSpec, autoplan
     from autoplan.verify import verify
     from autoplan.verify.corpus import real_model

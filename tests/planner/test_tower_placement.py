@@ -1,4 +1,4 @@
-"""The planner's choice of where a VL model's tower goes (issue 20): on stage 0, as its own stage(s),
+"""The planner's choice of where a VL model's tower goes: on stage 0, as its own stage(s),
 or MPipe -- priced on the schedule IR (simulate), the tower's time and memory included."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""Shapes the planner used to leave replicated or misread (issue 33), at the capture/structure
+"""Shapes the planner used to leave replicated or misread, at the capture/structure
 level -- the corpus slice (test_model_corpus.py) runs the sharded ones against one device.
 
 A state-space mixer (Falcon-H1's Mamba-2: in_proj -> depthwise conv -> scan -> gated out_proj)

@@ -1,4 +1,4 @@
-"""Uneven tensor-parallel shards (issue 13): a vocabulary of 130 and an MLP hidden size of 90 at
+"""Uneven tensor-parallel shards: a vocabulary of 130 and an MLP hidden size of 90 at
 tp=4 -- real sizes rarely divide (128257 tokens, 14336 hidden at tp=3). DTensor cuts 130 rows in
 chunks of 33 (33, 33, 33, 31); the styles annotate each input with its whole width, the planner
 prices the fullest rank and says which units are uneven, verify's dry run matches the padded

@@ -1,4 +1,4 @@
-"""Capture and planning of a VL model (issue 20): the repo's tiny VL model is captured with the vision
+"""Capture and planning of a VL model: the repo's tiny VL model is captured with the vision
 tower and the decoder as distinct block groups, each with attention and MLP roles; the planner gives
 each its own TP strategies (the tower's q/k/v/o and fc1/fc2 sharded too) and verify's dry run issues
 exactly the predicted collectives."""

@@ -1,4 +1,4 @@
-"""parallelize_module gives every holder of a parameter it replaces the replacement (issue 33).
+"""parallelize_module gives every holder of a parameter it replaces the replacement.
 
 HF's LM heads hold the decoder's bias twice (BERT: ``cls.predictions.bias`` is
 ``cls.predictions.decoder.bias``); a style replaces it on the decoder only. Left alone, the

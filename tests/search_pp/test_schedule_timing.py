@@ -1,6 +1,6 @@
 """The planner's compiled schedule timing (autoplan/search/pipeline/schedule_timing.py) against the
 simulator on every schedule, uneven micro-batch counts, one to several stages per rank: the
-compiled form keeps only the receives' waits (issue 35), so a schedule whose local order mattered
+compiled form keeps only the receives' waits, so a schedule whose local order mattered
 beyond them would show here."""
 import random
 

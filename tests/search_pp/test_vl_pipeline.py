@@ -1,4 +1,4 @@
-"""transformers' VL models pipelined end to end, as a user runs them (issue 31).
+"""transformers' VL models pipelined end to end, as a user runs them.
 
 Planned with ``autoplan(model, 4, constraints={"pp": 2, "tp": 2, ...})`` on meta at 32x the small
 widths, applied to the small copy on 4 gloo ranks and trained one SGD step against one device

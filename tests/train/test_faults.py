@@ -1,4 +1,4 @@
-"""Training runs that survive what clusters do to them (issue 32), on the 4-rank gloo pool.
+"""Training runs that survive what clusters do to them, on the 4-rank gloo pool.
 
 Checkpoints damaged in every way a cluster damages them -- a 16-byte flip at the start, middle
 and end of every file, a truncated or missing shard, garbage metadata, a torn train state, a step

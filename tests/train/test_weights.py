@@ -1,4 +1,4 @@
-"""Meta first (issue 28): the model is built on meta, the plan applied there, and only then each
+"""Meta first: the model is built on meta, the plan applied there, and only then each
 rank's shards get memory and values -- the seed's initial weights, or a save_pretrained
 directory's -- and trained state goes back out as a directory ``from_pretrained`` loads.
 

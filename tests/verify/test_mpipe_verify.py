@@ -1,4 +1,4 @@
-"""verify covers MPipe (issue 20) through plans: verify's pipeline dry run of an autoplan plan with a
+"""verify covers MPipe through plans: verify's pipeline dry run of an autoplan plan with a
 ``pipeline.preprocess`` tower issues exactly the planner's rows on every rank -- decoder boundaries, the
 transposed tower output (every tuple element) and its gradient (only the elements that need one), the
 agreement and tower-gradient all-reduces. The rows come from the lowered MPipe IR (tower_plan)."""
