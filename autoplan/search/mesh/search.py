@@ -47,6 +47,7 @@ from autoplan.search.mesh.candidates import (
     Candidate, dp_mode_of, mesh_factorizations, recompute_of,
 )
 from autoplan.search.pipeline.support import pipeline_layout
+from autoplan.search.pipeline.tower_plan import carried_sizes
 from autoplan.search.tp.probe import Prober
 from autoplan.search.tp.strategies import PACKED_BIAS
 from autoplan.search.units.structure import model_structure
@@ -140,6 +141,7 @@ class ClusterSearch:
         self._probers: dict[int, Any] = {}
         self._target_cache: dict[tuple, list[int]] = {}   # (slot, owner, in block, cp) -> pipeline units
         self._units: dict[tuple, tuple] = {}
+        self._carried: dict[int, int] = {}   # boundary bytes beside the hidden state, per micro-batch size
         self._chosen: dict[tuple, dict] = {}      # TP solution key -> the ILP's chosen options by slot
         self._searches: dict[tuple, TPSearch] = {}   # TP solution key -> its search (settled when kept)
         self._settled: set[tuple] = set()         # TP solution keys whose pick has run sound
@@ -399,10 +401,19 @@ class ClusterSearch:
             add_tied_copy(acc, options, st, ctx, emb_i, head_i)
         units = [UnitCost(n, *a, fsdp=unit_fsdp) for n, a in zip(names, acc)]
         hidden = st.hidden_bytes
-        p2p_bytes = hidden / (tp if layout == "S" else 1)
+        # what crosses a boundary: the hidden state (sequence-sharded on the S stream) and the values
+        # a decoder's forward carries behind it (Qwen3-VL's DeepStack levels, whole on every rank)
+        p2p_bytes = hidden / (tp if layout == "S" else 1) + (self.carried_bytes(b) if pp > 1 else 0)
         p2p = ctx.topology.collective_time("pp", "send_recv", p2p_bytes) if pp > 1 else 0.0
         self._units[key] = (units, p2p)
         return self._units[key]
+
+    def carried_bytes(self, b: int) -> int:
+        """Bytes a pipeline boundary carries behind the hidden state per micro-batch of ``b`` rows
+        (``tower_plan.carried_sizes``; 0 for a model that carries nothing), once per size."""
+        if b not in self._carried:
+            self._carried[b] = sum(carried_sizes(self.meta, b, self.seq, self.dtype)[0])
+        return self._carried[b]
 
     def cp_rows(self, cand) -> tuple[dict[str, list[Collective]], str]:
         """(block group id -> the cp exchange of one layer per micro-batch, the gradient / loss

@@ -226,27 +226,38 @@ def mpipe_rank_rows(ir, tower_out: list[tuple[int, bool]], reduce_bytes: list[in
     return out
 
 
+def carried_sizes(model: nn.Module, b: int, seq: int, dtype) -> tuple[list[int], frozenset]:
+    """(bytes of each value a boundary into a block carries behind the hidden state, one
+    micro-batch of ``b`` rows; the trace's blocks). Which keywords cross is the trace's; their
+    sizes are estimated as the runtime lays them out for DeepStack (Qwen3-VL, the one family that
+    has them): the layout header, the image-token mask as bytes, and one level per
+    ``deepstack_visual_indexes`` entry of one image's tokens per row at the decoder's width. A
+    model that carries nothing: ([], its blocks)."""
+    # the config first: tracing a model's forward costs seconds on a 70B-405B one, and only a
+    # model whose config names DeepStack levels can carry any
+    levels = len(getattr(getattr(getattr(model, "config", None), "vision_config", None),
+                         "deepstack_visual_indexes", None) or ())
+    trace = trace_forward(model) if levels and spine_for(model) is None else None
+    if trace is None or not trace.carried:
+        return [], frozenset()
+    blocks = frozenset(trace.blocks)
+    hidden = model.config.get_text_config().hidden_size
+    level = b * image_inputs(model).per_image * hidden * torch.empty((), dtype=dtype).element_size()
+    return [CARRIED_HEADER_BYTES, b * seq] + [level] * levels, blocks
+
+
 def carried_rank_rows(model: nn.Module, cuts: list[str], stage_to_rank, b: int, seq: int, m: int,
                       dtype) -> list[list[Collective]]:
     """Per pipeline rank, the P2P of the values a decoder's forward makes from the tower's output
     and stages carry behind the hidden state (forward_split.ForwardStage, carried.py): across every
     boundary whose next stage starts at a block, per micro-batch, forward and backward (the runtime
-    returns a gradient, zeros where none, for every tensor a stage received). Which keywords cross
-    is the trace's; their sizes are estimated as the runtime lays them out for DeepStack (Qwen3-VL,
-    the one family that has them): the layout header, the image-token mask as bytes, and one level
-    per ``deepstack_visual_indexes`` entry of one image's tokens per row at the decoder's width.
-    A model that carries nothing adds no rows."""
+    returns a gradient, zeros where none, for every tensor a stage received), ``carried_sizes``
+    each."""
     p = max(stage_to_rank) + 1
-    trace = trace_forward(model) if spine_for(model) is None else None
-    levels = len(getattr(getattr(model.config, "vision_config", None), "deepstack_visual_indexes", None) or ()) \
-        if trace is not None and trace.carried and hasattr(model, "config") else 0
-    if not levels:
-        return [[] for _ in range(p)]
-    hidden = model.config.get_text_config().hidden_size
-    level = b * image_inputs(model).per_image * hidden * torch.empty((), dtype=dtype).element_size()
-    sizes = [CARRIED_HEADER_BYTES, b * seq] + [level] * levels
-    blocks = set(trace.blocks)
+    sizes, blocks = carried_sizes(model, b, seq, dtype)
     rows: list[list[Collective]] = [[] for _ in range(p)]
+    if not sizes:
+        return rows
     for s, cut in enumerate(cuts):   # the boundary between stage s and s + 1
         a, z = stage_to_rank[s], stage_to_rank[s + 1]
         if cut not in blocks or a == z:
