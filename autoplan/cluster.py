@@ -139,6 +139,23 @@ def _rank_param_bytes(search: ClusterSearch, best: Candidate, styles: dict, ep: 
     return out
 
 
+def _one_stage_tower_params(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None, pipeline: dict,
+                            mem: dict[str, float]) -> dict[str, float]:
+    """``mem`` of a one-stage plan of a VL model with its parameters counted exactly: the
+    pipeline units' exact shards and the vision tower's. The TP options' memory leaves out the
+    tower's block groups (no pipeline unit holds them; pp > 1 adds the tower in add_tower) and
+    shards every parameter of a sharded unit (a row-parallel bias, Qwen3's q/k norms stay whole),
+    so verify's dry run counted 21 MB more than predicted for Qwen3-VL at tp=4. Gradients hold as
+    many elements as the parameters, so they move by as much. A text model (no tower) is as it was."""
+    modules, params = tower_params(search.meta, search.graph(best.b, best.cp), search.unit_names)
+    if not modules and not params:
+        return mem
+    held = _param_bytes_under(search, best, styles, ep, modules, params)
+    pipeline["rank_param_bytes"][0] += held
+    delta = pipeline["rank_param_bytes"][0] - mem.get("params", 0.0)
+    return dict(mem, params=mem.get("params", 0.0) + delta, grads=mem.get("grads", 0.0) + delta)
+
+
 def _param_bytes_under(search: ClusterSearch, best: Candidate, styles: dict, ep: dict | None,
                        prefixes: list[str], params: list[str] = (), over_dp: bool = True) -> int:
     """Parameter bytes one rank holds of the modules under ``prefixes``, and of the parameters named
@@ -491,6 +508,8 @@ def plan_cluster(model: torch.nn.Module, devices: int, *, batch: tuple[int, int]
             held = _param_bytes_under(search, best, styles, ep_section, modules, params, over_dp=placement == "stage0")
             for r in (range(c.p) if placement == "mpipe" else [s2r[0]]):
                 pipeline["rank_param_bytes"][r] += held
+        elif c.p == 1 and best.cp == 1 and best.ep == 1:
+            worst_mem = _one_stage_tower_params(search, best, styles, ep_section, pipeline, worst_mem)
         collectives = pipeline["rank_collectives"][0] if c.p > 1 else collectives
         predictions = {
             "step_s": c.step_s, "compute_s": busy, "comm_s": max(0.0, c.step_s - c.sim_step_s),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch._functorch.config as functorch_config
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from transformers.vision_utils import (get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids, get_vision_window_index)
 
@@ -141,7 +142,9 @@ def patch_grid(model: nn.Module, token_id: int) -> tuple[PatchGrid, tuple[int, i
     side = max(merge, size // patch // merge * merge)
     grid = (1, side, side)
     per_image = side * side // merge ** 2
-    with torch.device("cpu"):   # the model's own M-RoPE of one row, from its config alone
+    # the model's own M-RoPE of one row, from its config alone: on real CPU tensors even when first
+    # asked inside a fake mode (verify's dry run of a plan loaded from JSON), where it reads its values
+    with unset_fake_temporarily(), torch.device("cpu"):
         ids = torch.full((1, per_image + 1), token_id, dtype=torch.long)
         ids[0, -1] = 0
         positions, _ = rope(ids, (ids == token_id).int(), image_grid_thw=torch.tensor([list(grid)]))

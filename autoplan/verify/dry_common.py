@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autoplan.capture.inputs import meta_model
 from autoplan.errors import AutoplanError
@@ -102,11 +104,23 @@ def compute_dtype(plan: Plan) -> torch.dtype:
     return plan_dtype(plan)
 
 
+def dry_fake_mode() -> FakeTensorMode:
+    """The dry runs' fake mode: static shapes, with a shape environment all the same, because
+    torch's fake ``nonzero`` -- behind every boolean index -- refuses to run without one even where
+    the mask's count is known. OwnRouting gives that count from the mask's value (the image-token
+    mask of the token ids the dry run built: Qwen3-VL's DeepStack add), so every size stays a
+    number; a size no value decides is still refused there."""
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(allow_scalar_outputs=False),
+                          static_shapes=True)
+
+
 def dry_batch(plan: Plan, ways: int, inputs=None):
     """(inputs, targets) of the plan's whole global batch, for ``runner.local_batch`` to share out
     exactly as a step does: token ids of the plan's batch shape, or -- given ``inputs``, one rank's
     rows -- those rows repeated ``ways`` times (the batch shards, ``registry.batch_shards``), so a
-    rank's share has their shape. Call under FakeTensorMode: only the shapes matter."""
+    rank's share has their shape. Call under FakeTensorMode, and under OwnRouting: the token ids
+    then carry their values (zeros, the image tokens a VL model's inputs place), so a mask made of
+    them has a known count."""
     if inputs is None:
         gb, seq = plan.batch.get("global_batch"), plan.batch.get("seq_len")
         if not gb or not seq:

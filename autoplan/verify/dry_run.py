@@ -15,7 +15,6 @@ import traceback
 
 import pandas as pd
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.errors import AutoplanError, PlanningError
@@ -23,8 +22,8 @@ from autoplan.parallelisms.registry import batch_shards
 from autoplan.plan.plan import Plan
 from autoplan.verify.async_tp import check_async_tp
 from autoplan.verify.even_counts import EvenCounts
-from autoplan.verify.dry_common import (KEY, VerifyResult, compare, dry_batch, local_part, mesh_groups, meta_copy,
-                                       named_events, plan_dtype)
+from autoplan.verify.dry_common import (KEY, VerifyResult, compare, dry_batch, dry_fake_mode, local_part, mesh_groups,
+                                       meta_copy, named_events, plan_dtype)
 from autoplan.verify.numerics import check_numerics
 from hyper_parallel.local.own_routing import OwnRouting
 from autoplan.verify.pipeline_dry_run import verify_pipeline
@@ -52,14 +51,16 @@ def issued_collectives(plan: Plan, model: torch.nn.Module, inputs=None) -> tuple
         # the named dimensions and the flattened ones the plan runs on (FSDP over dp x cp / dp x ep)
         groups = mesh_groups(mesh, names)
         pbytes = sum(local_part(p).numel() * local_part(p).element_size() for p in meta.parameters())
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = dry_fake_mode()
         with fake:
             meta.to_empty(device="cpu")
         if hasattr(meta, "_get_fsdp_state"):
             meta._get_fsdp_state()._lazy_init()
         with fake:
-            # rank 0's share of the global batch, as a step takes it (rows, then sequence chunks)
-            inputs, targets = runner.local_batch(*dry_batch(plan, batch_shards(plan), inputs))
+            # rank 0's share of the global batch, as a step takes it (rows, then sequence chunks), its
+            # token ids with their values (OwnRouting): a mask of image tokens made of them has its count
+            with OwnRouting():
+                inputs, targets = runner.local_batch(*dry_batch(plan, batch_shards(plan), inputs))
             # MoE: a fixed balanced routing, so the all-to-all sizes are the predicted ones
             # (modules routing by counts they read: the balanced router's counts, EvenCounts; modules
             # whose own expert loop indexes by the routing mask, DBRX's: its balanced values, OwnRouting)

@@ -29,7 +29,6 @@ import logging
 
 import pandas as pd
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.capture.image_inputs import value_checks_off
@@ -37,8 +36,8 @@ from autoplan.errors import AutoplanError
 from autoplan.parallelisms import ApplyTarget, parallelism
 from autoplan.parallelisms.registry import batch_shards
 from autoplan.plan.pipeline_runner import microbatch_image_inputs, rank_parameters
-from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, local_part, mesh_groups,
-                                       meta_copy, named_events, plan_dtype)
+from autoplan.verify.dry_common import (VerifyResult, compare, compute_dtype, dry_batch, dry_fake_mode, local_part,
+                                       mesh_groups, meta_copy, named_events, plan_dtype)
 from hyper_parallel.core.pipeline_parallel import ImageFeatures, split_microbatches
 from hyper_parallel.core.pipeline_parallel.image_features import METHOD
 from hyper_parallel.core.pipeline_parallel.stage import flatten
@@ -96,7 +95,7 @@ def issued_pipeline_collectives(plan, model: torch.nn.Module, inputs=None, pp_ra
             parallelism("tp").apply_to_model(plan, shaped)
             parallelism("ep").apply_to_model(plan, shaped)
             tp_mesh = shaped.state.get("tp_mesh")
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = dry_fake_mode()
         with fake:
             for st in runner.stages:
                 st.module.to_empty(device="cpu")

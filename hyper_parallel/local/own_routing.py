@@ -21,6 +21,17 @@ theirs: the mask, its ``nonzero``, the per-expert token indices and every read o
 a fake output of the real result's shape. Floating tensors never get values (activations,
 weights); neither do tensors above ``MAX_NUMEL`` elements, nor ones an op writes from inputs without
 values. Routing-sized tensors only, so the dry run still allocates nothing activation-sized.
+
+A mask with values may also pick rows of a tensor without them: Qwen3-VL adds its DeepStack
+features at the image tokens (``hidden[mask, :] += features``, the mask made from the token ids the
+dry run built). The op's data has no value to run on, but its output size is the mask's count,
+and torch's fake ``nonzero`` (which every boolean index goes through) takes that count from the
+mask's ``nonzero_memo``: set from the value before each op, it gives a number, so the sizes after
+it -- and the collectives' bytes -- stay numbers. That needs the fake mode to have a shape
+environment (``nonzero`` refuses without one; ``static_shapes=True`` keeps every other size
+static, as the verify dry runs make theirs). A data-shaped op whose size no value decides would
+then make an unbacked symbolic size, which a collective's bytes cannot be: it is refused as it was
+without one (``DynamicOutputShapeException``).
 """
 from __future__ import annotations
 
@@ -40,6 +51,7 @@ _ATTR = "_autoplan_routed_value"
 MAX_NUMEL = 1 << 26   # 64M elements: a mask of 16k tokens x top-8 x 257 experts; above it no value is kept
 _READS = (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default)
 _DATA_SHAPED = (DynamicOutputShapeException, DataDependentOutputException)
+_NONZERO = (aten.nonzero.default, aten.argwhere.default, aten.nonzero_numpy.default)
 
 
 def value_of(t: object) -> torch.Tensor | None:
@@ -52,8 +64,29 @@ def value_of(t: object) -> torch.Tensor | None:
 
 
 def _keeps_value(t: object) -> bool:
-    return isinstance(t, FakeTensor) and not t.dtype.is_floating_point and not t.dtype.is_complex and \
-        t.numel() <= MAX_NUMEL
+    if not isinstance(t, FakeTensor) or t.dtype.is_floating_point or t.dtype.is_complex:
+        return False
+    n = t.numel()   # an unbacked size (a data-shaped op no value decided) is no routing-sized number
+    return isinstance(n, int) and n <= MAX_NUMEL
+
+
+def _count_masks(func, tensors: list) -> None:
+    """Each bool fake tensor with a value (any such tensor for ``nonzero`` itself): its count of
+    nonzeros as the memo torch's fake ``nonzero`` reads, so an op indexing a tensor without values
+    by it gets a fixed size (see the module docstring). Set before every op: torch drops the memo
+    when the tensor is written."""
+    for t in tensors:
+        if isinstance(t, FakeTensor) and (t.dtype == torch.bool or func in _NONZERO) and not t.is_inference():
+            value = value_of(t)
+            if value is not None and t.nonzero_memo is None:
+                with no_dispatch():   # counted on the value, not by the modes below (EvenCounts would say 0)
+                    t.nonzero_memo = int(torch.count_nonzero(value))
+
+
+def _unbacked(out) -> bool:
+    """Whether an op's output has a size that is not a number (an unbacked symbol)."""
+    return any(isinstance(o, torch.Tensor) and not all(isinstance(d, int) for d in o.shape)
+               for o in tree_flatten(out)[0])
 
 
 def _on_cpu(x: object) -> object:
@@ -79,8 +112,14 @@ class OwnRouting(TorchDispatchMode):
         known = all(value_of(t) is not None for t in tensors)
         if known and tensors and func in _READS:   # `if idx == E`, `.item()`, `.tolist()`
             return self._real(func, args, kwargs)
+        _count_masks(func, tensors)   # any op may index by a mask (index_put_ is not tagged data-shaped)
+        shaped_by_data = torch.Tag.dynamic_output_shape in func.tags
         try:
+            if shaped_by_data and known and tensors:   # the values give the size (as without a shape env)
+                raise DynamicOutputShapeException(func)
             out = func(*args, **kwargs)
+            if shaped_by_data and _unbacked(out):   # no value decided its size: refused (module doc)
+                raise DynamicOutputShapeException(func)
         except _DATA_SHAPED as shaped:
             if not (known and tensors):
                 raise
