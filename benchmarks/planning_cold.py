@@ -16,7 +16,9 @@ check compares them byte for byte with benchmarks/results/planning_cold_plans/ (
 tree before the speed work: e2fe67b for the first round; regenerated from 06e039c, where later
 features had changed the plans (``reduce_grads`` in the styles, DeepSeek-V3's cuts), before the
 second; from f1b726f, where the cost model's pricing of casts and views and the MoE search's ep x pp
-alternatives had changed them) and a difference fails the run.
+alternatives had changed them; vl-64 alone from 2d5f9f4, where a one-stage VL plan's parameter bytes
+came to count the vision tower -- verify's dry run issues exactly the new figure, 507,088,784 bytes a
+rank, where the old plan said 475,967,968) and a difference fails the run.
 
     .venv/bin/python benchmarks/planning_cold.py --label HEAD [--runs 5] [--only 70b-mesh,405b-128k]
     .venv/bin/python benchmarks/planning_cold.py --label 06e039c --save-plans   # write the reference plans
