@@ -258,7 +258,7 @@ def with_fsdp_options(plan: Plan, *, reshard_after_forward: bool | None = None, 
             dims = {r["mesh_dim"] for r in rows if r["kind"] == "reduce_scatter" and r["phase"] == "backward"
                     and r["mesh_dim"] != plan.tp_dim}
             gone = [r for r in rows if r["kind"] == "all_gather" and r["phase"] == "backward" and r["mesh_dim"] in dims]
-            held = sum(r["bytes"] * r["count"] * (1 - 1 / _degree(shape, r["mesh_dim"])) for r in gone) / m
+            held = sum(r["bytes"] * r["count"] * (1 - 1 / _degree(plan, shape, r["mesh_dim"])) for r in gone) / m
             return [r for r in rows if r not in gone], held
 
         plan.predictions["collectives"], held = regathers(plan.predictions["collectives"])
@@ -267,14 +267,16 @@ def with_fsdp_options(plan: Plan, *, reshard_after_forward: bool | None = None, 
     return _close(plan, seal)
 
 
-def _degree(shape: dict, dim: str) -> int:
-    """The size of mesh dimension ``dim``, or of a flattened one (``dp_cp``: the product of its parts)."""
-    if dim in shape:
-        return int(shape[dim])
-    out = 1
-    for part in dim.split("_"):
-        out *= int(shape.get(part, 1))
-    return out
+def _degree(plan: Plan, shape: dict, dim: str) -> int:
+    """The size of mesh dimension ``dim``: a named one, or the flattened mesh FSDP runs on (its
+    gradient or state dimensions, ``flat_name``), the product of their sizes."""
+    for dims in (grad_dims(plan), state_dims(plan)):
+        if len(dims) > 1 and flat_name(dims) == dim:
+            out = 1
+            for d in dims:
+                out *= int(shape[d])
+            return out
+    return int(shape.get(dim, 1))
 
 
 def with_notes(plan: Plan, notes: list[str]) -> Plan:
